@@ -1,0 +1,121 @@
+"""Unified index benchmark: prompt keys + match, ingest rate, memory per block-residency.
+
+    python bench/index_bench.py [--blocks 1000000] [--workers 16]
+
+Builds an index of ~N distinct blocks over W workers the way a fleet fills it: shared system
+prompts replicated on several workers, long conversations each on one worker (some on two).
+Prints medians and p99s; the pure-Python key path is measured in the same run as a baseline.
+Targets (issue 2): keys + match of an 8k-token prompt <= 100 us, ingest >= 500k blocks/s,
+<= 150 bytes per block-residency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import time
+import tracemalloc
+
+from router.blocks import _python_chain_keys, block_keys, has_native, namespace
+from router.index import UnifiedIndex
+
+BS = 16
+SYSTEM_TOKENS = 1024
+CONV_TOKENS = 8192
+
+
+def conversation_tokens(conv: int, system: int) -> list[int]:
+    head = list(range(system * SYSTEM_TOKENS, (system + 1) * SYSTEM_TOKENS))
+    base = 10_000_000 + conv * CONV_TOKENS
+    return head + list(range(base, base + CONV_TOKENS - SYSTEM_TOKENS))
+
+
+def percentile(samples: list[float], q: float) -> float:
+    samples = sorted(samples)
+    return samples[min(len(samples) - 1, int(q * len(samples)))]
+
+
+def build(index: UnifiedIndex, blocks: int, workers: list[str], rng: random.Random) -> int:
+    n_system = 256
+    for s in range(n_system):
+        keys = block_keys(list(range(s * SYSTEM_TOKENS, (s + 1) * SYSTEM_TOKENS)), BS)
+        for w in rng.sample(workers, 4):
+            index.insert(keys, w, "llama-8b", 0.0)
+    convs = (blocks - n_system * SYSTEM_TOKENS // BS) // ((CONV_TOKENS - SYSTEM_TOKENS) // BS)
+    for c in range(convs):
+        keys = block_keys(conversation_tokens(c, c % n_system), BS)
+        holders = rng.sample(workers, 2) if rng.random() < 0.2 else [rng.choice(workers)]
+        for w in holders:
+            index.insert(keys, w, "llama-8b", float(c))
+    return convs
+
+
+def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 2000) -> None:
+    prompts = [conversation_tokens(c, c % 256) for c in rng.sample(range(convs), 200)]
+    cold = [list(range(50_000_000 + i * CONV_TOKENS, 50_000_000 + (i + 1) * CONV_TOKENS))
+            for i in range(20)]
+    for label, pool in (("fully cached 8k prompt", prompts), ("cold 8k prompt", cold)):
+        times = []
+        for i in range(n):
+            tokens = pool[i % len(pool)]
+            t0 = time.perf_counter()
+            index.match(block_keys(tokens, BS), "llama-8b", now=1e9)
+            times.append(time.perf_counter() - t0)
+        print(f"keys + match, {label:24s} median {percentile(times, 0.5) * 1e6:7.1f} us"
+              f"   p99 {percentile(times, 0.99) * 1e6:7.1f} us")
+    tokens, ns = prompts[0], namespace(None)
+    for label, fn in (("keys only (native)", block_keys), ("keys only (pure Python)", None)):
+        times = []
+        for _ in range(300):
+            t0 = time.perf_counter()
+            if fn is None:
+                _python_chain_keys(tokens, BS, ns)
+            else:
+                fn(tokens, BS)
+            times.append(time.perf_counter() - t0)
+        print(f"{label:38s} median {percentile(times, 0.5) * 1e6:7.1f} us")
+
+
+def bench_ingest(rng: random.Random, blocks: int = 200_000) -> None:
+    """Keys recomputed from token ids + insert, as the event mirror does per BlockStored."""
+    index = UnifiedIndex()
+    events = []
+    for c in range(blocks // 32):
+        base = 90_000_000 + c * 512
+        events.append(list(range(base, base + 512)))  # one BlockStored of 32 blocks
+    t0 = time.perf_counter()
+    for tokens in events:
+        index.insert(block_keys(tokens, BS), "w0", "llama-8b", 0.0)
+    dt = time.perf_counter() - t0
+    print(f"ingest (keys from token_ids + insert)  {blocks / dt / 1e3:7.0f} k blocks/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=1_000_000)
+    parser.add_argument("--workers", type=int, default=16)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    workers = [f"worker-{i}" for i in range(args.workers)]
+    print(f"native block keys: {has_native()}")
+
+    gc.collect()
+    tracemalloc.start()
+    index = UnifiedIndex()
+    t0 = time.perf_counter()
+    convs = build(index, args.blocks, workers, rng)
+    build_s = time.perf_counter() - t0
+    used, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    stats = index.stats()
+    print(f"index: {stats.blocks:,} blocks, {stats.residencies:,} block-residencies over "
+          f"{args.workers} workers, built in {build_s:.1f} s")
+    print(f"memory: {used / 2**20:.0f} MiB, {used / stats.blocks:.0f} bytes per block, "
+          f"{used / stats.residencies:.0f} bytes per block-residency")
+    bench_match(index, convs, rng)
+    bench_ingest(rng)
+
+
+if __name__ == "__main__":
+    main()
