@@ -1,17 +1,20 @@
 """The unified radix index (DESIGN §2): one tree of block keys for the whole fleet.
 
-Nodes are block keys. Because keys are chained (router/blocks.py), a key names its whole
-prefix, so the tree is a dict `key -> node` with parent pointers; the token path of a prompt is
-stored once however many workers and models hold it.
+Keys are chained (router/blocks.py), so a key names its whole prefix and the token path of a
+prompt is stored once however many workers and models hold it. The tree is compressed, as
+SGLang's radix cache is: a node is a *run* of consecutive blocks with the same residency, and
+`_where` maps every key to its run. Matching a prompt costs one dict lookup per run plus a
+list comparison of the run's keys, not a lookup per block.
 
-Residency is a bitmask per node: each `(worker, kv_group)` pair (a *resident*) owns one bit.
+Residency is a bitmask per run: each `(worker, kv_group)` pair (a *resident*) owns one bit.
 Exact residency comes from KV events and lasts until removed; approximate residency comes from
-routing history and expires `approx_ttl_s` after it was last confirmed. A node's `ts` is the
-last time any of its residency was confirmed or matched.
+routing history and expires `approx_ttl_s` after it was last confirmed. A run's `ts` is the
+last time it was confirmed or matched.
 
-Memory is bounded by `max_blocks` nodes: the least recently used leaves go first. Leaves sit in
-an intrusive doubly linked list (oldest at the head), so neither eviction nor matching scans the
-index; only `clear` and `residency` walk it (worker loss and tests, never the request path).
+Memory is bounded by `max_blocks`: blocks go from the tail of the least recently used leaf run,
+only as many as the shortfall. Leaf runs sit in an intrusive doubly linked list (oldest at the
+head), so neither eviction nor matching scans the index; only `clear` and `residency` walk the
+runs (worker loss and tests, never the request path).
 """
 
 from __future__ import annotations
@@ -21,17 +24,17 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
 
-class _Node:
-    __slots__ = ("key", "parent", "mask", "children", "ts", "prev", "next")
+class _Run:
+    __slots__ = ("keys", "parent", "mask", "children", "ts", "prev", "next")
 
-    def __init__(self, key: int, parent: _Node | None, mask: int, ts: float) -> None:
-        self.key = key
-        self.parent = parent
-        self.mask = mask  # bit i set: resident i holds this block
+    def __init__(self, keys: list[int], parent: _Run | None, mask: int, ts: float) -> None:
+        self.keys = keys  # consecutive chained keys: keys[i] is the parent block of keys[i + 1]
+        self.parent = parent  # the run whose last key is the parent of keys[0]
+        self.mask = mask  # bit i set: resident i holds every block of the run
         self.children = 0
         self.ts = ts
-        self.prev: _Node | None = None  # LRU leaf list links; None when not a listed leaf
-        self.next: _Node | None = None
+        self.prev: _Run | None = None  # LRU leaf list links; None when not a listed leaf
+        self.next: _Run | None = None
 
 
 class Resident(NamedTuple):
@@ -40,7 +43,8 @@ class Resident(NamedTuple):
 
 
 class IndexStats(NamedTuple):
-    blocks: int  # nodes in the tree
+    blocks: int  # keys in the tree
+    runs: int  # tree nodes (runs of blocks with one residency)
     residencies: int  # (block, resident) pairs
     approximate: int  # of which approximate
     residents: int  # (worker, kv_group) pairs holding anything
@@ -66,7 +70,8 @@ class UnifiedIndex:
             raise ValueError("max_blocks must be >= 0 and approx_ttl_s > 0")
         self.max_blocks = max_blocks  # 0: unbounded
         self.approx_ttl_s = approx_ttl_s
-        self._nodes: dict[int, _Node] = {}
+        self._where: dict[int, _Run] = {}  # every key -> the run holding it
+        self._runs: set[_Run] = set()
         self._bit_of: dict[Resident, int] = {}
         self._resident_of: list[Resident | None] = []  # bit -> resident
         self._free_bits: list[int] = []
@@ -75,7 +80,7 @@ class UnifiedIndex:
         # approximate residency: key -> {bit: expiry}; sweep queue in expiry order (TTL is fixed)
         self._approx: dict[int, dict[int, float]] = {}
         self._approx_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
-        self._lru = _Node(-1, None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
+        self._lru = _Run([], None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
         self._lru.prev = self._lru.next = self._lru
         self._evicted = 0
 
@@ -117,24 +122,118 @@ class UnifiedIndex:
 
     # -- LRU leaf list -----------------------------------------------------------------------
 
-    def _unlink(self, node: _Node) -> None:
-        if node.prev is not None:
-            node.prev.next = node.next
-            node.next.prev = node.prev  # type: ignore[union-attr]
-            node.prev = node.next = None
+    def _unlink(self, run: _Run) -> None:
+        if run.prev is not None:
+            run.prev.next = run.next
+            run.next.prev = run.prev  # type: ignore[union-attr]
+            run.prev = run.next = None
 
-    def _link_newest(self, node: _Node) -> None:
-        self._unlink(node)
+    def _link_newest(self, run: _Run) -> None:
+        self._unlink(run)
         head = self._lru
-        node.prev, node.next = head.prev, head
-        head.prev.next = node  # type: ignore[union-attr]
-        head.prev = node
+        run.prev, run.next = head.prev, head
+        head.prev.next = run  # type: ignore[union-attr]
+        head.prev = run
 
-    def _link_oldest(self, node: _Node) -> None:
+    def _link_oldest(self, run: _Run) -> None:
         head = self._lru
-        node.prev, node.next = head, head.next
-        head.next.prev = node  # type: ignore[union-attr]
-        head.next = node
+        run.prev, run.next = head, head.next
+        head.next.prev = run  # type: ignore[union-attr]
+        head.next = run
+
+    # -- structure ---------------------------------------------------------------------------
+
+    def _new_run(self, keys: list[int], parent: _Run | None, mask: int, now: float) -> _Run:
+        run = _Run(keys, parent, mask, now)
+        where = self._where
+        for key in keys:
+            where[key] = run
+        self._runs.add(run)
+        if parent is not None:
+            self._adopt(parent)
+        return run
+
+    def _adopt(self, parent: _Run) -> None:
+        if parent.children == 0:
+            self._unlink(parent)  # no longer a leaf
+        parent.children += 1
+
+    def _split(self, run: _Run, at: int) -> _Run:
+        """Cut `run` before keys[at]: a new head run takes keys[:at] and `run` keeps the rest,
+        so the children's parent links stay valid. Returns the head."""
+        head = _Run(run.keys[:at], run.parent, run.mask, run.ts)
+        del run.keys[:at]
+        where = self._where
+        for key in head.keys:
+            where[key] = head
+        self._runs.add(head)
+        head.children = 1
+        run.parent = head
+        return head
+
+    def _delete(self, run: _Run) -> None:
+        """Delete an empty leaf run, and its ancestors that become empty leaves."""
+        while True:
+            self._unlink(run)
+            self._runs.discard(run)
+            where = self._where
+            for key in run.keys:
+                del where[key]
+            parent = run.parent
+            if parent is None:
+                return
+            parent.children -= 1
+            if parent.children:
+                return
+            if parent.mask:
+                self._link_oldest(parent)  # a leaf again; its recency went with its children
+                return
+            run = parent
+
+    def _release(self, run: _Run, bit: int) -> None:
+        """The resident no longer holds any block of `run`."""
+        run.mask &= ~(1 << bit)
+        self._held[bit] -= len(run.keys)
+        if self._approx:
+            for key in run.keys:
+                times = self._approx.get(key)
+                if times is not None and times.pop(bit, None) is not None and not times:
+                    del self._approx[key]
+        if run.mask == 0 and run.children == 0:
+            self._delete(run)
+
+    def _release_keys(self, keys: Iterable[int], bit: int) -> int:
+        """Release the resident's hold on these keys, splitting runs at the range edges."""
+        flag = 1 << bit
+        where = self._where
+        by_run: dict[_Run, list[int]] = {}
+        for key in keys:
+            run = where.get(key)
+            if run is not None and run.mask & flag:
+                by_run.setdefault(run, []).append(key)
+        released = 0
+        for run, run_keys in by_run.items():
+            if len(run_keys) == 1:
+                offsets = [run.keys.index(run_keys[0])]
+            else:
+                position = {k: i for i, k in enumerate(run.keys)}
+                offsets = sorted({position[k] for k in run_keys})
+            ranges: list[list[int]] = []
+            for off in offsets:
+                if ranges and ranges[-1][1] == off:
+                    ranges[-1][1] = off + 1
+                else:
+                    ranges.append([off, off + 1])
+            cur = run
+            for a, b in reversed(ranges):  # from the tail, so lower offsets stay in `cur`
+                if b < len(cur.keys):
+                    cur = self._split(cur, b)
+                target = cur
+                if a > 0:
+                    cur = self._split(target, a)
+                released += b - a
+                self._release(target, bit)
+        return released
 
     # -- writes ------------------------------------------------------------------------------
 
@@ -150,102 +249,103 @@ class UnifiedIndex:
     ) -> int:
         """Mark a chain of keys (keys[0] a child of `parent`, None: a root) as held by the
         resident. Exact residency overrides approximate. Returns blocks newly held."""
-        if not keys:
+        n = len(keys)
+        if n == 0:
             return 0
         bit = self._bit(worker, kv_group)
         flag = 1 << bit
-        nodes = self._nodes
-        approx = self._approx
+        where = self._where
         expiry = now + self.approx_ttl_s
-        node = nodes.get(parent) if parent is not None else None
+        prev: _Run | None = None  # the run that ends with the parent of keys[i]
+        if parent is not None and (prev := where.get(parent)) is not None:
+            at = prev.keys.index(parent) + 1
+            if at < len(prev.keys):
+                prev = self._split(prev, at)
         added = 0
-        for key in keys:
-            child = nodes.get(key)
-            if child is None:
-                child = _Node(key, node, flag, now)
-                nodes[key] = child
-                if node is not None:
-                    self._adopt(node, child)
-                added += 1
+        i = 0
+        while i < n:
+            run = where.get(keys[i])
+            if run is None:  # new blocks up to the next known key
+                j = i + 1
+                while j < n and keys[j] not in where:
+                    j += 1
+                fresh = list(keys[i:j])
+                if prev is not None and prev.children == 0 and prev.mask == flag:
+                    prev.keys.extend(fresh)  # a leaf only this resident holds grows in place
+                    for key in fresh:
+                        where[key] = prev
+                    prev.ts = now
+                    run = prev
+                else:
+                    run = self._new_run(fresh, prev, flag, now)
                 if approximate:
-                    approx[key] = {bit: expiry}
+                    for key in fresh:
+                        self._approx[key] = {bit: expiry}
+                added += j - i
+                i = j
+                prev = run
+                continue
+            if run.keys[0] != keys[i]:  # entering mid-run (its parent was unknown to us)
+                self._split(run, run.keys.index(keys[i]))
+            size = len(run.keys)
+            if keys[i : i + size] == run.keys:
+                m = size
             else:
-                if child.parent is None and node is not None:
-                    child.parent = node  # an orphan whose parent arrived later
-                    self._adopt(node, child)
-                child.ts = now
-                held_before = child.mask & flag
-                if not held_before:
-                    child.mask |= flag
-                    added += 1
-                times = approx.get(key)
+                m = 1
+                while m < size and i + m < n and keys[i + m] == run.keys[m]:
+                    m += 1
+                if m < size:
+                    run = self._split(run, m)
+            if run.parent is None and prev is not None:
+                run.parent = prev  # an orphan whose parent arrived later
+                self._adopt(prev)
+            run.ts = now
+            if not run.mask & flag:
+                run.mask |= flag
+                added += m
                 if approximate:
-                    if not held_before or (times is not None and bit in times):
-                        if times is None:
-                            approx[key] = {bit: expiry}
-                        else:
-                            times[bit] = expiry
-                elif times is not None and times.pop(bit, None) is not None and not times:
-                    del approx[key]  # exact now: it no longer expires
-            node = child
-        if node.children == 0:  # type: ignore[union-attr]
-            self._link_newest(node)  # type: ignore[arg-type]
+                    for key in run.keys:
+                        self._approx[key] = {**self._approx.get(key, {}), bit: expiry}
+            elif self._approx:
+                self._confirm(run.keys, bit, expiry if approximate else None)
+            i += m
+            prev = run
+        assert prev is not None
+        if prev.children == 0:
+            self._link_newest(prev)
         self._held[bit] += added
         if approximate:
             self._approx_queue.append((expiry, bit, tuple(keys)))
-        if self.max_blocks and len(nodes) > self.max_blocks:
-            self._evict(len(nodes) - self.max_blocks)
+        if self.max_blocks and len(where) > self.max_blocks:
+            self._evict(len(where) - self.max_blocks)
         return added
 
-    def _adopt(self, node: _Node, child: _Node) -> None:
-        if node.children == 0:
-            self._unlink(node)  # no longer a leaf
-        node.children += 1
-
-    def _drop(self, node: _Node, bit: int) -> None:
-        """Remove one resident's hold on a node; delete the node (and empty ancestors) when
-        nothing holds it and it has no children."""
-        node.mask &= ~(1 << bit)
-        self._held[bit] -= 1
-        times = self._approx.get(node.key)
-        if times is not None and times.pop(bit, None) is not None and not times:
-            del self._approx[node.key]
-        if node.mask == 0 and node.children == 0:
-            self._delete(node)
-
-    def _delete(self, node: _Node) -> None:
-        while True:
-            self._unlink(node)
-            del self._nodes[node.key]
-            parent = node.parent
-            if parent is None:
-                return
-            parent.children -= 1
-            if parent.children:
-                return
-            if parent.mask:
-                self._link_oldest(parent)  # a leaf again; its recency went with its children
-                return
-            node = parent
+    def _confirm(self, keys: list[int], bit: int, expiry: float | None) -> None:
+        """Keys already held: refresh approximate ones, or make them exact (expiry None)."""
+        approx = self._approx
+        for key in keys:
+            times = approx.get(key)
+            if times is None or bit not in times:
+                continue  # exact already: an approximate sighting does not demote it
+            if expiry is not None:
+                times[bit] = expiry
+            else:
+                del times[bit]
+                if not times:
+                    del approx[key]
 
     def remove(self, keys: Iterable[int], worker: str, kv_group: str) -> int:
         """The resident no longer holds these keys. Returns how many it held."""
         bit = self._bit_of.get(Resident(worker, kv_group))
         if bit is None:
             return 0
-        flag = 1 << bit
-        removed = 0
-        for key in keys:
-            node = self._nodes.get(key)
-            if node is not None and node.mask & flag:
-                self._drop(node, bit)
-                removed += 1
+        removed = self._release_keys(keys, bit)
         if self._held[bit] == 0:
             self._forget(bit)
         return removed
 
     def clear(self, worker: str, kv_group: str | None = None) -> int:
-        """Drop everything a worker holds (in one kv_group, or in all). Walks the index."""
+        """Drop everything a worker holds (in one kv_group, or in all). Walks the runs."""
         bits = [
             bit
             for resident, bit in self._bit_of.items()
@@ -254,12 +354,12 @@ class UnifiedIndex:
         if not bits:
             return 0
         mask = sum(1 << b for b in bits)
-        held = [node for node in self._nodes.values() if node.mask & mask]
         removed = 0
-        for node in held:  # a held node is never deleted before its last bit is dropped
-            for bit in _bits(node.mask & mask):
-                self._drop(node, bit)
-                removed += 1
+        for run in list(self._runs):
+            if run.mask & mask:  # a run deleted on the way has an empty mask
+                for bit in _bits(run.mask & mask):
+                    removed += len(run.keys)
+                    self._release(run, bit)
         for bit in bits:
             self._forget(bit)
         return removed
@@ -271,32 +371,34 @@ class UnifiedIndex:
         dropped = 0
         while queue and queue[0][0] <= now:
             _, bit, keys = queue.popleft()
-            for key in reversed(keys):
-                times = approx.get(key)
-                if times is None:
-                    continue
-                expiry = times.get(bit)
-                if expiry is None or expiry > now:
-                    continue  # exact now, or confirmed again since
-                self._drop(self._nodes[key], bit)
-                dropped += 1
-            resident = self._resident_of[bit]
-            if resident is not None and self._held[bit] == 0:
+            due = [k for k in keys if (t := approx.get(k)) and t.get(bit, now + 1) <= now]
+            if due:
+                dropped += self._release_keys(due, bit)
+            if self._resident_of[bit] is not None and self._held[bit] == 0:
                 self._forget(bit)
         return dropped
 
     def _evict(self, count: int) -> None:
         head = self._lru
+        where = self._where
         while count > 0 and head.next is not head:
-            node = head.next
-            assert node is not None and node.children == 0
-            for bit in _bits(node.mask):
-                self._held[bit] -= 1
-            self._approx.pop(node.key, None)
-            node.mask = 0
-            before = len(self._nodes)
-            self._delete(node)
-            deleted = before - len(self._nodes)
+            run = head.next
+            assert run is not None and run.children == 0
+            take = min(count, len(run.keys))
+            gone = run.keys[-take:]
+            for bit in _bits(run.mask):
+                self._held[bit] -= take
+            for key in gone:
+                self._approx.pop(key, None)
+            before = len(where)
+            if take == len(run.keys):
+                run.mask = 0
+                self._delete(run)
+            else:
+                del run.keys[-take:]
+                for key in gone:
+                    del where[key]
+            deleted = before - len(where)
             self._evicted += deleted
             count -= deleted
 
@@ -304,20 +406,29 @@ class UnifiedIndex:
 
     def match(self, keys: Sequence[int], kv_group: str, now: float | None = None) -> dict[str, int]:
         """Leading blocks of `keys` held by each worker of `kv_group` (workers with none are
-        absent). With `now`, the deepest matched block counts as used (LRU)."""
+        absent). With `now`, the deepest matched run counts as used (LRU)."""
         active = self._group_mask.get(kv_group, 0)
-        if not active:
+        n = len(keys)
+        if not active or not n:
             return {}
-        get = self._nodes.get
-        matched: dict[str, int] = {}
+        where = self._where
         resident_of = self._resident_of
+        matched: dict[str, int] = {}
         depth = 0
         last = None
-        for key in keys:
-            node = get(key)
-            if node is None:
-                break
-            held = active & node.mask
+        run = where.get(keys[0])
+        while run is not None:
+            run_keys = run.keys
+            if run_keys[0] != keys[depth]:
+                break  # the key sits mid-run on another path (an orphan's parent was missing)
+            size = len(run_keys)
+            if keys[depth : depth + size] == run_keys:
+                m = size
+            else:
+                m = 1
+                while m < size and depth + m < n and keys[depth + m] == run_keys[m]:
+                    m += 1
+            held = active & run.mask
             if held != active:
                 if depth:
                     for bit in _bits(active & ~held):
@@ -326,8 +437,11 @@ class UnifiedIndex:
                     active = 0
                     break
                 active = held
-            last = node
-            depth += 1
+            last = run
+            depth += m
+            if m < size or depth >= n:
+                break
+            run = where.get(keys[depth])
         if depth:
             for bit in _bits(active):
                 matched[resident_of[bit].worker] = depth  # type: ignore[union-attr]
@@ -339,15 +453,15 @@ class UnifiedIndex:
 
     def holds(self, key: int, worker: str, kv_group: str) -> bool:
         bit = self._bit_of.get(Resident(worker, kv_group))
-        node = self._nodes.get(key)
-        return bit is not None and node is not None and bool(node.mask >> bit & 1)
+        run = self._where.get(key)
+        return bit is not None and run is not None and bool(run.mask >> bit & 1)
 
     def residency(self, worker: str, kv_group: str) -> set[int]:
-        """Every key the resident holds. Walks the index: for tests and debugging."""
+        """Every key the resident holds. Walks the runs: for tests and debugging."""
         bit = self._bit_of.get(Resident(worker, kv_group))
         if bit is None:
             return set()
-        return {key for key, node in self._nodes.items() if node.mask >> bit & 1}
+        return {key for run in self._runs if run.mask >> bit & 1 for key in run.keys}
 
     def is_approximate(self, key: int, worker: str, kv_group: str) -> bool:
         bit = self._bit_of.get(Resident(worker, kv_group))
@@ -355,12 +469,13 @@ class UnifiedIndex:
         return bit is not None and times is not None and bit in times
 
     def last_confirmed(self, key: int) -> float | None:
-        node = self._nodes.get(key)
-        return None if node is None else node.ts
+        run = self._where.get(key)
+        return None if run is None else run.ts
 
     def stats(self) -> IndexStats:
         return IndexStats(
-            blocks=len(self._nodes),
+            blocks=len(self._where),
+            runs=len(self._runs),
             residencies=sum(self._held),
             approximate=sum(len(t) for t in self._approx.values()),
             residents=len(self._bit_of),
@@ -368,32 +483,36 @@ class UnifiedIndex:
         )
 
     def __len__(self) -> int:
-        return len(self._nodes)
+        return len(self._where)
 
     def __contains__(self, key: int) -> bool:
-        return key in self._nodes
+        return key in self._where
 
     def check(self) -> None:
-        """Integrity check (tests): counts, parent links and the leaf list agree."""
+        """Integrity check (tests): keys, runs, parent links, counts and the leaf list agree."""
         children: dict[int, int] = {}
         held = [0] * len(self._held)
-        for key, node in self._nodes.items():
-            assert node.key == key
-            if node.parent is not None:
-                assert self._nodes.get(node.parent.key) is node.parent
-                children[node.parent.key] = children.get(node.parent.key, 0) + 1
-            for bit in _bits(node.mask):
-                held[bit] += 1
+        blocks = 0
+        for run in self._runs:
+            assert run.keys, "empty run"
+            blocks += len(run.keys)
+            assert all(self._where[k] is run for k in run.keys), "key map"
+            if run.parent is not None:
+                assert run.parent in self._runs, "dangling parent"
+                children[id(run.parent)] = children.get(id(run.parent), 0) + 1
+            for bit in _bits(run.mask):
+                held[bit] += len(run.keys)
+        assert blocks == len(self._where), "stray keys"
         listed = set()
         cur = self._lru.next
         while cur is not self._lru:
-            assert cur is not None and cur.children == 0 and cur.key not in listed
-            listed.add(cur.key)
+            assert cur is not None and cur.children == 0 and id(cur) not in listed
+            listed.add(id(cur))
             cur = cur.next
-        for key, node in self._nodes.items():
-            assert node.children == children.get(key, 0), "child count"
-            assert (node.children == 0) == (key in listed), "leaf list"
-            assert node.mask or node.children, "empty leaf kept"
+        for run in self._runs:
+            assert run.children == children.get(id(run), 0), "child count"
+            assert (run.children == 0) == (id(run) in listed), "leaf list"
+            assert run.mask or run.children, "empty leaf kept"
         assert held == self._held, "held counts"
         for key, times in self._approx.items():
-            assert times and all(self._nodes[key].mask >> b & 1 for b in times)
+            assert times and all(self._where[key].mask >> b & 1 for b in times)
