@@ -1,0 +1,296 @@
+"""Prompt -> token ids, exactly as the serving engine tokenizes it (DESIGN §1).
+
+Two paths, as in vLLM's OpenAI server:
+- completion: `encode(prompt)` = the tokenizer with special tokens (BOS where the tokenizer's
+  post-processor adds one);
+- chat: `encode_chat(messages)` = the chat template rendered with `add_generation_prompt=True`,
+  then encoded *without* special tokens (the template already carries BOS).
+
+`fingerprint` identifies everything that decides the ids (vocabulary, merges, template, special
+tokens); the gateway folds it into a model's KV-compatibility identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer as _HFBackend
+from tokenizers import processors
+
+from router.chat_template import ChatTemplate, Message
+
+Tools = Sequence[Mapping[str, Any]]
+
+
+class Tokenizer(Protocol):
+    fingerprint: str  # stable hex digest of what decides the ids
+    eos_token_id: int | None
+    vocab_size: int  # ids are in [0, vocab_size)
+    stop_token_ids: frozenset[int]  # generation ends on any of these
+
+    def encode(self, text: str) -> list[int]:
+        """Completion prompt -> ids, special tokens added (BOS if the tokenizer has one)."""
+        ...
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Tools | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat template's text with the generation prompt; ValueError on bad messages."""
+        ...
+
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Tools | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        """`render_chat` encoded without special tokens added; ValueError on bad messages."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+# --- the byte tokenizer of the bundled tiny models ----------------------------------------------
+
+BYTE_SPECIAL_TOKENS: dict[str, int] = {
+    "<|bos|>": 256,  # reserved: nothing adds it (no BOS on either path)
+    "<|eos|>": 257,
+    "<|im_start|>": 258,
+    "<|im_end|>": 259,
+}
+BYTE_VOCAB_SIZE = 260
+BYTE_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+class ByteTokenizer:
+    """id = UTF-8 byte (0..255); ids 256..259 are the special tokens in BYTE_SPECIAL_TOKENS, which
+    are recognised as single ids wherever their text appears. No BOS is added: `encode(text)` is
+    `list(text.encode())` for text without special tokens. Chat uses ChatML
+    (`<|im_start|>{role}\\n{content}<|im_end|>\\n`..., then `<|im_start|>assistant\\n`)."""
+
+    vocab_size = BYTE_VOCAB_SIZE
+    eos_token_id = BYTE_SPECIAL_TOKENS["<|eos|>"]
+    stop_token_ids = frozenset({BYTE_SPECIAL_TOKENS["<|eos|>"], BYTE_SPECIAL_TOKENS["<|im_end|>"]})
+    fingerprint = hashlib.blake2b(
+        json.dumps(["byte-v1", BYTE_SPECIAL_TOKENS, BYTE_CHAT_TEMPLATE]).encode(), digest_size=16
+    ).hexdigest()
+
+    _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in BYTE_SPECIAL_TOKENS) + ")")
+    _SPECIAL_TEXT = {i: t for t, i in BYTE_SPECIAL_TOKENS.items()}
+
+    def __init__(self) -> None:
+        self._template = ChatTemplate(
+            BYTE_CHAT_TEMPLATE, {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+        )
+
+    def encode(self, text: str) -> list[int]:
+        if "<|" not in text:
+            return list(text.encode())
+        ids: list[int] = []
+        for i, piece in enumerate(self._SPECIAL_RE.split(text)):
+            if i % 2:  # odd pieces are the captured special tokens
+                ids.append(BYTE_SPECIAL_TOKENS[piece])
+            elif piece:
+                ids.extend(piece.encode())
+        return ids
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Tools | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        return self._template.render(messages, tools, template_kwargs)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Tools | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        return self.encode(self._template.render(messages, tools, template_kwargs))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`; invalid UTF-8 becomes U+FFFD. ValueError on ids outside the vocab."""
+        parts: list[str] = []
+        pending = bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                pending.append(i)
+                continue
+            if i not in self._SPECIAL_TEXT:
+                raise ValueError(f"token id {i} is outside the byte vocabulary")
+            parts.append(pending.decode(errors="replace"))
+            pending.clear()
+            parts.append(self._SPECIAL_TEXT[i])
+        parts.append(pending.decode(errors="replace"))
+        return "".join(parts)
+
+
+# --- Hugging Face tokenizers ----------------------------------------------------------------------
+
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as configured: a string, an AddedToken dict with "content", or null."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+class HFTokenizer:
+    """A Hugging Face model directory's tokenizer: `tokenizer.json` (via `tokenizers`) and
+    `tokenizer_config.json` (chat template, special tokens, add_bos_token/add_eos_token), with
+    `special_tokens_map.json` and `chat_template.jinja` taking precedence as in transformers."""
+
+    def __init__(self, directory: str | Path) -> None:
+        root = Path(directory)
+        tokenizer_json = root / "tokenizer.json"
+        if not tokenizer_json.is_file():
+            raise ValueError(f"{root}: no tokenizer.json (only fast tokenizers are supported)")
+        raw = tokenizer_json.read_bytes()
+        self._backend = _HFBackend.from_str(raw.decode("utf-8"))
+        config = _read_json(root / "tokenizer_config.json")
+        config.update(_read_json(root / "special_tokens_map.json"))
+
+        special: dict[str, Any] = {}
+        for key in _SPECIAL_TOKEN_KEYS:
+            if (text := _token_text(config.get(key))) is not None:
+                special[key] = text
+        extra = [_token_text(t) for t in config.get("additional_special_tokens") or []]
+        if extra:
+            special["additional_special_tokens"] = [t for t in extra if t is not None]
+        self.special_tokens: dict[str, Any] = special
+
+        add_flags = {k: config[k] for k in ("add_bos_token", "add_eos_token") if k in config}
+        if add_flags:
+            self._set_post_processor(
+                bool(add_flags.get("add_bos_token")), bool(add_flags.get("add_eos_token"))
+            )
+
+        sources = self._template_sources(root, config.get("chat_template"))
+        self._templates = {name: ChatTemplate(src, special) for name, src in sources.items()}
+
+        eos = special.get("eos_token")
+        self.eos_token_id: int | None = None if eos is None else self._backend.token_to_id(eos)
+        stops = _read_json(root / "generation_config.json").get("eos_token_id")
+        stops = stops if isinstance(stops, list) else [stops]
+        self.stop_token_ids: frozenset[int] = frozenset(
+            i for i in [self.eos_token_id, *stops] if isinstance(i, int)
+        )
+        self.vocab_size: int = self._backend.get_vocab_size(with_added_tokens=True)
+        digest = hashlib.blake2b(raw, digest_size=16)
+        digest.update(json.dumps([sources, special, add_flags], sort_keys=True).encode())
+        self.fingerprint: str = digest.hexdigest()
+
+    def _set_post_processor(self, add_bos: bool, add_eos: bool) -> None:
+        """What transformers' LlamaTokenizerFast.update_post_processor does with explicit flags."""
+        single, pair, specials = "$A:0", "$B:1", []
+        for flag, key in ((add_bos, "bos_token"), (add_eos, "eos_token")):
+            if not flag:
+                continue
+            token = self.special_tokens.get(key)
+            token_id = None if token is None else self._backend.token_to_id(token)
+            if token_id is None:
+                raise ValueError(f"add_{key} is true but the tokenizer has no {key}")
+            specials.append((token, token_id))
+            if key == "bos_token":
+                single, pair = f"{token}:0 {single}", f"{token}:1 {pair}"
+            else:
+                single, pair = f"{single} {token}:0", f"{pair} {token}:1"
+        self._backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=f"{single} {pair}", special_tokens=specials
+        )
+
+    @staticmethod
+    def _template_sources(root: Path, configured: Any) -> dict[str, str]:
+        jinja_file = root / "chat_template.jinja"
+        if jinja_file.is_file():  # transformers: clobbers any template in the config
+            return {"default": jinja_file.read_text(encoding="utf-8")}
+        if configured is None:
+            return {}
+        if isinstance(configured, str):
+            return {"default": configured}
+        if isinstance(configured, list) and all(
+            isinstance(t, dict)
+            and isinstance(t.get("name"), str)
+            and isinstance(t.get("template"), str)
+            for t in configured
+        ):
+            return {t["name"]: t["template"] for t in configured}
+        raise ValueError(f"{root}: chat_template must be a string or a list of {{name, template}}")
+
+    def _template_for(self, tools: Tools | None) -> ChatTemplate:
+        """transformers' `get_chat_template`: "tool_use" when tools are given, else "default"."""
+        if tools is not None and "tool_use" in self._templates:
+            return self._templates["tool_use"]
+        if "default" in self._templates:
+            return self._templates["default"]
+        if not self._templates:
+            raise ValueError("this model has no chat template: use the completions API")
+        raise ValueError(f"no 'default' chat template among {sorted(self._templates)}")
+
+    def encode(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=True).ids
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Tools | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        return self._template_for(tools).render(messages, tools, template_kwargs)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Message],
+        tools: Tools | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
+        text = self._template_for(tools).render(messages, tools, template_kwargs)
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """ "byte" -> ByteTokenizer; a Hugging Face model directory -> HFTokenizer; else ValueError."""
+    if spec == "byte":
+        return ByteTokenizer()
+    if Path(spec).is_dir():
+        return HFTokenizer(spec)
+    raise ValueError(
+        f"unknown tokenizer {spec!r}: expected 'byte' or a directory holding tokenizer.json"
+    )
