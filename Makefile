@@ -4,6 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: run test lint bench venv clean
 
@@ -11,17 +12,15 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile router/_blockkeys.c
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	# the CPU build of torch, pinned first: an unpinned torch would pull a multi-GB CUDA build
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e '.[test,torch]'
 	touch $(STAMP)
 
-# torch (CPU build, pinned) is only needed by the engine worker: `make torch`.
-torch: $(STAMP)
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[torch]'
-
+# Until the local cluster lands (issue 3) the main job is the core's benchmark at a smaller scale.
 run: $(STAMP)
-	$(VENV)/bin/urc demo
+	$(VENV)/bin/urc --help
+	$(PY) bench/index_bench.py --blocks 200000
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
