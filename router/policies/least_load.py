@@ -1,0 +1,70 @@
+"""Load-only baselines: the least loaded candidate, and the better of two random ones.
+
+Load is in-flight requests, as in SGLang's router; cached prefixes are ignored.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from router.policies.base import Candidate, Decision, RouteRequest, Score
+
+_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
+
+
+def _load_scores(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple[Score, ...]:
+    block_size, prompt = request.block_size, request.prompt_tokens
+    scores = []
+    for c in candidates:
+        matched = min(c.matched_blocks * block_size, prompt)
+        scores.append(_new(Score, (c.worker, matched, c.in_flight, float(c.in_flight))))
+    return tuple(scores)
+
+
+class LeastLoadPolicy:
+    """Fewest requests in flight; ties by fewer queued prefill tokens, then by name."""
+
+    name = "least_load"
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        best = candidates[0]
+        for c in candidates:
+            if c.in_flight < best.in_flight or (
+                c.in_flight == best.in_flight
+                and (
+                    c.queued_prefill_tokens < best.queued_prefill_tokens
+                    or (
+                        c.queued_prefill_tokens == best.queued_prefill_tokens
+                        and c.worker < best.worker
+                    )
+                )
+            ):
+                best = c
+        return Decision(best.worker, "least_load", _load_scores(request, candidates))
+
+
+class PowerOfTwoPolicy:
+    """Sample two distinct candidates with the instance's RNG; keep the one with fewer in flight.
+
+    On equal load the first sample wins (SGLang's `power_of_two`: `load1 <= load2`).
+    """
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._random = random.Random(seed).random
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        n = len(candidates)
+        if n == 1:
+            chosen = candidates[0]
+        else:
+            first = int(self._random() * n)
+            second = int(self._random() * (n - 1))
+            if second >= first:  # distinct from the first sample, uniform over the rest
+                second += 1
+            a, b = candidates[first], candidates[second]
+            chosen = a if a.in_flight <= b.in_flight else b
+        return Decision(chosen.worker, "power_of_two", _load_scores(request, candidates))

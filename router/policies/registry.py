@@ -1,0 +1,95 @@
+"""Policies by name, with parameters as keyword values (strings are converted: "64", "0.3")."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+from router.policies.base import Policy
+from router.policies.cache_aware import CacheAwarePolicy
+from router.policies.consistent_hash import ConsistentHashPolicy
+from router.policies.least_load import LeastLoadPolicy, PowerOfTwoPolicy
+from router.policies.round_robin import RoundRobinPolicy
+from router.policies.sglang import SGLangCacheAwarePolicy
+
+POLICIES: dict[str, type] = {
+    cls.name: cls
+    for cls in (
+        CacheAwarePolicy,
+        RoundRobinPolicy,
+        LeastLoadPolicy,
+        PowerOfTwoPolicy,
+        ConsistentHashPolicy,
+        SGLangCacheAwarePolicy,
+    )
+}
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def policy_params(name: str) -> dict[str, Any]:
+    """The parameters a policy takes, with their defaults."""
+    cls = _policy_class(name)
+    return {
+        p.name: p.default
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD
+    }
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    """Build policy `name`; values may be strings ("64", "0.3", "true") and are converted to
+    the type of the parameter's default. Unknown names, parameters or values: ValueError."""
+    defaults = policy_params(name)
+    unknown = sorted(set(params) - set(defaults))
+    if unknown:
+        known = ", ".join(defaults) or "none"
+        raise ValueError(f"policy {name!r} has no parameter {', '.join(unknown)} (known: {known})")
+    converted = {key: _convert(name, key, value, defaults[key]) for key, value in params.items()}
+    return _policy_class(name)(**converted)
+
+
+def _policy_class(name: str) -> type:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})") from None
+
+
+def _convert(policy: str, key: str, value: Any, default: Any) -> Any:
+    kind = type(default)
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in _TRUE or text in _FALSE:
+                return text in _TRUE
+            raise ValueError(value)
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            if isinstance(value, int):
+                return value
+            try:
+                return int(str(value).strip())
+            except ValueError:
+                number = float(value)  # "64.0" or "1e3"
+            if not number.is_integer():
+                raise ValueError(value)
+            return int(number)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ValueError(value)
+            return number
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"policy {policy!r}: {key}={value!r} is not a valid {kind.__name__}"
+        ) from None

@@ -1,0 +1,46 @@
+"""Round robin: the next worker name after the last one chosen, in sorted order.
+
+Rotating over names rather than positions keeps the rotation stable when the candidate set
+changes: a worker leaving or joining does not make the others skip or repeat a turn.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Sequence
+
+from router.policies.base import Candidate, Decision, RouteRequest, Score
+
+_MAX_CACHED_SETS = 256
+_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
+
+
+class RoundRobinPolicy:
+    """Cycle through the candidates by name. Score cost: turns until that worker's."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._last: str | None = None
+        # candidate names as given -> (names sorted, name -> position in the sorted list)
+        self._orders: dict[tuple[str, ...], tuple[list[str], dict[str, int]]] = {}
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        names = tuple(c.worker for c in candidates)
+        order = self._orders.get(names)
+        if order is None:
+            if len(self._orders) >= _MAX_CACHED_SETS:
+                self._orders.clear()
+            ring = sorted(names)
+            order = self._orders[names] = (ring, {w: i for i, w in enumerate(ring)})
+        ring, position = order
+        n = len(ring)
+        start = 0 if self._last is None else bisect_right(ring, self._last) % n
+        self._last = ring[start]
+        block_size, prompt = request.block_size, request.prompt_tokens
+        scores = []
+        for c in candidates:
+            matched = min(c.matched_blocks * block_size, prompt)
+            turns = float((position[c.worker] - start) % n)
+            scores.append(_new(Score, (c.worker, matched, c.in_flight, turns)))
+        return Decision(ring[start], "round_robin", tuple(scores))

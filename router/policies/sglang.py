@@ -1,0 +1,132 @@
+"""SGLang router's `cache_aware` decision, re-implemented over our unified index.
+
+The original is `select_worker` in sgl-router `src/policies/cache_aware.rs` with its
+approximate tree in `src/policies/tree.rs`; defaults are those of the router's launcher
+(`sglang_router` RouterArgs: cache_threshold 0.3, balance_abs_threshold 64,
+balance_rel_threshold 1.5; the Rust `CacheAwareConfig::default()` has 0.5 / 32 / 1.1).
+
+    loads = in-flight requests per worker
+    imbalanced = max - min > balance_abs_threshold and max > min * balance_rel_threshold
+    imbalanced          -> least loaded worker               ("imbalanced")
+    else match_rate = longest match / prompt length
+    match_rate > cache_threshold -> a worker with that match ("cache_hit")
+    else                         -> smallest tree            ("smallest_tree")
+
+Ties, as the Rust code breaks them and how we stand in:
+- least loaded: `Iterator::min_by_key` returns the first minimum, so the first candidate in the
+  given order (SGLang's order is its worker list; ours is the gateway's candidate order).
+- best match: `Tree::prefix_match` returns the first tenant of the deepest matched node's
+  DashMap, an order fixed by a per-process random hasher; any holder of the longest match is
+  faithful, and we take the first in candidate order so runs are reproducible.
+- smallest tree: a strict `<` scan of a DashMap, so again the first minimum in hash order; we
+  take the first in candidate order.
+
+Tree size. SGLang's tree holds what the router *sent* to each worker: `insert(text, worker)`
+after every decision (imbalanced ones too) adds the characters that worker's part of the tree
+lacked, and it shrinks only when a worker passes `max_tree_size` (2^26 characters, far beyond any
+KV cache) at the periodic eviction. Its smallest tree is thus the worker sent the least new text,
+a running balance of work. `tree_size="routed"` (default) keeps that count per kv_group in the
+policy: each decision adds the chosen worker's uncached tokens (what our index says it lacked)
+and nothing is evicted. `tree_size="index"` uses the candidates' `cached_blocks`, the engines'
+real cache sizes; these saturate at capacity and tie, and the first-in-order tie-break then
+sends every low-match request to one worker, which SGLang's growing trees never do.
+
+Other differences: SGLang matches request *text* characters in its approximate per-model tree
+and counts loads over all workers, healthy or not; we match *tokens* (whole blocks) in the
+unified index, exact where workers publish KV events, and see only healthy candidates. Its
+comparisons are in f32, ours in f64; they differ only within f32 rounding of a threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.policies.base import Candidate, Decision, RouteRequest, Score
+
+
+class SGLangCacheAwarePolicy:
+    """SGLang's cache_aware. Score cost: load if imbalanced, uncached tokens if a cache hit,
+    tree size (routed tokens, or cached blocks) otherwise."""
+
+    name = "sglang"
+
+    def __init__(
+        self,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        tree_size: str = "routed",
+    ) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError("cache_threshold must be within [0, 1]")
+        if balance_abs_threshold < 0 or balance_rel_threshold < 0:
+            raise ValueError("balance thresholds must not be negative")
+        if tree_size not in ("routed", "index"):
+            raise ValueError("tree_size must be 'routed' or 'index'")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.tree_size = tree_size
+        self._routed: dict[str, dict[str, int]] = {}  # kv_group -> worker -> tokens sent, new
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        block_size, prompt = request.block_size, request.prompt_tokens
+        routed = self._routed.get(request.kv_group)
+        if routed is None:
+            routed = self._routed[request.kv_group] = {}
+        sizes = (
+            [routed.get(c.worker, 0) for c in candidates]
+            if self.tree_size == "routed"
+            else [c.cached_blocks for c in candidates]
+        )
+        least = most = best_match = smallest = 0
+        for i, c in enumerate(candidates):  # strict comparisons keep the first extreme, as Rust
+            if c.in_flight < candidates[least].in_flight:
+                least = i
+            if c.in_flight > candidates[most].in_flight:
+                most = i
+            if c.matched_blocks > candidates[best_match].matched_blocks:
+                best_match = i
+            if sizes[i] < sizes[smallest]:
+                smallest = i
+        max_load, min_load = candidates[most].in_flight, candidates[least].in_flight
+
+        if (
+            max_load - min_load > self.balance_abs_threshold
+            and max_load > min_load * self.balance_rel_threshold
+        ):
+            chosen, reason, cost = least, "imbalanced", _LOAD
+        else:
+            matched = min(candidates[best_match].matched_blocks * block_size, prompt)
+            match_rate = matched / prompt if prompt > 0 else 0.0
+            if match_rate > self.cache_threshold:
+                chosen, reason, cost = best_match, "cache_hit", _UNCACHED
+            else:
+                chosen, reason, cost = smallest, "smallest_tree", _TREE
+
+        worker = candidates[chosen]
+        uncached = prompt - min(worker.matched_blocks * block_size, prompt)
+        routed[worker.worker] = routed.get(worker.worker, 0) + uncached  # SGLang's tree.insert
+        return Decision(worker.worker, reason, _scores(request, candidates, sizes, cost))
+
+
+_LOAD, _UNCACHED, _TREE = range(3)
+_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
+
+
+def _scores(
+    request: RouteRequest, candidates: Sequence[Candidate], sizes: list[int], cost: int
+) -> tuple[Score, ...]:
+    """The explanation; `cost` says which quantity the branch taken minimised."""
+    block_size, prompt = request.block_size, request.prompt_tokens
+    scores = []
+    for c, size in zip(candidates, sizes, strict=True):
+        matched = min(c.matched_blocks * block_size, prompt)
+        if cost == _LOAD:
+            value = float(c.in_flight)
+        elif cost == _UNCACHED:
+            value = float(prompt - matched)
+        else:
+            value = float(size)
+        scores.append(_new(Score, (c.worker, matched, c.in_flight, value)))
+    return tuple(scores)

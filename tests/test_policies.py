@@ -1,0 +1,448 @@
+"""Routing policies (DESIGN §4): each one's defining behaviour, and the explanation contract."""
+
+from __future__ import annotations
+
+import math
+import random
+from bisect import bisect_right
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.policies import (
+    POLICY_NAMES,
+    CacheAwarePolicy,
+    Candidate,
+    ConsistentHashPolicy,
+    Decision,
+    LeastLoadPolicy,
+    PowerOfTwoPolicy,
+    RoundRobinPolicy,
+    RouteRequest,
+    SGLangCacheAwarePolicy,
+    make_policy,
+    policy_params,
+)
+
+BS = 16
+
+
+def request(n_blocks: int, seed: int = 0, extra_tokens: int = 5) -> RouteRequest:
+    rng = random.Random(seed)
+    keys = [rng.getrandbits(64) for _ in range(n_blocks)]
+    return RouteRequest(keys, n_blocks * BS + extra_tokens, BS, "llama-8b")
+
+
+def idle(*names: str) -> list[Candidate]:
+    return [Candidate(name, 0) for name in names]
+
+
+def assert_explains(decision: Decision, req: RouteRequest, candidates: list[Candidate]) -> None:
+    assert decision.worker in {c.worker for c in candidates}
+    assert [s.worker for s in decision.scores] == [c.worker for c in candidates]
+    for s, c in zip(decision.scores, candidates, strict=True):
+        assert s.matched_tokens == min(c.matched_blocks * req.block_size, req.prompt_tokens)
+        assert s.load == c.in_flight
+        assert isinstance(s.cost, float) and math.isfinite(s.cost)
+    assert decision.ranked()[0] == decision.worker
+    assert decision.reason
+
+
+# --- cache_aware -------------------------------------------------------------------------------
+
+
+def test_cache_aware_prefers_the_longest_prefix_when_loads_are_equal() -> None:
+    req = request(32)
+    cands = [Candidate("a", 4), Candidate("b", 20), Candidate("c", 0), Candidate("d", 19)]
+    decision = CacheAwarePolicy().choose(req, cands)
+    assert decision.worker == "b"
+    assert decision.reason == "cache_hit"
+    assert decision.matched_tokens == 20 * BS
+    assert_explains(decision, req, cands)
+
+
+def test_cache_aware_cost_is_the_documented_model() -> None:
+    policy = CacheAwarePolicy(prefill_tokens_per_s=10_000.0, decode_token_s=1e-3, chunk_tokens=100)
+    req = request(10, extra_tokens=0)  # 160 tokens
+    cands = [
+        Candidate("a", 4, in_flight=7, queued_prefill_tokens=140, running_decode=5),
+        Candidate("b", 0, in_flight=1),
+    ]
+    # a: work = 140 + 160 - 64 = 236 tokens in 3 steps of 100, with 5 decodes riding along
+    assert policy.ttft(req, cands[0]) == pytest.approx(236 / 10_000 + 3 * 5 * 1e-3)
+    assert policy.ttft(req, cands[1]) == pytest.approx(160 / 10_000)
+    waiting = (2 + 1) / 2  # requests awaiting their first token, mean over the candidates
+    decision = policy.choose(req, cands)
+    for score, cand in zip(decision.scores, cands, strict=True):
+        uncached = 160 - score.matched_tokens
+        assert score.cost == pytest.approx(policy.ttft(req, cand) + waiting * uncached / 10_000)
+        assert score.cost == pytest.approx(policy.cost(req, cand, waiting))
+
+
+def test_a_busy_fleet_keeps_the_prefix_where_it_is() -> None:
+    req = request(64)  # 1029 tokens; the holder lacks 69 of them
+    holder = Candidate("holder", 60, in_flight=1, queued_prefill_tokens=3000)
+    other = Candidate("other", 0, in_flight=0, queued_prefill_tokens=1000)
+    # own TTFT: holder 0.205 s, other 0.135 s; recomputing 960 tokens costs each waiting
+    # request 64 ms, so it pays while the fleet is quiet and not once requests queue up
+    assert CacheAwarePolicy().choose(req, [holder, other]).worker == "other"
+    busy = [holder._replace(in_flight=4), other._replace(in_flight=4)]
+    decision = CacheAwarePolicy().choose(req, busy)
+    assert (decision.worker, decision.reason) == ("holder", "cache_hit")
+    assert CacheAwarePolicy(externality=0).choose(req, busy).worker == "other"  # selfish
+
+
+def test_cache_aware_sends_to_an_idle_worker_when_the_holders_queue_is_slower() -> None:
+    policy = CacheAwarePolicy()
+    req = request(64)  # 1029 tokens, nearly all held by "holder"
+    busy = Candidate("holder", 64, in_flight=12, queued_prefill_tokens=60_000, running_decode=8)
+    decision = policy.choose(req, [busy, Candidate("idle", 0)])
+    assert decision.worker == "idle"
+    assert decision.reason == "load"
+    # the same holder with a short queue keeps the request: recomputing is slower
+    short = busy._replace(queued_prefill_tokens=500)
+    decision = policy.choose(req, [short, Candidate("idle", 0)])
+    assert decision.worker == "holder"
+    assert decision.reason == "cache_hit"
+
+
+@given(
+    queued=st.integers(0, 200_000),
+    decode=st.integers(0, 256),
+    matched=st.integers(0, 64),
+    other_queued=st.integers(0, 200_000),
+)
+def test_cache_aware_picks_the_lowest_estimate_when_matches_differ(
+    queued: int, decode: int, matched: int, other_queued: int
+) -> None:
+    policy = CacheAwarePolicy()
+    req = request(64)
+    cands = [
+        Candidate("holder", matched, 3, queued, decode),
+        Candidate("other", 0, 1, other_queued, 0),
+    ]
+    decision = policy.choose(req, cands)
+    costs = {s.worker: s.cost for s in decision.scores}
+    if matched > 0:
+        assert costs[decision.worker] == min(costs.values())
+    else:  # a cold miss may take any worker within the load bound
+        best = min(costs.values())
+        assert costs[decision.worker] <= best + max(0.05, 0.25 * best)
+
+
+def test_cold_misses_agree_across_instances_and_spread_over_workers() -> None:
+    names = [f"worker-{i}" for i in range(8)]
+    cands = idle(*names)
+    a, b = CacheAwarePolicy(), CacheAwarePolicy()
+    homes = Counter()
+    for seed in range(4000):
+        req = request(3, seed=seed)
+        choice = a.choose(req, cands)
+        assert choice.reason == "cold_miss"
+        assert b.choose(req, list(reversed(cands))).worker == choice.worker
+        homes[choice.worker] += 1
+    # 500 expected each; the binomial's sd is ~21, so this fails only on a broken hash
+    assert set(homes) == set(names)
+    assert all(400 < n < 600 for n in homes.values()), homes
+
+
+def test_cold_miss_home_depends_on_the_first_block_only() -> None:
+    policy = CacheAwarePolicy()
+    cands = idle("a", "b", "c", "d", "e")
+    base = request(4, seed=7)
+    home = policy.choose(base, cands).worker
+    for tail in range(20):
+        keys = [base.block_keys[0], *request(3, seed=100 + tail).block_keys]
+        assert policy.choose(base._replace(block_keys=keys), cands).worker == home
+
+
+def test_cold_miss_respects_the_load_bound() -> None:
+    policy = CacheAwarePolicy()
+    cands = idle("a", "b", "c", "d")
+    req = request(64)  # 1029 tokens: ~69 ms of prefill on an idle worker
+    home = policy.choose(req, cands).worker
+    best = policy.ttft(req, cands[0])
+    bound = best + max(policy.rendezvous_slack_s, policy.rendezvous_factor * best)
+
+    def with_home_queue(tokens: int) -> list[Candidate]:
+        return [c._replace(queued_prefill_tokens=tokens) if c.worker == home else c for c in cands]
+
+    inside = int((bound - best) * policy.prefill_tokens_per_s) - 1
+    assert policy.choose(req, with_home_queue(inside)).worker == home
+    loaded = with_home_queue(inside + 50)
+    decision = policy.choose(req, loaded)
+    assert decision.worker != home
+    assert decision.reason == "cold_miss"
+    assert decision.worker == CacheAwarePolicy().choose(req, loaded).worker
+    # a busy fleet adds the same delay term to every cold candidate; the bound stays on TTFT
+    busy = [c._replace(in_flight=10) for c in with_home_queue(inside + 50)]
+    assert policy.choose(req, busy).worker != home
+
+
+def test_a_shared_prefix_held_everywhere_rendezvouses_on_the_first_new_block() -> None:
+    policy = CacheAwarePolicy()
+    req = request(5)
+    cands = [Candidate(n, 2) for n in "abcdef"]  # everyone holds the system prompt
+    decision = policy.choose(req, cands)
+    assert decision.reason == "cache_hit"
+    # another conversation after the same two blocks lands by its own third block
+    homes = {
+        policy.choose(req._replace(block_keys=[*req.block_keys[:2], k, 1, 2]), cands).worker
+        for k in range(200)
+    }
+    assert len(homes) == len(cands)
+
+
+def test_warm_ties_break_by_rendezvous_whatever_the_candidate_order() -> None:
+    req = request(16)
+    cands = [Candidate("x", 10), Candidate("y", 10), Candidate("z", 3, queued_prefill_tokens=7)]
+    first = CacheAwarePolicy().choose(req, cands).worker
+    assert first in {"x", "y"}
+    assert CacheAwarePolicy().choose(req, cands[::-1]).worker == first
+
+
+def test_a_prompt_without_a_full_block_takes_the_lowest_estimate() -> None:
+    req = RouteRequest([], 9, BS, "g")
+    cands = [Candidate("c", 0, 2), Candidate("b", 0, 1), Candidate("a", 0, 1)]
+    assert CacheAwarePolicy().choose(req, cands).worker == "a"  # equal estimates: fewer, name
+    cands.append(Candidate("d", 0, 9, running_decode=0, queued_prefill_tokens=0))
+    cands[2] = cands[2]._replace(queued_prefill_tokens=1)
+    assert CacheAwarePolicy().choose(req, cands).worker == "b"
+
+
+# --- baselines ---------------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_by_name_and_survives_set_changes() -> None:
+    policy, req = RoundRobinPolicy(), request(2)
+    picks = [policy.choose(req, idle("c", "a", "b")).worker for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+    policy.choose(req, idle("c", "a", "b"))  # a
+    assert policy.choose(req, idle("a", "c")).worker == "c"  # b left: no skip, no repeat
+    assert policy.choose(req, idle("a", "c", "d")).worker == "d"  # d joined after c
+    decision = policy.choose(req, idle("d", "a", "c"))
+    assert decision.worker == "a"
+    assert decision.ranked() == ["a", "c", "d"]
+
+
+def test_least_load_breaks_ties_by_queue_then_name() -> None:
+    req, policy = request(2), LeastLoadPolicy()
+    cands = [Candidate("b", 5, 3), Candidate("a", 0, 4), Candidate("c", 0, 3)]
+    assert policy.choose(req, cands).worker == "b"
+    cands = [Candidate("b", 0, 3, 100), Candidate("a", 0, 3, 100), Candidate("c", 0, 3, 10)]
+    assert policy.choose(req, cands).worker == "c"
+    cands[2] = cands[2]._replace(queued_prefill_tokens=100)
+    assert policy.choose(req, cands).worker == "a"
+
+
+def test_power_of_two_is_deterministic_per_seed() -> None:
+    req = request(2)
+    cands = [Candidate(f"w{i}", 0, i % 3) for i in range(6)]
+    runs = [[PowerOfTwoPolicy(seed=s).choose(req, cands).worker for _ in range(50)] for s in (7, 7)]
+    assert runs[0] == runs[1]
+    other = PowerOfTwoPolicy(seed=8)
+    assert [other.choose(req, cands).worker for _ in range(50)] != runs[0]
+
+
+def test_power_of_two_never_keeps_the_worse_sample() -> None:
+    req = request(2)
+    cands = [Candidate("low", 0, 0), Candidate("mid", 0, 5), Candidate("high", 0, 10)]
+    policy = PowerOfTwoPolicy(seed=3)
+    picks = Counter(policy.choose(req, cands).worker for _ in range(6000))
+    # pairs are uniform over {low,mid}, {low,high}, {mid,high}: low wins 2/3, mid 1/3
+    assert picks["high"] == 0
+    assert 3700 < picks["low"] < 4300 and 1700 < picks["mid"] < 2300
+    # two distinct samples: with two workers the lower load always wins
+    two = [Candidate("a", 0, 4), Candidate("b", 0, 1)]
+    assert {policy.choose(req, two).worker for _ in range(200)} == {"b"}
+
+
+def test_consistent_hash_moves_only_the_keys_of_a_removed_worker() -> None:
+    policy = ConsistentHashPolicy()
+    names = ["a", "b", "c", "d", "e"]
+    reqs = [request(6, seed=s) for s in range(2000)]
+    before = [policy.choose(r, idle(*names)).worker for r in reqs]
+    assert set(Counter(before)) == set(names)
+    after = [policy.choose(r, idle("a", "b", "d", "e")).worker for r in reqs]
+    for old, new in zip(before, after, strict=True):
+        assert new == old if old != "c" else new != "c"
+    assert [policy.choose(r, idle(*names)).worker for r in reqs] == before
+    assert [ConsistentHashPolicy().choose(r, idle(*reversed(names))).worker for r in reqs] == before
+    # against the textbook ring: sorted virtual nodes, first one clockwise of the request
+    ring = sorted((p, w) for w in names for p in policy.worker_points(w))
+    for r, owner in zip(reqs, before, strict=True):
+        at = bisect_right(ring, (policy.request_point(r), chr(0x10FFFF)))
+        assert ring[at % len(ring)][1] == owner
+
+
+def test_consistent_hash_keys_on_the_first_prefix_blocks() -> None:
+    policy, cands = ConsistentHashPolicy(prefix_blocks=2), idle("a", "b", "c", "d")
+    base = request(5, seed=1)
+    home = policy.choose(base, cands).worker
+    for s in range(30):  # same first two blocks, different rest
+        keys = [*base.block_keys[:2], *request(3, seed=50 + s).block_keys]
+        assert policy.choose(base._replace(block_keys=keys), cands).worker == home
+    second = {
+        policy.choose(base._replace(block_keys=[base.block_keys[0], k]), cands).worker
+        for k in request(100, seed=9).block_keys
+    }
+    assert second == {"a", "b", "c", "d"}  # the second block is part of the key
+    homes = {policy.choose(request(1, seed=s), cands).worker for s in range(100)}
+    assert homes == {"a", "b", "c", "d"}  # shorter prompts use the blocks they have
+    empty = RouteRequest([], 3, BS, "g")
+    assert len({policy.choose(empty, cands).worker for _ in range(5)}) == 1
+    points = policy.worker_points("a")
+    policy.choose(base, idle("b", "a"))
+    assert policy.worker_points("a") is points  # hashed once per worker, not per request
+
+
+# --- sglang -----------------------------------------------------------------------------------
+
+
+def sg(**params: Any) -> SGLangCacheAwarePolicy:
+    return SGLangCacheAwarePolicy(**params)
+
+
+def test_sglang_imbalanced_load_goes_to_the_least_loaded() -> None:
+    req = request(10)
+    cands = [
+        Candidate("hot", 10, in_flight=100, cached_blocks=5),
+        Candidate("cool", 0, in_flight=10, cached_blocks=900),
+        Candidate("cool2", 0, in_flight=10),
+    ]
+    decision = sg().choose(req, cands)
+    assert (decision.worker, decision.reason) == ("cool", "imbalanced")  # first minimum
+    assert_explains(decision, req, cands)
+
+
+def test_sglang_balanced_high_match_goes_to_the_best_matcher() -> None:
+    req = request(10, extra_tokens=0)  # 160 tokens
+    cands = [
+        Candidate("small", 1, cached_blocks=1),
+        Candidate("match", 4, in_flight=50, cached_blocks=10_000),  # 64/160 = 0.4 > 0.3
+        Candidate("match2", 4, cached_blocks=10),
+    ]
+    decision = sg().choose(req, cands)
+    assert (decision.worker, decision.reason) == ("match", "cache_hit")
+
+
+def test_sglang_balanced_low_match_goes_to_the_smallest_tree() -> None:
+    req = request(10, extra_tokens=0)
+    cands = [
+        Candidate("match", 2, cached_blocks=50),  # 32/160 = 0.2
+        Candidate("small", 0, cached_blocks=7),
+        Candidate("small2", 0, cached_blocks=7),
+    ]
+    decision = sg(tree_size="index").choose(req, cands)
+    assert (decision.worker, decision.reason) == ("small", "smallest_tree")
+    assert [s.cost for s in decision.scores] == [50.0, 7.0, 7.0]
+
+
+def test_sglang_routed_trees_grow_with_what_was_sent() -> None:
+    policy, cold = sg(), request(10, extra_tokens=0)
+    cands = idle("a", "b", "c")
+    # every tree starts empty: the first minimum, then whoever was sent the least new text
+    assert [policy.choose(cold, cands).worker for _ in range(3)] == ["a", "b", "c"]
+    warm = [Candidate("a", 10), Candidate("b", 0), Candidate("c", 0)]
+    assert policy.choose(cold, warm).reason == "cache_hit"  # a held it all: its tree is unchanged
+    busy = [Candidate("a", 0, 200), Candidate("b", 0, 0), Candidate("c", 0, 100)]
+    assert policy.choose(cold, busy).reason == "imbalanced"  # inserted into b's tree all the same
+    decision = policy.choose(cold, cands)
+    assert (decision.worker, decision.reason) == ("a", "smallest_tree")
+    assert [s.cost for s in decision.scores] == [160.0, 320.0, 160.0]
+    other_group = cold._replace(kv_group="qwen")
+    assert policy.choose(other_group, cands[::-1]).worker == "c"  # one tree per kv_group
+
+
+def test_sglang_thresholds_are_strict() -> None:
+    req = request(10, extra_tokens=0)
+    tree = [Candidate("match", 3, cached_blocks=100), Candidate("small", 0, cached_blocks=1)]
+    assert sg().choose(req, tree).reason == "smallest_tree"  # 48/160 == 0.3, not > 0.3
+    assert sg(cache_threshold=0.29).choose(req, tree).worker == "match"
+
+    def loads(high: int, low: int) -> list[Candidate]:
+        return [Candidate("high", 10, high), Candidate("low", 0, low, cached_blocks=9)]
+
+    assert sg().choose(req, loads(128, 64)).reason != "imbalanced"  # diff == 64
+    assert sg().choose(req, loads(130, 65)).reason == "imbalanced"  # 65 > 64, 130 > 97.5
+    assert sg().choose(req, loads(300, 200)).reason != "imbalanced"  # 300 == 200 * 1.5
+    assert sg().choose(req, loads(301, 200)).worker == "low"
+    assert sg().choose(RouteRequest([], 0, BS, "g"), tree).reason == "smallest_tree"
+
+
+# --- registry and the contract for all ---------------------------------------------------------
+
+
+def test_make_policy_builds_every_name_and_converts_strings() -> None:
+    for name in POLICY_NAMES:
+        assert make_policy(name).name == name
+    policy = make_policy("sglang", cache_threshold="0.5", balance_abs_threshold="32")
+    assert policy.cache_threshold == 0.5 and policy.balance_abs_threshold == 32
+    assert make_policy("consistent_hash", prefix_blocks="2.0").prefix_blocks == 2
+    assert make_policy("power_of_two", seed="18446744073709551615").seed == 2**64 - 1
+    assert policy_params("cache_aware")["prefill_tokens_per_s"] == 15_000.0
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "message"),
+    [
+        ("random", {}, "unknown policy 'random'"),
+        ("sglang", {"threshold": 1}, "no parameter threshold"),
+        ("least_load", {"seed": 1}, "no parameter seed"),
+        ("sglang", {"balance_abs_threshold": "3.5"}, "not a valid int"),
+        ("cache_aware", {"prefill_tokens_per_s": "fast"}, "not a valid float"),
+        ("cache_aware", {"prefill_tokens_per_s": "nan"}, "not a valid float"),
+        ("cache_aware", {"prefill_tokens_per_s": 0}, "must be positive"),
+        ("consistent_hash", {"virtual_nodes": "0"}, "at least 1"),
+        ("sglang", {"cache_threshold": 2}, "within"),
+        ("sglang", {"tree_size": "chars"}, "routed"),
+    ],
+)
+def test_make_policy_rejects_bad_names_and_params(name: str, params: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make_policy(name, **params)
+
+
+@st.composite
+def routing_cases(draw: st.DrawFn) -> tuple[RouteRequest, list[Candidate]]:
+    block_size = draw(st.sampled_from([1, 4, 16]))
+    keys = draw(st.lists(st.integers(0, 2**64 - 1), max_size=8))
+    prompt = len(keys) * block_size + draw(st.integers(0, block_size - 1))
+    names = draw(
+        st.lists(
+            st.text("abcdefgh-0123", min_size=1, max_size=6), min_size=1, max_size=6, unique=True
+        )
+    )
+    cands = [
+        Candidate(
+            name,
+            draw(st.integers(0, len(keys))),
+            draw(st.integers(0, 300)),
+            draw(st.integers(0, 100_000)),
+            draw(st.integers(0, 200)),
+            draw(st.integers(0, 10_000)),
+        )
+        for name in names
+    ]
+    return RouteRequest(keys, prompt, block_size, "g"), cands
+
+
+VARIANTS = [(name, {}) for name in POLICY_NAMES] + [
+    ("cache_aware", {"externality": "0"}),
+    ("sglang", {"tree_size": "index"}),
+    ("consistent_hash", {"prefix_blocks": "1", "virtual_nodes": "3"}),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=routing_cases(), variant=st.sampled_from(VARIANTS))
+def test_every_policy_returns_a_candidate_and_explains_all(
+    case: tuple[RouteRequest, list[Candidate]], variant: tuple[str, dict[str, str]]
+) -> None:
+    req, cands = case
+    policy = make_policy(variant[0], **variant[1])
+    for _ in range(3):  # stateful policies too
+        assert_explains(policy.choose(req, cands), req, cands)
