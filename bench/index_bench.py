@@ -17,8 +17,17 @@ import random
 import time
 import tracemalloc
 
-from router.blocks import _python_chain_keys, block_keys, has_native, namespace
+from router.blocks import (
+    _python_chain_keys,
+    block_keys,
+    chain_keys,
+    has_native,
+    namespace,
+    parent_prefix,
+)
 from router.index import UnifiedIndex
+from router.kv_events import BlockStored, EventBatch, decode_batch, encode_batch
+from router.kv_mirror import WorkerMirror
 
 BS = 16
 SYSTEM_TOKENS = 1024
@@ -53,8 +62,10 @@ def build(index: UnifiedIndex, blocks: int, workers: list[str], rng: random.Rand
 
 def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 2000) -> None:
     prompts = [conversation_tokens(c, c % 256) for c in rng.sample(range(convs), 200)]
-    cold = [list(range(50_000_000 + i * CONV_TOKENS, 50_000_000 + (i + 1) * CONV_TOKENS))
-            for i in range(20)]
+    cold = [
+        list(range(50_000_000 + i * CONV_TOKENS, 50_000_000 + (i + 1) * CONV_TOKENS))
+        for i in range(20)
+    ]
     for label, pool in (("fully cached 8k prompt", prompts), ("cold 8k prompt", cold)):
         times = []
         for i in range(n):
@@ -62,8 +73,10 @@ def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 20
             t0 = time.perf_counter()
             index.match(block_keys(tokens, BS), "llama-8b", now=1e9)
             times.append(time.perf_counter() - t0)
-        print(f"keys + match, {label:24s} median {percentile(times, 0.5) * 1e6:7.1f} us"
-              f"   p99 {percentile(times, 0.99) * 1e6:7.1f} us")
+        print(
+            f"keys + match, {label:24s} median {percentile(times, 0.5) * 1e6:7.1f} us"
+            f"   p99 {percentile(times, 0.99) * 1e6:7.1f} us"
+        )
     tokens, ns = prompts[0], namespace(None)
     for label, fn in (("keys only (native)", block_keys), ("keys only (pure Python)", None)):
         times = []
@@ -77,18 +90,42 @@ def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 20
         print(f"{label:38s} median {percentile(times, 0.5) * 1e6:7.1f} us")
 
 
-def bench_ingest(rng: random.Random, blocks: int = 200_000) -> None:
-    """Keys recomputed from token ids + insert, as the event mirror does per BlockStored."""
+def bench_ingest(blocks: int = 192_000) -> None:
+    """Event ingest through the whole path: msgpack payload -> decode -> mirror -> index.
+
+    `ours`: engine hashes are our keys (our workers); `vllm`: random engine hashes, so the
+    mirror keeps the engine-hash -> key map. Also the bare insert, keys computed from tokens."""
+    rng = random.Random(1)
+    shapes = [(label, n) for n in (8, 32) for label in ("ours", "vllm")]
+    for label, per_event in shapes:
+        payloads, parent, parent_key = [], None, None
+        for e in range(blocks // per_event):
+            if e % 64 == 0:
+                parent = parent_key = None  # a new conversation every 64 events
+            base = 90_000_000 + e * per_event * BS
+            tokens = list(range(base, base + per_event * BS))
+            first = namespace(None) if parent_key is None else parent_prefix(parent_key)
+            keys = chain_keys(tokens, BS, first)
+            hashes = keys if label == "ours" else [rng.getrandbits(64) for _ in keys]
+            stored = BlockStored(hashes, parent, tokens, BS, None, "GPU")
+            payloads.append(encode_batch(EventBatch(float(e), [stored])))
+            parent, parent_key = hashes[-1], keys[-1]
+        mirror = WorkerMirror(UnifiedIndex(), "w0", "llama-8b", block_size=BS)
+        t0 = time.perf_counter()
+        for seq, payload in enumerate(payloads):
+            mirror.apply(seq, decode_batch(payload), 0.0)
+        dt = time.perf_counter() - t0
+        assert mirror.stats().blocks_stored == blocks
+        print(
+            f"event ingest ({label}, {per_event} blocks/event)  {blocks / dt / 1e3:7.0f} k blocks/s"
+        )
     index = UnifiedIndex()
-    events = []
-    for c in range(blocks // 32):
-        base = 90_000_000 + c * 512
-        events.append(list(range(base, base + 512)))  # one BlockStored of 32 blocks
+    chains = [list(range(base, base + 512)) for base in range(0, blocks * BS, 512)]
     t0 = time.perf_counter()
-    for tokens in events:
+    for tokens in chains:
         index.insert(block_keys(tokens, BS), "w0", "llama-8b", 0.0)
     dt = time.perf_counter() - t0
-    print(f"ingest (keys from token_ids + insert)  {blocks / dt / 1e3:7.0f} k blocks/s")
+    print(f"bare insert (keys + insert, 32 blocks/chain)  {blocks / dt / 1e3:7.0f} k blocks/s")
 
 
 def main() -> None:
@@ -109,12 +146,16 @@ def main() -> None:
     used, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     stats = index.stats()
-    print(f"index: {stats.blocks:,} blocks, {stats.residencies:,} block-residencies over "
-          f"{args.workers} workers, built in {build_s:.1f} s")
-    print(f"memory: {used / 2**20:.0f} MiB, {used / stats.blocks:.0f} bytes per block, "
-          f"{used / stats.residencies:.0f} bytes per block-residency")
+    print(
+        f"index: {stats.blocks:,} blocks, {stats.residencies:,} block-residencies over "
+        f"{args.workers} workers, built in {build_s:.1f} s"
+    )
+    print(
+        f"memory: {used / 2**20:.0f} MiB, {used / stats.blocks:.0f} bytes per block, "
+        f"{used / stats.residencies:.0f} bytes per block-residency"
+    )
     bench_match(index, convs, rng)
-    bench_ingest(rng)
+    bench_ingest()
 
 
 if __name__ == "__main__":

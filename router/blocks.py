@@ -52,7 +52,9 @@ def _python_chain_keys(tokens: Sequence[int], block_size: int, first: bytes) -> 
     return keys
 
 
-def chain_keys(tokens: Sequence[int], block_size: int, first: bytes = SHARED_NAMESPACE) -> list[int]:
+def chain_keys(
+    tokens: Sequence[int], block_size: int, first: bytes = SHARED_NAMESPACE
+) -> list[int]:
     """Keys of every full block of `tokens`; `first` is `namespace(salt)` or `parent_prefix(k)`."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")

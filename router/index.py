@@ -258,7 +258,7 @@ class UnifiedIndex:
         expiry = now + self.approx_ttl_s
         prev: _Run | None = None  # the run that ends with the parent of keys[i]
         if parent is not None and (prev := where.get(parent)) is not None:
-            at = prev.keys.index(parent) + 1
+            at = len(prev.keys) if prev.keys[-1] == parent else prev.keys.index(parent) + 1
             if at < len(prev.keys):
                 prev = self._split(prev, at)
         added = 0

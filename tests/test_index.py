@@ -94,7 +94,7 @@ def _check_agree(index: UnifiedIndex, model: Model) -> None:
             assert index.is_approximate(key, w, g) == (expiry is not None)
 
 
-@settings(max_examples=int(__import__('os').environ.get('HX', 300)), deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(st.lists(op_st, max_size=60))
 def test_index_agrees_with_brute_force(ops):
     index, model, now = UnifiedIndex(approx_ttl_s=TTL), Model(), 0.0

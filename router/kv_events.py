@@ -1,0 +1,235 @@
+"""KV events codec (DESIGN §3): vLLM's wire format, both of its msgpack encodings.
+
+A batch is `[ts, [events...], dp_rank]` (dp_rank optional) or the map
+`{"ts", "events", "data_parallel_rank"}`. Each event is a tagged union, either positional
+(`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]`,
+older vLLM) or a map (`{"type": "BlockStored", "block_hashes": ..., ...}`, vLLM today). Block
+hashes are ints or bytes and are kept as given. Extra trailing positions and unknown map keys
+are tolerated; events of unknown type are skipped and counted in `EventBatch.unknown_events`.
+
+Our extension: `BlockStored.cache_salt`, the tenant salt of a root block. It travels only in the
+map encoding (vLLM carries none; a root block without one is in the shared namespace).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+BlockHash = int | bytes
+MEDIUM_GPU = "GPU"
+
+
+class KVEventDecodeError(ValueError):
+    """A payload that is not an event batch (the batch is unusable as a whole)."""
+
+
+# -- the records (map encoding: what vLLM sends today) -----------------------------------------
+
+
+class BlockStored(msgspec.Struct, tag=True, gc=False):
+    """Full blocks now cached; block_hashes[i] covers token_ids[i*block_size:(i+1)*block_size]
+    and block 0 continues `parent_block_hash` (None: a root)."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None  # per block: what else the engine hashed (mm, salt)
+    group_idx: int | None = None  # the engine's KV cache group (hybrid models)
+    cache_salt: str | None = None  # our extension: the salt of a root block
+
+
+class BlockRemoved(msgspec.Struct, tag=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    ts: float
+    events: list[KVEvent]
+    dp_rank: int | None = None
+    unknown_events: int = field(default=0, compare=False)  # skipped on decode, never encoded
+
+
+# -- positional twins (array_like: older vLLM, and our compact encoding) -----------------------
+# msgspec cannot mix array_like and map Structs in one union, hence twins and a first-byte peek.
+
+
+class _BlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+
+class _BlockRemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _AllBlocksClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    pass
+
+
+class _PosBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]  # decoded one at a time (encoding takes the records as they are)
+    data_parallel_rank: int | None = None
+
+
+class _VllmBatch(msgspec.Struct, array_like=True, gc=False):
+    """The shape vLLM sends today, decoded in one call (the fast path)."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class _MapBatch(msgspec.Struct, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_KNOWN = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+_vllm_batch = msgspec.msgpack.Decoder(_VllmBatch)
+_pos_batch = msgspec.msgpack.Decoder(_PosBatch)
+_map_batch = msgspec.msgpack.Decoder(_MapBatch)
+_pos_event = msgspec.msgpack.Decoder(_BlockStoredPos | _BlockRemovedPos | _AllBlocksClearedPos)
+_map_event = msgspec.msgpack.Decoder(KVEvent)
+_any = msgspec.msgpack.Decoder()
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _is_map(first: int) -> bool:
+    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+
+
+def _is_array(first: int) -> bool:
+    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+
+
+def _from_pos(ev: Any) -> KVEvent:
+    if type(ev) is _BlockStoredPos:
+        return BlockStored(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+        )
+    if type(ev) is _BlockRemovedPos:
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+    return AllBlocksCleared()
+
+
+def _to_pos(ev: KVEvent) -> Any:
+    if type(ev) is BlockStored:
+        return _BlockStoredPos(
+            ev.block_hashes,
+            ev.parent_block_hash,
+            ev.token_ids,
+            ev.block_size,
+            ev.lora_id,
+            ev.medium,
+            ev.lora_name,
+            ev.extra_keys,
+            ev.group_idx,
+        )
+    if type(ev) is BlockRemoved:
+        return _BlockRemovedPos(ev.block_hashes, ev.medium, ev.group_idx)
+    if type(ev) is AllBlocksCleared:
+        return _AllBlocksClearedPos()
+    raise TypeError(f"not a KV event: {ev!r}")
+
+
+def _event_tag(raw: msgspec.Raw) -> object:
+    """The type tag of an event that failed typed decoding (a DecodeError if it is not msgpack)."""
+    value = _any.decode(raw)
+    if isinstance(value, dict):
+        return value.get("type")
+    if isinstance(value, list) and value:
+        return value[0]
+    return None
+
+
+def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
+    """One event; None when its type is unknown (skipped)."""
+    first = memoryview(raw)[0] if len(raw) else -1
+    try:
+        if _is_map(first):
+            return _map_event.decode(raw)
+        if _is_array(first):
+            return _from_pos(_pos_event.decode(raw))
+    except msgspec.ValidationError:
+        tag = _event_tag(raw)
+        if isinstance(tag, str) and tag not in _KNOWN:
+            return None
+        raise
+    raise KVEventDecodeError("an event is neither an array nor a map")
+
+
+def decode_batch(payload: bytes | memoryview) -> EventBatch:
+    """Decode one payload of either encoding. Raises KVEventDecodeError on anything else."""
+    if not payload:
+        raise KVEventDecodeError("empty payload")
+    first = payload[0]
+    if _is_array(first):
+        try:
+            fast = _vllm_batch.decode(payload)
+            return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)
+        except msgspec.ValidationError:
+            pass  # positional or unknown events: the general path below sorts them out
+        except msgspec.DecodeError as exc:
+            raise KVEventDecodeError(str(exc)) from exc
+    try:
+        if _is_array(first):
+            wire: _PosBatch | _MapBatch = _pos_batch.decode(payload)
+        elif _is_map(first):
+            wire = _map_batch.decode(payload)
+        else:
+            raise KVEventDecodeError("the payload is neither an array nor a map")
+        events: list[KVEvent] = []
+        unknown = 0
+        for raw in wire.events:
+            ev = _decode_event(raw)
+            if ev is None:
+                unknown += 1
+            else:
+                events.append(ev)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        raise KVEventDecodeError(str(exc)) from exc
+    return EventBatch(wire.ts, events, wire.data_parallel_rank, unknown)
+
+
+def encode_batch(batch: EventBatch, *, array_like: bool = True) -> bytes:
+    """Encode a batch as `[ts, [events...], dp_rank]`: events positional (array_like, older
+    vLLM) or as tagged maps (vLLM today; the only encoding that carries `cache_salt`)."""
+    events: Sequence[Any] = [_to_pos(ev) for ev in batch.events] if array_like else batch.events
+    return _encoder.encode(_PosBatch(batch.ts, list(events), batch.dp_rank))  # type: ignore[arg-type]

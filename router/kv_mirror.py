@@ -1,0 +1,334 @@
+"""One worker's KV event stream mirrored into the unified index (DESIGN §3). Pure: no I/O.
+
+The engine's block hashes are never trusted as index keys: every BlockStored is re-keyed from
+its token ids with router/blocks.py, continuing the chain from our key of its parent. A
+per-worker map remembers engine hash -> our key so that later events (children, removals) can
+be translated. Our own workers hash exactly as we do; for them the map stays empty (a missing
+entry means "the engine hash is our key") and the index itself says whether a parent is held.
+
+Sequence numbers decide what a batch means (`Apply`):
+
+    seq == last + 1 (or the first seen)      OK         applied
+    seq >  last + 1                          GAP        not applied; replay from resume_from
+    seq <= last, same batch as applied       DUPLICATE  ignored (replay/live overlap)
+    seq <= last, another batch               RESTART    a new incarnation: the worker is cleared;
+      (or one older than `dedup_window`)                seq 0 is applied, else replay from 0
+
+A caller that cannot replay calls `reset()` and goes on: after a reset the next batch is
+accepted as a fresh start, so the mirror holds a subset of the truth, never stale blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Collection, Hashable
+from typing import NamedTuple
+
+from router.blocks import chain_keys, namespace, parent_prefix
+from router.index import UnifiedIndex
+from router.kv_events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
+
+LoraId = int | str | None
+DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
+DEFAULT_CACHE_GROUPS: frozenset[int | None] = frozenset({None, 0})
+
+
+class Outcome(enum.Enum):
+    OK = "ok"
+    GAP = "gap"
+    RESTART = "restart"
+    DUPLICATE = "duplicate"
+
+
+class Apply(NamedTuple):
+    outcome: Outcome
+    resume_from: int | None = None  # GAP/RESTART: the first seq to replay; None: nothing missing
+
+
+class MirrorStats(NamedTuple):
+    applied_batches: int
+    blocks_stored: int  # newly resident blocks
+    blocks_removed: int
+    gaps: int
+    restarts: int
+    duplicates: int
+    resets: int
+    skipped_orphans: int  # stores whose parent we never saw: they cannot be keyed
+    skipped_unkeyable: int  # blocks hashed with more than tokens (mm, salt), or a bad shape
+    unknown_events: int
+    decode_errors: int
+    last_seq: int | None
+    last_event_ts: float | None  # the engine's clock: lag = now - last_event_ts
+
+
+_UNDECODABLE = -1  # the fingerprint of a batch that did not decode (hash() never returns -1)
+
+
+def _fingerprint(batch: EventBatch) -> int:
+    """Cheap identity of a batch: a replayed copy of a batch has it, a new incarnation's not."""
+    first: object = None
+    if batch.events:
+        ev = batch.events[0]
+        first = tuple(ev.block_hashes[:1]) if not isinstance(ev, AllBlocksCleared) else "clear"
+    return hash((batch.ts, len(batch.events), first))
+
+
+class WorkerMirror:
+    """Applies one worker's event batches to `index` under `worker`.
+
+    `kv_group` names the group of the worker's base model, or maps an event's LoRA (its
+    lora_name, else lora_id, else None) to a kv_group. `block_size` (None: trust the event's)
+    must be the block size the gateway keys prompts with; other stores are skipped.
+    """
+
+    def __init__(
+        self,
+        index: UnifiedIndex,
+        worker: str,
+        kv_group: str | Callable[[LoraId], str],
+        block_size: int | None = None,
+        *,
+        media: Collection[str | None] = DEFAULT_MEDIA,
+        cache_groups: Collection[int | None] = DEFAULT_CACHE_GROUPS,
+        dedup_window: int = 2048,
+    ) -> None:
+        self.index = index
+        self.worker = worker
+        if isinstance(kv_group, str):
+            base = kv_group
+            self._group_of: Callable[[LoraId], str] = lambda lora: (
+                base if lora is None else f"{base}+lora:{lora}"
+            )
+        else:
+            self._group_of = kv_group
+        self.base_group = self._group_of(None)
+        self.block_size = block_size
+        self.media = frozenset(media)
+        self.cache_groups = frozenset(cache_groups)
+        self.dedup_window = dedup_window
+        # engine hash -> our key, for base-group blocks whose engine hash is not our key
+        self._keys: dict[BlockHash, int] = {}
+        # engine hash -> (our key, kv_group), for blocks of any other group (LoRA adapters)
+        self._other: dict[BlockHash, tuple[int, str]] = {}
+        self._recent: dict[int, int] = {}  # seq -> fingerprint of the applied batch
+        self.last_seq: int | None = None
+        self.last_event_ts: float | None = None
+        self.applied_batches = self.blocks_stored = self.blocks_removed = 0
+        self.gaps = self.restarts = self.duplicates = self.resets = 0
+        self.skipped_orphans = self.skipped_unkeyable = 0
+        self.unknown_events = self.decode_errors = 0
+
+    # -- sequencing --------------------------------------------------------------------------
+
+    def apply(self, seq: int, batch: EventBatch, now: float) -> Apply:
+        """Apply batch `seq` if it is the next one; otherwise say what the caller must do."""
+        last = self.last_seq
+        if last is not None and seq <= last:
+            if self._recent.get(seq) == _fingerprint(batch):
+                self.duplicates += 1
+                return Apply(Outcome.DUPLICATE)
+            self.new_incarnation()
+            if seq != 0:
+                return Apply(Outcome.RESTART, 0)  # the new stream's start was missed: replay
+            self._apply(seq, batch, now)
+            return Apply(Outcome.RESTART)
+        if last is not None and seq > last + 1:
+            self.gaps += 1
+            return Apply(Outcome.GAP, last + 1)
+        self._apply(seq, batch, now)
+        return Apply(Outcome.OK)
+
+    def undecodable(self, seq: int) -> None:
+        """Batch `seq` could not be decoded: its effect is unknown, so start over after it."""
+        self.decode_errors += 1
+        last = self.last_seq
+        if last is not None and seq <= last and self._recent.get(seq) == _UNDECODABLE:
+            return  # a replayed copy of the one we already gave up on
+        self.reset()
+        self.last_seq = seq
+        self._record(seq, _UNDECODABLE)
+
+    def new_incarnation(self) -> None:
+        """The worker restarted (its stream no longer has our last seq): clear it and expect
+        the new stream from seq 0."""
+        self.restarts += 1
+        self._clear()
+        self._recent.clear()
+        self.last_seq = -1
+
+    def reset(self) -> None:
+        """Forget everything about the worker (resync): its residency, the hash map, the seq."""
+        self.resets += 1
+        self._clear()
+
+    def _clear(self) -> None:
+        # _recent survives: replayed copies of batches applied before a reset stay duplicates
+        self.index.clear(self.worker)
+        self._keys.clear()
+        self._other.clear()
+        self.last_seq = None
+
+    def _record(self, seq: int, fingerprint: int) -> None:
+        recent = self._recent
+        recent[seq] = fingerprint
+        if len(recent) > self.dedup_window:
+            del recent[next(iter(recent))]
+
+    def _apply(self, seq: int, batch: EventBatch, now: float) -> None:
+        for ev in batch.events:
+            if type(ev) is BlockStored:
+                self._stored(ev, now)
+            elif type(ev) is BlockRemoved:
+                self._removed(ev)
+            elif type(ev) is AllBlocksCleared:
+                self.index.clear(self.worker)
+                self._keys.clear()
+                self._other.clear()
+        self.unknown_events += batch.unknown_events
+        self.applied_batches += 1
+        self.last_seq = seq
+        self.last_event_ts = batch.ts
+        self._record(seq, _fingerprint(batch))
+
+    # -- events ------------------------------------------------------------------------------
+
+    def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
+        """Our key and kv_group of a block this worker holds, None when we do not know it."""
+        other = self._other.get(engine_hash)
+        if other is not None:
+            return other
+        key = self._keys.get(engine_hash)
+        if key is not None:
+            return key, self.base_group
+        if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, self.base_group):
+            return engine_hash, self.base_group  # our own hashing: the engine hash is our key
+        return None
+
+    def _stored(self, ev: BlockStored, now: float) -> None:
+        if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
+            return
+        bs = ev.block_size
+        hashes = ev.block_hashes
+        if (
+            bs <= 0
+            or (self.block_size is not None and bs != self.block_size)
+            or len(ev.token_ids) != len(hashes) * bs
+        ):
+            self.skipped_unkeyable += len(hashes)
+            return
+        lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+        group = self._group_of(lora)
+        if ev.parent_block_hash is None:
+            parent = None
+            first = namespace(ev.cache_salt)
+        else:
+            known = self._lookup(ev.parent_block_hash)
+            if known is None or known[1] != group:
+                self.skipped_orphans += len(hashes)
+                return
+            parent = known[0]
+            first = parent_prefix(parent)
+        n = self._plain_prefix(ev)
+        if n < len(hashes):
+            self.skipped_unkeyable += len(hashes) - n
+            if n == 0:
+                return
+        keys = chain_keys(ev.token_ids[: n * bs], bs, first)
+        self._remember(hashes[:n], keys, group)
+        self.blocks_stored += self.index.insert(keys, self.worker, group, now, parent=parent)
+
+    def _plain_prefix(self, ev: BlockStored) -> int:
+        """How many leading blocks were hashed from their tokens alone (plus LoRA and salt,
+        which we key by kv_group and namespace): the rest carry multimodal or other keys."""
+        extra = ev.extra_keys
+        if not extra:
+            return len(ev.block_hashes)
+        ours: set[Hashable] = {ev.lora_name, ev.cache_salt} - {None}
+        for i, keys in enumerate(extra[: len(ev.block_hashes)]):
+            if not keys:
+                continue
+            if not isinstance(keys, list | tuple) or any(
+                not isinstance(k, Hashable) or k not in ours for k in keys
+            ):
+                return i
+        return len(ev.block_hashes)
+
+    def _remember(self, hashes: list[BlockHash], keys: list[int], group: str) -> None:
+        if group != self.base_group:
+            for h, key in zip(hashes, keys, strict=True):
+                self._forget_other_key(h, key)
+                self._other[h] = (key, group)
+            return
+        mapped = self._keys
+        if not self._other and not mapped and hashes == keys:
+            return  # our own hashing: identity needs no entry
+        for h, key in zip(hashes, keys, strict=True):
+            old = mapped.get(h)
+            if (old is not None and old != key) or self._other:
+                self._forget_other_key(h, key)
+            if h == key:
+                mapped.pop(h, None)  # identity: no entry
+            else:
+                mapped[h] = key
+
+    def _forget_other_key(self, engine_hash: BlockHash, key: int) -> None:
+        """An engine hash stored again under another key (should not happen): drop the old."""
+        old = self._other.get(engine_hash)
+        if old is None:
+            old_key = self._keys.get(engine_hash)
+            if old_key is None:
+                return
+            old = (old_key, self.base_group)
+        if old[0] != key:
+            self.index.remove((old[0],), self.worker, old[1])
+            self._other.pop(engine_hash, None)
+            self._keys.pop(engine_hash, None)
+
+    def _removed(self, ev: BlockRemoved) -> None:
+        if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
+            return
+        removed = 0
+        base_keys: list[int] = []
+        for h in ev.block_hashes:
+            other = self._other.pop(h, None)
+            if other is not None:
+                removed += self.index.remove((other[0],), self.worker, other[1])
+                continue
+            key = self._keys.pop(h, None)
+            if key is None:
+                if type(h) is not int:
+                    continue  # never seen: nothing to remove
+                key = h  # identity, or never seen (then the index holds nothing to remove)
+            base_keys.append(key)
+        if base_keys:
+            removed += self.index.remove(base_keys, self.worker, self.base_group)
+        self.blocks_removed += removed
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def mapped_hashes(self) -> int:
+        """Engine hashes held in the map (identity hashes take none)."""
+        return len(self._keys) + len(self._other)
+
+    def stats(self) -> MirrorStats:
+        return MirrorStats(
+            applied_batches=self.applied_batches,
+            blocks_stored=self.blocks_stored,
+            blocks_removed=self.blocks_removed,
+            gaps=self.gaps,
+            restarts=self.restarts,
+            duplicates=self.duplicates,
+            resets=self.resets,
+            skipped_orphans=self.skipped_orphans,
+            skipped_unkeyable=self.skipped_unkeyable,
+            unknown_events=self.unknown_events,
+            decode_errors=self.decode_errors,
+            last_seq=self.last_seq,
+            last_event_ts=self.last_event_ts,
+        )

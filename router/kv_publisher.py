@@ -1,0 +1,160 @@
+"""The worker side of KV events (DESIGN §3): a ZMQ PUB stream plus a ROUTER replay socket.
+
+Wire protocol (vLLM's ZmqEventPublisher):
+
+    PUB     (topic, seq as 8-byte big-endian, payload)        seq counts from 0 per incarnation
+    replay  client -> (b"", start_seq as 8-byte big-endian)   a DEALER; a REQ socket works too
+            server -> (b"", seq, payload) for every buffered seq >= start_seq,
+                      then (b"", -1 as 8-byte big-endian signed, b"")
+
+The last `buffer_steps` batches are kept for replay. `publish` is synchronous and thread-safe
+(the engine's step loop calls it); a daemon thread answers replay requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from router.kv_events import EventBatch, KVEvent, encode_batch
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_POLL_MS = 100  # how often the replay thread looks at its stop flag
+
+
+def _bind(sock: zmq.Socket, endpoint: str, timeout_s: float) -> str:
+    """Bind (tcp://host:0: any free port) and return the address bound. A port closed a moment
+    ago may still be held by ZMQ's I/O thread (it closes asynchronously): retry a little."""
+    if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+        endpoint = endpoint[:-1] + "*"  # how ZMQ spells "any port"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            sock.bind(endpoint)
+            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+class KVEventPublisher:
+    """Publishes event batches on `endpoint` and serves replays on `replay_endpoint`.
+
+    Both are bound here (port 0: any free port); `self.endpoint` and `self.replay_endpoint` are
+    the addresses actually bound, for subscribers to connect to. `array_like=False` (default)
+    sends events as maps, the encoding of vLLM today and the only one carrying `cache_salt`.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://127.0.0.1:0",
+        replay_endpoint: str | None = "tcp://127.0.0.1:0",
+        *,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        hwm: int = 100_000,
+        dp_rank: int | None = None,
+        array_like: bool = False,
+        bind_timeout_s: float = 2.0,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._ctx = context or zmq.Context.instance()
+        self.topic = topic.encode()
+        self.dp_rank = dp_rank
+        self.array_like = array_like
+        self._lock = threading.Lock()  # guards the PUB socket, the seq and the buffer
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._next_seq = 0
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self.endpoint: str = _bind(self._pub, endpoint, bind_timeout_s)
+        self.replay_endpoint: str | None = None
+        self._replay: zmq.Socket | None = None
+        self._running = True
+        self._thread: threading.Thread | None = None
+        if replay_endpoint is not None:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by the buffer: never drop
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self.replay_endpoint = _bind(self._replay, replay_endpoint, bind_timeout_s)
+            self._thread = threading.Thread(
+                target=self._serve_replay, name="kv-event-replay", daemon=True
+            )
+            self._thread.start()
+
+    @property
+    def next_seq(self) -> int:
+        return self._next_seq
+
+    def publish(
+        self, events: Sequence[KVEvent], ts: float | None = None, *, live: bool = True
+    ) -> int:
+        """Send one batch; returns its seq. `live=False` keeps it for replay only, as if the
+        PUB message were lost (tests)."""
+        batch = EventBatch(time.time() if ts is None else ts, list(events), self.dp_rank)
+        return self.publish_payload(encode_batch(batch, array_like=self.array_like), live=live)
+
+    def publish_payload(self, payload: bytes, *, live: bool = True) -> int:
+        """Send an already encoded batch; returns its seq."""
+        with self._lock:
+            if not self._running:
+                raise RuntimeError("publisher is closed")
+            seq = self._next_seq
+            self._next_seq += 1
+            self._buffer.append((seq, payload))
+            if live:
+                self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        return seq
+
+    def _serve_replay(self) -> None:
+        sock = self._replay
+        assert sock is not None
+        while self._running:
+            try:
+                if not sock.poll(_POLL_MS):
+                    continue
+                frames = sock.recv_multipart()
+            except zmq.ZMQError:
+                if self._running:
+                    log.exception("kv-event replay socket failed")
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:
+                log.warning("invalid replay request: %d frames", len(frames))
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            with self._lock:
+                items = [(s, p) for s, p in self._buffer if s >= start_seq]
+            try:
+                for seq, payload in items:
+                    sock.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+                sock.send_multipart((client, b"", END_SEQ, b""))
+            except zmq.ZMQError:
+                log.warning("replay to a client failed", exc_info=True)
+
+    def close(self) -> None:
+        """Stop serving replays and close both sockets. Idempotent."""
+        with self._lock:
+            if not self._running:
+                return
+            self._running = False
+        if self._thread is not None:
+            self._thread.join(timeout=2 * _POLL_MS / 1000 + 1.0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+        self._pub.close(linger=0)
+
+    def __enter__(self) -> KVEventPublisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,212 @@
+"""The gateway side of one worker's KV events (DESIGN §3): the asyncio shell of a WorkerMirror.
+
+A SUB socket follows the worker's stream; a DEALER (a fresh one per request, so that a late
+answer to a timed-out request is never taken for the next one) asks its replay socket for
+what was missed. Whenever the mirror may be behind (start-up, a gap in seq, a new incarnation,
+the SUB socket reconnecting) the subscriber *catches up*: it replays from the last seq it
+applied (one batch of overlap, which proves the worker is the same incarnation), or from 0.
+
+    replay starts with our last seq, same batch     same incarnation: apply what follows
+    replay starts with our last seq, other batch    new incarnation: clear, replay from 0
+    replay holds nothing from our last seq on       new incarnation: clear, replay from 0
+    replay starts later / has a hole / none / late  history lost: reset, keep what came
+
+So the mirror holds at most what the worker holds: after a loss it holds less, never stale
+blocks. Live messages that arrive during a replay wait in the SUB queue (`rcvhwm`) and are
+applied after it; those the replay covered are dropped as duplicates by seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from router.kv_events import KVEventDecodeError, decode_batch
+from router.kv_mirror import Apply, Outcome, WorkerMirror
+
+log = logging.getLogger(__name__)
+
+_END = -1
+
+
+class KVEventSubscriber:
+    """Follows one worker's KV events into its mirror: `run()` until `stop()`."""
+
+    def __init__(
+        self,
+        mirror: WorkerMirror,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        replay_timeout_s: float = 2.0,
+        replay_deadline_s: float = 30.0,
+        poll_interval_s: float = 0.1,
+        rcvhwm: int = 100_000,
+        clock: Callable[[], float] = time.monotonic,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.mirror = mirror
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.replay_timeout_s = replay_timeout_s  # the longest silence within a replay
+        self.replay_deadline_s = replay_deadline_s  # the longest replay
+        self.poll_interval_s = poll_interval_s  # how often run() looks at its stop flag
+        self.rcvhwm = rcvhwm
+        self.clock = clock  # the index's `now` (the gateway's clock)
+        self._ctx = context or zmq.asyncio.Context.instance()
+        self._stopping = False
+        self.synced = asyncio.Event()  # set once the start-up catch-up is done (or impossible)
+        self.messages = 0
+        self.bad_frames = 0
+        self.reconnects = 0
+        self.replays = 0
+        self.replay_failures = 0
+
+    def stop(self) -> None:
+        """Ask run() to return; it does within `poll_interval_s` (or after a replay)."""
+        self._stopping = True
+
+    async def run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        sub.connect(self.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        poll_ms = max(1, int(self.poll_interval_s * 1000))
+        try:
+            self.mirror.reset()  # whatever the index held for this worker may be stale
+            await self._guarded(self._catch_up())
+            self.synced.set()
+            while not self._stopping:
+                ready = dict(await poller.poll(poll_ms))
+                frames = await sub.recv_multipart() if sub in ready else None
+                # a connection is reported before any message it brings: looking after the
+                # recv, a new incarnation's first message is never taken for a continuation
+                if await self._reconnected(monitor):
+                    await self._guarded(self._catch_up())
+                if frames is not None:
+                    await self._guarded(self._on_message(frames))
+        finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _reconnected(self, monitor: zmq.asyncio.Socket) -> bool:
+        """Drain the SUB socket's monitor: did it (re)connect? Then messages may have been
+        lost, or the worker restarted."""
+        connected = False
+        while await monitor.poll(0):
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.reconnects += 1
+                connected = True
+        return connected
+
+    async def _guarded(self, step: Awaitable[None]) -> None:
+        """Run one step; never die on bad input: what it left half done is reset."""
+        try:
+            await step
+        except Exception:
+            log.exception("kv events from %s: failed", self.mirror.worker)
+            self.mirror.reset()
+
+    async def _on_message(self, frames: list[bytes]) -> None:
+        self.messages += 1
+        if len(frames) != 3 or len(frames[1]) != 8:
+            self.bad_frames += 1
+            log.warning("kv events from %s: bad frames (%d)", self.mirror.worker, len(frames))
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        result = self._apply(seq, frames[2])
+        if result is not None and result.resume_from is not None:
+            await self._catch_up()
+            self._apply(seq, frames[2], baseline=True)  # a duplicate by now, unless it was lost
+
+    def _apply(self, seq: int, payload: bytes, *, baseline: bool = False) -> Apply | None:
+        """Decode and apply one batch (None: undecodable). With `baseline`, missing history
+        is given up: the mirror is reset and this batch starts it afresh."""
+        try:
+            batch = decode_batch(payload)
+        except KVEventDecodeError as exc:
+            log.warning("kv events from %s: seq %d undecodable: %s", self.mirror.worker, seq, exc)
+            self.mirror.undecodable(seq)
+            return None
+        result = self.mirror.apply(seq, batch, self.clock())
+        if baseline and result.resume_from is not None:
+            self.mirror.reset()
+            result = self.mirror.apply(seq, batch, self.clock())
+        return result
+
+    async def _catch_up(self) -> None:
+        """Replay from our last seq (or 0) until the mirror is current; see the module doc."""
+        mirror = self.mirror
+        for _ in range(2):  # the second round only after finding a new incarnation
+            last = mirror.last_seq
+            entries = await self._replay(0 if last is None or last < 0 else last)
+            if entries is None:
+                if last is not None:  # history may be missing and cannot be had
+                    mirror.reset()
+                return
+            if not entries:
+                if last is None or last < 0:
+                    return  # nothing published yet
+                mirror.new_incarnation()  # our last seq is not in its stream
+                continue
+            for i, (seq, payload) in enumerate(entries):
+                result = self._apply(seq, payload)
+                if result is None or result.resume_from is None:
+                    continue
+                if result.outcome is Outcome.RESTART and i == 0:
+                    break  # the overlap batch differs: a new incarnation; replay from 0
+                self.replay_failures += 1  # the replay cannot cover what is missing
+                for seq_, payload_ in entries[i:]:
+                    self._apply(seq_, payload_, baseline=True)
+                return
+            else:
+                return
+        self.replay_failures += 1
+        mirror.reset()
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """The worker's buffered batches from `start` on; None when no replay can be had."""
+        if self.replay_endpoint is None:
+            return None
+        self.replays += 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        dealer.connect(self.replay_endpoint)
+        entries: list[tuple[int, bytes]] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.replay_deadline_s
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            while True:
+                wait_s = min(self.replay_timeout_s, deadline - loop.time())
+                if wait_s <= 0 or not await dealer.poll(max(1, int(wait_s * 1000))):
+                    log.warning("kv events from %s: replay timed out", self.mirror.worker)
+                    self.replay_failures += 1
+                    return None
+                frames = await dealer.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    log.warning("kv events from %s: bad replay frames", self.mirror.worker)
+                    self.replay_failures += 1
+                    return None
+                seq = int.from_bytes(frames[1], "big", signed=True)
+                if seq == _END:
+                    return entries
+                entries.append((seq, frames[2]))
+        finally:
+            dealer.close(linger=0)
