@@ -8,13 +8,61 @@ from collections.abc import Callable, Sequence
 
 # Subcommand -> (one-line help, the issue that brings it while it is not built yet).
 SUBCOMMANDS: dict[str, tuple[str, int | None]] = {
-    "gateway": ("the OpenAI-compatible cache-aware HTTP gateway", 3),
-    "worker": ("one worker process (--engine torch|emulated)", 3),
-    "cluster": ("gateway plus N local workers on this machine", 3),
+    "gateway": ("the OpenAI-compatible cache-aware HTTP gateway", None),
+    "worker": ("one worker process (--engine emulated; torch comes with issue 4)", None),
+    "cluster": ("gateway plus N local workers on this machine", None),
     "replay": ("the offline simulator: replay a trace through the policies", 5),
-    "bench": ("a load generator against any OpenAI-compatible endpoint", 3),
+    "bench": ("a load generator against any OpenAI-compatible endpoint", None),
     "keys": ("print the block keys of a prompt (debugging the index)", None),
 }
+# Subcommands whose arguments belong to another package: everything after the name is theirs.
+DELEGATED = {
+    "worker": "the worker's own --help lists its flags",
+    "bench": "urc bench --help lists its flags",
+}
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from router.gateway.app import run_gateway
+    from router.gateway.config import ConfigError, apply_flags, load_config
+
+    try:
+        config = apply_flags(load_config(args.config), args)
+    except ConfigError as exc:
+        print(f"urc gateway: {exc}", file=sys.stderr)
+        return 2
+    if not config.workers:
+        print(
+            "urc gateway: no workers: give --worker URL (repeatable) or a config file",
+            file=sys.stderr,
+        )
+        return 2
+    run_gateway(config)
+    return 0
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from router.cluster import cluster_main
+
+    return cluster_main(args)
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    """Worker and bench parse their own flags (their packages load only when asked for)."""
+    if command == "bench":
+        from loadgen.cli import main as bench_main
+
+        return bench_main(argv)
+    pre = argparse.ArgumentParser(prog="urc worker", add_help=False)
+    pre.add_argument("--engine", default="emulated")
+    known, rest = pre.parse_known_args(argv)
+    engine = known.engine
+    if engine == "emulated":
+        from backends.emulated.server import main as worker_main
+
+        return worker_main(rest)
+    print(f"urc worker: engine {engine!r} is not built yet (torch: issue 4)", file=sys.stderr)
+    return 2
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -38,6 +86,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     for name, (help_text, issue) in SUBCOMMANDS.items():
         suffix = f" [not built yet: issue {issue}]" if issue is not None else ""
         sub.add_parser(name, help=help_text + suffix, description=help_text + suffix)
+    from router.cluster import add_cluster_arguments
+    from router.gateway.config import add_gateway_arguments
+
+    add_gateway_arguments(sub.choices["gateway"])
+    handlers["gateway"] = _gateway
+    add_cluster_arguments(sub.choices["cluster"])
+    handlers["cluster"] = _cluster
     keys = sub.choices["keys"]
     keys.add_argument("text", help="the prompt text")
     keys.add_argument("--tokenizer", default="byte", help="'byte' or a model directory")
@@ -48,6 +103,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return _delegate(argv[0], argv[1:])
     parser, handlers = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -1,0 +1,149 @@
+"""The admin API, behind the admin key (`Authorization: Bearer ADMIN_KEY`); off without one.
+
+GET    /admin/workers              the fleet: health, mode, load, models, event-stream state
+POST   /admin/workers              add a worker: {"url", "name"?, "models"?, "kv_events"?, ...}
+DELETE /admin/workers/{name}       remove a worker (its residency leaves the index)
+POST   /admin/route?tenant=NAME    dry-run: the routing decision for a request body, explained
+"""
+
+from __future__ import annotations
+
+import copy
+import hmac
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from router.gateway.config import WorkerConfig
+from router.gateway.errors import APIError, bad_request
+from router.gateway.fleet import Worker
+from router.gateway.routing import parse_body, validate
+from router.index import UnifiedIndex
+
+if TYPE_CHECKING:
+    from router.gateway.app import Gateway
+
+
+def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
+    admin = _Admin(gateway)
+    app.add_routes(
+        [
+            web.get("/admin/workers", admin.list_workers),
+            web.post("/admin/workers", admin.add_worker),
+            web.delete("/admin/workers/{name}", admin.remove_worker),
+            web.post("/admin/route", admin.dry_run),
+        ]
+    )
+
+
+def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
+    blocks_held = sum(index.blocks_held(worker.name, g) for g in set(worker.models.values()))
+    mirror = worker.mirror.stats()._asdict() if worker.mirror is not None else None
+    return {
+        "name": worker.name,
+        "url": worker.url,
+        "up": worker.up,
+        "mode": "exact" if worker.exact else "approximate",
+        "models": worker.models,
+        "block_size": worker.block_size,
+        "cached_blocks": blocks_held,
+        "incarnation": worker.incarnation,
+        "load": {
+            "in_flight": worker.in_flight,
+            "queued_prefill_tokens": worker.queued_prefill_tokens,
+            "running_decode": worker.running_decode,
+        },
+        "kv_events": {
+            "endpoint": worker.config.kv_events,
+            "replay_endpoint": worker.config.kv_replay,
+            "mirror": mirror,
+        },
+    }
+
+
+class _Admin:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def _authorize(self, request: web.Request) -> None:
+        key = self.gateway.config.admin_key
+        if not key:
+            raise APIError(
+                403,
+                "the admin API is off: start the gateway with --admin-key",
+                type="permission_error",
+                code="admin_disabled",
+            )
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), key):
+            raise APIError(
+                401,
+                "wrong or missing admin key",
+                type="authentication_error",
+                code="invalid_admin_key",
+            )
+
+    async def _json(self, request: web.Request) -> Any:
+        return parse_body(await request.read())
+
+    async def list_workers(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        fleet = self.gateway.fleet
+        return web.json_response(
+            {
+                "workers": [describe(w, self.gateway.index) for w in fleet.workers.values()],
+                "index": self.gateway.index.stats()._asdict(),
+                "policy": self.gateway.config.policy,
+            }
+        )
+
+    async def add_worker(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = await self._json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            raise bad_request("a worker needs at least {'url': 'http://host:port'}", "url")
+        try:
+            config = WorkerConfig(**body)
+        except TypeError as exc:
+            raise bad_request(f"bad worker description: {exc}") from None
+        if not config.url.startswith(("http://", "https://")):
+            raise bad_request("the worker URL must start with http:// or https://", "url")
+        try:
+            worker = await self.gateway.fleet.add(config)
+        except ValueError as exc:
+            raise APIError(409, str(exc), code="worker_exists") from None
+        return web.json_response(describe(worker, self.gateway.index), status=201)
+
+    async def remove_worker(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        name = request.match_info["name"]
+        if not await self.gateway.fleet.remove(name):
+            raise APIError(404, f"no worker named {name!r}", code="worker_not_found")
+        return web.json_response({"removed": name})
+
+    async def dry_run(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = await self._json(request)
+        chat = isinstance(body, dict) and "messages" in body
+        validate(body, chat)
+        tenant_name = request.query.get("tenant")
+        tenants = self.gateway.tenants
+        tenant = tenants.by_name(tenant_name) if tenant_name else tenants.by_name("default")
+        if tenant is None:
+            raise bad_request(f"unknown tenant {tenant_name!r}", "tenant")
+        # a copy: a dry run must not move the live policy's state (round robin, routed sizes)
+        policy = copy.deepcopy(self.gateway.policy)
+        plan = self.gateway.router.plan(body, chat, tenant.salt, policy)
+        return web.json_response(
+            {
+                "worker": plan.decision.worker,
+                "reason": plan.decision.reason,
+                "policy": self.gateway.config.policy,
+                "model": plan.model.name,
+                "kv_group": plan.model.kv_group,
+                "prompt_tokens": plan.prompt_tokens,
+                "blocks": len(plan.keys),
+                "decision_us": round(plan.decision_s * 1e6, 1),
+                "candidates": [s._asdict() for s in plan.decision.scores],
+            }
+        )

@@ -1,0 +1,179 @@
+"""The gateway's HTTP surface: OpenAI endpoints, health, metrics; admin routes in admin.py.
+
+Each request: authenticate -> parse -> plan (tokenize, keys, match, policy) -> forward with the
+tenant's `cache_salt` -> record approximate residency for workers without events -> respond,
+with `x-urc-route` saying where it went and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from router.gateway.admin import add_admin_routes
+from router.gateway.config import GatewayConfig
+from router.gateway.errors import APIError
+from router.gateway.fleet import Fleet, Worker
+from router.gateway.metrics import GatewayMetrics
+from router.gateway.proxy import Proxy, with_salt
+from router.gateway.routing import Plan, Router, parse_body, validate
+from router.gateway.tenants import Tenants
+from router.index import UnifiedIndex
+from router.policies import make_policy
+
+log = logging.getLogger(__name__)
+
+
+class Gateway:
+    """Everything one gateway process holds; `app` is its aiohttp application."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self.index = UnifiedIndex(
+            max_blocks=config.index_max_blocks, approx_ttl_s=config.approx_ttl_s
+        )
+        self.fleet = Fleet(config, self.index)
+        self.policy = make_policy(config.policy, **config.policy_params)
+        self.router = Router(self.fleet, self.index, self.policy)
+        self.tenants = Tenants(config.tenants, config.salt_secret)
+        self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
+        self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
+        self._tasks: list[asyncio.Task[None]] = []
+        self.app = web.Application(
+            client_max_size=config.max_body_bytes, middlewares=[_errors_as_json]
+        )
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.list_models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics_endpoint),
+            ]
+        )
+        add_admin_routes(self.app, self)
+        self.app.on_startup.append(self._start)
+        self.app.on_cleanup.append(self._stop)
+
+    async def _start(self, _app: web.Application) -> None:
+        await self.fleet.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self.fleet.health_loop()))
+
+    async def _stop(self, _app: web.Application) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.fleet.close()
+
+    # -- OpenAI endpoints --------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/completions", chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "/v1/chat/completions", chat=True)
+
+    async def _serve(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+        tenant = self.tenants.authenticate(request.headers.get("Authorization"))
+        raw = await request.read()
+        body = parse_body(raw)
+        validate(body, chat)
+        plan = self.router.plan(body, chat, tenant.salt)
+        self.metrics.decision.observe(plan.decision_s)
+        self.metrics.reasons.labels(self.config.policy, plan.decision.reason).inc()
+        payload = with_salt(raw, body, tenant.salt)
+        stream = body.get("stream") is True
+        return await self.proxy.forward(request, path, payload, plan, stream, self._served)
+
+    def _served(self, plan: Plan, worker: Worker) -> None:
+        """After a success: workers without KV events get approximate residency."""
+        if not worker.exact and plan.keys:
+            group = worker.models.get(plan.model.name, plan.model.kv_group)
+            self.index.insert(plan.keys, worker.name, group, time.monotonic(), approximate=True)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        self.tenants.authenticate(request.headers.get("Authorization"))
+        served = {name for w in self.fleet.workers.values() if w.up for name in w.models}
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": 0,
+                "owned_by": "urc",
+                "kv_group": model.kv_group,
+            }
+            for name, model in sorted(self.fleet.models.items())
+            if name in served
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def health(self, _request: web.Request) -> web.Response:
+        up = sum(w.up for w in self.fleet.workers.values())
+        status = 200 if up else 503
+        return web.json_response(
+            {
+                "status": "ok" if up else "no healthy worker",
+                "workers_up": up,
+                "workers": len(self.fleet.workers),
+            },
+            status=status,
+        )
+
+    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Every error leaves as OpenAI-style JSON with its status; nothing escapes as a 500 page."""
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response()
+    except web.HTTPRequestEntityTooLarge as exc:
+        return APIError(
+            413, f"request body too large: {exc.text}", code="body_too_large"
+        ).response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return APIError(exc.status, exc.reason, type="invalid_request_error").response()
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception:
+        log.exception("internal error on %s %s", request.method, request.path)
+        return APIError(500, "internal error in the gateway", type="server_error").response()
+
+
+async def serve_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
+    """Serve until `stop` is set; print `gateway: URL` once the socket accepts connections."""
+    gateway = Gateway(config)
+    runner = web.AppRunner(gateway.app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        print(f"gateway: http://{config.host}:{config.port}", flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_gateway(config, stop)
+
+    asyncio.run(main())

@@ -1,0 +1,211 @@
+"""Gateway configuration: a TOML file and/or command-line flags (flags win).
+
+[gateway]
+host = "127.0.0.1"
+port = 8000
+admin_key = "secret"
+policy = "cache_aware"
+[gateway.policy_params]
+prefill_tokens_per_s = 15000
+
+[[workers]]                      # our workers: the URL is enough (the rest is discovered)
+url = "http://127.0.0.1:9001"
+[[workers]]                      # an engine that cannot be asked: say what it serves
+url = "http://10.0.0.7:8000"
+models = ["llama-3-8b"]
+kv_events = "tcp://10.0.0.7:5557"
+kv_replay = "tcp://10.0.0.7:5558"
+
+[[models]]
+name = "llama-3-8b"
+kv_group = "llama-3-8b"          # models with identical K/V for identical tokens share one
+tokenizer = "/models/llama-3-8b" # a Hugging Face model directory, or "byte"
+block_size = 16
+aliases = ["llama3"]
+
+[[tenants]]
+name = "acme"
+api_keys = ["sk-acme-1"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from router.policies import POLICY_NAMES
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    name: str
+    kv_group: str | None = None  # None: the model's own name (or what its worker reports)
+    tokenizer: str = "byte"
+    block_size: int | None = None  # None: the worker's
+    aliases: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    url: str
+    name: str | None = None  # None: derived from the URL
+    models: list[str] | None = None  # None: discovered from the worker's /urc/info
+    kv_events: str | None = None  # ZMQ endpoint of its KV events (None: discovered or none)
+    kv_replay: str | None = None
+    kv_topic: str = ""
+    block_size: int | None = None
+
+
+@dataclass(slots=True)
+class TenantConfig:
+    name: str
+    api_keys: list[str]
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: list[WorkerConfig] = field(default_factory=list)
+    models: list[ModelConfig] = field(default_factory=list)
+    tenants: list[TenantConfig] = field(default_factory=list)
+    policy: str = "cache_aware"
+    policy_params: dict[str, Any] = field(default_factory=dict)
+    admin_key: str | None = None
+    salt_secret: str = ""  # keys the tenants' cache salts; the same on every replica
+    max_body_bytes: int = 16 * 2**20
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 600.0
+    health_interval_s: float = 0.5
+    unhealthy_after: int = 2  # consecutive failed health checks or requests
+    breaker_cooldown_s: float = 5.0
+    approx_ttl_s: float = 120.0
+    index_max_blocks: int = 20_000_000
+    prefill_tokens_per_s: float = 15_000.0  # to age queued prefill of non-streamed requests
+
+
+def _table(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    value = raw.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"[[{key}]] must be an array of tables")
+    return value
+
+
+def _build(cls: type, raw: dict[str, Any], what: str) -> Any:
+    try:
+        return cls(**raw)
+    except TypeError as exc:
+        raise ConfigError(f"bad {what} entry {raw!r}: {exc}") from None
+
+
+def load_config(path: str | Path | None = None) -> GatewayConfig:
+    """Read a TOML file (None: all defaults)."""
+    config = GatewayConfig()
+    if path is None:
+        return config
+    try:
+        raw = tomllib.loads(Path(path).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config {path}: {exc}") from None
+    for key, value in raw.get("gateway", {}).items():
+        if not hasattr(config, key) or key in ("workers", "models", "tenants"):
+            raise ConfigError(f"unknown [gateway] setting {key!r}")
+        setattr(config, key, value)
+    config.workers = [_build(WorkerConfig, w, "workers") for w in _table(raw, "workers")]
+    config.models = [_build(ModelConfig, m, "models") for m in _table(raw, "models")]
+    config.tenants = [_build(TenantConfig, t, "tenants") for t in _table(raw, "tenants")]
+    return config
+
+
+def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file (flags override it)")
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--worker",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a worker's base URL; repeatable. Ours are discovered (models, block size, "
+        "KV-event endpoints); others are described in the config file",
+    )
+    parser.add_argument("--policy", choices=POLICY_NAMES, help="routing policy")
+    parser.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a policy parameter, e.g. cache_threshold=0.5; repeatable",
+    )
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="TENANT:KEY",
+        help="an API key of a tenant; repeatable. With none, auth is off (one shared tenant)",
+    )
+    parser.add_argument("--admin-key", help="the key of the admin API (/admin/...)")
+    parser.add_argument(
+        "--model-tokenizer",
+        action="append",
+        default=[],
+        metavar="MODEL=SPEC",
+        help="tokenizer of a model: 'byte' or a model directory; repeatable",
+    )
+
+
+def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
+    if args.host:
+        config.host = args.host
+    if args.port is not None:
+        config.port = args.port
+    config.workers.extend(WorkerConfig(url=url) for url in args.worker)
+    if args.policy:
+        config.policy = args.policy
+    for item in args.policy_param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--policy-param wants KEY=VALUE, got {item!r}")
+        config.policy_params[key] = value
+    by_name = {t.name: t for t in config.tenants}
+    for item in args.api_key:
+        tenant, sep, key = item.partition(":")
+        if not sep or not tenant or not key:
+            raise ConfigError(f"--api-key wants TENANT:KEY, got {item!r}")
+        if tenant not in by_name:
+            by_name[tenant] = TenantConfig(tenant, [])
+            config.tenants.append(by_name[tenant])
+        by_name[tenant].api_keys.append(key)
+    if args.admin_key:
+        config.admin_key = args.admin_key
+    models = {m.name: m for m in config.models}
+    for item in args.model_tokenizer:
+        name, sep, spec = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--model-tokenizer wants MODEL=SPEC, got {item!r}")
+        models.setdefault(name, ModelConfig(name)).tokenizer = spec
+        if name not in {m.name for m in config.models}:
+            config.models.append(models[name])
+    validate(config)
+    return config
+
+
+def validate(config: GatewayConfig) -> None:
+    if config.policy not in POLICY_NAMES:
+        raise ConfigError(f"unknown policy {config.policy!r} (known: {', '.join(POLICY_NAMES)})")
+    keys: set[str] = set()
+    for tenant in config.tenants:
+        for key in tenant.api_keys:
+            if key in keys:
+                raise ConfigError(f"API key of tenant {tenant.name!r} is used twice")
+            keys.add(key)
+    for worker in config.workers:
+        if not worker.url.startswith(("http://", "https://")):
+            raise ConfigError(f"worker URL must start with http:// or https://: {worker.url!r}")

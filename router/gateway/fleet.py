@@ -1,0 +1,265 @@
+"""The fleet as the gateway sees it: workers, what they serve, their health and load.
+
+A worker is *up* once it answers; it leaves the candidate set (and its residency leaves the
+index) after `unhealthy_after` failed health checks or requests in a row, and comes back, with
+a resynced mirror, when it answers again. Workers that publish KV events are mirrored exactly;
+the others get approximate residency from the gateway's own routing history (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlparse
+
+import aiohttp
+
+from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
+from router.index import UnifiedIndex
+from router.kv_mirror import WorkerMirror
+from router.kv_subscriber import KVEventSubscriber
+from router.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Model:
+    """A served model name and how to key its prompts."""
+
+    name: str
+    kv_group: str
+    tokenizer: Tokenizer
+    block_size: int
+
+
+@dataclass(slots=True, eq=False)
+class Worker:
+    name: str
+    url: str
+    config: WorkerConfig
+    models: dict[str, str] = field(default_factory=dict)  # served name -> kv_group
+    block_size: int = 16
+    up: bool = False
+    failures: int = 0  # consecutive failed checks or requests
+    incarnation: str | None = None
+    # load as the gateway sees it
+    in_flight: int = 0
+    queued_prefill_tokens: int = 0
+    running_decode: int = 0
+    # KV events (None: approximate residency)
+    mirror: WorkerMirror | None = None
+    subscriber: KVEventSubscriber | None = None
+    task: asyncio.Task[None] | None = None
+
+    @property
+    def exact(self) -> bool:
+        return self.subscriber is not None
+
+
+def worker_name(url: str) -> str:
+    parsed = urlparse(url)
+    return f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+
+
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", "127.0.0.1", "localhost"}
+
+
+def reachable(endpoint: str | None, worker_host: str) -> str | None:
+    """A worker reports its bind address (tcp://*:5557, tcp://127.0.0.1:5557); seen from the
+    gateway its events live on the host of its URL (a container name, another machine)."""
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if sep and host in _WILDCARD_HOSTS:
+        return f"tcp://{worker_host}:{port}"
+    return endpoint
+
+
+class Fleet:
+    """Workers by name and by kv_group; models by served name and alias."""
+
+    def __init__(self, config: GatewayConfig, index: UnifiedIndex) -> None:
+        self.config = config
+        self.index = index
+        self.workers: dict[str, Worker] = {}
+        self.models: dict[str, Model] = {}
+        self._by_group: dict[str, list[Worker]] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._configured = {m.name: m for m in config.models}
+        for model in config.models:
+            self._declare(model.name, model, model.kv_group or model.name, model.block_size or 16)
+        self.session: aiohttp.ClientSession | None = None
+
+    # -- models ------------------------------------------------------------------------------
+
+    def _tokenizer(self, spec: str) -> Tokenizer:
+        tokenizer = self._tokenizers.get(spec)
+        if tokenizer is None:
+            tokenizer = self._tokenizers[spec] = load_tokenizer(spec)
+        return tokenizer
+
+    def _declare(self, name: str, config: ModelConfig | None, group: str, block_size: int) -> None:
+        spec = config.tokenizer if config else "byte"
+        model = Model(name, group, self._tokenizer(spec), block_size)
+        self.models[name] = model
+        for alias in config.aliases if config else ():
+            self.models[alias] = model
+
+    def model(self, name: str) -> Model | None:
+        return self.models.get(name)
+
+    def candidates(self, kv_group: str) -> list[Worker]:
+        return self._by_group.get(kv_group, [])
+
+    def _regroup(self) -> None:
+        groups: dict[str, list[Worker]] = {}
+        for worker in self.workers.values():
+            if worker.up:
+                for group in set(worker.models.values()):
+                    groups.setdefault(group, []).append(worker)
+        self._by_group = groups
+
+    # -- membership --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
+        await asyncio.gather(*(self.add(w) for w in self.config.workers))
+
+    async def close(self) -> None:
+        for worker in list(self.workers.values()):
+            await self._stop_events(worker)
+        if self.session is not None:
+            await self.session.close()
+
+    async def add(self, config: WorkerConfig) -> Worker:
+        name = config.name or worker_name(config.url)
+        if name in self.workers:
+            raise ValueError(f"worker {name!r} is already in the fleet")
+        worker = Worker(name, config.url.rstrip("/"), config)
+        self.workers[name] = worker
+        await self.check(worker)
+        return worker
+
+    async def remove(self, name: str) -> bool:
+        worker = self.workers.pop(name, None)
+        if worker is None:
+            return False
+        await self._mark_down(worker, "removed")
+        return True
+
+    # -- health ------------------------------------------------------------------------------
+
+    async def check(self, worker: Worker) -> None:
+        """One health check; discovery when the worker comes (back) up."""
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=max(self.config.health_interval_s * 2, 1.0))
+        try:
+            if not worker.up:
+                await self._discover(worker, timeout)
+            async with self.session.get(worker.url + "/health", timeout=timeout) as resp:
+                healthy = resp.status == 200
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            log.debug("health check of %s failed: %s", worker.name, exc)
+            healthy = False
+        if healthy:
+            worker.failures = 0
+            if not worker.up:
+                await self._mark_up(worker)
+        else:
+            self.failed(worker)
+
+    def failed(self, worker: Worker) -> None:
+        """A failed check or request: enough in a row take the worker out."""
+        worker.failures += 1
+        if worker.up and worker.failures >= self.config.unhealthy_after:
+            asyncio.get_running_loop().create_task(self._mark_down(worker, "unhealthy"))
+
+    async def health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            workers = list(self.workers.values())
+            await asyncio.gather(*(self.check(w) for w in workers), return_exceptions=True)
+            self.index.expire(time.monotonic())
+
+    async def _discover(self, worker: Worker, timeout: aiohttp.ClientTimeout) -> None:
+        """Ask our workers what they serve; engines that cannot be asked are configured."""
+        config = worker.config
+        info: dict = {}
+        if config.models is None:
+            assert self.session is not None
+            async with self.session.get(worker.url + "/urc/info", timeout=timeout) as resp:
+                if resp.status != 200:
+                    raise ValueError(f"{worker.url}/urc/info answered {resp.status}")
+                info = await resp.json()
+        worker.incarnation = info.get("incarnation")
+        worker.block_size = int(config.block_size or info.get("block_size") or 16)
+        served: dict[str, str] = {}
+        for entry in info.get("models", []):
+            name = entry["name"]
+            configured = self._configured.get(name)
+            group = (configured.kv_group if configured else None) or entry.get("kv_group") or name
+            served[name] = group
+            if name not in self.models:
+                self._declare(name, configured, group, worker.block_size)
+        for name in config.models or ():
+            model = self.models.get(name)
+            if model is None:
+                self._declare(name, None, name, worker.block_size)
+                model = self.models[name]
+            served[name] = model.kv_group
+        worker.models = served
+        events = info.get("kv_events") or {}
+        host = urlparse(worker.url).hostname or "127.0.0.1"
+        config.kv_events = config.kv_events or reachable(events.get("endpoint"), host)
+        config.kv_replay = config.kv_replay or reachable(events.get("replay_endpoint"), host)
+        config.kv_topic = config.kv_topic or events.get("topic", "")
+
+    async def _mark_up(self, worker: Worker) -> None:
+        worker.up = True
+        worker.failures = 0
+        groups = set(worker.models.values())
+        if worker.config.kv_events and len(groups) == 1:
+            # one kv_group per event stream: the events carry no model name
+            worker.mirror = WorkerMirror(
+                self.index, worker.name, groups.pop(), block_size=worker.block_size
+            )
+            worker.subscriber = KVEventSubscriber(
+                worker.mirror,
+                worker.config.kv_events,
+                worker.config.kv_replay,
+                topic=worker.config.kv_topic,
+                clock=time.monotonic,
+            )
+            worker.task = asyncio.get_running_loop().create_task(worker.subscriber.run())
+        self._regroup()
+        log.info(
+            "worker %s up (%s, %s)",
+            worker.name,
+            ", ".join(worker.models) or "no models",
+            "exact" if worker.exact else "approximate",
+        )
+
+    async def _mark_down(self, worker: Worker, why: str) -> None:
+        if not worker.up:
+            return
+        worker.up = False
+        self._regroup()
+        await self._stop_events(worker)
+        self.index.clear(worker.name)
+        worker.in_flight = worker.queued_prefill_tokens = worker.running_decode = 0
+        log.warning("worker %s down (%s): its residency left the index", worker.name, why)
+
+    async def _stop_events(self, worker: Worker) -> None:
+        if worker.subscriber is not None:
+            worker.subscriber.stop()
+        if worker.task is not None:
+            worker.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await worker.task
+        worker.subscriber = worker.task = worker.mirror = None

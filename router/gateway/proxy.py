@@ -1,0 +1,256 @@
+"""Forwarding: the original body (plus `cache_salt`) to the planned worker, failing over to the
+next one while nothing has reached the client; SSE chunks are passed through as they arrive.
+
+Load accounting per request (what the policies see):
+    dispatched      in_flight += 1, queued_prefill_tokens += its uncached tokens
+    first byte      queued_prefill_tokens -= them, running_decode += 1
+    done            in_flight -= 1, running_decode -= 1
+A non-streamed response has no visible first byte: its prefill is aged out of the queue after
+the time the gateway's prefill-rate estimate gives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from router.gateway.errors import bad_gateway
+from router.gateway.fleet import Fleet, Worker
+from router.gateway.metrics import GatewayMetrics
+from router.gateway.routing import Plan
+
+_JSON = {"Content-Type": "application/json"}
+_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+
+
+class _Failover(Exception):
+    """The worker failed before the first byte reached the client."""
+
+
+class _Load:
+    """One request's share of a worker's load; every transition happens at most once."""
+
+    __slots__ = ("worker", "uncached", "started", "done", "timer")
+
+    def __init__(self, worker: Worker, uncached: int) -> None:
+        self.worker = worker
+        self.uncached = uncached
+        self.started = self.done = False
+        self.timer: asyncio.TimerHandle | None = None
+        worker.in_flight += 1
+        worker.queued_prefill_tokens += uncached
+
+    def start(self) -> None:
+        if not self.started and not self.done:
+            self.started = True
+            self.worker.queued_prefill_tokens -= self.uncached
+            self.worker.running_decode += 1
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.started:
+            self.worker.running_decode -= 1
+        else:
+            self.worker.queued_prefill_tokens -= self.uncached
+        self.done = True
+        self.worker.in_flight -= 1
+
+
+def with_salt(raw: bytes, body: dict[str, Any], salt: str | None) -> bytes:
+    """The client's bytes with the tenant's `cache_salt`, re-encoded only when the client sent
+    a salt of its own (which must not win)."""
+    if "cache_salt" in body:
+        body = dict(body)
+        if salt is None:
+            del body["cache_salt"]
+        else:
+            body["cache_salt"] = salt
+        return msgspec.json.encode(body)
+    if salt is None:
+        return raw
+    start = raw.index(b"{") + 1
+    return b'{"cache_salt":' + msgspec.json.encode(salt) + b"," + raw[start:]
+
+
+def route_header(plan: Plan, worker: Worker) -> str:
+    return (
+        f"worker={worker.name}; matched_tokens={plan.matched.get(worker.name, 0)}; "
+        f"prompt_tokens={plan.prompt_tokens}; reason={plan.decision.reason}"
+    )
+
+
+class Proxy:
+    def __init__(self, fleet: Fleet, metrics: GatewayMetrics, prefill_tokens_per_s: float):
+        self.fleet = fleet
+        self.metrics = metrics
+        self.s_per_token = 1.0 / prefill_tokens_per_s
+
+    async def forward(
+        self,
+        request: web.Request,
+        path: str,
+        payload: bytes,
+        plan: Plan,
+        stream: bool,
+        on_success: Callable[[Plan, Worker], None],
+    ) -> web.StreamResponse:
+        t0 = time.monotonic()
+        model = plan.model.name
+        last_error = "no worker was up"
+        for worker in plan.ranked:
+            if not worker.up:
+                continue
+            load = _Load(worker, plan.prompt_tokens - plan.matched.get(worker.name, 0))
+            if not stream:
+                delay = worker.queued_prefill_tokens * self.s_per_token
+                load.timer = asyncio.get_running_loop().call_later(delay, load.start)
+            try:
+                response, status = await self._attempt(
+                    request, path, payload, plan, worker, load, stream, t0
+                )
+            except _Failover as exc:
+                last_error = f"{worker.name}: {exc}"
+                self.fleet.failed(worker)
+                self.metrics.failovers.labels(worker.name).inc()
+                continue
+            finally:
+                load.finish()
+            worker.failures = 0
+            self.metrics.requests.labels(model, worker.name, str(status)).inc()
+            self.metrics.latency.labels(model).observe(time.monotonic() - t0)
+            if status == 200:
+                on_success(plan, worker)
+            return response
+        raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        path: str,
+        payload: bytes,
+        plan: Plan,
+        worker: Worker,
+        load: _Load,
+        stream: bool,
+        t0: float,
+    ) -> tuple[web.StreamResponse, int]:
+        session = self.fleet.session
+        assert session is not None
+        config = self.fleet.config
+        timeout = aiohttp.ClientTimeout(
+            total=config.request_timeout_s, connect=config.connect_timeout_s
+        )
+        try:
+            upstream = await session.post(
+                worker.url + path, data=payload, headers=_JSON, timeout=timeout
+            )
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
+        try:
+            if stream and upstream.status == 200:
+                return await self._stream(request, upstream, plan, worker, load, t0), 200
+            try:
+                body = await upstream.read()
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
+            if upstream.status >= 500:  # nothing reached the client yet: the next one may serve
+                self.metrics.requests.labels(
+                    plan.model.name, worker.name, str(upstream.status)
+                ).inc()
+                raise _Failover(f"answered {upstream.status}")
+            if upstream.status == 200 and not _is_json_object(body):
+                raise _Failover("answered 200 with a body that is not a JSON object")
+            return self._whole(upstream, body, plan, worker, load, t0), upstream.status
+        finally:
+            upstream.release()
+
+    def _account(self, plan: Plan, worker: Worker, cached: int | None) -> None:
+        m = self.metrics
+        model = plan.model.name
+        predicted = plan.matched.get(worker.name, 0)
+        m.prompt_tokens.labels(worker.name, model).inc(plan.prompt_tokens)
+        m.predicted_cached.labels(worker.name, model).inc(predicted)
+        if cached is not None:
+            m.actual_cached.labels(worker.name, model).inc(cached)
+            m.prediction_error.labels(worker.name, model).inc(abs(predicted - cached))
+
+    def _whole(
+        self,
+        upstream: aiohttp.ClientResponse,
+        body: bytes,
+        plan: Plan,
+        worker: Worker,
+        load: _Load,
+        t0: float,
+    ) -> web.Response:
+        load.start()
+        self.metrics.ttft.labels(plan.model.name).observe(time.monotonic() - t0)
+        if upstream.status == 200:
+            found = _CACHED_RE.search(body)
+            self._account(plan, worker, int(found.group(1)) if found else _header_int(upstream))
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers["x-urc-route"] = route_header(plan, worker)
+        return web.Response(body=body, status=upstream.status, headers=headers)
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: aiohttp.ClientResponse,
+        plan: Plan,
+        worker: Worker,
+        load: _Load,
+        t0: float,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status)
+        for key, value in upstream.headers.items():
+            if key.lower() not in _HOP_HEADERS:
+                response.headers[key] = value
+        response.headers["x-urc-route"] = route_header(plan, worker)
+        cached = _header_int(upstream)
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    if not chunk.lstrip().startswith((b"data:", b":", b"event:")):
+                        raise _Failover("answered 200 with a stream that is not SSE")
+                    first = False
+                    load.start()
+                    self.metrics.ttft.labels(plan.model.name).observe(time.monotonic() - t0)
+                    await response.prepare(request)
+                if b'"cached_tokens"' in chunk:
+                    found = _CACHED_RE.search(chunk)
+                    if found:
+                        cached = int(found.group(1))
+                await response.write(chunk)
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            if first:  # not a byte reached the client: the next worker may serve it
+                raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
+            return response  # the client has a partial stream; nothing more can be done
+        if first:
+            await response.prepare(request)
+        await response.write_eof()
+        self._account(plan, worker, cached)
+        return response
+
+
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(msgspec.json.decode(body), dict)
+    except msgspec.DecodeError:
+        return False
+
+
+def _header_int(upstream: aiohttp.ClientResponse) -> int | None:
+    value = upstream.headers.get("x-urc-cached-tokens")
+    return int(value) if value is not None and value.isdigit() else None

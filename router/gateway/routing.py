@@ -1,0 +1,123 @@
+"""The routing step of a request: validate -> tokenize -> block keys -> match -> policy.
+
+Synchronous and free of I/O: the HTTP handler calls `Router.plan` and then forwards.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple
+
+import msgspec
+
+from router.blocks import block_keys
+from router.gateway.errors import APIError, bad_request, unavailable
+from router.gateway.fleet import Fleet, Model, Worker
+from router.index import UnifiedIndex
+from router.policies import Candidate, Decision, Policy, RouteRequest
+
+
+class Plan(NamedTuple):
+    model: Model
+    keys: list[int]
+    prompt_tokens: int
+    decision: Decision
+    ranked: list[Worker]  # the chosen worker first, then the failover order
+    matched: dict[str, int]  # matched tokens per candidate worker
+    decision_s: float
+
+
+_decode = msgspec.json.Decoder().decode
+
+
+def parse_body(raw: bytes) -> Any:
+    if not raw:
+        raise bad_request("the request body is empty")
+    try:
+        return _decode(raw)
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+
+
+def _check_int(body: dict[str, Any], field: str, low: int = 0) -> None:
+    value = body.get(field)
+    if value is not None and (type(value) is not int or value < low):
+        raise bad_request(f"'{field}' must be an integer >= {low}", field)
+
+
+def validate(body: Any, chat: bool) -> None:
+    """The fields routing needs, with OpenAI's wording for what is wrong. The rest is the
+    worker's to check (its 4xx goes back to the client as is)."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array", "messages")
+    else:
+        prompt = body.get("prompt")
+        ok = isinstance(prompt, str) or (
+            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+        )
+        if not ok:
+            raise bad_request("'prompt' must be a string or an array of token ids", "prompt")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    _check_int(body, "max_tokens")
+    _check_int(body, "max_completion_tokens")
+    _check_int(body, "n", 1)
+
+
+class Router:
+    def __init__(self, fleet: Fleet, index: UnifiedIndex, policy: Policy) -> None:
+        self.fleet = fleet
+        self.index = index
+        self.policy = policy
+
+    def tokens(self, model: Model, body: dict[str, Any], chat: bool) -> list[int]:
+        try:
+            if chat:
+                return model.tokenizer.encode_chat(body["messages"], body.get("tools"))
+            prompt = body["prompt"]
+            return model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages" if chat else "prompt") from None
+
+    def plan(
+        self, body: dict[str, Any], chat: bool, salt: str | None, policy: Policy | None = None
+    ) -> Plan:
+        t0 = time.perf_counter()
+        name = body["model"]
+        model = self.fleet.model(name)
+        if model is None:
+            raise APIError(
+                404, f"The model '{name}' does not exist", param="model", code="model_not_found"
+            )
+        workers = self.fleet.candidates(model.kv_group)
+        if not workers:
+            raise unavailable(f"no healthy worker serves model '{name}'")
+        tokens = self.tokens(model, body, chat)
+        keys = block_keys(tokens, model.block_size, salt)
+        group = model.kv_group
+        matched_blocks = self.index.match(keys, group, time.monotonic())
+        index = self.index
+        candidates = [
+            Candidate(
+                w.name,
+                matched_blocks.get(w.name, 0),
+                w.in_flight,
+                w.queued_prefill_tokens,
+                w.running_decode,
+                index.blocks_held(w.name, group),
+            )
+            for w in workers
+        ]
+        request = RouteRequest(keys, len(tokens), model.block_size, group, name)
+        decision = (policy or self.policy).choose(request, candidates)
+        by_name = {w.name: w for w in workers}
+        ranked = [by_name[n] for n in decision.ranked()]
+        matched = {s.worker: s.matched_tokens for s in decision.scores}
+        return Plan(model, keys, len(tokens), decision, ranked, matched, time.perf_counter() - t0)

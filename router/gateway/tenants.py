@@ -1,0 +1,61 @@
+"""Request identity (DESIGN §5): the API key names the tenant, the tenant names the cache salt.
+
+With no keys configured auth is off and every request belongs to one shared tenant whose
+prompts are keyed in the shared namespace. Salts are derived with a keyed hash, so a client
+cannot name another tenant's salt, and every gateway replica derives the same ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import NamedTuple
+
+from router.gateway.config import TenantConfig
+from router.gateway.errors import APIError
+
+SHARED_TENANT = "default"
+
+
+class Tenant(NamedTuple):
+    name: str
+    salt: str | None  # forwarded as `cache_salt`; None: the shared namespace
+
+
+class Tenants:
+    def __init__(self, tenants: list[TenantConfig], secret: str) -> None:
+        self._by_key: dict[str, Tenant] = {}
+        for config in tenants:
+            digest = hashlib.blake2b(
+                config.name.encode(), key=secret.encode()[:64], digest_size=16
+            ).hexdigest()
+            tenant = Tenant(config.name, f"urc-{digest}")
+            for key in config.api_keys:
+                self._by_key[key] = tenant
+        self.auth = bool(self._by_key)
+        self._shared = Tenant(SHARED_TENANT, None)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if not self.auth:
+            return self._shared
+        if not authorization:
+            raise APIError(
+                401,
+                "Missing API key: send 'Authorization: Bearer KEY'",
+                type="authentication_error",
+                code="missing_api_key",
+            )
+        scheme, _, key = authorization.partition(" ")
+        tenant = self._by_key.get(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            raise APIError(
+                401,
+                "Incorrect API key provided",
+                type="authentication_error",
+                code="invalid_api_key",
+            )
+        return tenant
+
+    def by_name(self, name: str) -> Tenant | None:
+        if not self.auth and name == SHARED_TENANT:
+            return self._shared
+        return next((t for t in self._by_key.values() if t.name == name), None)
