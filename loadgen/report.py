@@ -1,0 +1,218 @@
+"""A run's results -> one summary dict (the `--json` file) and a table for the terminal. Pure.
+
+JSON schema "urc.bench/1" (keys are stable; a value is null when nothing measured it):
+
+    schema       "urc.bench/1"
+    config       how the run was asked for: target, workload | trace, mode ("closed" | "poisson"
+                 | "trace"), concurrency, rate, duration_s, requests, models, seed, ...
+    duration_s   wall time from the first send to the last answer
+    counts       {sent, ok, failed, cancelled, dropped}: sent = ok + failed + cancelled; dropped =
+                 session turns never sent because an earlier turn of theirs failed
+    errors       {kind: count} over failed requests (kinds: loadgen.results), e.g. "http_503"
+    error_examples  {kind: the first such request's detail} (a status body, an exception)
+    ttft_s       {mean, p50, p90, p99, max} over ok requests: time to the first content chunk
+    latency_s    {mean, p50, p90, p99, max} over ok requests: time to the end of the stream
+    throughput   {requests_per_s, output_tokens_per_s}: ok requests and their output / duration
+    tokens       {prompt, cached, output}: sums over ok requests, as the workers report them
+                 (cached: usage.prompt_tokens_details.cached_tokens, else x-urc-cached-tokens)
+    hit_rate     tokens.cached / tokens.prompt over ok requests that report both, in [0, 1]
+    prediction   {compared, mae_pct, bias_pct}: the gateway's predicted cached prefix
+                 (x-urc-route matched_tokens) against the worker's cached tokens, per ok request
+                 reporting both: mean |predicted - actual| (and mean predicted - actual) in % of
+                 the request's prompt tokens
+    workers      {worker: {requests, ok, prompt_tokens, cached_tokens, hit_rate}} from x-urc-route
+    requests     only with --json-requests: one object per request (see `request_row`)
+
+Percentiles interpolate linearly between the closest ranks (numpy's default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadgen.results import RequestResult
+
+SCHEMA = "urc.bench/1"
+_STATS = ("mean", "p50", "p90", "p99", "max")
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def distribution(values: Sequence[float]) -> dict[str, float | None]:
+    if not values:
+        return dict.fromkeys(_STATS)
+    return {
+        "mean": sum(values) / len(values),
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values),
+    }
+
+
+def request_row(r: RequestResult) -> dict[str, Any]:
+    return {
+        "index": r.index,
+        "model": r.model,
+        "tenant": r.tenant,
+        "session_id": r.session_id,
+        "group_id": r.group_id,
+        "start_s": r.start_s,
+        "error": r.error,
+        "detail": r.detail,
+        "status": r.status,
+        "ttft_s": r.ttft_s,
+        "latency_s": r.latency_s,
+        "prompt_tokens": r.prompt_tokens,
+        "output_tokens": r.output_tokens,
+        "cached_tokens": r.actual_cached_tokens,
+        "predicted_tokens": r.predicted_tokens,
+        "worker": r.route.worker if r.route else None,
+        "route_reason": r.route.reason if r.route else None,
+    }
+
+
+def summarize(
+    results: Sequence[RequestResult],
+    duration_s: float,
+    dropped: int = 0,
+    config: Mapping[str, Any] | None = None,
+    per_request: bool = False,
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    cancelled = sum(1 for r in results if r.error == "cancelled")
+    errors = Counter(r.error for r in results if r.error not in (None, "cancelled"))
+    output = sum(r.output_tokens for r in ok)
+    reporting = [
+        r for r in ok if r.prompt_tokens is not None and r.actual_cached_tokens is not None
+    ]
+    prompt_reported = sum(r.prompt_tokens or 0 for r in reporting)
+    cached_reported = sum(r.actual_cached_tokens or 0 for r in reporting)
+    compared = [
+        r
+        for r in reporting
+        if r.predicted_tokens is not None and r.prompt_tokens and r.prompt_tokens > 0
+    ]
+    gaps = [
+        100.0 * ((r.predicted_tokens or 0) - (r.actual_cached_tokens or 0)) / (r.prompt_tokens or 1)
+        for r in compared
+    ]
+    workers: dict[str, dict[str, Any]] = {}
+    for r in results:
+        if r.route is None or r.route.worker is None:
+            continue
+        w = workers.setdefault(
+            r.route.worker, {"requests": 0, "ok": 0, "prompt_tokens": 0, "cached_tokens": 0}
+        )
+        w["requests"] += 1
+        if r.ok:
+            w["ok"] += 1
+            if r.prompt_tokens is not None and r.actual_cached_tokens is not None:
+                w["prompt_tokens"] += r.prompt_tokens
+                w["cached_tokens"] += r.actual_cached_tokens
+    for w in workers.values():
+        w["hit_rate"] = w["cached_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else None
+    summary: dict[str, Any] = {
+        "schema": SCHEMA,
+        "config": dict(config or {}),
+        "duration_s": duration_s,
+        "counts": {
+            "sent": len(results),
+            "ok": len(ok),
+            "failed": sum(errors.values()),
+            "cancelled": cancelled,
+            "dropped": dropped,
+        },
+        "errors": dict(sorted(errors.items())),
+        "error_examples": {
+            kind: next(r.detail for r in results if r.error == kind) for kind in sorted(errors)
+        },
+        "ttft_s": distribution([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "latency_s": distribution([r.latency_s for r in ok if r.latency_s is not None]),
+        "throughput": {
+            "requests_per_s": len(ok) / duration_s if duration_s > 0 else None,
+            "output_tokens_per_s": output / duration_s if duration_s > 0 else None,
+        },
+        "tokens": {
+            "prompt": sum(r.prompt_tokens or 0 for r in ok),
+            "cached": sum(r.actual_cached_tokens or 0 for r in ok),
+            "output": output,
+        },
+        "hit_rate": cached_reported / prompt_reported if prompt_reported else None,
+        "prediction": {
+            "compared": len(compared),
+            "mae_pct": sum(abs(g) for g in gaps) / len(gaps) if gaps else None,
+            "bias_pct": sum(gaps) / len(gaps) if gaps else None,
+        },
+        "workers": dict(sorted(workers.items())),
+    }
+    if per_request:
+        summary["requests"] = [request_row(r) for r in results]
+    return summary
+
+
+def write_json(summary: Mapping[str, Any], path: str | Path) -> None:
+    Path(path).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def format_report(summary: Mapping[str, Any]) -> str:
+    """The summary as a few aligned lines for a terminal."""
+    cfg, counts, tput = summary["config"], summary["counts"], summary["throughput"]
+    source = cfg.get("workload") or cfg.get("trace") or "?"
+    lines = [f"urc bench  {cfg.get('target', '?')}  {source}  mode={cfg.get('mode', '?')}"]
+    errs = ", ".join(f"{k} {v}" for k, v in summary["errors"].items())
+    lines.append(
+        f"requests    {counts['sent']} sent  {counts['ok']} ok  {counts['failed']} failed"
+        + (f" ({errs})" if errs else "")
+        + f"  {counts['cancelled']} cancelled  {counts['dropped']} dropped"
+        + f"  in {summary['duration_s']:.2f}s"
+    )
+    for kind, detail in summary["error_examples"].items():
+        lines.append(f"  {kind + ':':14}{detail[:84]}")
+    if tput["requests_per_s"] is not None:
+        lines.append(
+            f"throughput  {tput['requests_per_s']:.2f} req/s"
+            f"  {tput['output_tokens_per_s']:.1f} output tok/s"
+        )
+    lines.append(f"{'':12}" + "".join(f"{s:>10}" for s in _STATS))
+    for label, key in (("TTFT ms", "ttft_s"), ("latency ms", "latency_s")):
+        lines.append(f"{label:12}" + "".join(f"{_ms(summary[key][s]):>10}" for s in _STATS))
+    tok = summary["tokens"]
+    lines.append(
+        f"cache       hit rate {_pct(summary['hit_rate'])}"
+        f"  ({tok['cached']:,} of {tok['prompt']:,} prompt tokens cached, as workers report)"
+    )
+    pred = summary["prediction"]
+    if pred["compared"]:
+        lines.append(
+            f"prediction  MAE {pred['mae_pct']:.2f}% of prompt tokens"
+            f"  (bias {pred['bias_pct']:+.2f}%) over {pred['compared']} requests"
+        )
+    if summary["workers"]:
+        width = max(12, *(len(name) + 2 for name in summary["workers"]))
+        lines.append(f"{'worker':{width}}{'requests':>10}{'ok':>10}{'hit rate':>10}")
+        for name, w in summary["workers"].items():
+            hit = _pct(w["hit_rate"])
+            lines.append(f"{name:{width}}{w['requests']:>10}{w['ok']:>10}{hit:>10}")
+    return "\n".join(lines)

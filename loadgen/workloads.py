@@ -1,0 +1,297 @@
+"""Built-in workloads: pure, seeded, endless streams of `RequestSpec`s (no I/O, no clock).
+
+The same `(name, seed, models, params)` always yields the same specs, so the load generator and
+the offline simulator replay identical traffic. Text comes from `loadgen.text.filler`: under the
+byte tokenizer a string of n ASCII bytes is n tokens, so prefix lengths are exact.
+
+A multi-turn session is a chain of specs with one `session_id`; spec `turn` k > 0 carries only the
+*new* messages of that turn. Its real request is built by `loadgen.sessions.SessionQueue` from the
+previous request and the assistant's actual reply, so the next prompt extends the last one token
+for token (the workers answer deterministically, but only the client knows what they said).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from itertools import count, islice
+from typing import Any, Literal, NamedTuple, Protocol
+
+from loadgen.text import filler
+
+Kind = Literal["chat", "completion"]
+Message = dict[str, str]
+DEFAULT_MODELS: tuple[str, ...] = ("tiny",)
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request to send, before it meets the endpoint.
+
+    chat: `messages` (turn 0: the whole conversation; turn k > 0: only the new messages);
+    completion: `prompt` (turn k > 0: only the new text). `arrival_s` is the open-loop send time
+    from the start of the run (None: as soon as the loop admits it). `tenant` is a logical name the
+    runner maps to an API key. `group_id` names the shared prefix a request was built on.
+    """
+
+    index: int
+    kind: Kind
+    model: str
+    max_tokens: int
+    messages: list[Message] | None = None
+    prompt: str | None = None
+    arrival_s: float | None = None
+    tenant: str | None = None
+    session_id: str | None = None
+    turn: int = 0
+    ends_session: bool = True  # the session's last turn: its history can be forgotten
+    group_id: str | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.kind == "chat") == (self.messages is not None), self
+        assert (self.kind == "completion") == (self.prompt is not None), self
+        assert self.max_tokens >= 1, self.max_tokens
+
+
+class Workload(Protocol):
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]: ...
+
+
+def _single_turn(
+    index: int, kind: str, model: str, max_tokens: int, system: str, question: str, **ids: Any
+) -> RequestSpec:
+    if kind == "chat":
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return RequestSpec(index, "chat", model, max_tokens, messages=messages, **ids)
+    assert kind == "completion", kind
+    return RequestSpec(index, "completion", model, max_tokens, prompt=system + question, **ids)
+
+
+def _shared_prefix_stream(
+    p: SystemPrompts,
+    seed: int,
+    tag: str,
+    model_of: Callable[[int, int], str],
+    tenant_of: Callable[[int, int], str | None],
+) -> Iterator[RequestSpec]:
+    """Request i: a seeded-random group g (its j-th request) = g's prefix + a fresh question."""
+    rng = random.Random(f"{tag}/{seed}/groups")
+    sent = [0] * p.groups
+    for i in count():
+        g = rng.randrange(p.groups)
+        j = sent[g]
+        sent[g] += 1
+        system = filler(p.prefix_tokens, f"{tag}/{seed}/system/{g}")
+        question = filler(p.question_tokens, f"{tag}/{seed}/question/{i}")
+        yield _single_turn(
+            i,
+            p.kind,
+            model_of(g, j),
+            p.max_tokens,
+            system,
+            question,
+            tenant=tenant_of(g, j),
+            group_id=f"{tag}/g{g}",
+        )
+
+
+@dataclass(slots=True)
+class SystemPrompts:
+    """`groups` long system prompts of `prefix_tokens` each, every request one of them plus a
+    short distinct user question (chat: system + user messages; completion: prefix + question)."""
+
+    groups: int = 20
+    prefix_tokens: int = 2000
+    question_tokens: int = 48
+    max_tokens: int = 32
+    kind: str = "chat"
+
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
+        return _shared_prefix_stream(
+            self, seed, "system-prompts", lambda g, j: models[0], lambda g, j: None
+        )
+
+
+@dataclass(slots=True)
+class MultiModel(SystemPrompts):
+    """system-prompts spread over every model: a group's requests cycle through the models, so
+    identical prefixes reach different KV groups (which must never share cache)."""
+
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
+        return _shared_prefix_stream(
+            self, seed, "multi-model", lambda g, j: models[(g + j) % len(models)], lambda g, j: None
+        )
+
+
+@dataclass(slots=True)
+class TwoTenants(SystemPrompts):
+    """system-prompts sent by two tenants alternately: the same prompts under two API keys,
+    which isolation keeps apart (no cross-tenant cache hits)."""
+
+    tenants: tuple[str, ...] = ("tenant-a", "tenant-b")
+
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
+        tenants = self.tenants
+        return _shared_prefix_stream(
+            self,
+            seed,
+            "two-tenants",
+            lambda g, j: models[0],
+            lambda g, j: tenants[j % len(tenants)],
+        )
+
+
+@dataclass(slots=True)
+class MultiTurn:
+    """Conversations of `turns` turns, `sessions` at a time: turn k+1 = turn k's messages + the
+    assistant's actual reply + a new user message of `user_tokens`. One system prompt of
+    `system_tokens` (0: none) opens every conversation, as in a chat product."""
+
+    sessions: int = 16
+    turns: int = 4
+    system_tokens: int = 256
+    user_tokens: int = 64
+    max_tokens: int = 32
+
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
+        system = filler(self.system_tokens, f"multi-turn/{seed}/system")
+        i = 0
+        for batch in count():
+            # turn-major within a batch: a session's next turn comes after every other's turn
+            for turn in range(self.turns):
+                for s in range(batch * self.sessions, (batch + 1) * self.sessions):
+                    user = {
+                        "role": "user",
+                        "content": filler(self.user_tokens, f"mt/{seed}/{s}/{turn}"),
+                    }
+                    messages = [user]
+                    if turn == 0 and self.system_tokens > 0:
+                        messages = [{"role": "system", "content": system}, user]
+                    yield RequestSpec(
+                        i,
+                        "chat",
+                        models[s % len(models)],
+                        self.max_tokens,
+                        messages=messages,
+                        session_id=f"multi-turn/s{s}",
+                        turn=turn,
+                        ends_session=turn == self.turns - 1,
+                        group_id="multi-turn/system" if self.system_tokens > 0 else None,
+                    )
+                    i += 1
+
+
+@dataclass(slots=True)
+class Mixed:
+    """A seeded blend of the other workloads (each with its defaults), by weight."""
+
+    weights: str = "system-prompts:2,multi-turn:2,multi-model:1,two-tenants:1"
+
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
+        names: list[str] = []
+        shares: list[float] = []
+        for item in self.weights.split(","):
+            name, _, weight = item.strip().partition(":")
+            if name not in WORKLOADS or name == "mixed":
+                raise ValueError(f"mixed: unknown workload {name!r} in weights")
+            names.append(name)
+            shares.append(float(weight or 1))
+        streams = [WORKLOADS[n]().requests(seed, models) for n in names]
+        rng = random.Random(f"mixed/{seed}")
+        for i in count():
+            (stream,) = rng.choices(streams, weights=shares)
+            yield dataclasses.replace(next(stream), index=i)
+
+
+WORKLOADS: dict[str, type] = {
+    "system-prompts": SystemPrompts,
+    "multi-turn": MultiTurn,
+    "multi-model": MultiModel,
+    "two-tenants": TwoTenants,
+    "mixed": Mixed,
+}
+
+
+class WorkloadInfo(NamedTuple):
+    name: str
+    description: str
+    params: dict[str, Any]  # parameter -> default
+
+
+def list_workloads() -> list[WorkloadInfo]:
+    return [
+        WorkloadInfo(
+            name,
+            " ".join((cls.__doc__ or "").split()),
+            {f.name: f.default for f in dataclasses.fields(cls)},
+        )
+        for name, cls in WORKLOADS.items()
+    ]
+
+
+def _coerce(value: Any, default: Any, name: str) -> Any:
+    """A parameter given as text (`--param k=v`) -> the type of its default."""
+    if not isinstance(value, str) or isinstance(default, str):
+        return value
+    try:
+        if isinstance(default, bool):
+            return value.lower() in ("1", "true", "yes", "on")
+        if isinstance(default, tuple):
+            return tuple(v.strip() for v in value.split(",") if v.strip())
+        return type(default)(value)
+    except ValueError as e:
+        raise ValueError(f"parameter {name}: {e}") from None
+
+
+_AT_LEAST_ONE = frozenset({"groups", "sessions", "turns", "max_tokens"})
+
+
+def make_workload(name: str, **params: Any) -> Workload:
+    """The workload `name` with `params` (strings are converted to each default's type)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    cls = WORKLOADS[name]
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    unknown = set(params) - set(defaults)
+    if unknown:
+        raise ValueError(f"{name}: unknown parameter(s) {sorted(unknown)}; known: {list(defaults)}")
+    workload = cls(**{k: _coerce(v, defaults[k], k) for k, v in params.items()})
+    kind = getattr(workload, "kind", "chat")
+    if kind not in ("chat", "completion"):
+        raise ValueError(f"{name}: kind must be 'chat' or 'completion', not {kind!r}")
+    for f in dataclasses.fields(workload):
+        value = getattr(workload, f.name)
+        least = 1 if f.name in _AT_LEAST_ONE else 0
+        if isinstance(value, int) and value < least:
+            raise ValueError(f"{name}: {f.name} must be >= {least}, got {value}")
+        if isinstance(value, tuple) and not value:
+            raise ValueError(f"{name}: {f.name} must not be empty")
+    return workload
+
+
+def iter_requests(
+    name: str,
+    seed: int = 0,
+    models: Sequence[str] = DEFAULT_MODELS,
+    n: int | None = None,
+    **params: Any,
+) -> Iterator[RequestSpec]:
+    """The workload's specs: endless, or the first `n`."""
+    if not models:
+        raise ValueError("at least one model name is needed")
+    stream = make_workload(name, **params).requests(seed, list(models))
+    return stream if n is None else islice(stream, n)
+
+
+def with_poisson_arrivals(
+    specs: Iterable[RequestSpec], rate: float, seed: int = 0
+) -> Iterator[RequestSpec]:
+    """Open-loop arrivals: the first at 0, then exponential gaps of mean 1/rate (seeded)."""
+    assert rate > 0, rate
+    rng = random.Random(f"urc-loadgen/arrivals/{seed}")
+    t = 0.0
+    for spec in specs:
+        yield dataclasses.replace(spec, arrival_s=t)
+        t += rng.expovariate(rate)
