@@ -54,8 +54,8 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
             "running_decode": worker.running_decode,
         },
         "kv_events": {
-            "endpoint": worker.config.kv_events,
-            "replay_endpoint": worker.config.kv_replay,
+            "endpoint": worker.kv_events,
+            "replay_endpoint": worker.kv_replay,
             "mirror": mirror,
         },
     }

@@ -50,7 +50,10 @@ class Worker:
     in_flight: int = 0
     queued_prefill_tokens: int = 0
     running_decode: int = 0
-    # KV events (None: approximate residency)
+    # KV events (no endpoint: approximate residency)
+    kv_events: str | None = None
+    kv_replay: str | None = None
+    kv_topic: str = ""
     mirror: WorkerMirror | None = None
     subscriber: KVEventSubscriber | None = None
     task: asyncio.Task[None] | None = None
@@ -216,24 +219,25 @@ class Fleet:
         worker.models = served
         events = info.get("kv_events") or {}
         host = urlparse(worker.url).hostname or "127.0.0.1"
-        config.kv_events = config.kv_events or reachable(events.get("endpoint"), host)
-        config.kv_replay = config.kv_replay or reachable(events.get("replay_endpoint"), host)
-        config.kv_topic = config.kv_topic or events.get("topic", "")
+        # configured endpoints win; discovered ones are refreshed (a restart may move them)
+        worker.kv_events = config.kv_events or reachable(events.get("endpoint"), host)
+        worker.kv_replay = config.kv_replay or reachable(events.get("replay_endpoint"), host)
+        worker.kv_topic = config.kv_topic or events.get("topic", "")
 
     async def _mark_up(self, worker: Worker) -> None:
         worker.up = True
         worker.failures = 0
         groups = set(worker.models.values())
-        if worker.config.kv_events and len(groups) == 1:
+        if worker.kv_events and len(groups) == 1:
             # one kv_group per event stream: the events carry no model name
             worker.mirror = WorkerMirror(
                 self.index, worker.name, groups.pop(), block_size=worker.block_size
             )
             worker.subscriber = KVEventSubscriber(
                 worker.mirror,
-                worker.config.kv_events,
-                worker.config.kv_replay,
-                topic=worker.config.kv_topic,
+                worker.kv_events,
+                worker.kv_replay,
+                topic=worker.kv_topic,
                 clock=time.monotonic,
             )
             worker.task = asyncio.get_running_loop().create_task(worker.subscriber.run())

@@ -1,0 +1,86 @@
+"""Real processes on 127.0.0.1 for end-to-end tests: workers and gateways, started and stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Proc:
+    """A child process that announces its URL on stdout (`ready: URL`, `gateway: URL`)."""
+
+    def __init__(self, args: Sequence[str], ready_prefix: str, timeout_s: float = 60.0) -> None:
+        self.args = list(args)
+        self.lines: list[str] = []
+        self.popen = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        ready = threading.Event()
+        self.url = ""
+
+        def pump() -> None:
+            assert self.popen.stdout is not None
+            for line in self.popen.stdout:
+                self.lines.append(line.rstrip())
+                if not ready.is_set() and line.startswith(ready_prefix):
+                    self.url = line[len(ready_prefix) :].strip()
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=pump, daemon=True).start()
+        if not ready.wait(timeout_s) or not self.url:
+            self.stop()
+            raise RuntimeError(f"{args} did not start:\n" + "\n".join(self.lines[-30:]))
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any goodbye, as a crashed worker does."""
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+def start_worker(*extra: str, port: int | None = None) -> Proc:
+    port = port or free_port()
+    args = ["-m", "backends.emulated.server", "--host", "127.0.0.1", "--port", str(port), *extra]
+    return Proc(args, "ready: ")
+
+
+def start_gateway(workers: Sequence[str], *extra: str, port: int | None = None) -> Proc:
+    port = port or free_port()
+    args = ["-m", "router.cli", "gateway", "--port", str(port)]
+    for url in workers:
+        args += ["--worker", url]
+    return Proc([*args, *extra], "gateway: ")
+
+
+def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

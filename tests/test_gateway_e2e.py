@@ -1,0 +1,223 @@
+"""The gateway end to end: real worker and gateway processes on 127.0.0.1, real HTTP."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import start_gateway, start_worker, wait_for
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+def admin_workers(gateway: str) -> list[dict]:
+    return httpx.get(f"{gateway}/admin/workers", headers=ADMIN, timeout=5).json()["workers"]
+
+
+def all_exact(gateway: str, n: int) -> bool:
+    try:
+        workers = admin_workers(gateway)
+    except httpx.HTTPError:
+        return False
+    return sum(w["up"] and w["mode"] == "exact" for w in workers) == n
+
+
+def route(response: httpx.Response) -> dict[str, str]:
+    header = response.headers["x-urc-route"]
+    return dict(part.strip().split("=", 1) for part in header.split(";"))
+
+
+def best_match(gateway: str, body: dict) -> int:
+    plan = httpx.post(f"{gateway}/admin/route", json=body, headers=ADMIN, timeout=5).json()
+    return max(c["matched_tokens"] for c in plan["candidates"])
+
+
+@pytest.fixture(scope="module")
+def two_workers():
+    workers = [start_worker() for _ in range(2)]
+    gateway = start_gateway([w.url for w in workers], "--admin-key", "admin-secret")
+    try:
+        assert wait_for(lambda: all_exact(gateway.url, 2), 20)
+        model = httpx.get(f"{gateway.url}/v1/models", timeout=5).json()["data"][0]["id"]
+        yield gateway.url, model
+    finally:
+        gateway.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_openai_client_works_unchanged(two_workers):
+    url, model = two_workers
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello there"}], max_tokens=8
+    )
+    assert chat.choices[0].message.content and chat.usage.completion_tokens == 8
+    text = client.completions.create(model=model, prompt="once upon a time", max_tokens=5)
+    assert text.usage.completion_tokens == 5
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "stream me"}],
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].usage.completion_tokens == 6
+    pieces = list(client.completions.create(model=model, prompt="abc", max_tokens=4, stream=True))
+    assert sum(len(p.choices[0].text) for p in pieces if p.choices) > 0
+    assert [m.id for m in client.models.list().data] == [model]
+
+
+def test_shared_prefixes_land_where_they_are_cached():
+    workers = [start_worker() for _ in range(4)]
+    gateway = start_gateway([w.url for w in workers], "--admin-key", "admin-secret")
+    try:
+        assert wait_for(lambda: all_exact(gateway.url, 4), 20)
+        url = gateway.url
+        model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+        prefixes = [f"group {g:02d} " + "system prompt text " * 106 for g in range(20)]
+        prefixes = [p[:2000] for p in prefixes]
+        client = httpx.Client(timeout=30)
+
+        def send(prompt: str) -> httpx.Response:
+            body = {"model": model, "prompt": prompt, "max_tokens": 4}
+            response = client.post(f"{url}/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response
+
+        for g, prefix in enumerate(prefixes):  # the first of each group warms one worker
+            send(prefix + f" first question of group {g}?")
+            probe = {"model": model, "prompt": prefix + " probe"}
+            # the worker's KV events reach the index within moments
+            assert wait_for(lambda probe=probe: best_match(url, probe) >= 1984, 5)
+        followups = [
+            (g, p + f" question {i} of group {g}?")
+            for i in range(5)
+            for g, p in enumerate(prefixes)
+        ]
+        with cf.ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(lambda gp: send(gp[1]), followups))
+        hits, errors, per_worker = 0, [], {}
+        for response in responses:
+            r = route(response)
+            usage = response.json()["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            hits += int(r["matched_tokens"]) >= 1984
+            errors.append(abs(int(r["matched_tokens"]) - cached) / usage["prompt_tokens"])
+            per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
+        assert hits >= 0.95 * len(followups), (hits, per_worker)
+        assert max(errors) <= 0.02, max(errors)
+        assert len(per_worker) >= 3, per_worker  # the groups spread over the fleet
+    finally:
+        gateway.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_tenants_do_not_share_cache():
+    worker = start_worker()
+    gateway = start_gateway([worker.url], "--api-key", "acme:key-a", "--api-key", "beta:key-b")
+    try:
+        url = gateway.url
+        model = httpx.get(
+            f"{url}/v1/models", headers={"Authorization": "Bearer key-a"}, timeout=5
+        ).json()["data"][0]["id"]
+        body = {"model": model, "prompt": "a confidential document " * 40, "max_tokens": 2}
+
+        def cached(key: str) -> int:
+            r = httpx.post(
+                f"{url}/v1/completions",
+                json=body,
+                timeout=30,
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+        cached("key-a")
+        assert cached("key-a") > 0
+        assert cached("key-b") == 0  # the same prompt from another tenant finds nothing
+        # a client cannot pick another tenant's salt either
+        spoof = {**body, "cache_salt": "anything"}
+        r = httpx.post(
+            f"{url}/v1/completions",
+            json=spoof,
+            timeout=30,
+            headers={"Authorization": "Bearer key-b"},
+        )
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # b's own cache
+    finally:
+        gateway.stop()
+        worker.stop()
+
+
+def test_bad_input_gets_clear_errors_and_the_gateway_keeps_serving(two_workers):
+    url, model = two_workers
+    post = lambda path, **kw: httpx.post(f"{url}{path}", timeout=30, **kw)  # noqa: E731
+    cases = [
+        (post("/v1/completions", content=b"{not json"), 400),
+        (post("/v1/completions", content=b""), 400),
+        (post("/v1/completions", json=[1, 2]), 400),
+        (post("/v1/completions", json={"model": model, "prompt": 5}), 400),
+        (post("/v1/completions", json={"model": model, "prompt": "x", "stream": "yes"}), 400),
+        (post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": -1}), 400),
+        (post("/v1/completions", json={"prompt": "x"}), 400),
+        (post("/v1/chat/completions", json={"model": model}), 400),
+        (post("/v1/chat/completions", json={"model": model, "messages": [{"content": 1}]}), 400),
+        (post("/v1/completions", json={"model": "no-such-model", "prompt": "x"}), 404),
+        (post("/v1/completions", content=b"x" * (17 * 2**20)), 413),
+        (post("/admin/workers", json={}), 401),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, (response.status_code, response.text)
+        error = response.json()["error"]
+        assert error["message"] and error["type"]
+    ok = post("/v1/completions", json={"model": model, "prompt": "still alive", "max_tokens": 2})
+    assert ok.status_code == 200 and httpx.get(f"{url}/health").status_code == 200
+
+
+def test_auth_errors():
+    worker = start_worker()
+    gateway = start_gateway([worker.url], "--api-key", "acme:key-a")
+    try:
+        body = {"model": "m", "prompt": "x"}
+        missing = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=10)
+        wrong = httpx.post(
+            f"{gateway.url}/v1/completions",
+            json=body,
+            timeout=10,
+            headers={"Authorization": "Bearer nope"},
+        )
+        for response in (missing, wrong):
+            assert response.status_code == 401
+            assert response.json()["error"]["type"] == "authentication_error"
+    finally:
+        gateway.stop()
+        worker.stop()
+
+
+def test_metrics_and_dry_run(two_workers):
+    url, model = two_workers
+    body = {"model": model, "messages": [{"role": "user", "content": "explain " * 30}]}
+    plan = httpx.post(f"{url}/admin/route", json=body, headers=ADMIN, timeout=5).json()
+    assert plan["worker"] and len(plan["candidates"]) == 2 and plan["prompt_tokens"] > 0
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    for name in (
+        "urc_requests_total",
+        "urc_ttft_seconds",
+        "urc_decision_seconds",
+        "urc_predicted_cached_tokens_total",
+        "urc_actual_cached_tokens_total",
+        "urc_index_blocks",
+        "urc_worker_healthy",
+        "urc_kv_event_gaps",
+    ):
+        assert name in text, name
+    assert json.loads(json.dumps(plan))  # plain JSON
