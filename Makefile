@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml setup.py Makefile router/_blockkeys.c
 	$(PIP) install -q -e '.[test,torch]'
 	touch $(STAMP)
 
-# Until the local cluster lands (issue 3) the main job is the core's benchmark at a smaller scale.
+# The main job: a local cluster (gateway + 4 emulated GPU workers), a built-in workload through
+# it with the cache-aware policy and with round robin, and a side-by-side table (out/run/).
 run: $(STAMP)
-	$(VENV)/bin/urc --help
-	$(PY) bench/index_bench.py --blocks 200000
+	$(PY) bench/compare_policies.py --out out/run
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -232,16 +232,29 @@ class Proxy:
                     found = _CACHED_RE.search(chunk)
                     if found:
                         cached = int(found.group(1))
-                await response.write(chunk)
+                if not await _send(response, chunk):
+                    return response  # the client went away: stop reading, free the worker
         except (TimeoutError, aiohttp.ClientError) as exc:
             if first:  # not a byte reached the client: the next worker may serve it
                 raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
             return response  # the client has a partial stream; nothing more can be done
         if first:
             await response.prepare(request)
-        await response.write_eof()
-        self._account(plan, worker, cached)
+        if await _send(response, None):
+            self._account(plan, worker, cached)
         return response
+
+
+async def _send(response: web.StreamResponse, chunk: bytes | None) -> bool:
+    """Write to the client (None: the end); False when the client has gone."""
+    try:
+        if chunk is None:
+            await response.write_eof()
+        else:
+            await response.write(chunk)
+    except ConnectionResetError:
+        return False
+    return True
 
 
 def _is_json_object(body: bytes) -> bool:

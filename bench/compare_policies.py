@@ -1,0 +1,169 @@
+"""The main job (`make run`): a local cluster, one workload, several policies, side by side.
+
+For each policy: `urc cluster` (a gateway and N emulated GPU workers on 127.0.0.1), then
+`urc bench` with the same seeded workload, then the cluster stops. The table compares what
+the workers reported (hit rate from `cached_tokens`) and what the clients saw (TTFT, latency,
+throughput).
+
+    python bench/compare_policies.py [--policies cache_aware,round_robin] [--workers 4]
+        [--workload mixed] [--requests 400] [--concurrency 16] [--out out/run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+ROWS = [
+    ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),
+    ("TTFT p50 (ms)", lambda s: s["ttft_s"]["p50"] * 1e3, "{:.0f}"),
+    ("TTFT p99 (ms)", lambda s: s["ttft_s"]["p99"] * 1e3, "{:.0f}"),
+    ("latency p50 (ms)", lambda s: s["latency_s"]["p50"] * 1e3, "{:.0f}"),
+    ("throughput (req/s)", lambda s: s["throughput"]["requests_per_s"], "{:.1f}"),
+    ("output tok/s", lambda s: s["throughput"]["output_tokens_per_s"], "{:.0f}"),
+    ("errors", lambda s: s["counts"]["failed"], "{:d}"),
+    ("prediction error (% prompt)", lambda s: (s["prediction"] or {}).get("mae_pct"), "{:.2f}"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_cluster(policy: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "cluster",
+        "--workers",
+        str(args.workers),
+        "--policy",
+        policy,
+        "--port",
+        str(free_port()),
+        f"--worker-arg=--capacity-tokens={args.capacity_tokens}",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    url: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("gateway: ") and not url:
+                url.append(line.split(" ", 1)[1].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(120) or not url:
+        proc.kill()
+        raise SystemExit(f"the {policy} cluster did not start")
+    return proc, url[0]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
+    proc, url = start_cluster(policy, args)
+    try:
+        report = out / f"{policy}.json"
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "bench",
+                "--target",
+                url,
+                "--workload",
+                args.workload,
+                "--requests",
+                str(args.requests),
+                "--concurrency",
+                str(args.concurrency),
+                "--seed",
+                str(args.seed),
+                "--json",
+                str(report),
+                "--no-progress",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        return json.loads(report.read_text())
+    finally:
+        stop(proc)
+
+
+def table(results: dict[str, dict]) -> str:
+    names = list(results)
+    width = max(12, *(len(n) for n in names))
+    lines = [f"{'':30s}" + "".join(f"{n:>{width + 2}s}" for n in names)]
+    for label, get, fmt in ROWS:
+        cells = []
+        for name in names:
+            try:
+                value = get(results[name])
+                cells.append(fmt.format(value) if value is not None else "-")
+            except (KeyError, TypeError):
+                cells.append("-")
+        lines.append(f"{label:30s}" + "".join(f"{c:>{width + 2}s}" for c in cells))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policies", default="cache_aware,round_robin")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--capacity-tokens",
+        type=int,
+        default=30_000,
+        help="KV capacity per worker: small, so placement matters",
+    )
+    parser.add_argument("--workload", default="mixed")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="out/run")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for policy in args.policies.split(","):
+        print(
+            f"running {args.workload} x {args.requests} through {args.workers} workers "
+            f"with {policy} ...",
+            flush=True,
+        )
+        results[policy] = run_policy(policy, args, out)
+    text = table(results)
+    print()
+    print(text)
+    (out / "report.txt").write_text(text + "\n")
+    print(f"\nreports: {out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
