@@ -61,13 +61,15 @@ def test_killed_worker_fails_over_and_comes_back():
         port = int(victim.url.rsplit(":", 1)[1])
         workers[0] = start_worker(port=port)  # the same address, a new incarnation
         assert wait_for(lambda: all_exact(url, 3), 20)
-        prompt = "a fresh conversation for the restarted worker " * 20
-        body = {"model": model, "prompt": prompt, "max_tokens": 2}
-        for _ in range(12):  # until one lands on it; its events then fill the mirror again
+        victim_name = victim.url.split("//")[1]
+        for i in range(40):  # distinct cold prompts until one lands on it (rendezvous spreads them)
+            body = {"model": model, "prompt": f"{i:03d} fresh conversation " * 20, "max_tokens": 2}
             r = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
-            body["prompt"] += " more"
-            if r.headers["x-urc-route"].startswith(f"worker={victim.url.split('//')[1]};"):
+            assert r.status_code == 200
+            if r.headers["x-urc-route"].startswith(f"worker={victim_name};"):
                 break
+        else:
+            raise AssertionError("no request reached the restarted worker")
         assert wait_for(lambda: by_name(url)[victim.url]["cached_blocks"] > 0, 5)
         mirror = by_name(url)[victim.url]["kv_events"]["mirror"]
         assert mirror["last_seq"] is not None
