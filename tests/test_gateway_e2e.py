@@ -221,3 +221,41 @@ def test_metrics_and_dry_run(two_workers):
     ):
         assert name in text, name
     assert json.loads(json.dumps(plan))  # plain JSON
+
+
+def test_workers_without_events_get_approximate_residency(tmp_path):
+    """An engine that cannot be asked and publishes nothing: routing history stands in."""
+    workers = [start_worker() for _ in range(2)]
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        "\n".join(
+            f'[[workers]]\nurl = "{w.url}"\nmodels = ["emulated"]\nblock_size = 16\n'
+            for w in workers
+        )
+    )
+    gateway = start_gateway([], "--config", str(config), "--admin-key", "admin-secret")
+    try:
+        url = gateway.url
+        assert wait_for(
+            lambda: sum(w["up"] and w["mode"] == "approximate" for w in admin_workers(url)) == 2,
+            10,
+        )
+        prompt = "an approximately remembered prefix " * 30
+        first = httpx.post(
+            f"{url}/v1/completions",
+            timeout=30,
+            json={"model": "emulated", "prompt": prompt, "max_tokens": 2},
+        )
+        second = httpx.post(
+            f"{url}/v1/completions",
+            timeout=30,
+            json={"model": "emulated", "prompt": prompt + " again", "max_tokens": 2},
+        )
+        assert route(second)["worker"] == route(first)["worker"]
+        predicted = int(route(second)["matched_tokens"])
+        actual = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert predicted > 0 and abs(predicted - actual) <= 16
+    finally:
+        gateway.stop()
+        for w in workers:
+            w.stop()

@@ -85,7 +85,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     health_interval_s: float = 0.5
     unhealthy_after: int = 2  # consecutive failed health checks or requests
-    breaker_cooldown_s: float = 5.0
+    breaker_cooldown_s: float = 3.0  # a worker taken out stays out at least this long
     approx_ttl_s: float = 120.0
     index_max_blocks: int = 20_000_000
     prefill_tokens_per_s: float = 15_000.0  # to age queued prefill of non-streamed requests

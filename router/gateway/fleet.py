@@ -45,6 +45,7 @@ class Worker:
     block_size: int = 16
     up: bool = False
     failures: int = 0  # consecutive failed checks or requests
+    down_until: float = 0.0  # circuit breaker: no re-admission before this (monotonic)
     incarnation: str | None = None
     # load as the gateway sees it
     in_flight: int = 0
@@ -161,6 +162,8 @@ class Fleet:
     async def check(self, worker: Worker) -> None:
         """One health check; discovery when the worker comes (back) up."""
         assert self.session is not None
+        if not worker.up and time.monotonic() < worker.down_until:
+            return  # the breaker is open: let a failing worker cool down before probing it
         timeout = aiohttp.ClientTimeout(total=max(self.config.health_interval_s * 2, 1.0))
         try:
             if not worker.up:
@@ -181,6 +184,7 @@ class Fleet:
         """A failed check or request: enough in a row take the worker out."""
         worker.failures += 1
         if worker.up and worker.failures >= self.config.unhealthy_after:
+            worker.down_until = time.monotonic() + self.config.breaker_cooldown_s
             asyncio.get_running_loop().create_task(self._mark_down(worker, "unhealthy"))
 
     async def health_loop(self) -> None:
