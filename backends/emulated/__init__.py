@@ -1,0 +1,1 @@
+"""The emulated GPU worker: a real radix KV cache with modelled time (see engine.py)."""

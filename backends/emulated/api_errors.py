@@ -1,0 +1,127 @@
+"""Client errors as OpenAI shapes them: `{"error": {"message", "type", "param", "code"}}`.
+
+Handlers raise `ApiError`; the middleware turns it, and aiohttp's own HTTP errors (unknown
+route, wrong method, body too large), into that JSON. Bad input is never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type_: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_
+
+
+def json_response(
+    body: Any, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body),
+        status=status,
+        headers=headers,
+        content_type="application/json",
+    )
+
+
+def error_response(error: ApiError) -> web.Response:
+    body = {
+        "error": {
+            "message": error.message,
+            "type": error.type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+    return json_response(body, error.status)
+
+
+_HTTP_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+}
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = _HTTP_CODES.get(exc.status, "invalid_request")
+        return error_response(ApiError(exc.status, exc.reason, code=code))
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return error_response(ApiError(500, "internal error", type_="server_error"))
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request body as a JSON object (400 when it is not one, 413 when too large)."""
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as exc:
+        raise ApiError(413, exc.text or "request body too large", code="request_too_large") from exc
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+    return body
+
+
+def int_param(body: dict[str, Any], name: str, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ApiError(400, f"'{name}' must be an integer >= {minimum}", param=name)
+    return value
+
+
+def bool_param(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean", param=name)
+    return value
+
+
+def salt_param(body: dict[str, Any]) -> str | None:
+    """vLLM's `cache_salt`: a non-empty string, or absent."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+    return salt

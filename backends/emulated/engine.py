@@ -1,0 +1,489 @@
+"""The emulated GPU engine: continuous batching over a real radix KV cache, in modelled time.
+
+A pure state machine: no I/O, no clock reads. Whoever drives it passes the time in: the HTTP
+worker its event loop's monotonic clock, the simulator its virtual time. The model:
+
+- A request is admitted from the FCFS queue when the batch has room (`max_batch` running) and
+  the pool has room for its whole footprint (prompt + max_tokens - 1 tokens of KV) beyond the
+  cached prefix it matched; otherwise it waits (the head blocks the queue, so none starves).
+  Reserving the footprint up front means nothing is ever preempted and nothing deadlocks: what
+  a waiting request needs is freed when running requests finish.
+- Each step is one forward pass: every decoding request gets one token, and up to
+  `chunk_tokens` uncached prompt tokens are prefilled (chunked prefill, mixed with decode as in
+  SGLang and vLLM). It lasts `decode_base_s + decode_per_request_s * decoding
+  + prefill_tokens / prefill_tokens_per_s`. A prompt's last chunk yields its first token.
+- Full prompt blocks enter the cache as their chunk completes (a later request with the same
+  prefix hits them); the full blocks of prompt + output (all but the last output token, whose
+  KV is never computed) enter it when the request finishes, so the next turn of a chat hits.
+- Output is deterministic: exactly `max_tokens` tokens of OUTPUT_TEXT repeated.
+
+Decode-only stretches are planned as one *segment* of equal steps that lasts until the next
+request finishes; `next_time()` is its end, so a simulator jumps over it in one call, while a
+real-time loop can call `step(now)` at every `next_step_time()` to stream tokens as they come.
+A submission (or an abort) cuts the segment at the first step boundary after it.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from backends.emulated.radix_cache import RadixCache, Run
+from router.blocks import block_keys, chain_keys, namespace, parent_prefix
+from router.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
+
+OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
+_EPS = 1e-9  # float slack when counting steps between two times
+
+
+def output_bytes(start: int, end: int) -> bytes:
+    """Output tokens [start, end) of every request: printable ASCII, so the byte tokenizer's
+    ids and text at once."""
+    size = len(OUTPUT_TEXT)
+    offset = start % size
+    n = max(0, end - start)
+    return (OUTPUT_TEXT * ((offset + n) // size + 1))[offset : offset + n]
+
+
+def output_tokens(n: int) -> list[int]:
+    """The first `n` output token ids."""
+    return list(output_bytes(0, n))
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """The time model. Defaults: an 8B model in bf16 (Llama-3.1-8B) on one H100 SXM 80 GB.
+
+    - decode_base_s 8 ms: a decode step reads all 16 GB of weights; at ~70% of the 3.35 TB/s
+      HBM bandwidth that is ~6.8 ms, plus sampling and scheduling (vLLM/SGLang measure a
+      7-8 ms inter-token latency at batch 1).
+    - decode_per_request_s 0.08 ms: each running request reads its KV every step; 128 KiB
+      per token (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes) x ~2k tokens of context
+      = 256 MiB, ~0.08 ms at full bandwidth.
+    - prefill_tokens_per_s 15k: ~16 GFLOP per token for the weights plus ~2 GFLOP of
+      attention at a few thousand tokens of context, so ~270 TFLOP/s, 27% of the 989 TFLOP/s
+      dense bf16 peak: a conservative end-to-end figure (the kernels alone reach about twice).
+    - capacity_tokens 400k: 80 GB x 0.9 (memory fraction) - 16 GB weights - ~4 GB
+      activations and graphs = ~52 GB of KV pool / 128 KiB per token.
+    - max_batch 256 and chunk_tokens 8192: vLLM's max_num_seqs and SGLang's chunked prefill
+      size on an H100.
+    """
+
+    block_size: int = 16
+    capacity_tokens: int = 400_000
+    prefill_tokens_per_s: float = 15_000.0
+    decode_base_s: float = 0.008
+    decode_per_request_s: float = 0.00008
+    max_batch: int = 256
+    chunk_tokens: int = 8192
+    report_tokens: bool = True  # StepResult.emitted per request (a simulator turns it off)
+    emit_events: bool = True  # StepResult.events (BlockStored / BlockRemoved)
+
+    def __post_init__(self) -> None:
+        if min(self.block_size, self.max_batch, self.chunk_tokens) <= 0:
+            raise ValueError("block_size, max_batch and chunk_tokens must be positive")
+        if self.prefill_tokens_per_s <= 0 or self.decode_base_s < 0:
+            raise ValueError("prefill_tokens_per_s must be > 0 and decode_base_s >= 0")
+        if self.decode_per_request_s < 0 or self.capacity_tokens < self.block_size:
+            raise ValueError("need decode_per_request_s >= 0 and capacity_tokens >= block_size")
+        if self.decode_base_s + self.decode_per_request_s <= 0:
+            raise ValueError("a decode step must take time")
+
+    def step_time(self, decoding: int, prefill_tokens: int) -> float:
+        """Seconds of one forward pass with `decoding` requests and `prefill_tokens` to fill."""
+        return (
+            self.decode_base_s
+            + self.decode_per_request_s * decoding
+            + prefill_tokens / self.prefill_tokens_per_s
+        )
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One generation. The caller fills the first fields (`rid` unique among the requests in
+    flight); the engine fills the rest."""
+
+    rid: Any
+    prompt: list[int]
+    max_tokens: int
+    cache_salt: str | None = None
+    arrival: float = 0.0
+    keys: list[int] | None = None  # the prompt's block keys; computed on submit when None
+    state: State = State.WAITING
+    cached_tokens: int = 0  # prompt tokens found in the cache on admission
+    computed: int = 0  # prompt tokens whose KV exists (cached ones included)
+    generated: int = 0  # current at first token and finish; `engine.generated(req)` meanwhile
+    admitted_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    # engine bookkeeping: the locked run the request's cached path ends at, its length in
+    # blocks, private room still held, and the step number its decoding started at
+    node: Run | None = field(default=None, repr=False)
+    node_blocks: int = 0
+    reserved: int = 0
+    decode_from: int = 0
+
+
+class StepResult(NamedTuple):
+    admitted: list[Request]  # left the queue this call: cached_tokens is known
+    first_token: list[Request]  # prefill done: first token at first_token_time
+    finished: list[Request]  # every token emitted (finish_time set)
+    emitted: dict[Any, int]  # rid -> tokens emitted this call, first included (report_tokens)
+    events: list[KVEvent]  # the cache's changes, in order
+
+
+class EngineLoad(NamedTuple):
+    running: int
+    waiting: int
+    queued_prefill_tokens: int  # prompt tokens not yet computed (cached ones of waiting included)
+
+
+class EmulatedEngine:
+    """Continuous batching over a RadixCache; see the module doc. Drive it with `submit`,
+    `step(now)` at `next_time()` (or every `next_step_time()`), and `abort`."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = cfg = config or EngineConfig()
+        self._events: list[KVEvent] = []
+        self.cache = RadixCache(
+            cfg.capacity_tokens,
+            cfg.block_size,
+            on_stored=self._on_stored if cfg.emit_events else None,
+            on_removed=self._on_removed if cfg.emit_events else None,
+        )
+        self._queue: deque[Request] = deque()
+        self._prefilling: list[Request] = []  # admission order
+        self._decoding: dict[Any, Request] = {}
+        self._finishing: list[tuple[int, int, Request]] = []  # (finish step, seq, request)
+        self._seq = 0
+        self._steps = 0  # forward passes completed
+        # the segment in flight: `seg_k` equal steps of `seg_d` seconds from `seg_start`,
+        # `seg_done` of them already accounted; `seg_chunks` is the prefill of its one step
+        self._active = False
+        self._seg_start = self._seg_d = 0.0
+        self._seg_k = self._seg_done = 0
+        self._seg_chunks: list[tuple[Request, int]] = []
+        self._blocked = False  # the queue head did not fit at the last planning
+        # the head that last did not fit: it, the room it needed, the blocks it matched
+        self._stuck: tuple[Request, int, int] | None = None
+        self._queued_prefill = 0
+        self.finished_requests = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generated_tokens = 0
+
+    # -- KV events ---------------------------------------------------------------------------
+
+    def _on_stored(
+        self, parent: int | None, keys: list[int], tokens: list[int] | None, salt: str | None
+    ) -> None:
+        assert tokens is not None, "events need the blocks' tokens"
+        self._events.append(
+            BlockStored(
+                keys, parent, tokens, self.config.block_size, medium=MEDIUM_GPU, cache_salt=salt
+            )
+        )
+
+    def _on_removed(self, keys: list[int]) -> None:
+        self._events.append(BlockRemoved(keys, MEDIUM_GPU))
+
+    # -- the driver's API --------------------------------------------------------------------
+
+    def footprint(self, prompt_tokens: int, max_tokens: int) -> int:
+        """Tokens of KV a request holds at its peak (the last output token has none)."""
+        return prompt_tokens + max_tokens - 1
+
+    def submit(self, req: Request) -> None:
+        """Queue `req` (arrived at `req.arrival`). ValueError when it can never run."""
+        cfg = self.config
+        if not req.prompt or req.max_tokens < 1:
+            raise ValueError("a request needs a prompt and max_tokens >= 1")
+        if self.footprint(len(req.prompt), req.max_tokens) > self.cache.capacity_tokens:
+            raise ValueError(
+                f"prompt + max_tokens ({len(req.prompt)} + {req.max_tokens}) exceeds the KV "
+                f"capacity of {self.cache.capacity_tokens} tokens"
+            )
+        if req.keys is None:
+            req.keys = block_keys(req.prompt, cfg.block_size, req.cache_salt)
+        req.state = State.WAITING
+        self._queue.append(req)
+        self._queued_prefill += len(req.prompt)
+        running = len(self._prefilling) + len(self._decoding)
+        if self._active and not self._blocked and running < cfg.max_batch:
+            self._cut(req.arrival)
+
+    def abort(self, req: Request, now: float) -> bool:
+        """Drop a request (its client went away). Its room and locks are released now; blocks
+        it already cached stay cached. False when it had already finished."""
+        if req.state is State.WAITING:
+            self._queue.remove(req)
+            self._queued_prefill -= len(req.prompt)
+            if self._active and self._blocked:  # the head may have been what blocked the queue
+                self._blocked = False
+                self._cut(now)
+        elif req.state is State.PREFILL or req.state is State.DECODE:
+            if req.state is State.PREFILL:
+                self._prefilling.remove(req)
+                self._queued_prefill -= len(req.prompt) - req.computed
+            else:
+                del self._decoding[req.rid]
+            self.cache.free(req.reserved)
+            req.reserved = 0
+            assert req.node is not None
+            self.cache.unlock(req.node)
+            req.node = None
+            if self._active:
+                self._cut(now)  # the batch changed: replan after the step in flight
+        else:
+            return False
+        req.state = State.ABORTED
+        req.finish_time = now
+        return True
+
+    def _cut(self, t: float) -> None:
+        """End the segment at the first step boundary at or after `t` (at least one step)."""
+        j = max(1, math.ceil((t - self._seg_start) / self._seg_d - _EPS))
+        if j < self._seg_k:
+            self._seg_k = max(j, self._seg_done)
+
+    def next_time(self) -> float | None:
+        """When calling `step` next changes more than token counts: the end of the segment in
+        flight, or the arrival of the first queued request; None when idle."""
+        if self._active:
+            return self._seg_start + self._seg_k * self._seg_d
+        if self._queue:
+            return self._queue[0].arrival
+        return None
+
+    def next_step_time(self) -> float | None:
+        """The end of the step in flight (a real-time loop streams tokens step by step)."""
+        if self._active:
+            return self._seg_start + (self._seg_done + 1) * self._seg_d
+        return self.next_time()
+
+    def generated(self, req: Request) -> int:
+        """Tokens `req` has produced as of the last `step` call."""
+        if req.state is State.DECODE:
+            return 1 + self._steps - req.decode_from
+        return req.generated
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            len(self._prefilling) + len(self._decoding), len(self._queue), self._queued_prefill
+        )
+
+    def idle(self) -> bool:
+        return not self._active and not self._queue
+
+    def step(self, now: float) -> StepResult:
+        """Account the steps completed by `now`; at the end of the segment, finish what it
+        finished and plan the next one, starting `now`."""
+        result = StepResult([], [], [], {}, [])
+        if self._active:
+            done = min(self._seg_k, int((now - self._seg_start) / self._seg_d + _EPS))
+            if done > self._seg_done:
+                delta = done - self._seg_done
+                self._seg_done = done
+                self._steps += delta
+                if self.config.report_tokens:
+                    emitted = result.emitted
+                    for rid in self._decoding:
+                        emitted[rid] = delta
+            if self._seg_done < self._seg_k:
+                return result
+            self._active = False
+            self._end_segment(self._seg_start + self._seg_k * self._seg_d, result)
+        self._plan(now, result)
+        if self._events:
+            result.events.extend(self._events)
+            self._events.clear()
+        return result
+
+    # -- the segment's end -------------------------------------------------------------------
+
+    def _end_segment(self, t: float, result: StepResult) -> None:
+        report = self.config.report_tokens
+        if self._seg_chunks:
+            for req, n in self._seg_chunks:
+                if req.state is not State.PREFILL:
+                    continue  # aborted meanwhile
+                req.computed += n
+                self._queued_prefill -= n
+                self._cache_prompt(req)
+                if req.computed < len(req.prompt):
+                    continue
+                req.state = State.DECODE
+                req.first_token_time = t
+                req.generated = 1
+                result.first_token.append(req)
+                if report:
+                    result.emitted[req.rid] = result.emitted.get(req.rid, 0) + 1
+                if req.max_tokens == 1:
+                    self._finish(req, t, result)
+                else:
+                    req.decode_from = self._steps
+                    self._decoding[req.rid] = req
+                    self._seq += 1
+                    heapq.heappush(
+                        self._finishing, (self._steps + req.max_tokens - 1, self._seq, req)
+                    )
+            self._seg_chunks = []
+            self._prefilling = [r for r in self._prefilling if r.state is State.PREFILL]
+        finishing = self._finishing
+        while finishing and finishing[0][0] <= self._steps:
+            req = heapq.heappop(finishing)[2]
+            if req.state is State.DECODE:
+                del self._decoding[req.rid]
+                self._finish(req, t, result)
+
+    def _cache_prompt(self, req: Request) -> None:
+        """Insert the prompt's full blocks computed so far; move the lock down to them."""
+        bs = self.config.block_size
+        keys = req.keys
+        assert keys is not None and req.node is not None
+        nb = min(req.computed // bs, len(keys))
+        if nb <= req.node_blocks:
+            return
+        start = req.node_blocks
+        tokens = req.prompt[start * bs : nb * bs] if self.config.emit_events else None
+        ins = self.cache.insert(req.node, keys[start:nb], tokens, req.cache_salt)
+        self.cache.lock(ins.node)
+        self.cache.unlock(req.node)
+        req.node = ins.node
+        req.node_blocks = nb
+        req.reserved -= (nb - start) * bs
+
+    def _finish(self, req: Request, t: float, result: StepResult) -> None:
+        """Cache the full blocks of prompt + output, release the rest of the room and locks."""
+        bs = self.config.block_size
+        keys = req.keys
+        node = req.node
+        assert keys is not None and node is not None and req.node_blocks == len(keys)
+        kv_tokens = self.footprint(len(req.prompt), req.max_tokens)
+        full = kv_tokens // bs
+        if full > len(keys):
+            start = len(keys) * bs
+            tail = req.prompt[start:] + output_tokens(req.max_tokens - 1)
+            tail = tail[: full * bs - start]
+            first = parent_prefix(keys[-1]) if keys else namespace(req.cache_salt)
+            new_keys = chain_keys(tail, bs, first)
+            self.cache.insert(
+                node, new_keys, tail if self.config.emit_events else None, req.cache_salt
+            )
+            req.reserved -= len(new_keys) * bs
+        self.cache.free(req.reserved)
+        req.reserved = 0
+        self.cache.unlock(node)
+        req.node = None
+        req.state = State.FINISHED
+        req.generated = req.max_tokens
+        req.finish_time = t
+        result.finished.append(req)
+        self.finished_requests += 1
+        self.generated_tokens += req.max_tokens
+
+    # -- planning ----------------------------------------------------------------------------
+
+    def _admit(self, req: Request, now: float) -> bool:
+        """Match, lock and reserve the footprint beyond the cached prefix; False if no room."""
+        bs = self.config.block_size
+        keys = req.keys
+        assert keys is not None
+        cache = self.cache
+        prompt_len = len(req.prompt)
+        cap = (prompt_len - 1) // bs  # at least one prompt token is computed: the first token
+        stuck = self._stuck
+        if (
+            stuck is not None
+            and stuck[0] is req
+            and cache.free_tokens + cache.evictable_tokens < stuck[1]
+            and (stuck[2] >= cap or keys[stuck[2]] not in cache)
+        ):
+            return False  # still no room, and its cached prefix cannot have grown
+        match = cache.match(keys, cap)
+        cached = match.blocks * bs
+        need = self.footprint(prompt_len, req.max_tokens) - cached
+        cache.lock(match.node)
+        if not cache.allocate(need):
+            cache.unlock(match.node)
+            self._stuck = (req, need, match.blocks)
+            return False
+        req.node = match.node
+        req.node_blocks = match.blocks
+        req.cached_tokens = req.computed = cached
+        req.reserved = need
+        req.state = State.PREFILL
+        req.admitted_time = now
+        self._queued_prefill -= cached
+        self.prompt_tokens += prompt_len
+        self.cached_tokens += cached
+        return True
+
+    def _plan(self, now: float, result: StepResult) -> None:
+        cfg = self.config
+        queue = self._queue
+        running = len(self._prefilling) + len(self._decoding)
+        self._blocked = False
+        while queue and queue[0].arrival <= now + _EPS:
+            if running >= cfg.max_batch or not self._admit(queue[0], now):
+                self._blocked = True
+                break
+            req = queue.popleft()
+            self._prefilling.append(req)
+            result.admitted.append(req)
+            running += 1
+        budget = cfg.chunk_tokens
+        chunks: list[tuple[Request, int]] = []
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            n = min(len(req.prompt) - req.computed, budget)
+            chunks.append((req, n))
+            budget -= n
+        decoding = len(self._decoding)
+        if not chunks and not decoding:
+            return
+        d = cfg.step_time(decoding, cfg.chunk_tokens - budget)
+        if chunks:
+            k = 1
+        else:
+            finishing = self._finishing
+            while finishing[0][2].state is not State.DECODE:
+                heapq.heappop(finishing)  # aborted
+            k = finishing[0][0] - self._steps
+            if queue and not self._blocked:  # a request submitted ahead of its arrival
+                k = min(k, max(1, math.ceil((queue[0].arrival - now) / d - _EPS)))
+        self._active = True
+        self._seg_start, self._seg_d, self._seg_k, self._seg_done = now, d, k, 0
+        self._seg_chunks = chunks
+
+    # -- integrity ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """The cache's invariants, plus: its allocated room is exactly what the running
+        requests reserve, and its lock counts are exactly their locked paths."""
+        self.cache.check()
+        running = self._prefilling + list(self._decoding.values())
+        assert sum(r.reserved for r in running) == self.cache.allocated_tokens, "reserved room"
+        expected: dict[int, int] = {}
+        for req in running:
+            node = req.node
+            assert node is not None
+            while node is not self.cache.root:
+                expected[id(node)] = expected.get(id(node), 0) + 1
+                node = node.parent  # type: ignore[assignment]
+        for run in self.cache.runs():
+            assert run.lock_ref == expected.get(id(run), 0), "lock counts != running paths"
+        assert len(running) <= self.config.max_batch, "batch over max_batch"

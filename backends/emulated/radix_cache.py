@@ -1,0 +1,395 @@
+"""The emulated worker's KV cache: a radix tree of blocks in a pool of `capacity_tokens` tokens.
+
+As in SGLang's radix cache, but block-granular and keyed by the gateway's own block keys
+(router/blocks.py): a block's key IS its identity here and the hash in the KV events it
+publishes, so the gateway's mirror maps it by identity. Keys are chained, so a key names its
+whole prefix and the cached keys of a prompt always form a prefix of its chain.
+
+The tree is compressed: a node (`Run`) is a run of consecutive blocks; `_where` maps every key
+to its run, so matching costs one dict lookup and one list comparison per run.
+
+Every token of the pool is in exactly one of four states (`check` asserts it):
+
+    free         in no one's hands
+    evictable    cached in a run no request locks (lock_ref == 0)
+    protected    cached in a run some request locks (on the path of a locked node)
+    allocated    private to a request (not in the tree): computed KV not yet inserted
+
+Locks walk to the root, so every ancestor of a locked run is locked and all evictable tokens
+can be reached by evicting leaves. Eviction runs only inside `allocate`, only for the shortfall,
+oldest unlocked leaf first, from the tail of that leaf's run; the leaves sit in a lazy heap
+(stale entries are skipped on pop, and the heap is compacted when they pile up), never found by
+scanning the tree. Recency is a logical tick, bumped by `match`, `insert` and `unlock`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+# (parent key or None for a root block, keys, token ids of exactly those blocks or None, salt)
+StoredCallback = Callable[[int | None, list[int], list[int] | None, str | None], None]
+RemovedCallback = Callable[[list[int]], None]
+
+
+class Run:
+    """A node of the tree: consecutive blocks that share a parent chain and a lock count."""
+
+    __slots__ = ("keys", "parent", "children", "lock_ref", "stamp", "heap_seq", "alive")
+
+    def __init__(self, keys: list[int], parent: Run | None, lock_ref: int, stamp: int) -> None:
+        self.keys = keys  # keys[i] is the parent block of keys[i + 1]
+        self.parent = parent
+        self.children = 0
+        self.lock_ref = lock_ref
+        self.stamp = stamp  # the tick of the last use: LRU order of leaves
+        self.heap_seq = -1  # the seq of this run's one valid heap entry, if any
+        self.alive = True
+
+    @property
+    def last_key(self) -> int | None:
+        return self.keys[-1] if self.keys else None
+
+
+class MatchResult(NamedTuple):
+    node: Run  # the run that ends exactly at the match (the root when nothing matched)
+    blocks: int  # matched blocks; safe to use only while `node` is locked
+
+
+class InsertResult(NamedTuple):
+    node: Run  # the run that ends exactly at the last inserted key
+    cached_blocks: int  # offered blocks that were cached already (their private copy is freed)
+    new_blocks: int  # blocks added to the tree
+
+
+class CacheStats(NamedTuple):
+    capacity_tokens: int
+    free_tokens: int
+    evictable_tokens: int
+    protected_tokens: int
+    allocated_tokens: int
+    cached_blocks: int
+    runs: int
+    stored_blocks: int  # ever added to the tree
+    evicted_blocks: int  # ever evicted
+
+
+class RadixCache:
+    """Blocks of `block_size` tokens in a pool of `capacity_tokens` tokens (rounded down to
+    whole blocks). `on_stored` / `on_removed` hear every change to the set of cached keys, in
+    order: exactly what a KV event stream must say."""
+
+    def __init__(
+        self,
+        capacity_tokens: int,
+        block_size: int = 16,
+        *,
+        on_stored: StoredCallback | None = None,
+        on_removed: RemovedCallback | None = None,
+    ) -> None:
+        if block_size <= 0 or capacity_tokens < block_size:
+            raise ValueError("need block_size > 0 and capacity_tokens >= block_size")
+        self.block_size = block_size
+        self.capacity_tokens = capacity_tokens // block_size * block_size
+        self.on_stored = on_stored
+        self.on_removed = on_removed
+        self.root = Run([], None, 1, 0)  # never evicted: lock_ref stays >= 1
+        self._where: dict[int, Run] = {}
+        self._runs: set[Run] = set()
+        self._heap: list[tuple[int, int, Run]] = []  # (stamp, seq, run): unlocked leaves
+        self._seq = 0
+        self._tick = 0
+        self.free_tokens = self.capacity_tokens
+        self.evictable_tokens = 0
+        self.protected_tokens = 0
+        self.allocated_tokens = 0
+        self.stored_blocks = 0
+        self.evicted_blocks = 0
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._where
+
+    def keys(self) -> set[int]:
+        return set(self._where)
+
+    def runs(self) -> list[Run]:
+        return list(self._runs)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            self.capacity_tokens,
+            self.free_tokens,
+            self.evictable_tokens,
+            self.protected_tokens,
+            self.allocated_tokens,
+            len(self._where),
+            len(self._runs),
+            self.stored_blocks,
+            self.evicted_blocks,
+        )
+
+    @property
+    def used_tokens(self) -> int:
+        return self.capacity_tokens - self.free_tokens
+
+    def match(self, keys: Sequence[int], max_blocks: int | None = None) -> MatchResult:
+        """The longest cached prefix of `keys` (at most `max_blocks` blocks), as a run that ends
+        exactly there (a run is split if the match ends inside it). Marks the path used; the
+        blocks are safe to use only once `lock(result.node)` is held."""
+        limit = len(keys) if max_blocks is None else min(max_blocks, len(keys))
+        self._tick += 1
+        node, matched = self._descend(self.root, keys, 0, limit)
+        if node.children == 0 and node.lock_ref == 0:
+            self._push(node)  # its stamp changed: re-queue it
+        return MatchResult(node, matched)
+
+    def _descend(self, node: Run, keys: Sequence[int], i: int, limit: int) -> tuple[Run, int]:
+        """Follow keys[i:limit] down from `node` (whose last key is the parent of keys[i]).
+        Returns the run that ends exactly at the match and the index past it."""
+        where = self._where
+        tick = self._tick
+        while i < limit:
+            run = where.get(keys[i])
+            if run is None:
+                break
+            run_keys = run.keys
+            size = len(run_keys)
+            if i + size <= limit and keys[i + size - 1] == run_keys[-1]:
+                m = size
+            else:
+                # chained keys: equal at depth m means equal up to m, so bisect the match
+                lo, hi = 1, min(size, limit - i)  # keys[i] == run_keys[0] holds
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if keys[i + mid - 1] == run_keys[mid - 1]:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                m = lo
+                if m < size:
+                    run = self._split(run, m)
+            run.stamp = tick
+            node = run
+            i += m
+            if m < size:
+                break
+        return node, i
+
+    def _split(self, run: Run, at: int) -> Run:
+        """Cut `run` after `at` blocks; returns the new head. The tail keeps the identity of
+        `run` (requests holding it still end there) and its heap entry."""
+        head = Run(run.keys[:at], run.parent, run.lock_ref, run.stamp)
+        head.children = 1
+        self._where.update(dict.fromkeys(head.keys, head))
+        del run.keys[:at]
+        run.parent = head
+        self._runs.add(head)
+        return head
+
+    # -- locks -------------------------------------------------------------------------------
+
+    def lock(self, node: Run) -> None:
+        """Protect `node` and its ancestors from eviction (counted: lock as often as unlock)."""
+        bs = self.block_size
+        root = self.root
+        while node is not root:
+            if node.lock_ref == 0:
+                tokens = len(node.keys) * bs
+                self.evictable_tokens -= tokens
+                self.protected_tokens += tokens
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def unlock(self, node: Run) -> None:
+        """Release one lock of `node` and its ancestors; the path counts as used now."""
+        bs = self.block_size
+        root = self.root
+        self._tick += 1
+        tick = self._tick
+        while node is not root:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            node.stamp = tick
+            if node.lock_ref == 0:
+                tokens = len(node.keys) * bs
+                self.evictable_tokens += tokens
+                self.protected_tokens -= tokens
+                if node.children == 0:
+                    self._push(node)
+            node = node.parent  # type: ignore[assignment]
+
+    # -- room --------------------------------------------------------------------------------
+
+    def can_allocate(self, tokens: int) -> bool:
+        return tokens <= self.free_tokens + self.evictable_tokens
+
+    def allocate(self, tokens: int) -> bool:
+        """Take `tokens` of private room, evicting unlocked leaves for the shortfall only.
+        False (and nothing evicted) when even evicting everything unlocked would not do."""
+        if tokens <= self.free_tokens:
+            self.free_tokens -= tokens
+            self.allocated_tokens += tokens
+            return True
+        if tokens > self.free_tokens + self.evictable_tokens:
+            return False
+        shortfall = tokens - self.free_tokens
+        self._evict(-(-shortfall // self.block_size))
+        self.free_tokens -= tokens
+        self.allocated_tokens += tokens
+        return True
+
+    def free(self, tokens: int) -> None:
+        """Give back private room."""
+        assert 0 <= tokens <= self.allocated_tokens, "freeing more than allocated"
+        self.allocated_tokens -= tokens
+        self.free_tokens += tokens
+
+    # -- insert ------------------------------------------------------------------------------
+
+    def insert(
+        self,
+        parent: Run,
+        keys: Sequence[int],
+        tokens: Sequence[int] | None = None,
+        salt: str | None = None,
+    ) -> InsertResult:
+        """Cache blocks `keys` (keys[0] a child of `parent`'s last key; `parent` must be locked
+        or the root) whose KV the caller computed in its allocated room. Blocks cached meanwhile
+        by someone else are matched instead and their private copy is freed:
+
+            [0, cached_blocks)         already in the tree: our allocated room is freed
+            [cached_blocks, len(keys)) added as a new leaf run: allocated -> evictable
+
+        `tokens` (exactly the blocks' token ids; not to be changed after) and `salt` only travel
+        to `on_stored`."""
+        n = len(keys)
+        bs = self.block_size
+        assert self.allocated_tokens >= n * bs, "insert needs its tokens allocated first"
+        self._tick += 1
+        node, i = self._descend(parent, keys, 0, n)
+        self.allocated_tokens -= n * bs
+        self.free_tokens += i * bs  # our copy of blocks cached meanwhile
+        if i < n:
+            fresh = list(keys[i:])
+            run = Run(fresh[:], node, 0, self._tick)  # the run's list changes; events' must not
+            where = self._where
+            size = len(where)
+            where.update(dict.fromkeys(fresh, run))
+            assert len(where) == size + len(fresh), "block key collision"
+            node.children += 1
+            self._runs.add(run)
+            self.evictable_tokens += len(fresh) * bs
+            self.stored_blocks += len(fresh)
+            self._push(run)
+            if self.on_stored is not None:
+                block_tokens = None
+                if tokens is not None:  # handed on, not copied, when all of it is new
+                    part = tokens[i * bs : n * bs] if i else tokens
+                    block_tokens = part if type(part) is list else list(part)
+                root_salt = salt if node is self.root else None
+                self.on_stored(node.last_key, fresh, block_tokens, root_salt)
+            node = run
+        elif node.children == 0 and node.lock_ref == 0 and node is not self.root:
+            self._push(node)  # used again: re-queue it under its new stamp
+        return InsertResult(node, i, n - i)
+
+    # -- eviction ----------------------------------------------------------------------------
+
+    def _push(self, run: Run) -> None:
+        self._seq += 1
+        run.heap_seq = self._seq
+        heapq.heappush(self._heap, (run.stamp, self._seq, run))
+        if len(self._heap) > 2 * len(self._runs) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        self._heap = [entry for entry in self._heap if self._valid(entry[2], entry[1])]
+        heapq.heapify(self._heap)
+
+    @staticmethod
+    def _valid(run: Run, seq: int) -> bool:
+        return run.heap_seq == seq and run.alive and run.children == 0 and run.lock_ref == 0
+
+    def _evict(self, blocks: int) -> None:
+        """Drop `blocks` blocks from the tails of the least recently used unlocked leaves."""
+        heap = self._heap
+        where = self._where
+        bs = self.block_size
+        removed: list[int] = []
+        while blocks > 0:
+            assert heap, "evictable count out of step with the leaves"
+            _, seq, run = heap[0]
+            if not self._valid(run, seq):
+                heapq.heappop(heap)
+                continue
+            run_keys = run.keys
+            take = min(blocks, len(run_keys))
+            gone = run_keys[: -take - 1 : -1]  # deepest first
+            removed.extend(gone)
+            deque(map(where.__delitem__, gone), maxlen=0)  # del where[key] for each, in C
+            if take == len(run_keys):
+                heapq.heappop(heap)
+                run.alive = False
+                run.keys = []
+                self._runs.discard(run)
+                parent = run.parent
+                assert parent is not None
+                parent.children -= 1
+                if parent is not self.root and parent.children == 0 and parent.lock_ref == 0:
+                    self._push(parent)
+            else:
+                del run_keys[-take:]
+            self.evictable_tokens -= take * bs
+            self.free_tokens += take * bs
+            blocks -= take
+        self.evicted_blocks += len(removed)
+        if self.on_removed is not None and removed:
+            self.on_removed(removed)
+
+    # -- integrity ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert the invariants (tests call it after every step): token states add up to the
+        capacity, counts match the runs, keys map to live runs, unlocked leaves are queued."""
+        bs = self.block_size
+        assert self.free_tokens >= 0 and self.allocated_tokens >= 0
+        assert (
+            self.free_tokens + self.evictable_tokens + self.protected_tokens + self.allocated_tokens
+            == self.capacity_tokens
+        ), "free + evictable + protected + allocated != capacity"
+        children: dict[Run, int] = {}
+        locks: dict[Run, int] = {}
+        evictable = protected = blocks = 0
+        for run in self._runs:
+            assert run.alive and run.keys, "dead or empty run listed"
+            assert all(self._where[k] is run for k in run.keys), "key map out of step"
+            parent = run.parent
+            assert parent is not None and (parent is self.root or parent in self._runs)
+            children[parent] = children.get(parent, 0) + 1
+            locks[parent] = locks.get(parent, 0) + run.lock_ref
+            blocks += len(run.keys)
+            if run.lock_ref:
+                protected += len(run.keys) * bs
+            else:
+                evictable += len(run.keys) * bs
+        assert blocks == len(self._where), "keys outside the runs"
+        assert evictable == self.evictable_tokens, "evictable count"
+        assert protected == self.protected_tokens, "protected count"
+        queued = set()
+        for stamp, seq, run in self._heap:
+            if self._valid(run, seq):
+                assert stamp == run.stamp, "a leaf queued under a stale stamp"
+                queued.add(id(run))
+        for run in self._runs:
+            assert run.children == children.get(run, 0), "children count"
+            assert run.lock_ref >= locks.get(run, 0), "a locked run under an unlocked one"
+            if run.children == 0 and run.lock_ref == 0:
+                assert id(run) in queued, "an evictable leaf is not in the heap"
+        assert self.root.children == children.get(self.root, 0), "root children count"

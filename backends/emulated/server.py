@@ -1,0 +1,300 @@
+"""`urc worker --engine emulated`: the emulated GPU worker's HTTP server.
+
+A thin aiohttp shell around EmulatedEngine (engine.py), stepped in real time by EngineRunner:
+OpenAI's API (openai_api.py), SGLang's native API (sglang_api.py), `/metrics`, and the
+discovery document the gateway reads, `GET /urc/info`:
+
+    {"engine": "emulated", "incarnation": <uuid hex per process>, "block_size": 16,
+     "models": [{"name", "kv_group", "fingerprint", "tokenizer": "byte", "max_model_len"}],
+     "kv_events": {"endpoint": "tcp://127.0.0.1:P", "replay_endpoint": "tcp://127.0.0.1:R",
+                   "topic": "kv"},
+     "capacity_tokens": N, "load": {"running", "waiting", "queued_prefill_tokens"}}
+
+The KV events of every step go out on a ZMQ publisher (router/kv_publisher.py, map encoding so
+that `cache_salt` travels), block hashes being our own block keys. The process prints
+`ready: http://HOST:PORT` once it serves, and exits cleanly on SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from backends.emulated.api_errors import error_middleware, json_response
+from backends.emulated.engine import EmulatedEngine, EngineConfig
+from backends.emulated.metrics import CONTENT_TYPE, WorkerMetrics
+from backends.emulated.model import ENGINE, ServedModel
+from backends.emulated.openai_api import OpenAIApi
+from backends.emulated.runner import EngineRunner
+from backends.emulated.sglang_api import SGLangApi
+from router.kv_events import KVEvent
+from router.kv_publisher import KVEventPublisher
+
+log = logging.getLogger(__name__)
+
+VERSION = "urc-emulated-0.1"
+KV_TOPIC = "kv"
+_ANY_HOST = ("0.0.0.0", "::", "*", "")
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    model: str = "emulated"
+    kv_group: str | None = None  # None: the model name
+    max_model_len: int = 0  # 0: min(capacity, 131072)
+    default_max_tokens: int = 256
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
+    max_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+class EmulatedWorker:
+    """The worker: `await start()`, then it serves until `await stop()`."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.incarnation = uuid.uuid4().hex
+        engine_cfg = config.engine
+        max_len = config.max_model_len or min(engine_cfg.capacity_tokens, 131_072)
+        self.model = ServedModel(
+            config.model,
+            config.kv_group or config.model,
+            engine_cfg.block_size,
+            max_len,
+            config.default_max_tokens,
+        )
+        self.engine = EmulatedEngine(engine_cfg)
+        self.metrics = WorkerMetrics(self.engine, config.model)
+        self.publisher: KVEventPublisher | None = None
+        self.runner: EngineRunner | None = None
+        self._web: web.AppRunner | None = None
+        self.port = config.port
+        self.url = ""
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.publisher = KVEventPublisher(
+            f"tcp://{cfg.host}:{cfg.kv_events_port}",
+            f"tcp://{cfg.host}:{cfg.kv_replay_port}",
+            topic=KV_TOPIC,
+        )
+        self.runner = EngineRunner(self.engine, self._publish)
+        created = int(time.time())
+        app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+        OpenAIApi(self.runner, self.model, created).add_routes(app)
+        SGLangApi(self.runner, self.model, self.server_args, VERSION).add_routes(app)
+        app.router.add_get("/urc/info", self.info)
+        app.router.add_get("/metrics", self.metrics_handler)
+        self._web = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._web.setup()
+        site = web.TCPSite(self._web, cfg.host, cfg.port, shutdown_timeout=1.0)
+        await site.start()
+        self.port = self._web.addresses[0][1]
+        self.url = f"http://{cfg.host}:{self.port}"
+        self.runner.start()
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.stop()
+        if self._web is not None:
+            await self._web.cleanup()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    def _publish(self, events: list[KVEvent]) -> None:
+        assert self.publisher is not None
+        self.publisher.publish(events, ts=time.time())
+
+    # -- documents ---------------------------------------------------------------------------
+
+    def _endpoint(self, endpoint: str | None, request: web.Request) -> str | None:
+        """A bound ZMQ endpoint as a client can reach it (a wildcard host: the one it asked)."""
+        if endpoint is None:
+            return None
+        scheme, _, rest = endpoint.partition("://")
+        host, _, port = rest.rpartition(":")
+        if host.strip("[]") in _ANY_HOST:
+            host = request.url.host or "127.0.0.1"
+        return f"{scheme}://{host}:{port}"
+
+    async def info(self, request: web.Request) -> web.Response:
+        assert self.publisher is not None
+        load = self.engine.load()
+        return json_response(
+            {
+                "engine": ENGINE,
+                "incarnation": self.incarnation,
+                "block_size": self.model.block_size,
+                "models": [self.model.info()],
+                "kv_events": {
+                    "endpoint": self._endpoint(self.publisher.endpoint, request),
+                    "replay_endpoint": self._endpoint(self.publisher.replay_endpoint, request),
+                    "topic": KV_TOPIC,
+                },
+                "capacity_tokens": self.engine.cache.capacity_tokens,
+                "load": load._asdict(),
+            }
+        )
+
+    def server_args(self) -> dict[str, Any]:
+        """The worker's settings under SGLang's names (for /get_server_info)."""
+        eng = self.config.engine
+        return {
+            "model_path": self.model.name,
+            "served_model_name": self.model.name,
+            "tokenizer_path": "byte",
+            "host": self.config.host,
+            "port": self.port,
+            "page_size": eng.block_size,
+            "max_total_num_tokens": self.engine.cache.capacity_tokens,
+            "max_running_requests": eng.max_batch,
+            "chunked_prefill_size": eng.chunk_tokens,
+            "context_length": self.model.max_model_len,
+            "max_req_input_len": self.model.max_model_len - 1,
+            "tp_size": 1,
+            "dp_size": 1,
+            "disaggregation_mode": "null",
+            "kv_group": self.model.kv_group,
+            "incarnation": self.incarnation,
+        }
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = EngineConfig()
+    parser = argparse.ArgumentParser(
+        prog="urc worker --engine emulated",
+        description=(
+            "An emulated GPU worker: a real radix KV cache with modelled time, served over "
+            "OpenAI's and SGLang's HTTP APIs, publishing vLLM-format KV events. Defaults "
+            "model an 8B bf16 model on one H100 SXM 80GB: prefill 15k tokens/s, decode step "
+            "8 ms + 0.08 ms per running request, 400k tokens of KV, batch 256, chunks of 8192."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--engine", choices=[ENGINE], default=ENGINE, help="the engine")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on")
+    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    parser.add_argument("--model", default="emulated", help="the served model name")
+    parser.add_argument(
+        "--kv-group", default=None, help="KV-identity group (unset: the model name)"
+    )
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
+    parser.add_argument(
+        "--capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool size in tokens"
+    )
+    parser.add_argument(
+        "--prefill-tps", type=float, default=d.prefill_tokens_per_s, help="prefill tokens/s"
+    )
+    parser.add_argument(
+        "--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="decode step, ms"
+    )
+    parser.add_argument(
+        "--decode-per-request-ms",
+        type=float,
+        default=d.decode_per_request_s * 1e3,
+        help="added to a decode step per running request, ms",
+    )
+    parser.add_argument("--max-batch", type=int, default=d.max_batch, help="running requests")
+    parser.add_argument(
+        "--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step"
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=0, help="context length (0: min(capacity, 131072))"
+    )
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=256, help="output length when a chat sets none"
+    )
+    parser.add_argument(
+        "--kv-events-port", type=int, default=0, help="ZMQ PUB port for KV events (0: any)"
+    )
+    parser.add_argument(
+        "--kv-replay-port", type=int, default=0, help="ZMQ ROUTER port for replays (0: any)"
+    )
+    parser.add_argument(
+        "--max-body-mb", type=float, default=32.0, help="larger request bodies get 413"
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    """ValueError on settings that cannot work."""
+    engine = EngineConfig(
+        block_size=args.block_size,
+        capacity_tokens=args.capacity_tokens,
+        prefill_tokens_per_s=args.prefill_tps,
+        decode_base_s=args.decode_base_ms / 1e3,
+        decode_per_request_s=args.decode_per_request_ms / 1e3,
+        max_batch=args.max_batch,
+        chunk_tokens=args.chunk_tokens,
+    )
+    if args.max_model_len < 0 or args.default_max_tokens < 1 or args.max_body_mb <= 0:
+        raise ValueError(
+            "need --max-model-len >= 0, --default-max-tokens >= 1 and --max-body-mb > 0"
+        )
+    return WorkerConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        kv_group=args.kv_group,
+        max_model_len=args.max_model_len,
+        default_max_tokens=args.default_max_tokens,
+        kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+        engine=engine,
+    )
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Run a worker until SIGINT or SIGTERM."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    worker = EmulatedWorker(config)
+    try:
+        await worker.start()
+        print(f"ready: {worker.url}", flush=True)
+        await stop.wait()
+    finally:
+        await worker.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

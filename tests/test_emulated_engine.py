@@ -1,0 +1,280 @@
+"""The emulated engine in virtual time: the time model (prefill of uncached tokens only, chunks,
+decode steps that grow with the batch), continuous batching, the batch limit, capacity
+pressure, skipping over decode stretches, and KV events that rebuild exactly its cache in the
+gateway's mirror. The integrity check runs after every step."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import pytest
+
+from backends.emulated.engine import (
+    EmulatedEngine,
+    EngineConfig,
+    Request,
+    State,
+    StepResult,
+    output_tokens,
+)
+from router.blocks import block_keys
+from router.index import UnifiedIndex
+from router.kv_events import EventBatch
+from router.kv_mirror import WorkerMirror
+
+BS = 16
+BASE = 0.01
+PER_REQ = 0.001
+TPS = 10_000.0
+
+
+def config(**kw: object) -> EngineConfig:
+    defaults: dict[str, object] = {
+        "block_size": BS,
+        "decode_base_s": BASE,
+        "decode_per_request_s": PER_REQ,
+        "prefill_tokens_per_s": TPS,
+        "capacity_tokens": 100_000,
+    }
+    defaults.update(kw)
+    return EngineConfig(**defaults)  # type: ignore[arg-type]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def drive(
+    engine: EmulatedEngine,
+    reqs: list[Request],
+    *,
+    fine: bool = False,
+    on_step: Callable[[float, StepResult], None] | None = None,
+    max_calls: int = 1_000_000,
+) -> int:
+    """Submit each request at its arrival and step at `next_time` (or every step boundary when
+    `fine`), checking integrity after every step. Returns the number of step calls."""
+    pending = sorted(reqs, key=lambda r: r.arrival)
+    i = calls = 0
+    while True:
+        t = engine.next_step_time() if fine else engine.next_time()
+        if i < len(pending) and (t is None or pending[i].arrival <= t):
+            engine.submit(pending[i])
+            i += 1
+            continue
+        if t is None:
+            return calls
+        result = engine.step(t)
+        engine.check()
+        calls += 1
+        if on_step is not None:
+            on_step(t, result)
+        assert calls < max_calls, "no progress"
+
+
+def test_a_cached_prefix_shortens_ttft_by_exactly_its_prefill_time() -> None:
+    engine = EmulatedEngine(config())
+    p = prompt(1000, 1)
+    a = Request("a", p, 4, arrival=0.0)
+    b = Request("b", p, 4, arrival=10.0)
+    drive(engine, [a, b])
+    assert a.cached_tokens == 0 and b.cached_tokens == 62 * BS  # 1000 // 16 full blocks
+    ttft_a = a.first_token_time - a.arrival  # type: ignore[operator]
+    ttft_b = b.first_token_time - b.arrival  # type: ignore[operator]
+    assert ttft_a == pytest.approx(BASE + 1000 / TPS, abs=1e-12)
+    assert ttft_a - ttft_b == pytest.approx(b.cached_tokens / TPS, abs=1e-12)
+
+
+def test_a_fully_cached_prompt_still_computes_one_token() -> None:
+    engine = EmulatedEngine(config())
+    p = prompt(4 * BS, 2)
+    a, b = Request("a", p, 2, arrival=0.0), Request("b", p, 2, arrival=5.0)
+    drive(engine, [a, b])
+    assert b.cached_tokens == 3 * BS
+    assert b.first_token_time - b.arrival == pytest.approx(BASE + BS / TPS, abs=1e-12)  # type: ignore[operator]
+
+
+def test_chunked_prefill_caches_each_chunk_as_it_completes() -> None:
+    engine = EmulatedEngine(config(chunk_tokens=1024))
+    p = prompt(3000, 3)
+    a = Request("a", p, 2, arrival=0.0)
+    seen: list[int] = []
+    drive(engine, [a], fine=True, on_step=lambda t, r: seen.append(len(engine.cache)))
+    assert a.first_token_time == pytest.approx(3 * BASE + 3000 / TPS, abs=1e-12)
+    assert seen[:4] == [0, 64, 128, 187]  # blocks cached after each chunk (3000 // 16 = 187)
+    # arriving during a's second chunk, it is admitted when that chunk ends: two chunks hit
+    b = Request("b", p, 2, arrival=0.0)
+    late = Request("late", p, 2, arrival=BASE + 1024 / TPS + 0.01)
+    drive(EmulatedEngine(config(chunk_tokens=1024)), [b, late])
+    assert late.admitted_time == pytest.approx(2 * BASE + 2048 / TPS, abs=1e-12)
+    assert late.cached_tokens == 2048
+
+
+def test_decode_steps_grow_with_the_batch() -> None:
+    def inter_token(n: int) -> float:
+        engine = EmulatedEngine(config())
+        reqs = [Request(i, prompt(40, 10 + i), 11, arrival=0.0) for i in range(n)]
+        drive(engine, reqs)
+        assert len({r.first_token_time for r in reqs}) == 1  # one prefill step for all
+        r = reqs[0]
+        return (r.finish_time - r.first_token_time) / 10  # type: ignore[operator]
+
+    assert inter_token(1) == pytest.approx(BASE + PER_REQ, abs=1e-12)
+    assert inter_token(8) == pytest.approx(BASE + 8 * PER_REQ, abs=1e-12)
+    assert inter_token(32) == pytest.approx(BASE + 32 * PER_REQ, abs=1e-12)
+
+
+def test_continuous_batching_admits_a_request_at_the_next_step_boundary() -> None:
+    engine = EmulatedEngine(config())
+    a = Request("a", prompt(100, 4), 100, arrival=0.0)
+    b = Request("b", prompt(50, 5), 5, arrival=0.0555)
+    drive(engine, [a, b])
+    t1 = BASE + 100 / TPS  # a's first token
+    d1 = BASE + PER_REQ  # a decoding alone
+    j = math.ceil((b.arrival - t1) / d1)
+    assert b.admitted_time == pytest.approx(t1 + j * d1, abs=1e-12)
+    assert b.first_token_time == pytest.approx(
+        b.admitted_time + BASE + PER_REQ + 50 / TPS,  # type: ignore[operator]
+        abs=1e-12,
+    )
+    assert b.finish_time < a.finish_time  # type: ignore[operator]
+    assert a.finish_time > t1 + 99 * d1  # type: ignore[operator]  # b's steps slowed it down
+    assert a.generated == 100 and b.generated == 5
+
+
+def test_the_batch_never_exceeds_max_batch() -> None:
+    engine = EmulatedEngine(config(max_batch=3))
+    reqs = [Request(i, prompt(30, 20 + i), 5 + i, arrival=0.0) for i in range(10)]
+    peak = 0
+
+    def watch(t: float, result: StepResult) -> None:
+        nonlocal peak
+        peak = max(peak, engine.load().running)
+
+    drive(engine, reqs, on_step=watch)
+    assert peak == 3
+    assert all(r.state is State.FINISHED for r in reqs)
+    assert reqs[3].admitted_time == reqs[0].finish_time  # a place freed by the first to end
+
+
+def test_capacity_pressure_makes_requests_wait_and_never_deadlocks() -> None:
+    engine = EmulatedEngine(config(capacity_tokens=64 * BS))
+    rng = random.Random(7)
+    reqs = []
+    for i in range(200):
+        n = rng.randrange(1, 700)
+        reqs.append(Request(i, prompt(n, rng.randrange(30)), rng.randrange(1, 1024 - n + 2)))
+        reqs[-1].arrival = i * 0.01
+    blocked = 0
+
+    def watch(t: float, result: StepResult) -> None:
+        nonlocal blocked
+        load = engine.load()
+        blocked += load.waiting > 0 and load.running < engine.config.max_batch
+
+    drive(engine, reqs, on_step=watch)
+    assert blocked > 0  # memory, not the batch limit, held requests back
+    assert all(r.state is State.FINISHED and r.generated == r.max_tokens for r in reqs)
+    stats = engine.cache.stats()
+    assert stats.allocated_tokens == stats.protected_tokens == 0 and stats.evicted_blocks > 0
+    with pytest.raises(ValueError):
+        engine.submit(Request("huge", prompt(1000, 1), 100))
+
+
+def test_skipping_decode_stretches_changes_nothing_but_the_number_of_calls() -> None:
+    def workload() -> list[Request]:
+        rng = random.Random(11)
+        return [
+            Request(
+                i,
+                prompt(rng.randrange(1, 400), rng.randrange(5)),
+                rng.randrange(1, 400),
+                arrival=rng.random() * 2.0,
+            )
+            for i in range(60)
+        ]
+
+    coarse, fine = workload(), workload()
+    emitted: dict[int, int] = {}
+
+    def count(t: float, result: StepResult) -> None:
+        for rid, n in result.emitted.items():
+            emitted[rid] = emitted.get(rid, 0) + n
+
+    calls_coarse = drive(EmulatedEngine(config(report_tokens=False)), coarse)
+    calls_fine = drive(EmulatedEngine(config()), fine, fine=True, on_step=count)
+    for c, f in zip(coarse, fine, strict=True):
+        assert (c.admitted_time, c.cached_tokens) == (f.admitted_time, f.cached_tokens)
+        assert c.first_token_time == pytest.approx(f.first_token_time, abs=1e-9)
+        assert c.finish_time == pytest.approx(f.finish_time, abs=1e-9)
+        assert emitted[f.rid] == f.max_tokens
+    assert calls_coarse * 3 < calls_fine
+
+
+def test_outputs_are_exact_and_the_next_turn_reuses_them() -> None:
+    engine = EmulatedEngine(config())
+    p = prompt(100, 6)
+    a = Request("a", p, 40, cache_salt="t1", arrival=0.0)
+    drive(engine, [a])
+    nxt = p + output_tokens(40) + prompt(30, 7)
+    b = Request("b", nxt, 3, cache_salt="t1", arrival=5.0)
+    c = Request("c", nxt, 3, cache_salt="t2", arrival=5.0)
+    drive(engine, [b, c])
+    assert b.cached_tokens == (100 + 39) // BS * BS  # the last output token has no KV
+    assert c.cached_tokens == 0  # another tenant's namespace
+    assert bytes(output_tokens(9)) == b"The quick"
+
+
+def test_abort_releases_room_and_locks() -> None:
+    engine = EmulatedEngine(config())
+    a = Request("a", prompt(200, 8), 1000, arrival=0.0)
+    b = Request("b", prompt(10, 9), 1000, arrival=0.0)
+    engine.submit(a)
+    engine.submit(b)
+    engine.step(0.0)
+    engine.step(engine.next_time())  # type: ignore[arg-type]  # prefilled, decoding
+    now = engine.next_time() / 2  # type: ignore[operator]
+    engine.step(now)
+    assert engine.abort(a, now)
+    engine.check()
+    assert engine.load().running == 1
+    assert engine.next_time() == pytest.approx(engine.next_step_time())  # cut to this step
+    drive(engine, [])
+    assert b.state is State.FINISHED and a.state is State.ABORTED
+    assert engine.cache.allocated_tokens == 0
+    assert not engine.abort(b, 100.0)
+
+
+def test_kv_events_rebuild_exactly_the_cache_in_the_mirror() -> None:
+    engine = EmulatedEngine(config(capacity_tokens=96 * BS, chunk_tokens=256))
+    index = UnifiedIndex()
+    mirror = WorkerMirror(index, "w", "g", block_size=BS)
+    rng = random.Random(13)
+    prefixes = [prompt(rng.randrange(0, 500), 100 + i) for i in range(6)]
+    reqs = []
+    for i in range(300):
+        p = prefixes[rng.randrange(6)] + prompt(rng.randrange(1, 200), 1000 + i)
+        salt = rng.choice([None, None, "tenant-a", "tenant-b"])
+        reqs.append(Request(i, p, rng.randrange(1, 120), salt, arrival=i * 0.02))
+    seq = 0
+    stored = removed = 0
+
+    def apply(t: float, result: StepResult) -> None:
+        nonlocal seq, stored, removed
+        if result.events:
+            stored += sum(type(e).__name__ == "BlockStored" for e in result.events)
+            removed += sum(type(e).__name__ == "BlockRemoved" for e in result.events)
+            mirror.apply(seq, EventBatch(t, result.events), t)
+            seq += 1
+        assert index.residency("w", "g") == engine.cache.keys()
+
+    drive(engine, reqs, on_step=apply)
+    assert stored and removed and engine.cache.stats().evicted_blocks > 0
+    assert mirror.stats().skipped_orphans == mirror.stats().skipped_unkeyable == 0
+    assert any(r.cache_salt and r.cached_tokens for r in reqs)  # salted roots travel too
+    for r in reqs[-30:]:  # the gateway would predict exactly what the worker would reuse
+        keys = block_keys(r.prompt, BS, r.cache_salt)
+        assert index.match(keys, "g").get("w", 0) == engine.cache.match(keys).blocks
