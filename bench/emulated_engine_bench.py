@@ -1,6 +1,7 @@
 """How fast the emulated engine runs in virtual time (the simulator's inner loop).
 
-    python -m backends.emulated.bench [--requests N] [--trace PATH] [--block-size B] [--no-events]
+    python bench/emulated_engine_bench.py [--requests N] [--trace PATH] [--block-size B]
+        [--no-events]
 
 Prints requests/s of wall time on one core for a synthetic chat workload and, when the trace
 exists, for the Mooncake trace (tokens synthesized from its hash ids). The cost is per request
@@ -22,7 +23,7 @@ from pathlib import Path
 from backends.emulated.engine import EmulatedEngine, EngineConfig, Request
 from router.blocks import block_keys
 
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 _FILL = list(range(1000, 1510))  # a hash id's 512-token block: two tokens of id, then filler
 
 
