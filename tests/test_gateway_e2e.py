@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import http.server
 import json
+import threading
 
 import httpx
 import openai
@@ -259,3 +261,40 @@ def test_workers_without_events_get_approximate_residency(tmp_path):
         gateway.stop()
         for w in workers:
             w.stop()
+
+
+class _GarbageWorker(http.server.BaseHTTPRequestHandler):
+    """A worker that answers its probes and then garbage: a fault to inject, not a stand-in."""
+
+    def do_GET(self) -> None:  # noqa: N802
+        info = {"models": [{"name": "garbage-model"}], "block_size": 16}
+        self._send(json.dumps(info).encode() if self.path == "/urc/info" else b"ok")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._send(b"\x00\xffnot json at all")
+
+    def _send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_worker_answering_garbage_is_a_502_not_a_crash():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _GarbageWorker)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    gateway = start_gateway([f"http://127.0.0.1:{server.server_address[1]}"])
+    try:
+        for stream in (False, True):
+            body = {"model": "garbage-model", "prompt": "hello", "stream": stream}
+            r = httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=10)
+            assert r.status_code in (502, 503), r.text
+            assert r.json()["error"]["message"]
+        assert httpx.get(f"{gateway.url}/health", timeout=5).status_code in (200, 503)
+    finally:
+        gateway.stop()
+        server.shutdown()

@@ -170,7 +170,7 @@ class Fleet:
                 await self._discover(worker, timeout)
             async with self.session.get(worker.url + "/health", timeout=timeout) as resp:
                 healthy = resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
             log.debug("health check of %s failed: %s", worker.name, exc)
             healthy = False
         if healthy:
@@ -203,7 +203,7 @@ class Fleet:
             async with self.session.get(worker.url + "/urc/info", timeout=timeout) as resp:
                 if resp.status != 200:
                     raise ValueError(f"{worker.url}/urc/info answered {resp.status}")
-                info = await resp.json()
+                info = await resp.json(content_type=None)
         worker.incarnation = info.get("incarnation")
         worker.block_size = int(config.block_size or info.get("block_size") or 16)
         served: dict[str, str] = {}
