@@ -298,3 +298,30 @@ def test_a_worker_answering_garbage_is_a_502_not_a_crash():
     finally:
         gateway.stop()
         server.shutdown()
+
+
+def test_record_writes_a_replayable_trace(tmp_path):
+    worker = start_worker()
+    trace = tmp_path / "live.jsonl"
+    gateway = start_gateway([worker.url], "--record", str(trace), "--api-key", "acme:k")
+    try:
+        headers = {"Authorization": "Bearer k"}
+        for i in range(3):
+            body = {
+                "model": "emulated",
+                "prompt": "shared prefix " * 20 + str(i),
+                "max_tokens": 5,
+                "stream": i == 2,
+            }
+            r = httpx.post(f"{gateway.url}/v1/completions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200
+    finally:
+        gateway.stop()
+        worker.stop()
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == 3
+    for line in lines:
+        assert line["input_length"] // line["block_size"] == len(line["hash_ids"])
+        assert line["output_length"] == 5 and line["tenant"] == "acme" and line["worker"]
+        assert line["cached_tokens"] is not None and line["timestamp"] >= 0
+    assert lines[1]["hash_ids"][:10] == lines[0]["hash_ids"][:10]

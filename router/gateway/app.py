@@ -22,7 +22,8 @@ from router.gateway.config import GatewayConfig
 from router.gateway.errors import APIError
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
-from router.gateway.proxy import Proxy, with_salt
+from router.gateway.proxy import Proxy, Usage, with_salt
+from router.gateway.recorder import Recorder
 from router.gateway.routing import Plan, Router, parse_body, validate
 from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
@@ -45,6 +46,7 @@ class Gateway:
         self.tenants = Tenants(config.tenants, config.salt_secret)
         self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
+        self.recorder = Recorder(config.record, config.policy) if config.record else None
         self._tasks: list[asyncio.Task[None]] = []
         self.app = web.Application(
             client_max_size=config.max_body_bytes, middlewares=[_errors_as_json]
@@ -72,6 +74,8 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await self.fleet.close()
+        if self.recorder is not None:
+            self.recorder.close()
 
     # -- OpenAI endpoints --------------------------------------------------------------------
 
@@ -91,13 +95,23 @@ class Gateway:
         self.metrics.reasons.labels(self.config.policy, plan.decision.reason).inc()
         payload = with_salt(raw, body, tenant.salt)
         stream = body.get("stream") is True
-        return await self.proxy.forward(request, path, payload, plan, stream, self._served)
+        return await self.proxy.forward(
+            request,
+            path,
+            payload,
+            plan,
+            stream,
+            lambda plan, worker, usage: self._served(plan, worker, usage, tenant.name),
+        )
 
-    def _served(self, plan: Plan, worker: Worker) -> None:
-        """After a success: workers without KV events get approximate residency."""
+    def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
+        """After a success: workers without KV events get approximate residency; the request
+        goes to the recording."""
         if not worker.exact and plan.keys:
             group = worker.models.get(plan.model.name, plan.model.kv_group)
             self.index.insert(plan.keys, worker.name, group, time.monotonic(), approximate=True)
+        if self.recorder is not None:
+            self.recorder.record(plan, worker, tenant, usage)
 
     async def list_models(self, request: web.Request) -> web.Response:
         self.tenants.authenticate(request.headers.get("Authorization"))

@@ -89,6 +89,7 @@ class GatewayConfig:
     approx_ttl_s: float = 120.0
     index_max_blocks: int = 20_000_000
     prefill_tokens_per_s: float = 15_000.0  # to age queued prefill of non-streamed requests
+    record: str | None = None  # a JSONL file: every served request, for `urc replay`
 
 
 def _table(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -153,6 +154,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--admin-key", help="the key of the admin API (/admin/...)")
     parser.add_argument(
+        "--record",
+        metavar="FILE",
+        help="append every served request to FILE (Mooncake JSONL + model, tenant, worker, "
+        "cached tokens) for `urc replay`",
+    )
+    parser.add_argument(
         "--model-tokenizer",
         action="append",
         default=[],
@@ -185,6 +192,8 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
         by_name[tenant].api_keys.append(key)
     if args.admin_key:
         config.admin_key = args.admin_key
+    if args.record:
+        config.record = args.record
     models = {m.name: m for m in config.models}
     for item in args.model_tokenizer:
         name, sep, spec = item.partition("=")

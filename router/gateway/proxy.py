@@ -15,7 +15,7 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -28,7 +28,15 @@ from router.gateway.routing import Plan
 
 _JSON = {"Content-Type": "application/json"}
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_OUTPUT_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+
+
+class Usage(NamedTuple):
+    """What the worker reported of one request (None: not reported)."""
+
+    cached_tokens: int | None
+    output_tokens: int | None
 
 
 class _Failover(Exception):
@@ -103,7 +111,7 @@ class Proxy:
         payload: bytes,
         plan: Plan,
         stream: bool,
-        on_success: Callable[[Plan, Worker], None],
+        on_success: Callable[[Plan, Worker, Usage], None],
     ) -> web.StreamResponse:
         t0 = time.monotonic()
         model = plan.model.name
@@ -116,7 +124,7 @@ class Proxy:
                 delay = worker.queued_prefill_tokens * self.s_per_token
                 load.timer = asyncio.get_running_loop().call_later(delay, load.start)
             try:
-                response, status = await self._attempt(
+                response, status, usage = await self._attempt(
                     request, path, payload, plan, worker, load, stream, t0
                 )
             except _Failover as exc:
@@ -129,8 +137,9 @@ class Proxy:
             worker.failures = 0
             self.metrics.requests.labels(model, worker.name, str(status)).inc()
             self.metrics.latency.labels(model).observe(time.monotonic() - t0)
-            if status == 200:
-                on_success(plan, worker)
+            if usage is not None:
+                self._account(plan, worker, usage.cached_tokens)
+                on_success(plan, worker, usage)
             return response
         raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
 
@@ -144,7 +153,8 @@ class Proxy:
         load: _Load,
         stream: bool,
         t0: float,
-    ) -> tuple[web.StreamResponse, int]:
+    ) -> tuple[web.StreamResponse, int, Usage | None]:
+        """One try on one worker: the response, its status and, on success, its usage."""
         session = self.fleet.session
         assert session is not None
         config = self.fleet.config
@@ -159,7 +169,8 @@ class Proxy:
             raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
         try:
             if stream and upstream.status == 200:
-                return await self._stream(request, upstream, plan, worker, load, t0), 200
+                response, usage = await self._stream(request, upstream, plan, worker, load, t0)
+                return response, 200, usage
             try:
                 body = await upstream.read()
             except (TimeoutError, aiohttp.ClientError) as exc:
@@ -171,7 +182,20 @@ class Proxy:
                 raise _Failover(f"answered {upstream.status}")
             if upstream.status == 200 and not _is_json_object(body):
                 raise _Failover("answered 200 with a body that is not a JSON object")
-            return self._whole(upstream, body, plan, worker, load, t0), upstream.status
+            load.start()
+            self.metrics.ttft.labels(plan.model.name).observe(time.monotonic() - t0)
+            usage = None
+            if upstream.status == 200:
+                cached = _CACHED_RE.search(body)
+                output = _OUTPUT_RE.search(body)
+                usage = Usage(
+                    int(cached.group(1)) if cached else _header_int(upstream),
+                    int(output.group(1)) if output else None,
+                )
+            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+            headers["x-urc-route"] = route_header(plan, worker)
+            response = web.Response(body=body, status=upstream.status, headers=headers)
+            return response, upstream.status, usage
         finally:
             upstream.release()
 
@@ -185,24 +209,6 @@ class Proxy:
             m.actual_cached.labels(worker.name, model).inc(cached)
             m.prediction_error.labels(worker.name, model).inc(abs(predicted - cached))
 
-    def _whole(
-        self,
-        upstream: aiohttp.ClientResponse,
-        body: bytes,
-        plan: Plan,
-        worker: Worker,
-        load: _Load,
-        t0: float,
-    ) -> web.Response:
-        load.start()
-        self.metrics.ttft.labels(plan.model.name).observe(time.monotonic() - t0)
-        if upstream.status == 200:
-            found = _CACHED_RE.search(body)
-            self._account(plan, worker, int(found.group(1)) if found else _header_int(upstream))
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-        headers["x-urc-route"] = route_header(plan, worker)
-        return web.Response(body=body, status=upstream.status, headers=headers)
-
     async def _stream(
         self,
         request: web.Request,
@@ -211,13 +217,16 @@ class Proxy:
         worker: Worker,
         load: _Load,
         t0: float,
-    ) -> web.StreamResponse:
+    ) -> tuple[web.StreamResponse, Usage | None]:
+        """Pass the SSE stream through as it comes; usage (None: the client left early)."""
         response = web.StreamResponse(status=upstream.status)
         for key, value in upstream.headers.items():
             if key.lower() not in _HOP_HEADERS:
                 response.headers[key] = value
         response.headers["x-urc-route"] = route_header(plan, worker)
         cached = _header_int(upstream)
+        output: int | None = None
+        events = 0
         first = True
         try:
             async for chunk in upstream.content.iter_any():
@@ -228,21 +237,24 @@ class Proxy:
                     load.start()
                     self.metrics.ttft.labels(plan.model.name).observe(time.monotonic() - t0)
                     await response.prepare(request)
-                if b'"cached_tokens"' in chunk:
-                    found = _CACHED_RE.search(chunk)
-                    if found:
+                events += chunk.count(b"data:")
+                if b'"usage"' in chunk:
+                    if found := _CACHED_RE.search(chunk):
                         cached = int(found.group(1))
+                    if found := _OUTPUT_RE.search(chunk):
+                        output = int(found.group(1))
                 if not await _send(response, chunk):
-                    return response  # the client went away: stop reading, free the worker
+                    return response, None  # the client went away: stop reading, free the worker
         except (TimeoutError, aiohttp.ClientError) as exc:
             if first:  # not a byte reached the client: the next worker may serve it
                 raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
-            return response  # the client has a partial stream; nothing more can be done
+            return response, None  # the client has a partial stream; nothing more can be done
         if first:
             await response.prepare(request)
-        if await _send(response, None):
-            self._account(plan, worker, cached)
-        return response
+        if not await _send(response, None):
+            return response, None
+        # without a usage chunk, one content event per token less the closing [DONE]
+        return response, Usage(cached, output if output is not None else max(events - 1, 0))
 
 
 async def _send(response: web.StreamResponse, chunk: bytes | None) -> bool:

@@ -25,6 +25,7 @@ class Plan(NamedTuple):
     ranked: list[Worker]  # the chosen worker first, then the failover order
     matched: dict[str, int]  # matched tokens per candidate worker
     decision_s: float
+    arrived: float  # time.monotonic() when routing began
 
 
 _decode = msgspec.json.Decoder().decode
@@ -89,6 +90,7 @@ class Router:
     def plan(
         self, body: dict[str, Any], chat: bool, salt: str | None, policy: Policy | None = None
     ) -> Plan:
+        arrived = time.monotonic()
         t0 = time.perf_counter()
         name = body["model"]
         model = self.fleet.model(name)
@@ -102,7 +104,7 @@ class Router:
         tokens = self.tokens(model, body, chat)
         keys = block_keys(tokens, model.block_size, salt)
         group = model.kv_group
-        matched_blocks = self.index.match(keys, group, time.monotonic())
+        matched_blocks = self.index.match(keys, group, arrived)
         index = self.index
         candidates = [
             Candidate(
@@ -120,4 +122,5 @@ class Router:
         by_name = {w.name: w for w in workers}
         ranked = [by_name[n] for n in decision.ranked()]
         matched = {s.worker: s.matched_tokens for s in decision.scores}
-        return Plan(model, keys, len(tokens), decision, ranked, matched, time.perf_counter() - t0)
+        decision_s = time.perf_counter() - t0
+        return Plan(model, keys, len(tokens), decision, ranked, matched, decision_s, arrived)

@@ -1,0 +1,48 @@
+"""`urc gateway --record FILE`: live traffic as a trace `urc replay` can read.
+
+One JSON line per served request in Mooncake's format (DESIGN §7) — `timestamp` (ms since the
+first recorded arrival), `input_length`, `output_length`, `hash_ids` — where the hash ids are
+the request's block keys, `block_size` tokens each, plus what only the gateway knows: model,
+tenant, chosen worker, the policy, predicted and actual cached tokens. Lines are written when
+requests finish, so they are not in timestamp order: sort before replaying.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+
+from router.gateway.fleet import Worker
+from router.gateway.proxy import Usage
+from router.gateway.routing import Plan
+
+
+class Recorder:
+    def __init__(self, path: str | Path, policy: str) -> None:
+        self.path = Path(path)
+        self.policy = policy
+        self._file = self.path.open("ab", buffering=1 << 16)
+        self._t0: float | None = None
+        self._encode = msgspec.json.Encoder().encode
+
+    def record(self, plan: Plan, worker: Worker, tenant: str, usage: Usage) -> None:
+        if self._t0 is None:
+            self._t0 = plan.arrived
+        line = {
+            "timestamp": round((plan.arrived - self._t0) * 1000, 3),
+            "input_length": plan.prompt_tokens,
+            "output_length": usage.output_tokens or 0,
+            "hash_ids": plan.keys,
+            "block_size": plan.model.block_size,
+            "model": plan.model.name,
+            "tenant": tenant,
+            "worker": worker.name,
+            "policy": self.policy,
+            "predicted_tokens": plan.matched.get(worker.name, 0),
+            "cached_tokens": usage.cached_tokens,
+        }
+        self._file.write(self._encode(line) + b"\n")
+
+    def close(self) -> None:
+        self._file.close()
