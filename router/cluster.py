@@ -15,7 +15,7 @@ import signal
 import socket
 import sys
 
-from router.gateway.app import serve_gateway
+from router.gateway.app import run_async, serve_gateway
 from router.gateway.config import (
     ConfigError,
     GatewayConfig,
@@ -133,7 +133,7 @@ def cluster_main(args: argparse.Namespace) -> int:
         print(f"urc cluster: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_cluster(args, config))
+        run_async(run_cluster(args, config))
     except RuntimeError as exc:
         print(f"urc cluster: {exc}", file=sys.stderr)
         return 1

@@ -176,6 +176,8 @@ def test_bad_input_gets_clear_errors_and_the_gateway_keeps_serving(two_workers):
         (post("/v1/completions", json={"model": "no-such-model", "prompt": "x"}), 404),
         (post("/v1/completions", content=b"x" * (17 * 2**20)), 413),
         (post("/admin/workers", json={}), 401),
+        (post("/v1/nothing-here", json={}), 404),
+        (httpx.get(f"{url}/v1/completions", timeout=5), 405),
     ]
     for response, status in cases:
         assert response.status_code == status, (response.status_code, response.text)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from router.gateway.config import WorkerConfig
-from router.gateway.errors import APIError, bad_request
+from router.gateway.errors import APIError, bad_request, json_errors
 from router.gateway.fleet import Worker
 from router.gateway.routing import parse_body, validate
 from router.index import UnifiedIndex
@@ -28,10 +28,10 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     admin = _Admin(gateway)
     app.add_routes(
         [
-            web.get("/admin/workers", admin.list_workers),
-            web.post("/admin/workers", admin.add_worker),
-            web.delete("/admin/workers/{name}", admin.remove_worker),
-            web.post("/admin/route", admin.dry_run),
+            web.get("/admin/workers", json_errors(admin.list_workers)),
+            web.post("/admin/workers", json_errors(admin.add_worker)),
+            web.delete("/admin/workers/{name}", json_errors(admin.remove_worker)),
+            web.post("/admin/route", json_errors(admin.dry_run)),
         ]
     )
 

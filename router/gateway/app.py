@@ -12,6 +12,7 @@ import contextlib
 import logging
 import signal
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -19,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.gateway.admin import add_admin_routes
 from router.gateway.config import GatewayConfig
-from router.gateway.errors import APIError
+from router.gateway.errors import add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.proxy import Proxy, Usage, with_salt
@@ -48,19 +49,20 @@ class Gateway:
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self._tasks: list[asyncio.Task[None]] = []
-        self.app = web.Application(
-            client_max_size=config.max_body_bytes, middlewares=[_errors_as_json]
-        )
+        # errors become JSON per handler (json_errors), not in a middleware: a middleware
+        # costs every request a wrapper object
+        self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
             [
-                web.post("/v1/completions", self.completions),
-                web.post("/v1/chat/completions", self.chat_completions),
-                web.get("/v1/models", self.list_models),
+                web.post("/v1/completions", json_errors(self.completions)),
+                web.post("/v1/chat/completions", json_errors(self.chat_completions)),
+                web.get("/v1/models", json_errors(self.list_models)),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics_endpoint),
             ]
         )
         add_admin_routes(self.app, self)
+        add_fallback_route(self.app)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -92,7 +94,7 @@ class Gateway:
         validate(body, chat)
         plan = self.router.plan(body, chat, tenant.salt)
         self.metrics.decision.observe(plan.decision_s)
-        self.metrics.reasons.labels(self.config.policy, plan.decision.reason).inc()
+        self.metrics.reason(plan.decision.reason).inc()
         payload = with_salt(raw, body, tenant.salt)
         stream = body.get("stream") is True
         return await self.proxy.forward(
@@ -146,28 +148,6 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-@web.middleware
-async def _errors_as_json(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Every error leaves as OpenAI-style JSON with its status; nothing escapes as a 500 page."""
-    try:
-        return await handler(request)
-    except APIError as exc:
-        return exc.response()
-    except web.HTTPRequestEntityTooLarge as exc:
-        return APIError(
-            413, f"request body too large: {exc.text}", code="body_too_large"
-        ).response()
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return APIError(exc.status, exc.reason, type="invalid_request_error").response()
-    except (ConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception:
-        log.exception("internal error on %s %s", request.method, request.path)
-        return APIError(500, "internal error in the gateway", type="server_error").response()
-
-
 async def serve_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
     """Serve until `stop` is set; print `gateway: URL` once the socket accepts connections."""
     gateway = Gateway(config)
@@ -190,4 +170,14 @@ def run_gateway(config: GatewayConfig) -> None:
             loop.add_signal_handler(sig, stop.set)
         await serve_gateway(config, stop)
 
-    asyncio.run(main())
+    run_async(main())
+
+
+def run_async(main: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop where it is installed (it is a dependency on Linux and macOS)."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main)
+    else:
+        uvloop.run(main)

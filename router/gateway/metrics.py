@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -83,6 +84,40 @@ class GatewayMetrics:
             policy_name
         ).set(1)
         r.register(_FleetCollector(fleet, index))
+        self.policy_name = policy_name
+        self._series: dict[tuple[str, str], Series] = {}
+        self._reasons: dict[str, Any] = {}
+
+    def series(self, model: str, worker: str) -> Series:
+        """The labelled children of one (model, worker), bound once: `labels()` is not free."""
+        series = self._series.get((model, worker))
+        if series is None:
+            series = self._series[(model, worker)] = Series(
+                self.ttft.labels(model),
+                self.latency.labels(model),
+                self.requests.labels(model, worker, "200"),
+                self.prompt_tokens.labels(worker, model),
+                self.predicted_cached.labels(worker, model),
+                self.actual_cached.labels(worker, model),
+                self.prediction_error.labels(worker, model),
+            )
+        return series
+
+    def reason(self, reason: str) -> Any:
+        child = self._reasons.get(reason)
+        if child is None:
+            child = self._reasons[reason] = self.reasons.labels(self.policy_name, reason)
+        return child
+
+
+class Series(NamedTuple):
+    ttft: Any
+    latency: Any
+    ok: Any
+    prompt_tokens: Any
+    predicted: Any
+    actual: Any
+    error: Any
 
 
 class _FleetCollector(Collector):
