@@ -27,31 +27,29 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from harness import (
+    JSON_HEADERS,
+    Child,
+    cpu_seconds,
+    free_port,
+    machine_cpu_seconds,
+    percentile,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "emulated"
-JSON_HEADERS = {"Content-Type": "application/json"}
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 # sglang-router has fewer policies; the nearest one for each of ours
 SGLANG_POLICY = {
     "cache_aware": "cache_aware",
@@ -62,100 +60,6 @@ SGLANG_POLICY = {
 
 
 # -- processes ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Child:
-    """A child process in its own session (Ctrl-C reaches only us; we stop it), its last output
-    lines kept for the error message; `url` comes from its `ready_prefix` line, if it has one."""
-
-    def __init__(self, name: str, argv: list[str], ready_prefix: str | None, url: str = "") -> None:
-        self.name = name
-        self.url = url
-        self.lines: deque[str] = deque(maxlen=60)
-        self._ready = threading.Event()
-        self.popen = subprocess.Popen(
-            argv,
-            cwd=ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            start_new_session=True,
-        )
-        threading.Thread(target=self._pump, args=(ready_prefix,), daemon=True).start()
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def _pump(self, prefix: str | None) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip())
-            if prefix and not self._ready.is_set() and line.startswith(prefix):
-                self.url = line[len(prefix) :].strip()
-                self._ready.set()
-        self._ready.set()  # it exited
-
-    def fail(self, why: str) -> RuntimeError:
-        tail = "\n".join(f"    {line}" for line in list(self.lines)[-20:])
-        return RuntimeError(f"{self.name} {why}; its last output:\n{tail}")
-
-    def wait_announced(self, timeout_s: float) -> None:
-        if not self._ready.wait(timeout_s) or not self.url or self.popen.poll() is not None:
-            raise self.fail("did not start")
-
-    def wait_serving(self, body: bytes, timeout_s: float) -> None:
-        """Until a real completion through it answers 200 (a router may register workers late)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.popen.poll() is not None:
-                raise self.fail(f"exited with {self.popen.returncode}")
-            req = urllib.request.Request(
-                self.url + "/v1/completions", data=body, headers=JSON_HEADERS
-            )
-            with (
-                contextlib.suppress(OSError, urllib.error.URLError),
-                urllib.request.urlopen(req, timeout=2.0) as resp,
-            ):
-                if resp.status == 200:
-                    return
-            time.sleep(0.2)
-        raise self.fail(f"did not serve within {timeout_s:.0f} s")
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far; 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime
-
-
-def machine_cpu_seconds() -> float:
-    """Busy CPU seconds of the whole machine so far (every process, ours and others')."""
-    with open("/proc/stat") as f:
-        ticks = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
-    return (user + nice + system + irq + softirq + steal) * TICK_S
 
 
 def sglang_command(spec: str | None) -> list[str] | None:
@@ -255,12 +159,12 @@ async def send(session: aiohttp.ClientSession, url: str, body: bytes, stream: bo
     try:
         async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
             if stream:
-                last = b""
+                tail = b""
                 async for chunk in resp.content.iter_any():
                     if first != first:  # NaN: this is the first chunk
                         first = time.perf_counter()
-                    last = chunk
-                ok = resp.status == 200 and last.rstrip().endswith(b"[DONE]")
+                    tail = (tail + chunk)[-32:]
+                ok = resp.status == 200 and tail.rstrip().endswith(b"[DONE]")
             else:
                 data = await resp.read()
                 first = time.perf_counter()
@@ -344,17 +248,6 @@ async def closed_loop(
 
 
 # -- measurement -------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks; NaN for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 @dataclass(slots=True)
@@ -574,6 +467,10 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
             parts = [f"{role} {cpu[role]:.0f} ({busy[role]:.2f})" for role in cpu]
             split = "/".join(f"{share * 100:.0f}" for share in row.worker_split[name])
             out.append(f"    {name:<14} " + ", ".join(parts) + f"; worker CPU split {split}%")
+            if busy["loadgen"] >= 0.9:
+                out.append(f"      ^ the load generator used ~a core: {name} may be bound by it")
+            if busy["machine"] >= 0.95 * (os.cpu_count() or 1):
+                out.append("      ^ every CPU was busy: compare CPU per request, not requests/s")
     if sgl and any(
         30 < row.added_p50_ms["sglang-router"] < 60
         for row in result["latency"]
@@ -593,13 +490,26 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
     return "\n".join(out)
 
 
+def _no_nan(value: Any) -> Any:
+    """JSON has no NaN: null instead."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_no_nan(v) for v in value]
+    return value
+
+
 def to_json(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "config": config,
-        "latency": [asdict(row) for row in result["latency"]],
-        "throughput": [asdict(row) for row in result["throughput"]],
-        "measure_s": result["measure_s"],
-    }
+    return _no_nan(
+        {
+            "config": config,
+            "latency": [asdict(row) for row in result["latency"]],
+            "throughput": [asdict(row) for row in result["throughput"]],
+            "measure_s": result["measure_s"],
+        }
+    )
 
 
 # -- main --------------------------------------------------------------------------------------
@@ -650,10 +560,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def start_fleet(
     args: argparse.Namespace, sglang: list[str] | None, probe: bytes, children: list[Child]
 ) -> tuple[list[Target], dict[str, list[int]]]:
@@ -676,8 +582,8 @@ def start_fleet(
     urc = Child("urc gateway", cmd, "gateway: ")
     children.append(urc)
     urc.wait_announced(60)
-    urc.wait_serving(probe, 30)
     path = PATHS[args.api]
+    urc.wait_serving(path, probe, 30)
     targets = [Target("direct", workers, path, None), Target("urc", [urc.url], path, urc.pid)]
     pids["urc"] = [urc.pid]
     if sglang is not None:
@@ -687,7 +593,7 @@ def start_fleet(
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         sgl = Child("sglang-router", cmd, None, url=f"http://127.0.0.1:{port}")
         children.append(sgl)
-        sgl.wait_serving(probe, 60)
+        sgl.wait_serving(path, probe, 60)
         targets.append(Target("sglang-router", [sgl.url], path, sgl.pid))
         pids["sglang-router"] = [sgl.pid]
     return targets, pids
@@ -719,6 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     args.sglang_policy = args.sglang_policy or SGLANG_POLICY.get(args.policy, "cache_aware")
     prompts = build_prompts(args)
     header = describe(args, prompts, sglang is not None)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
     signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the children on `kill` too
     children: list[Child] = []
     try:
