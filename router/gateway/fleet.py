@@ -18,6 +18,7 @@ from urllib.parse import urlparse
 import aiohttp
 
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
+from router.gateway.upstream import UpstreamPool
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
@@ -58,6 +59,7 @@ class Worker:
     mirror: WorkerMirror | None = None
     subscriber: KVEventSubscriber | None = None
     task: asyncio.Task[None] | None = None
+    pool: UpstreamPool | None = None  # keep-alive connections for requests
 
     @property
     def exact(self) -> bool:
@@ -146,6 +148,11 @@ class Fleet:
         if name in self.workers:
             raise ValueError(f"worker {name!r} is already in the fleet")
         worker = Worker(name, config.url.rstrip("/"), config)
+        parsed = urlparse(worker.url)
+        tls = parsed.scheme == "https"
+        worker.pool = UpstreamPool(
+            parsed.hostname or "127.0.0.1", parsed.port or (443 if tls else 80), tls
+        )
         self.workers[name] = worker
         await self.check(worker)
         return worker
@@ -155,6 +162,8 @@ class Fleet:
         if worker is None:
             return False
         await self._mark_down(worker, "removed")
+        if worker.pool is not None:
+            worker.pool.close()
         return True
 
     # -- health ------------------------------------------------------------------------------
@@ -260,6 +269,8 @@ class Fleet:
         self._regroup()
         await self._stop_events(worker)
         self.index.clear(worker.name)
+        if worker.pool is not None:
+            worker.pool.close()
         worker.in_flight = worker.queued_prefill_tokens = worker.running_decode = 0
         log.warning("worker %s down (%s): its residency left the index", worker.name, why)
 

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -25,8 +24,8 @@ from router.gateway.errors import bad_gateway
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.routing import Plan
+from router.gateway.upstream import UpstreamError, UpstreamResponse
 
-_JSON = {"Content-Type": "application/json"}
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _OUTPUT_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
@@ -103,10 +102,7 @@ class Proxy:
         self.fleet = fleet
         self.metrics = metrics
         self.s_per_token = 1.0 / prefill_tokens_per_s
-        config = fleet.config
-        self.timeout = aiohttp.ClientTimeout(
-            total=config.request_timeout_s, connect=config.connect_timeout_s
-        )
+        self.request_timeout_s = fleet.config.request_timeout_s
 
     async def forward(
         self,
@@ -163,23 +159,37 @@ class Proxy:
         t0: float,
     ) -> tuple[web.StreamResponse, int, Usage | None]:
         """One try on one worker: the response, its status and, on success, its usage."""
-        session = self.fleet.session
-        assert session is not None
-        timeout = self.timeout
+        assert worker.pool is not None
         try:
-            upstream = await session.post(
-                worker.url + path, data=payload, headers=_JSON, timeout=timeout
-            )
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
+            async with asyncio.timeout(self.request_timeout_s):
+                return await self._exchange(request, path, payload, plan, worker, load, stream, t0)
+        except TimeoutError:
+            raise _Failover(f"no complete answer within {self.request_timeout_s} s") from None
+
+    async def _exchange(
+        self,
+        request: web.Request,
+        path: str,
+        payload: bytes,
+        plan: Plan,
+        worker: Worker,
+        load: _Load,
+        stream: bool,
+        t0: float,
+    ) -> tuple[web.StreamResponse, int, Usage | None]:
+        assert worker.pool is not None
+        try:
+            upstream = await worker.pool.post(path, payload)
+        except UpstreamError as exc:
+            raise _Failover(str(exc)) from None
         try:
             if stream and upstream.status == 200:
                 response, usage = await self._stream(request, upstream, plan, worker, load, t0)
                 return response, 200, usage
             try:
                 body = await upstream.read()
-            except (TimeoutError, aiohttp.ClientError) as exc:
-                raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
+            except UpstreamError as exc:
+                raise _Failover(str(exc)) from None
             if upstream.status >= 500:  # nothing reached the client yet: the next one may serve
                 self.metrics.requests.labels(
                     plan.model.name, worker.name, str(upstream.status)
@@ -197,7 +207,7 @@ class Proxy:
                     int(cached.group(1)) if cached else _header_int(upstream),
                     int(output.group(1)) if output else None,
                 )
-            headers = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
+            headers = {k: v for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
             headers["x-urc-route"] = route_header(plan, worker)
             response = web.Response(body=body, status=upstream.status, headers=headers)
             return response, upstream.status, usage
@@ -216,7 +226,7 @@ class Proxy:
     async def _stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         plan: Plan,
         worker: Worker,
         load: _Load,
@@ -224,7 +234,7 @@ class Proxy:
     ) -> tuple[web.StreamResponse, Usage | None]:
         """Pass the SSE stream through as it comes; usage (None: the client left early)."""
         response = web.StreamResponse(status=upstream.status)
-        for key, value in upstream.headers.items():
+        for key, value in upstream.headers:
             if key.lower() not in _HOP_HEADERS:
                 response.headers[key] = value
         response.headers["x-urc-route"] = route_header(plan, worker)
@@ -233,7 +243,7 @@ class Proxy:
         events = 0
         first = True
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.chunks():
                 if first:
                     if not chunk.lstrip().startswith((b"data:", b":", b"event:")):
                         raise _Failover("answered 200 with a stream that is not SSE")
@@ -251,7 +261,7 @@ class Proxy:
                         output = int(found.group(1))
                 if not await _send(response, chunk):
                     return response, None  # the client went away: stop reading, free the worker
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except UpstreamError as exc:
             if first:  # not a byte reached the client: the next worker may serve it
                 raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
             return response, None  # the client has a partial stream; nothing more can be done
@@ -281,6 +291,6 @@ def _is_json_object(body: bytes) -> bool:
     return stripped[:1] == b"{" and stripped[-1:] == b"}"
 
 
-def _header_int(upstream: aiohttp.ClientResponse) -> int | None:
-    value = upstream.headers.get("x-urc-cached-tokens")
+def _header_int(upstream: UpstreamResponse) -> int | None:
+    value = upstream.header("x-urc-cached-tokens")
     return int(value) if value is not None and value.isdigit() else None

@@ -1,0 +1,237 @@
+"""A lean HTTP/1.1 client for the hop to the workers: pooled keep-alive connections, the request
+written in one call, the response parsed by httptools as it arrives.
+
+The gateway's hop to a worker is always the same shape (POST, JSON body, a response that is
+JSON or SSE), so it needs none of a general client's machinery; this one costs a fraction of
+aiohttp's ClientSession per request. A connection taken from the pool that turns out to be
+closed by the worker before answering is retried once on a fresh one (nothing was processed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+import httptools
+
+
+class UpstreamError(Exception):
+    """The worker could not be reached, or broke the exchange."""
+
+
+class _Connection(asyncio.Protocol):
+    __slots__ = (
+        "transport",
+        "parser",
+        "status",
+        "headers",
+        "_name",
+        "headers_done",
+        "chunks",
+        "complete",
+        "lost",
+        "keep_alive",
+        "_wake",
+        "_paused",
+    )
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.lost = False
+        self._wake: asyncio.Future[None] | None = None
+        self._paused = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self._name = b""
+        self.headers_done = False
+        self.chunks: deque[bytes] = deque()
+        self.complete = False
+        self.keep_alive = True
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self.lost = True
+            assert self.transport is not None
+            self.transport.close()
+        if len(self.chunks) > 64 and not self._paused and self.transport is not None:
+            self._paused = True  # the client downstream is slower than the worker
+            self.transport.pause_reading()
+        self._notify()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self._notify()
+
+    # -- httptools callbacks -----------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.keep_alive = self.parser.should_keep_alive()
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+
+    # -- waiting -----------------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    async def wait(self) -> None:
+        """Until more has arrived (or the connection is gone)."""
+        self._wake = asyncio.get_running_loop().create_future()
+        await self._wake
+        self._wake = None
+
+    def take(self) -> bytes:
+        data = b"".join(self.chunks)
+        self.chunks.clear()
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
+
+class UpstreamResponse:
+    """A worker's answer: status and headers now, the body as it comes."""
+
+    def __init__(self, pool: UpstreamPool, conn: _Connection) -> None:
+        self._pool = pool
+        self._conn = conn
+        self.status = conn.status
+        self.headers = conn.headers
+        self._released = False
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        return next((v for k, v in self.headers if k.lower() == name), None)
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        while True:
+            if conn.chunks:
+                yield conn.take()
+                continue
+            if conn.complete:
+                return
+            if conn.lost:
+                raise UpstreamError("the worker closed the connection mid-response")
+            await conn.wait()
+
+    async def read(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    def release(self) -> None:
+        """Back to the pool when the exchange completed cleanly; closed otherwise."""
+        if self._released:
+            return
+        self._released = True
+        self._pool.give_back(self._conn)
+
+
+class UpstreamPool:
+    """Keep-alive connections to one worker."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        tls: bool = False,
+        connect_timeout_s: float = 2.0,
+        max_idle: int = 256,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.tls = tls
+        self.connect_timeout_s = connect_timeout_s
+        self.max_idle = max_idle
+        self._idle: list[_Connection] = []
+        self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(_Connection, self.host, self.port, ssl=self.tls or None),
+                self.connect_timeout_s,
+            )
+        except TimeoutError:
+            raise UpstreamError(f"no connection within {self.connect_timeout_s} s") from None
+        except OSError as exc:
+            raise UpstreamError(f"cannot connect: {exc}") from None
+        return conn
+
+    def give_back(self, conn: _Connection) -> None:
+        if (
+            conn.complete
+            and conn.keep_alive
+            and not conn.lost
+            and not conn.chunks
+            and len(self._idle) < self.max_idle
+        ):
+            conn._reset()
+            self._idle.append(conn)
+        elif conn.transport is not None:
+            conn.transport.close()
+
+    async def post(self, path: str, body: bytes) -> UpstreamResponse:
+        """Send; return once the status line and headers are in."""
+        request = (
+            b"POST "
+            + path.encode()
+            + b" HTTP/1.1\r\n"
+            + self._head
+            + b"Content-Length: "
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
+        )
+        for fresh in (False, True):
+            conn = self._take_idle() if not fresh else None
+            if conn is None:
+                fresh = True
+                conn = await self._connect()
+            assert conn.transport is not None
+            conn.transport.write(request)
+            while not conn.headers_done and not conn.lost:
+                await conn.wait()
+            if conn.headers_done:
+                return UpstreamResponse(self, conn)
+            if conn.transport is not None:
+                conn.transport.close()
+            if fresh:  # a fresh connection failed: the worker is the problem
+                raise UpstreamError("the worker closed the connection before answering")
+            self.close()  # one kept-alive connection went stale: the others likely did too
+        raise AssertionError("unreachable")
+
+    def _take_idle(self) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.lost:
+                return conn
+        return None
+
+    def close(self) -> None:
+        for conn in self._idle:
+            if conn.transport is not None:
+                conn.transport.close()
+        self._idle.clear()
