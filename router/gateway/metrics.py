@@ -1,14 +1,17 @@
-"""Prometheus metrics of the gateway. Index, event-stream and worker gauges are read at scrape
-time by a collector, so the request path pays only for its own counters."""
+"""Prometheus metrics of the gateway. The request path bumps plain numbers (no locks, no label
+lookups); collectors render them, and the index's, event streams' and workers' state, at
+scrape time."""
 
 from __future__ import annotations
 
+import math
 import time
+from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from router.gateway.fleet import Fleet
@@ -20,104 +23,156 @@ _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3,
 INDEX_BYTES_PER_BLOCK = 100
 
 
-class GatewayMetrics:
-    def __init__(self, fleet: Fleet, index: UnifiedIndex, policy_name: str) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "urc_requests",
-            "Requests by model, worker and status",
-            ["model", "worker", "status"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "urc_ttft_seconds",
-            "Time to first byte from the worker, per model",
-            ["model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.latency = Histogram(
-            "urc_request_latency_seconds",
-            "End-to-end latency, per model",
-            ["model"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.decision = Histogram(
-            "urc_decision_seconds",
-            "Tokenize + keys + match + policy",
-            buckets=_DECISION_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "urc_prompt_tokens", "Prompt tokens routed", ["worker", "model"], registry=r
-        )
-        self.predicted_cached = Counter(
-            "urc_predicted_cached_tokens",
-            "Cached tokens the index predicted on the chosen worker",
-            ["worker", "model"],
-            registry=r,
-        )
-        self.actual_cached = Counter(
-            "urc_actual_cached_tokens",
-            "Cached tokens the worker reported (usage)",
-            ["worker", "model"],
-            registry=r,
-        )
-        self.prediction_error = Counter(
-            "urc_prediction_abs_error_tokens",
-            "|predicted - actual| cached tokens",
-            ["worker", "model"],
-            registry=r,
-        )
-        self.failovers = Counter(
-            "urc_failovers",
-            "Requests retried on another worker before the first byte",
-            ["worker"],
-            registry=r,
-        )
-        self.reasons = Counter(
-            "urc_route_reasons", "Routing decisions by reason", ["policy", "reason"], registry=r
-        )
-        Gauge("urc_policy_info", "The live routing policy", ["policy"], registry=r).labels(
-            policy_name
-        ).set(1)
-        r.register(_FleetCollector(fleet, index))
-        self.policy_name = policy_name
-        self._series: dict[tuple[str, str], Series] = {}
-        self._reasons: dict[str, Any] = {}
+class Count:
+    """A counter the request path bumps without a lock (one event loop owns it)."""
 
-    def series(self, model: str, worker: str) -> Series:
-        """The labelled children of one (model, worker), bound once: `labels()` is not free."""
-        series = self._series.get((model, worker))
-        if series is None:
-            series = self._series[(model, worker)] = Series(
-                self.ttft.labels(model),
-                self.latency.labels(model),
-                self.requests.labels(model, worker, "200"),
-                self.prompt_tokens.labels(worker, model),
-                self.predicted_cached.labels(worker, model),
-                self.actual_cached.labels(worker, model),
-                self.prediction_error.labels(worker, model),
-            )
-        return series
+    __slots__ = ("value",)
 
-    def reason(self, reason: str) -> Any:
-        child = self._reasons.get(reason)
-        if child is None:
-            child = self._reasons[reason] = self.reasons.labels(self.policy_name, reason)
-        return child
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class Hist:
+    """A histogram: bucket counts and a sum, turned cumulative only when scraped."""
+
+    __slots__ = ("buckets", "counts", "sum")
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+
+    def family_point(self) -> tuple[list[tuple[str, float]], float]:
+        cumulative, total = [], 0
+        for bound, count in zip((*self.buckets, math.inf), self.counts, strict=True):
+            total += count
+            cumulative.append(("+Inf" if bound == math.inf else repr(bound), total))
+        return cumulative, self.sum
 
 
 class Series(NamedTuple):
-    ttft: Any
-    latency: Any
-    ok: Any
-    prompt_tokens: Any
-    predicted: Any
-    actual: Any
-    error: Any
+    """What one (model, worker) accumulates per request."""
+
+    ttft: Hist
+    latency: Hist
+    prompt_tokens: Count
+    predicted: Count
+    actual: Count
+    error: Count
+
+
+class GatewayMetrics:
+    """The request path updates plain numbers; `registry` renders them (and the fleet's and
+    index's state) at scrape time."""
+
+    def __init__(self, fleet: Fleet, index: UnifiedIndex, policy_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.policy_name = policy_name
+        self.decision = Hist(_DECISION_BUCKETS)
+        self._series: dict[tuple[str, str], Series] = {}
+        self._status: dict[tuple[str, str, int], Count] = {}
+        self._reasons: dict[str, Count] = {}
+        self._failovers: dict[str, Count] = {}
+        Gauge(
+            "urc_policy_info", "The live routing policy", ["policy"], registry=self.registry
+        ).labels(policy_name).set(1)
+        self.registry.register(_RequestCollector(self))
+        self.registry.register(_FleetCollector(fleet, index))
+
+    def series(self, model: str, worker: str) -> Series:
+        series = self._series.get((model, worker))
+        if series is None:
+            series = self._series[(model, worker)] = Series(
+                Hist(_LATENCY_BUCKETS), Hist(_LATENCY_BUCKETS), Count(), Count(), Count(), Count()
+            )
+        return series
+
+    def status(self, model: str, worker: str, status: int) -> Count:
+        count = self._status.get((model, worker, status))
+        if count is None:
+            count = self._status[(model, worker, status)] = Count()
+        return count
+
+    def reason(self, reason: str) -> Count:
+        count = self._reasons.get(reason)
+        if count is None:
+            count = self._reasons[reason] = Count()
+        return count
+
+    def failover(self, worker: str) -> Count:
+        count = self._failovers.get(worker)
+        if count is None:
+            count = self._failovers[worker] = Count()
+        return count
+
+
+class _RequestCollector(Collector):
+    def __init__(self, metrics: GatewayMetrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Iterator[Any]:
+        m = self.m
+        requests = CounterMetricFamily(
+            "urc_requests",
+            "Requests by model, worker and status",
+            labels=["model", "worker", "status"],
+        )
+        for (model, worker, status), count in list(m._status.items()):
+            requests.add_metric([model, worker, str(status)], count.value)
+        yield requests
+        per_worker = [
+            ("urc_ttft_seconds", "Time to first byte from the worker", "ttft"),
+            ("urc_request_latency_seconds", "End-to-end latency", "latency"),
+        ]
+        series = list(m._series.items())
+        for name, doc, field in per_worker:
+            family = HistogramMetricFamily(name, doc, labels=["model", "worker"])
+            for (model, worker), s in series:
+                buckets, total = getattr(s, field).family_point()
+                family.add_metric([model, worker], buckets, total)
+            yield family
+        counters = [
+            ("urc_prompt_tokens", "Prompt tokens routed", "prompt_tokens"),
+            (
+                "urc_predicted_cached_tokens",
+                "Cached tokens the index predicted on the chosen worker",
+                "predicted",
+            ),
+            ("urc_actual_cached_tokens", "Cached tokens the worker reported (usage)", "actual"),
+            ("urc_prediction_abs_error_tokens", "|predicted - actual| cached tokens", "error"),
+        ]
+        for name, doc, field in counters:
+            family = CounterMetricFamily(name, doc, labels=["worker", "model"])
+            for (model, worker), s in series:
+                family.add_metric([worker, model], getattr(s, field).value)
+            yield family
+        buckets, total = m.decision.family_point()
+        decision = HistogramMetricFamily(
+            "urc_decision_seconds", "Tokenize + keys + match + policy", labels=[]
+        )
+        decision.add_metric([], buckets, total)
+        yield decision
+        reasons = CounterMetricFamily(
+            "urc_route_reasons", "Routing decisions by reason", labels=["policy", "reason"]
+        )
+        for reason, count in list(m._reasons.items()):
+            reasons.add_metric([m.policy_name, reason], count.value)
+        yield reasons
+        failovers = CounterMetricFamily(
+            "urc_failovers",
+            "Requests retried on another worker before the first byte",
+            labels=["worker"],
+        )
+        for worker, count in list(m._failovers.items()):
+            failovers.add_metric([worker], count.value)
+        yield failovers
 
 
 class _FleetCollector(Collector):

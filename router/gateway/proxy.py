@@ -130,17 +130,13 @@ class Proxy:
             except _Failover as exc:
                 last_error = f"{worker.name}: {exc}"
                 self.fleet.failed(worker)
-                self.metrics.failovers.labels(worker.name).inc()
+                self.metrics.failover(worker.name).inc()
                 continue
             finally:
                 load.finish()
             worker.failures = 0
-            series = self.metrics.series(model, worker.name)
-            if status == 200:
-                series.ok.inc()
-            else:
-                self.metrics.requests.labels(model, worker.name, str(status)).inc()
-            series.latency.observe(time.monotonic() - t0)
+            self.metrics.status(model, worker.name, status).inc()
+            self.metrics.series(model, worker.name).latency.observe(time.monotonic() - t0)
             if usage is not None:
                 self._account(plan, worker, usage.cached_tokens)
                 on_success(plan, worker, usage)
@@ -191,9 +187,7 @@ class Proxy:
             except UpstreamError as exc:
                 raise _Failover(str(exc)) from None
             if upstream.status >= 500:  # nothing reached the client yet: the next one may serve
-                self.metrics.requests.labels(
-                    plan.model.name, worker.name, str(upstream.status)
-                ).inc()
+                self.metrics.status(plan.model.name, worker.name, upstream.status).inc()
                 raise _Failover(f"answered {upstream.status}")
             if upstream.status == 200 and not _is_json_object(body):
                 raise _Failover("answered 200 with a body that is not a JSON object")
