@@ -92,7 +92,7 @@ def with_salt(raw: bytes, body: dict[str, Any], salt: str | None) -> bytes:
 
 def route_header(plan: Plan, worker: Worker) -> str:
     return (
-        f"worker={worker.name}; matched_tokens={plan.matched.get(worker.name, 0)}; "
+        f"worker={worker.name}; matched_tokens={plan.matched(worker.name)}; "
         f"prompt_tokens={plan.prompt_tokens}; reason={plan.decision.reason}"
     )
 
@@ -116,10 +116,10 @@ class Proxy:
         t0 = time.monotonic()
         model = plan.model.name
         last_error = "no worker was up"
-        for worker in plan.ranked:
+        for worker in plan.ranked():
             if not worker.up:
                 continue
-            load = _Load(worker, plan.prompt_tokens - plan.matched.get(worker.name, 0))
+            load = _Load(worker, plan.prompt_tokens - plan.matched(worker.name))
             if not stream:
                 delay = worker.queued_prefill_tokens * self.s_per_token
                 load.timer = asyncio.get_running_loop().call_later(delay, load.start)
@@ -210,7 +210,7 @@ class Proxy:
 
     def _account(self, plan: Plan, worker: Worker, cached: int | None) -> None:
         series = self.metrics.series(plan.model.name, worker.name)
-        predicted = plan.matched.get(worker.name, 0)
+        predicted = plan.matched(worker.name)
         series.prompt_tokens.inc(plan.prompt_tokens)
         series.predicted.inc(predicted)
         if cached is not None:

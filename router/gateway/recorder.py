@@ -39,7 +39,7 @@ class Recorder:
             "tenant": tenant,
             "worker": worker.name,
             "policy": self.policy,
-            "predicted_tokens": plan.matched.get(worker.name, 0),
+            "predicted_tokens": plan.matched(worker.name),
             "cached_tokens": usage.cached_tokens,
         }
         self._file.write(self._encode(line) + b"\n")

@@ -6,6 +6,7 @@ Synchronous and free of I/O: the HTTP handler calls `Router.plan` and then forwa
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import msgspec
@@ -22,10 +23,22 @@ class Plan(NamedTuple):
     keys: list[int]
     prompt_tokens: int
     decision: Decision
-    ranked: list[Worker]  # the chosen worker first, then the failover order
-    matched: dict[str, int]  # matched tokens per candidate worker
+    workers: list[Worker]  # the candidates, in the order the policy saw them
+    matched_blocks: dict[str, int]  # leading blocks each candidate holds (from the index)
     decision_s: float
     arrived: float  # time.monotonic() when routing began
+
+    def matched(self, worker: str) -> int:
+        """Tokens of the prompt the index says `worker` holds."""
+        return min(self.matched_blocks.get(worker, 0) * self.model.block_size, self.prompt_tokens)
+
+    def ranked(self) -> Iterator[Worker]:
+        """The chosen worker, then (only if asked for: failover) the rest by the policy's cost."""
+        chosen = self.decision.worker
+        by_name = {w.name: w for w in self.workers}
+        yield by_name[chosen]
+        for name in self.decision.ranked()[1:]:
+            yield by_name[name]
 
 
 _decode = msgspec.json.Decoder().decode
@@ -119,8 +132,7 @@ class Router:
         ]
         request = RouteRequest(keys, len(tokens), model.block_size, group, name)
         decision = (policy or self.policy).choose(request, candidates)
-        by_name = {w.name: w for w in workers}
-        ranked = [by_name[n] for n in decision.ranked()]
-        matched = {s.worker: s.matched_tokens for s in decision.scores}
         decision_s = time.perf_counter() - t0
-        return Plan(model, keys, len(tokens), decision, ranked, matched, decision_s, arrived)
+        return Plan(
+            model, keys, len(tokens), decision, workers, matched_blocks, decision_s, arrived
+        )
