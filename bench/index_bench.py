@@ -96,9 +96,10 @@ def bench_ingest(blocks: int = 192_000) -> None:
     `ours`: engine hashes are our keys (our workers); `vllm`: random engine hashes, so the
     mirror keeps the engine-hash -> key map. Also the bare insert, keys computed from tokens."""
     rng = random.Random(1)
-    shapes = [(label, n) for n in (8, 32) for label in ("ours", "vllm")]
-    for label, per_event in shapes:
-        payloads, parent, parent_key = [], None, None
+    # (blocks per BlockStored, events per batch): vLLM sends one batch per engine step
+    shapes = [(n, per_batch) for n, per_batch in ((8, 1), (8, 8), (32, 1))]
+    for (per_event, per_batch), label in ((s, lbl) for s in shapes for lbl in ("ours", "vllm")):
+        events, parent, parent_key = [], None, None
         for e in range(blocks // per_event):
             if e % 64 == 0:
                 parent = parent_key = None  # a new conversation every 64 events
@@ -107,18 +108,20 @@ def bench_ingest(blocks: int = 192_000) -> None:
             first = namespace(None) if parent_key is None else parent_prefix(parent_key)
             keys = chain_keys(tokens, BS, first)
             hashes = keys if label == "ours" else [rng.getrandbits(64) for _ in keys]
-            stored = BlockStored(hashes, parent, tokens, BS, None, "GPU")
-            payloads.append(encode_batch(EventBatch(float(e), [stored])))
+            events.append(BlockStored(hashes, parent, tokens, BS, None, "GPU"))
             parent, parent_key = hashes[-1], keys[-1]
+        payloads = [
+            encode_batch(EventBatch(float(i), events[i : i + per_batch]))
+            for i in range(0, len(events), per_batch)
+        ]
         mirror = WorkerMirror(UnifiedIndex(), "w0", "llama-8b", block_size=BS)
         t0 = time.perf_counter()
         for seq, payload in enumerate(payloads):
             mirror.apply(seq, decode_batch(payload), 0.0)
         dt = time.perf_counter() - t0
         assert mirror.stats().blocks_stored == blocks
-        print(
-            f"event ingest ({label}, {per_event} blocks/event)  {blocks / dt / 1e3:7.0f} k blocks/s"
-        )
+        shape = f"{label}, {per_event} blocks/event, {per_batch} events/batch"
+        print(f"event ingest ({shape:36s}) {blocks / dt / 1e3:7.0f} k blocks/s")
     index = UnifiedIndex()
     chains = [list(range(base, base + 512)) for base in range(0, blocks * BS, 512)]
     t0 = time.perf_counter()

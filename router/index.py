@@ -72,7 +72,7 @@ class UnifiedIndex:
         self.approx_ttl_s = approx_ttl_s
         self._where: dict[int, _Run] = {}  # every key -> the run holding it
         self._runs: set[_Run] = set()
-        self._bit_of: dict[Resident, int] = {}
+        self._bit_of: dict[tuple[str, str], int] = {}  # Resident -> bit
         self._resident_of: list[Resident | None] = []  # bit -> resident
         self._free_bits: list[int] = []
         self._held: list[int] = []  # bit -> blocks held
@@ -87,9 +87,9 @@ class UnifiedIndex:
     # -- residents ---------------------------------------------------------------------------
 
     def _bit(self, worker: str, kv_group: str) -> int:
-        resident = Resident(worker, kv_group)
-        bit = self._bit_of.get(resident)
+        bit = self._bit_of.get((worker, kv_group))  # a plain tuple finds the Resident key
         if bit is None:
+            resident = Resident(worker, kv_group)
             if self._free_bits:
                 bit = self._free_bits.pop()
                 self._resident_of[bit] = resident
@@ -117,7 +117,7 @@ class UnifiedIndex:
         return [r for r in self._resident_of if r is not None]
 
     def blocks_held(self, worker: str, kv_group: str) -> int:
-        bit = self._bit_of.get(Resident(worker, kv_group))
+        bit = self._bit_of.get((worker, kv_group))
         return 0 if bit is None else self._held[bit]
 
     # -- LRU leaf list -----------------------------------------------------------------------
@@ -336,7 +336,7 @@ class UnifiedIndex:
 
     def remove(self, keys: Iterable[int], worker: str, kv_group: str) -> int:
         """The resident no longer holds these keys. Returns how many it held."""
-        bit = self._bit_of.get(Resident(worker, kv_group))
+        bit = self._bit_of.get((worker, kv_group))
         if bit is None:
             return 0
         removed = self._release_keys(keys, bit)
@@ -452,19 +452,19 @@ class UnifiedIndex:
         return matched
 
     def holds(self, key: int, worker: str, kv_group: str) -> bool:
-        bit = self._bit_of.get(Resident(worker, kv_group))
+        bit = self._bit_of.get((worker, kv_group))
         run = self._where.get(key)
         return bit is not None and run is not None and bool(run.mask >> bit & 1)
 
     def residency(self, worker: str, kv_group: str) -> set[int]:
         """Every key the resident holds. Walks the runs: for tests and debugging."""
-        bit = self._bit_of.get(Resident(worker, kv_group))
+        bit = self._bit_of.get((worker, kv_group))
         if bit is None:
             return set()
         return {key for run in self._runs if run.mask >> bit & 1 for key in run.keys}
 
     def is_approximate(self, key: int, worker: str, kv_group: str) -> bool:
-        bit = self._bit_of.get(Resident(worker, kv_group))
+        bit = self._bit_of.get((worker, kv_group))
         times = self._approx.get(key)
         return bit is not None and times is not None and bit in times
 
