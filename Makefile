@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py Makefile router/_blockkeys.c
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	# the CPU build of torch, pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e '.[test,torch]'
+	$(PIP) install -q -e '.[test,torch,plot]'
 	touch $(STAMP)
 
 # The main job: a local cluster (gateway + 4 emulated GPU workers), a built-in workload through

@@ -11,7 +11,7 @@ SUBCOMMANDS: dict[str, tuple[str, int | None]] = {
     "gateway": ("the OpenAI-compatible cache-aware HTTP gateway", None),
     "worker": ("one worker process (--engine emulated; torch comes with issue 4)", None),
     "cluster": ("gateway plus N local workers on this machine", None),
-    "replay": ("the offline simulator: replay a trace through the policies", 5),
+    "replay": ("the offline simulator: replay a trace through the policies", None),
     "bench": ("a load generator against any OpenAI-compatible endpoint", None),
     "keys": ("print the block keys of a prompt (debugging the index)", None),
 }
@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, int | None]] = {
 DELEGATED = {
     "worker": "the worker's own --help lists its flags",
     "bench": "urc bench --help lists its flags",
+    "replay": "urc replay --help lists its flags",
 }
 
 
@@ -53,6 +54,10 @@ def _delegate(command: str, argv: list[str]) -> int:
         from loadgen.cli import main as bench_main
 
         return bench_main(argv)
+    if command == "replay":
+        from simulation.cli import main as replay_main
+
+        return replay_main(argv)
     pre = argparse.ArgumentParser(prog="urc worker", add_help=False)
     pre.add_argument("--engine", default="emulated")
     known, rest = pre.parse_known_args(argv)

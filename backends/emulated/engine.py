@@ -29,6 +29,7 @@ import enum
 import heapq
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -38,6 +39,7 @@ from router.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
 _EPS = 1e-9  # float slack when counting steps between two times
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__: once per step
 
 
 def output_bytes(start: int, end: int) -> bytes:
@@ -52,6 +54,26 @@ def output_bytes(start: int, end: int) -> bytes:
 def output_tokens(n: int) -> list[int]:
     """The first `n` output token ids."""
     return list(output_bytes(0, n))
+
+
+def tail_tokens(prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs: int) -> list[int]:
+    """The tokens of the full blocks of prompt + output past the prompt's `keys` (all but the
+    last output token, whose KV is never computed): what a request caches when it finishes."""
+    start = len(keys) * bs
+    full = (len(prompt) + max_tokens - 1) // bs * bs
+    if full <= start:
+        return []
+    return (list(prompt[start:]) + output_tokens(max_tokens - 1))[: full - start]
+
+
+def tail_keys(
+    prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs: int, salt: str | None
+) -> list[int]:
+    """The keys of `tail_tokens`, chained from the prompt's last key."""
+    tail = tail_tokens(prompt, keys, max_tokens, bs)
+    if not tail:
+        return []
+    return chain_keys(tail, bs, parent_prefix(keys[-1]) if keys else namespace(salt))
 
 
 @dataclass(slots=True)
@@ -82,6 +104,9 @@ class EngineConfig:
     chunk_tokens: int = 8192
     report_tokens: bool = True  # StepResult.emitted per request (a simulator turns it off)
     emit_events: bool = True  # StepResult.events (BlockStored / BlockRemoved)
+    # BlockStored carries the blocks' token ids; off, token_ids is empty (a simulator that
+    # applies the keys itself, and requests known only by their keys, need no tokens)
+    event_tokens: bool = True
 
     def __post_init__(self) -> None:
         if min(self.block_size, self.max_batch, self.chunk_tokens) <= 0:
@@ -110,17 +135,23 @@ class State(enum.Enum):
     ABORTED = "aborted"
 
 
+# the members as plain names: an enum attribute lookup costs ~20x a global in the hot paths
+_WAITING, _PREFILL, _DECODE = State.WAITING, State.PREFILL, State.DECODE
+_FINISHED, _ABORTED = State.FINISHED, State.ABORTED
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """One generation. The caller fills the first fields (`rid` unique among the requests in
     flight); the engine fills the rest."""
 
     rid: Any
-    prompt: list[int]
+    prompt: Sequence[int]  # token ids (read only where keys, tail_keys or event tokens need them)
     max_tokens: int
     cache_salt: str | None = None
     arrival: float = 0.0
     keys: list[int] | None = None  # the prompt's block keys; computed on submit when None
+    tail_keys: list[int] | None = None  # `tail_keys(...)` of the request; on finish when None
     state: State = State.WAITING
     cached_tokens: int = 0  # prompt tokens found in the cache on admission
     computed: int = 0  # prompt tokens whose KV exists (cached ones included)
@@ -131,6 +162,7 @@ class Request:
     # engine bookkeeping: the locked run the request's cached path ends at, its length in
     # blocks, private room still held, and the step number its decoding started at
     node: Run | None = field(default=None, repr=False)
+    prompt_len: int = 0  # len(prompt), taken on submit
     node_blocks: int = 0
     reserved: int = 0
     decode_from: int = 0
@@ -157,6 +189,7 @@ class EmulatedEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = cfg = config or EngineConfig()
         self._events: list[KVEvent] = []
+        self._tokens_out = cfg.emit_events and cfg.event_tokens  # events carry token ids
         self.cache = RadixCache(
             cfg.capacity_tokens,
             cfg.block_size,
@@ -189,7 +222,9 @@ class EmulatedEngine:
     def _on_stored(
         self, parent: int | None, keys: list[int], tokens: list[int] | None, salt: str | None
     ) -> None:
-        assert tokens is not None, "events need the blocks' tokens"
+        if tokens is None:
+            assert not self.config.event_tokens, "events need the blocks' tokens"
+            tokens = []
         self._events.append(
             BlockStored(
                 keys, parent, tokens, self.config.block_size, medium=MEDIUM_GPU, cache_salt=salt
@@ -217,9 +252,10 @@ class EmulatedEngine:
             )
         if req.keys is None:
             req.keys = block_keys(req.prompt, cfg.block_size, req.cache_salt)
-        req.state = State.WAITING
+        req.prompt_len = len(req.prompt)
+        req.state = _WAITING
         self._queue.append(req)
-        self._queued_prefill += len(req.prompt)
+        self._queued_prefill += req.prompt_len
         running = len(self._prefilling) + len(self._decoding)
         if self._active and not self._blocked and running < cfg.max_batch:
             self._cut(req.arrival)
@@ -227,16 +263,16 @@ class EmulatedEngine:
     def abort(self, req: Request, now: float) -> bool:
         """Drop a request (its client went away). Its room and locks are released now; blocks
         it already cached stay cached. False when it had already finished."""
-        if req.state is State.WAITING:
+        if req.state is _WAITING:
             self._queue.remove(req)
-            self._queued_prefill -= len(req.prompt)
+            self._queued_prefill -= req.prompt_len
             if self._active and self._blocked:  # the head may have been what blocked the queue
                 self._blocked = False
                 self._cut(now)
-        elif req.state is State.PREFILL or req.state is State.DECODE:
-            if req.state is State.PREFILL:
+        elif req.state is _PREFILL or req.state is _DECODE:
+            if req.state is _PREFILL:
                 self._prefilling.remove(req)
-                self._queued_prefill -= len(req.prompt) - req.computed
+                self._queued_prefill -= req.prompt_len - req.computed
             else:
                 del self._decoding[req.rid]
             self.cache.free(req.reserved)
@@ -248,7 +284,7 @@ class EmulatedEngine:
                 self._cut(now)  # the batch changed: replan after the step in flight
         else:
             return False
-        req.state = State.ABORTED
+        req.state = _ABORTED
         req.finish_time = now
         return True
 
@@ -275,7 +311,7 @@ class EmulatedEngine:
 
     def generated(self, req: Request) -> int:
         """Tokens `req` has produced as of the last `step` call."""
-        if req.state is State.DECODE:
+        if req.state is _DECODE:
             return 1 + self._steps - req.decode_from
         return req.generated
 
@@ -290,7 +326,7 @@ class EmulatedEngine:
     def step(self, now: float) -> StepResult:
         """Account the steps completed by `now`; at the end of the segment, finish what it
         finished and plan the next one, starting `now`."""
-        result = StepResult([], [], [], {}, [])
+        result = _new(StepResult, ([], [], [], {}, []))
         if self._active:
             done = min(self._seg_k, int((now - self._seg_start) / self._seg_d + _EPS))
             if done > self._seg_done:
@@ -317,14 +353,14 @@ class EmulatedEngine:
         report = self.config.report_tokens
         if self._seg_chunks:
             for req, n in self._seg_chunks:
-                if req.state is not State.PREFILL:
+                if req.state is not _PREFILL:
                     continue  # aborted meanwhile
                 req.computed += n
                 self._queued_prefill -= n
                 self._cache_prompt(req)
-                if req.computed < len(req.prompt):
+                if req.computed < req.prompt_len:
                     continue
-                req.state = State.DECODE
+                req.state = _DECODE
                 req.first_token_time = t
                 req.generated = 1
                 result.first_token.append(req)
@@ -340,11 +376,11 @@ class EmulatedEngine:
                         self._finishing, (self._steps + req.max_tokens - 1, self._seq, req)
                     )
             self._seg_chunks = []
-            self._prefilling = [r for r in self._prefilling if r.state is State.PREFILL]
+            self._prefilling = [r for r in self._prefilling if r.state is _PREFILL]
         finishing = self._finishing
         while finishing and finishing[0][0] <= self._steps:
             req = heapq.heappop(finishing)[2]
-            if req.state is State.DECODE:
+            if req.state is _DECODE:
                 del self._decoding[req.rid]
                 self._finish(req, t, result)
 
@@ -357,7 +393,7 @@ class EmulatedEngine:
         if nb <= req.node_blocks:
             return
         start = req.node_blocks
-        tokens = req.prompt[start * bs : nb * bs] if self.config.emit_events else None
+        tokens = req.prompt[start * bs : nb * bs] if self._tokens_out else None
         ins = self.cache.insert(req.node, keys[start:nb], tokens, req.cache_salt)
         self.cache.lock(ins.node)
         self.cache.unlock(req.node)
@@ -371,23 +407,23 @@ class EmulatedEngine:
         keys = req.keys
         node = req.node
         assert keys is not None and node is not None and req.node_blocks == len(keys)
-        kv_tokens = self.footprint(len(req.prompt), req.max_tokens)
-        full = kv_tokens // bs
+        full = (req.prompt_len + req.max_tokens - 1) // bs  # the footprint's full blocks
         if full > len(keys):
-            start = len(keys) * bs
-            tail = req.prompt[start:] + output_tokens(req.max_tokens - 1)
-            tail = tail[: full * bs - start]
-            first = parent_prefix(keys[-1]) if keys else namespace(req.cache_salt)
-            new_keys = chain_keys(tail, bs, first)
-            self.cache.insert(
-                node, new_keys, tail if self.config.emit_events else None, req.cache_salt
-            )
+            new_keys = req.tail_keys
+            tail = None
+            if new_keys is None or self._tokens_out:
+                tail = tail_tokens(req.prompt, keys, req.max_tokens, bs)
+                if new_keys is None:
+                    first = parent_prefix(keys[-1]) if keys else namespace(req.cache_salt)
+                    new_keys = chain_keys(tail, bs, first)
+            assert len(new_keys) == full - len(keys), "tail_keys of the wrong length"
+            self.cache.insert(node, new_keys, tail, req.cache_salt)
             req.reserved -= len(new_keys) * bs
         self.cache.free(req.reserved)
         req.reserved = 0
         self.cache.unlock(node)
         req.node = None
-        req.state = State.FINISHED
+        req.state = _FINISHED
         req.generated = req.max_tokens
         req.finish_time = t
         result.finished.append(req)
@@ -402,7 +438,7 @@ class EmulatedEngine:
         keys = req.keys
         assert keys is not None
         cache = self.cache
-        prompt_len = len(req.prompt)
+        prompt_len = req.prompt_len
         cap = (prompt_len - 1) // bs  # at least one prompt token is computed: the first token
         stuck = self._stuck
         if (
@@ -414,7 +450,7 @@ class EmulatedEngine:
             return False  # still no room, and its cached prefix cannot have grown
         match = cache.match(keys, cap)
         cached = match.blocks * bs
-        need = self.footprint(prompt_len, req.max_tokens) - cached
+        need = prompt_len + req.max_tokens - 1 - cached  # the footprint beyond the cached prefix
         cache.lock(match.node)
         if not cache.allocate(need):
             cache.unlock(match.node)
@@ -424,7 +460,7 @@ class EmulatedEngine:
         req.node_blocks = match.blocks
         req.cached_tokens = req.computed = cached
         req.reserved = need
-        req.state = State.PREFILL
+        req.state = _PREFILL
         req.admitted_time = now
         self._queued_prefill -= cached
         self.prompt_tokens += prompt_len
@@ -449,18 +485,22 @@ class EmulatedEngine:
         for req in self._prefilling:
             if budget <= 0:
                 break
-            n = min(len(req.prompt) - req.computed, budget)
+            n = min(req.prompt_len - req.computed, budget)
             chunks.append((req, n))
             budget -= n
         decoding = len(self._decoding)
         if not chunks and not decoding:
             return
-        d = cfg.step_time(decoding, cfg.chunk_tokens - budget)
+        d = (  # cfg.step_time, inlined
+            cfg.decode_base_s
+            + cfg.decode_per_request_s * decoding
+            + (cfg.chunk_tokens - budget) / cfg.prefill_tokens_per_s
+        )
         if chunks:
             k = 1
         else:
             finishing = self._finishing
-            while finishing[0][2].state is not State.DECODE:
+            while finishing[0][2].state is not _DECODE:
                 heapq.heappop(finishing)  # aborted
             k = finishing[0][0] - self._steps
             if queue and not self._blocked:  # a request submitted ahead of its arrival

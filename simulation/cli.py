@@ -1,0 +1,324 @@
+"""`urc replay`: replay a trace or a built-in workload through the gateway's policies offline.
+
+    urc replay TRACE | --workload NAME [--workers N] [--policy NAME|all|a,b]
+               [--kv-capacity-tokens N] [--prefill-tps N] [--time-scale X] [--requests N]
+               [--seed S] [--out DIR] [--json FILE]
+
+A trace replays its own timestamps (open loop); a workload runs closed-loop at --concurrency
+(default 8, as `urc bench`) or open-loop at --rate. Prints a table; --out DIR gets report.md,
+report.json, series.json and PNG plots (with matplotlib); --json FILE the report alone.
+Exit status: 0 on success, 2 on bad arguments or an unreadable trace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from backends.emulated.engine import EngineConfig
+from loadgen.mooncake import TraceFormatError
+from loadgen.workloads import WORKLOADS
+from simulation import plots
+from simulation.compare import compare, policy_names, split_params
+from simulation.replay import FleetConfig
+from simulation.report import (
+    build_report,
+    format_table,
+    markdown,
+    rounded,
+    table_rows,
+    write_json,
+)
+from simulation.requests import SimRequest
+from simulation.traces import Trace, read_trace, trace_requests
+from simulation.workloads import DEFAULT_MODELS, workload_requests
+
+DEFAULT_WORKLOAD_REQUESTS = 1000
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The `replay` options, for a standalone parser or the `urc replay` subparser."""
+    d = EngineConfig()
+    p.add_argument("trace", nargs="?", help="a Mooncake-format JSONL trace or a gateway recording")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), help="a built-in workload instead")
+    p.add_argument(
+        "-p",
+        "--param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a workload parameter, e.g. -p groups=5 (as urc bench)",
+    )
+    p.add_argument("--model", action="append", default=[], help="workload model names")
+    p.add_argument("--rate", type=float, help="workload: open loop, Poisson at R requests/s")
+    p.add_argument(
+        "--concurrency", type=int, help="closed loop: C in flight (a workload without --rate: 8)"
+    )
+    p.add_argument("--requests", type=int, help="replay the first N requests")
+    p.add_argument("--seed", type=int, default=0, help="workload, arrivals and policy seed")
+    p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times")
+    p.add_argument("--max-output-tokens", type=int, help="trace: cap each request's output")
+    p.add_argument(
+        "--trace-kind",
+        choices=("completion", "chat"),
+        default="completion",
+        help="trace: how requests stream (a chat's first byte leaves on admission)",
+    )
+    p.add_argument("--skip-bad-lines", action="store_true", help="trace: skip invalid lines")
+    fleet = p.add_argument_group("fleet")
+    fleet.add_argument("--workers", type=int, default=8, help="emulated workers")
+    fleet.add_argument("--worker-names", help="comma-separated names (rendezvous hashes them)")
+    fleet.add_argument("--policy", default="all", help="a policy, a comma-separated list, or 'all'")
+    fleet.add_argument(
+        "--policy-param",
+        action="append",
+        default=[],
+        metavar="[POLICY:]KEY=VALUE",
+        help="a policy parameter; without POLICY: every listed policy that has KEY",
+    )
+    fleet.add_argument(
+        "--kv-capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool per worker"
+    )
+    fleet.add_argument(
+        "--prefill-tps",
+        type=float,
+        default=d.prefill_tokens_per_s,
+        help="prefill tokens/s per worker (policies that model it are told, as a gateway is)",
+    )
+    fleet.add_argument(
+        "--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="a decode step, ms"
+    )
+    fleet.add_argument(
+        "--decode-per-request-ms",
+        type=float,
+        default=d.decode_per_request_s * 1e3,
+        help="added to a decode step per running request, ms",
+    )
+    fleet.add_argument(
+        "--max-batch", type=int, default=d.max_batch, help="running requests per worker"
+    )
+    fleet.add_argument(
+        "--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step"
+    )
+    fleet.add_argument("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
+    fleet.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="workload: tokens per block (a trace has its own)",
+    )
+    fleet.add_argument(
+        "--event-delay-ms", type=float, default=2.0, help="KV events reach the index after this"
+    )
+    fleet.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="workers publish no KV events: approximate residency from routing history",
+    )
+    fleet.add_argument("--max-in-flight", type=int, default=1024, help="open loop cap")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", help="directory for report.md, report.json, series.json, PNGs")
+    out.add_argument("--json", help="write the report as JSON here")
+    out.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="a progress bar on stderr (default: when stderr is a terminal)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="urc replay",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="The offline simulator: replay a trace through the gateway's policies "
+        "against emulated workers in virtual time.",
+    )
+    add_arguments(parser)
+    return parser
+
+
+def _params(items: Sequence[str]) -> dict[str, str]:
+    params: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param {item!r}: expected KEY=VALUE")
+        params[key.strip()] = value
+    return params
+
+
+def load_requests(
+    args: argparse.Namespace,
+) -> tuple[list[SimRequest], dict[str, Any], Trace | None, int]:
+    """The requests, how the report describes their source, the trace, the block size."""
+    if args.trace is not None:
+        trace = read_trace(args.trace, skip_bad=args.skip_bad_lines)
+        requests = trace_requests(
+            trace,
+            model=(args.model or list(DEFAULT_MODELS))[0],
+            time_scale=args.time_scale,
+            max_output_tokens=args.max_output_tokens,
+            limit=args.requests,
+            chat=args.trace_kind == "chat",
+        )
+        source = {
+            "trace": Path(args.trace).name,
+            "recorded": trace.recorded,
+            "time_scale": args.time_scale,
+            "max_output_tokens": args.max_output_tokens,
+            "skipped_lines": len(trace.skipped),
+        }
+        return requests, source, trace, trace.block_size
+    models = [m.strip() for item in args.model for m in item.split(",") if m.strip()]
+    params = _params(args.param)
+    n = args.requests or DEFAULT_WORKLOAD_REQUESTS
+    requests = workload_requests(
+        args.workload,
+        n,
+        seed=args.seed,
+        models=models or DEFAULT_MODELS,
+        rate=args.rate,
+        block_size=args.block_size,
+        params=params,
+    )
+    source = {"workload": args.workload, "params": params, "models": models or None}
+    return requests, source, None, args.block_size
+
+
+def fleet_from_args(args: argparse.Namespace, block_size: int, open_loop: bool) -> FleetConfig:
+    names = None
+    if args.worker_names:
+        names = [n.strip() for n in args.worker_names.split(",") if n.strip()]
+    return FleetConfig(
+        workers=args.workers,
+        names=names,
+        block_size=block_size,
+        capacity_tokens=args.kv_capacity_tokens,
+        prefill_tokens_per_s=args.prefill_tps,
+        decode_base_s=args.decode_base_ms / 1e3,
+        decode_per_request_s=args.decode_per_request_ms / 1e3,
+        max_batch=args.max_batch,
+        chunk_tokens=args.chunk_tokens,
+        max_model_len=args.max_model_len,
+        event_delay_s=args.event_delay_ms / 1e3,
+        kv_events=not args.no_kv_events,
+        concurrency=None if open_loop else (args.concurrency or 8),
+        max_in_flight=args.max_in_flight,
+    )
+
+
+class Progress:
+    """`[urc replay] cache_aware  2048/3993  51%` on one stderr line per policy."""
+
+    def __init__(self, total: int, out: TextIO) -> None:
+        self.total = total
+        self.out = out
+        self.name: str | None = None
+        self.t0 = time.perf_counter()
+
+    def __call__(self, name: str, sent: int) -> None:
+        if name != self.name:
+            self.end()
+            self.name, self.t0 = name, time.perf_counter()
+        sent = min(sent, self.total)
+        pct = 100 * sent // max(self.total, 1)
+        bar = "#" * (pct // 4)
+        rate = sent / max(time.perf_counter() - self.t0, 1e-9)
+        self.out.write(
+            f"\r[urc replay] {name:16s} [{bar:25s}] {sent}/{self.total} {pct:3d}%  "
+            f"{rate:,.0f} req/s "
+        )
+        self.out.flush()
+
+    def end(self) -> None:
+        if self.name is not None:
+            self.out.write("\n")
+            self.out.flush()
+            self.name = None
+
+
+def run(args: argparse.Namespace) -> int:
+    """`urc replay` with parsed arguments (the `urc` CLI calls this for its subparser)."""
+    if (args.trace is None) == (args.workload is None):
+        print("urc replay: give a TRACE or --workload NAME (one of them)", file=sys.stderr)
+        return 2
+    if args.trace is not None and (args.param or args.rate or args.concurrency):
+        print("urc replay: --param, --rate and --concurrency apply to workloads", file=sys.stderr)
+        return 2
+    if args.rate is not None and args.concurrency is not None:
+        print(
+            "urc replay: --rate (open loop) or --concurrency (closed loop), not both",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        names = policy_names(args.policy)
+        requests, source, trace, block_size = load_requests(args)
+        open_loop = args.trace is not None or args.rate is not None
+        fleet = fleet_from_args(args, block_size, open_loop)
+        fleet.worker_names()
+        fleet.engine_config()
+        given = split_params(args.policy_param, names)
+    except (TraceFormatError, ValueError, OSError) as e:
+        print(f"urc replay: {e}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("urc replay: no requests to replay", file=sys.stderr)
+        return 2
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    progress = Progress(len(requests), sys.stderr) if show else None
+    try:
+        comparison = compare(
+            requests, names, fleet, params=given, seed=args.seed, progress=progress
+        )
+    except ValueError as e:
+        print(f"urc replay: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if progress is not None:
+            progress.end()
+    config = {
+        **source,
+        "requests": len(requests),
+        "seed": args.seed,
+        "rate": args.rate,
+        "fleet": dataclasses.asdict(fleet),
+        "policies": names,
+        "policy_params": comparison.params,
+    }
+    recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
+    report = build_report(config, comparison.summaries, comparison.bound, recorded)
+    rows = table_rows(report["policies"], report["bound"]["hit_rate"], comparison.speeds)
+    print(format_table(rows))
+    if args.json:
+        write_json(report, args.json)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(report, out / "report.json")
+        (out / "series.json").write_text(
+            json.dumps(rounded(comparison.series), sort_keys=True) + "\n", encoding="utf-8"
+        )
+        ttfts = {name: r.ttft_s for name, r in comparison.results.items()}
+        written = plots.write_plots(out, ttfts, comparison.series, comparison.bound)
+        note = None if written else plots.MISSING
+        if note:
+            print(f"urc replay: {note}", file=sys.stderr)
+        (out / "report.md").write_text(markdown(report, written, note), encoding="utf-8")
+        print(f"report: {out / 'report.md'}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,117 @@
+"""Several policies over the same requests and fleet: the replay's unit of work.
+
+Each policy gets a fresh fleet, index and client, and a fresh policy object built the way the
+gateway builds it (`make_policy(name, **params)`), so runs are independent and reproducible.
+The wall-clock speed of each run is measured here and kept out of the report's JSON.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from router.policies import POLICY_NAMES, make_policy, policy_params
+from simulation.bound import infinite_cache_hit_rate
+from simulation.metrics import series, summarize
+from simulation.replay import FleetConfig, Replay, RunResult
+from simulation.requests import SimRequest
+from simulation.worker import max_model_len
+
+# what the policies may be told about the fleet, unless given explicitly
+_FLEET_PARAMS = {"prefill_tokens_per_s": "prefill_tokens_per_s", "chunk_tokens": "chunk_tokens"}
+
+
+@dataclass(slots=True)
+class Comparison:
+    results: dict[str, RunResult]
+    summaries: dict[str, dict[str, Any]]
+    series: dict[str, dict[str, Any]]
+    speeds: dict[str, float]  # simulated requests per second of wall time (not in the report)
+    bound: float | None
+    params: dict[str, dict[str, Any]]  # the parameters each policy was built with
+
+
+def policy_names(spec: str) -> list[str]:
+    """`all`, one name, or a comma-separated list; ValueError on unknown names."""
+    names = list(POLICY_NAMES) if spec.strip() == "all" else [s.strip() for s in spec.split(",")]
+    names = [n for n in names if n]
+    unknown = [n for n in names if n not in POLICY_NAMES]
+    if unknown or not names:
+        raise ValueError(
+            f"unknown policy {', '.join(unknown)!r} (known: {', '.join(POLICY_NAMES)})"
+        )
+    return list(dict.fromkeys(names))
+
+
+def split_params(items: Sequence[str], names: Sequence[str]) -> dict[str, dict[str, str]]:
+    """`KEY=VALUE` (every listed policy that has KEY) or `POLICY:KEY=VALUE` -> per policy."""
+    out: dict[str, dict[str, str]] = {n: {} for n in names}
+    for item in items:
+        target, colon, rest = item.partition(":")
+        if not colon or "=" in target:
+            target, rest = "", item
+        key, eq, value = rest.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise ValueError(f"--policy-param wants [POLICY:]KEY=VALUE, got {item!r}")
+        targets = [target] if target else [n for n in names if key in policy_params(n)]
+        if not targets or (target and target not in out):
+            raise ValueError(f"--policy-param {item!r} applies to none of {', '.join(names)}")
+        for name in targets:
+            if key not in policy_params(name):
+                raise ValueError(f"policy {name!r} has no parameter {key!r}")
+            out[name][key] = value
+    return out
+
+
+def build_params(
+    name: str, given: Mapping[str, Any], fleet: FleetConfig, seed: int
+) -> dict[str, Any]:
+    """The policy's parameters: the given ones, the fleet's prefill rate and chunk size (an
+    operator configures the gateway for its hardware) and the seed, where it takes them."""
+    accepted = policy_params(name)
+    params: dict[str, Any] = {}
+    for key, attr in _FLEET_PARAMS.items():
+        if key in accepted:
+            params[key] = getattr(fleet, attr)
+    if "seed" in accepted:
+        params["seed"] = seed
+    params.update(given)
+    return params
+
+
+def compare(
+    requests: Sequence[SimRequest],
+    names: Sequence[str],
+    fleet: FleetConfig,
+    *,
+    params: Mapping[str, Mapping[str, Any]] | None = None,
+    seed: int = 0,
+    buckets: int = 60,
+    progress: Callable[[str, int], None] | None = None,
+) -> Comparison:
+    """Replay `requests` under each policy in `names` on `fleet`."""
+    results: dict[str, RunResult] = {}
+    summaries: dict[str, dict[str, Any]] = {}
+    curves: dict[str, dict[str, Any]] = {}
+    speeds: dict[str, float] = {}
+    used: dict[str, dict[str, Any]] = {}
+    for name in names:
+        used[name] = build_params(name, (params or {}).get(name, {}), fleet, seed)
+        replay = Replay(requests, make_policy(name, **used[name]), fleet)
+        report = None if progress is None else (lambda sent, n=name: progress(n, sent))
+        if progress is not None:
+            progress(name, 0)
+        t0 = time.perf_counter()
+        result = replay.run(report)
+        speeds[name] = len(requests) / max(time.perf_counter() - t0, 1e-9)
+        if progress is not None:
+            progress(name, len(requests))
+        results[name] = result
+        summaries[name] = summarize(result, requests)
+        curves[name] = series(result, requests, buckets)
+    limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
+    bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)
+    return Comparison(results, summaries, curves, speeds, bound, used)

@@ -1,0 +1,227 @@
+"""Live against offline: one seeded workload through `urc cluster` and through the replay.
+
+The live side is real processes on 127.0.0.1: `python -m router.cli cluster` (the gateway and N
+emulated workers) and `python -m router.cli bench` against it. The offline side replays the
+same specs with the same worker parameters, worker names (rendezvous hashes them) and candidate
+order (the gateway's, read from its admin API), so the two differ only in what real time adds:
+HTTP hops, event-loop wake-ups and KV events in flight.
+
+The live cluster runs without API keys, so its tenants share one namespace; the replay is told
+the same (`isolate_tenants=False`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from router.policies import policy_params
+from simulation.compare import compare
+from simulation.replay import FleetConfig
+from simulation.workloads import workload_requests
+
+ADMIN_KEY = "urc-fidelity"
+MODEL = "emulated"
+
+
+@dataclass(slots=True)
+class FidelityCase:
+    policy: str = "cache_aware"
+    workload: str = "mixed"
+    params: dict[str, str] = field(default_factory=dict)
+    requests: int = 300
+    workers: int = 4
+    capacity_tokens: int = 40_000
+    prefill_tps: float = 5_000.0
+    concurrency: int = 8
+    seed: int = 0
+    ready_timeout_s: float = 90.0
+
+
+@dataclass(slots=True)
+class FidelityOutcome:
+    case: FidelityCase
+    live: dict[str, Any]  # the urc bench summary (loadgen.report)
+    offline: dict[str, Any]  # the replay summary (simulation.metrics)
+
+    @property
+    def hit_rate_diff(self) -> float:
+        """Offline minus live, in rate units (0.01 = one point)."""
+        return self.offline["hit_rate"] - self.live["hit_rate"]
+
+    @property
+    def ttft_p50_ratio(self) -> float:
+        return self.offline["ttft_p50_s"] / self.live["ttft_s"]["p50"]
+
+    def describe(self) -> str:
+        c, live, off = self.case, self.live, self.offline
+        rows = [
+            ("hit rate", live["hit_rate"], off["hit_rate"], "pct"),
+            ("TTFT mean", live["ttft_s"]["mean"], off["ttft_mean_s"], "ms"),
+            ("TTFT p50", live["ttft_s"]["p50"], off["ttft_p50_s"], "ms"),
+            ("TTFT p99", live["ttft_s"]["p99"], off["ttft_p99_s"], "ms"),
+            ("latency p50", live["latency_s"]["p50"], off["latency_p50_s"], "ms"),
+            ("duration", live["duration_s"], off["duration_s"], "s"),
+        ]
+        lines = [
+            f"{c.workload} x {c.requests} ({c.params or 'defaults'}), {c.policy}, {c.workers} "
+            f"workers x {c.capacity_tokens:,} tokens, prefill {c.prefill_tps:,.0f} tok/s, "
+            f"concurrency {c.concurrency}",
+            f"{'':14s}{'live':>12s}{'offline':>12s}{'diff':>12s}",
+        ]
+        for label, a, b, kind in rows:
+            if kind == "pct":
+                lines.append(f"{label:14s}{a:>12.2%}{b:>12.2%}{(b - a) * 100:>+10.2f}pt")
+            else:
+                scale, unit = (1e3, "ms") if kind == "ms" else (1.0, "s")
+                lines.append(
+                    f"{label:14s}{a * scale:>10.1f}{unit:2s}{b * scale:>10.1f}{unit:2s}"
+                    f"{(b / a - 1) * 100:>+11.1f}%"
+                )
+        return "\n".join(lines)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_cluster(case: FidelityCase, port: int) -> tuple[subprocess.Popen[str], str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "router.cli",
+        "cluster",
+        "--workers",
+        str(case.workers),
+        "--port",
+        str(port),
+        "--policy",
+        case.policy,
+        "--admin-key",
+        ADMIN_KEY,
+        f"--worker-arg=--capacity-tokens={case.capacity_tokens}",
+        f"--worker-arg=--prefill-tps={case.prefill_tps}",
+    ]
+    if "prefill_tokens_per_s" in policy_params(case.policy):  # the gateway knows its hardware
+        cmd.append(f"--policy-param=prefill_tokens_per_s={case.prefill_tps}")
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    found: list[str] = []
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            seen.append(line.rstrip())
+            if line.startswith("gateway: ") and not found:
+                found.append(line.split(" ", 1)[1].strip())
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(case.ready_timeout_s) or not found:
+        _stop(proc)
+        raise RuntimeError("the cluster did not start:\n" + "\n".join(seen[-20:]))
+    return proc, found[0]
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def _worker_names(url: str) -> list[str]:
+    """The gateway's workers in its candidate order, all up."""
+    req = urllib.request.Request(
+        url + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        workers = json.load(resp)["workers"]
+    if not all(w["up"] for w in workers):
+        raise RuntimeError(f"not every worker is up: {workers}")
+    return [w["name"] for w in workers]
+
+
+def run_live(case: FidelityCase) -> tuple[dict[str, Any], list[str]]:
+    """The bench summary of the case against a fresh cluster, and the worker names."""
+    proc, url = _start_cluster(case, _free_port())
+    try:
+        names = _worker_names(url)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "live.json"
+            cmd = [
+                sys.executable,
+                "-m",
+                "router.cli",
+                "bench",
+                "--target",
+                url,
+                "--workload",
+                case.workload,
+                "--requests",
+                str(case.requests),
+                "--concurrency",
+                str(case.concurrency),
+                "--seed",
+                str(case.seed),
+                "--model",
+                MODEL,
+                "--json",
+                str(out),
+                "--no-progress",
+            ]
+            for key, value in case.params.items():
+                cmd += ["-p", f"{key}={value}"]
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
+            return json.loads(out.read_text()), names
+    finally:
+        _stop(proc)
+
+
+def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:
+    requests = workload_requests(
+        case.workload,
+        case.requests,
+        seed=case.seed,
+        models=[MODEL],
+        params=dict(case.params),
+        isolate_tenants=False,
+    )
+    fleet = FleetConfig(
+        workers=len(names),
+        names=names,
+        capacity_tokens=case.capacity_tokens,
+        prefill_tokens_per_s=case.prefill_tps,
+        concurrency=case.concurrency,
+    )
+    return compare(requests, [case.policy], fleet, seed=case.seed).summaries[case.policy]
+
+
+def run_case(case: FidelityCase) -> FidelityOutcome:
+    live, names = run_live(case)
+    if live["counts"]["ok"] != case.requests:
+        raise RuntimeError(f"live run had failures: {live['counts']} {live['errors']}")
+    return FidelityOutcome(case, live, run_offline(case, names))

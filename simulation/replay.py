@@ -1,0 +1,351 @@
+"""The discrete-event replay: requests through the gateway's index and policy to emulated
+workers, all in virtual time.
+
+Three kinds of events, in time order (sends before engine steps at equal times, so that a
+request submitted at the end of a step joins the next one, as the engine's own rule says):
+
+    send         the client sends requests (client.py): the router matches the request's keys
+                 in the unified index, builds the candidates exactly as router/gateway/routing.py
+                 does, asks the policy, and submits it to the chosen worker's engine
+    engine step  a worker's engine reaches `next_time()`: admissions, first tokens and finishes
+                 move the gateway's load view (worker.py) and the client
+    KV events    what a step stored and evicted reaches the index `event_delay_s` later, as one
+                 batch per step; they are applied lazily, before the next routing decision that
+                 could see them (nothing else reads the index)
+
+The index is fed as `WorkerMirror` feeds it from our workers, whose block hashes are our keys:
+`insert(keys, worker, group, now, parent=...)` for BlockStored, `remove` for BlockRemoved. With
+`kv_events=False` workers publish nothing and the gateway's approximate residency stands in:
+each successful request's keys are inserted as approximate when it ends, and expire after the
+TTL (checked every `EXPIRE_EVERY_S`, the gateway's health interval).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from backends.emulated.engine import EngineConfig, Request
+from router.index import UnifiedIndex
+from router.kv_events import BlockRemoved, BlockStored
+from router.policies import Candidate, Policy
+from simulation.client import INF, Client
+from simulation.requests import SimRequest
+from simulation.worker import SimWorker, max_model_len
+
+EXPIRE_EVERY_S = 0.5
+_new = tuple.__new__  # Candidate(...) without NamedTuple's Python-level __new__: hot path
+
+
+@dataclass(slots=True)
+class FleetConfig:
+    """The fleet, the gateway's settings and the client. Engine defaults are the emulated
+    worker's (an 8B model on one H100, see EngineConfig)."""
+
+    workers: int = 8
+    names: list[str] | None = None  # worker names (default w0, w1, ...): rendezvous hashes them
+    block_size: int = 16
+    capacity_tokens: int = 400_000
+    prefill_tokens_per_s: float = 15_000.0
+    decode_base_s: float = 0.008
+    decode_per_request_s: float = 0.00008
+    max_batch: int = 256
+    chunk_tokens: int = 8192
+    max_model_len: int = 0  # 0: the worker's default, min(capacity, 131072)
+    event_delay_s: float = 0.002
+    kv_events: bool = True  # False: approximate residency from routing history
+    approx_ttl_s: float = 120.0
+    index_max_blocks: int = 20_000_000
+    concurrency: int | None = None  # closed loop with this many in flight; None: open loop
+    max_in_flight: int = 1024  # the open loop's cap (the bench's --max-in-flight)
+
+    def worker_names(self) -> list[str]:
+        names = self.names or [f"w{i}" for i in range(self.workers)]
+        if len(names) != self.workers or len(set(names)) != len(names):
+            raise ValueError("need one distinct name per worker")
+        return list(names)
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            block_size=self.block_size,
+            capacity_tokens=self.capacity_tokens,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_base_s=self.decode_base_s,
+            decode_per_request_s=self.decode_per_request_s,
+            max_batch=self.max_batch,
+            chunk_tokens=self.chunk_tokens,
+            report_tokens=False,
+            emit_events=self.kv_events,
+            event_tokens=False,
+        )
+
+
+@dataclass(slots=True)
+class RunResult:
+    """Everything one policy's run measured; per-request lists are indexed like the requests
+    (a request never sent has worker -1)."""
+
+    policy: str
+    workers: list[str]
+    sent_s: list[float]
+    worker: list[int]
+    predicted_tokens: list[int]
+    cached_tokens: list[int]
+    ttft_s: list[float]  # nan when it never produced a token (rejected, or dropped)
+    latency_s: list[float]
+    ok: list[bool]
+    reasons: Counter[str]
+    dropped: int
+    index_peak_blocks: int
+    index_blocks: int
+    index_runs: int
+    index_residencies: int
+    events_applied: int
+    engine_steps: int
+
+
+class Replay:
+    """One policy over one fleet: `Replay(requests, policy, fleet).run()`."""
+
+    def __init__(self, requests: Sequence[SimRequest], policy: Policy, fleet: FleetConfig) -> None:
+        self.requests = list(requests)
+        self.policy = policy
+        self.fleet = fleet
+        if any(r.route.block_size != fleet.block_size for r in self.requests):
+            raise ValueError("requests are keyed with another block size than the fleet's")
+        config = fleet.engine_config()
+        limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
+        groups = sorted({r.kv_group for r in self.requests}) or ["emulated"]
+        names = fleet.worker_names()
+        if len(names) < len(groups):
+            raise ValueError(f"{len(groups)} kv_groups need at least as many workers")
+        # one kv_group per worker (its event stream carries no model): groups take turns
+        self.workers = [
+            SimWorker(name, groups[i % len(groups)], config, limit) for i, name in enumerate(names)
+        ]
+        self.by_group: dict[str, list[SimWorker]] = {}
+        for w in self.workers:
+            self.by_group.setdefault(w.kv_group, []).append(w)
+        self.by_name = {w.name: w for w in self.workers}
+        self.index = UnifiedIndex(
+            max_blocks=fleet.index_max_blocks, approx_ttl_s=fleet.approx_ttl_s
+        )
+        self.client = Client(self.requests, fleet.concurrency, fleet.max_in_flight)
+        n = len(self.requests)
+        self._sent = [math.nan] * n
+        self._worker = [-1] * n
+        self._predicted = [0] * n
+        self._uncached = [0] * n
+        self._started = [False] * n
+        self._engine_req: list[Request | None] = [None] * n
+        self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
+        self._heap: list[tuple[float, int, SimWorker]] = []
+        self._seq = 0
+        self._kv: deque[tuple[float, SimWorker, list]] = deque()
+        self._reasons: Counter[str] = Counter()
+        self._peak = 0
+        self._events = 0
+        self._steps = 0
+        self._next_expire = 0.0
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self, progress: Callable[[int], None] | None = None) -> RunResult:
+        """Replay every request; `progress(sent)` is called every 1024 sends."""
+        heap = self._heap
+        client = self.client
+        heappop = heapq.heappop
+        route = self._route
+        step = self._step
+        sent = 0
+        while True:
+            t_send = client.next_at
+            if heap and heap[0][0] < t_send:
+                t, seq, w = heappop(heap)
+                if seq == w.wake_seq:
+                    step(w, t)
+            elif t_send < INF:
+                for req in client.poll(t_send):
+                    route(req, t_send)
+                    sent += 1
+                    if progress is not None and not sent & 1023:
+                        progress(sent)
+            else:
+                break
+        self._deliver(INF)
+        return self._result()
+
+    def _schedule(self, w: SimWorker) -> None:
+        """Queue the worker's next step call (at most one valid heap entry per worker)."""
+        t = w.engine.next_time()
+        if t is None:
+            w.wake_seq = -1
+        elif t != w.wake or w.wake_seq < 0:
+            self._seq += 1
+            w.wake, w.wake_seq = t, self._seq
+            heapq.heappush(self._heap, (t, self._seq, w))
+
+    # -- routing (router/gateway/routing.py, in virtual time) -------------------------------
+
+    def _route(self, req: SimRequest, now: float) -> None:
+        if self._kv and self._kv[0][0] <= now:
+            self._deliver(now)
+        index = self.index
+        if not self.fleet.kv_events and now >= self._next_expire:
+            index.expire(now)
+            self._next_expire = now + EXPIRE_EVERY_S
+        route = req.route
+        workers = self.by_group[route.kv_group]
+        if not self.fleet.kv_events:  # approximate residency also shrinks by expiry
+            for w in workers:
+                w.cached_blocks = index.blocks_held(w.name, w.kv_group)
+        matched = index.match(route.block_keys, route.kv_group, now)
+        get = matched.get
+        candidates = [
+            _new(
+                Candidate,
+                (
+                    w.name,
+                    get(w.name, 0),
+                    w.in_flight,
+                    w.queued_prefill_tokens,
+                    w.running_decode,
+                    w.cached_blocks,
+                ),
+            )
+            for w in workers
+        ]
+        decision = self.policy.choose(route, candidates)
+        w = self.by_name[decision.worker]
+        self._reasons[decision.reason] += 1
+        i = req.index
+        prompt = route.prompt_tokens
+        predicted = min(get(w.name, 0) * route.block_size, prompt)
+        uncached = prompt - predicted
+        self._sent[i] = now
+        self._worker[i] = self._worker_index[w.name]
+        self._predicted[i] = predicted
+        self._uncached[i] = uncached
+        w.in_flight += 1
+        w.queued_prefill_tokens += uncached
+        if prompt + req.max_tokens > w.max_model_len:
+            self._reject(req, w, now)
+            return
+        engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
+        try:
+            w.engine.submit(engine_req)
+        except ValueError:
+            self._reject(req, w, now)
+            return
+        self._engine_req[i] = engine_req
+        self._schedule(w)
+
+    def _reject(self, req: SimRequest, w: SimWorker, now: float) -> None:
+        """The worker answers 400 (too long): the gateway's load comes back, the turn fails."""
+        w.in_flight -= 1
+        w.queued_prefill_tokens -= self._uncached[req.index]
+        self.client.complete(req, False, now)
+
+    # -- engine steps ------------------------------------------------------------------------
+
+    def _step(self, w: SimWorker, now: float) -> None:
+        w.wake_seq = -1  # this call consumes the worker's heap entry
+        result = w.engine.step(now)
+        self._steps += 1
+        requests = self.requests
+        started = self._started
+        uncached = self._uncached
+        for r in result.admitted:
+            i = r.rid
+            if requests[i].chat:  # the role chunk: the gateway's first byte
+                started[i] = True
+                w.queued_prefill_tokens -= uncached[i]
+                w.running_decode += 1
+        for r in result.first_token:
+            i = r.rid
+            if not started[i]:
+                started[i] = True
+                w.queued_prefill_tokens -= uncached[i]
+                w.running_decode += 1
+        if result.finished:
+            client = self.client
+            for r in result.finished:
+                i = r.rid
+                w.running_decode -= 1  # started at its first token at the latest
+                w.in_flight -= 1
+                req = requests[i]
+                if not self.fleet.kv_events and req.keys:  # the gateway's routing history
+                    self.index.insert(req.keys, w.name, w.kv_group, now, approximate=True)
+                client.complete(req, True, now)
+        if result.events:
+            self._kv.append((now + self.fleet.event_delay_s, w, result.events))
+        self._schedule(w)
+
+    # -- KV events ---------------------------------------------------------------------------
+
+    def _deliver(self, now: float) -> None:
+        """Apply every event batch due by `now`, in order (WorkerMirror's effect on the index
+        for workers that hash as the gateway does)."""
+        kv = self._kv
+        index = self.index
+        insert, remove = index.insert, index.remove
+        applied = 0
+        while kv and kv[0][0] <= now:
+            due, w, events = kv.popleft()
+            name, group = w.name, w.kv_group
+            for ev in events:
+                if type(ev) is BlockStored:
+                    w.cached_blocks += insert(
+                        ev.block_hashes, name, group, due, parent=ev.parent_block_hash
+                    )
+                elif type(ev) is BlockRemoved:
+                    w.cached_blocks -= remove(ev.block_hashes, name, group)
+                applied += 1
+        self._events += applied
+        size = len(index)
+        if size > self._peak:
+            self._peak = size
+        if index.max_blocks and size >= index.max_blocks:  # the index's budget evicted blocks
+            for w in self.workers:
+                w.cached_blocks = index.blocks_held(w.name, w.kv_group)
+
+    # -- the outcome -------------------------------------------------------------------------
+
+    def _result(self) -> RunResult:
+        n = len(self.requests)
+        nan = math.nan
+        cached = [0] * n
+        ttft = [nan] * n
+        latency = [nan] * n
+        ok = [False] * n
+        for i, r in enumerate(self._engine_req):
+            if r is None or r.finish_time is None:
+                continue
+            sent = self._sent[i]
+            cached[i] = r.cached_tokens
+            ttft[i] = r.first_token_time - sent  # type: ignore[operator]
+            latency[i] = r.finish_time - sent
+            ok[i] = True
+        stats = self.index.stats()
+        return RunResult(
+            policy=getattr(self.policy, "name", type(self.policy).__name__),
+            workers=[w.name for w in self.workers],
+            sent_s=self._sent,
+            worker=self._worker,
+            predicted_tokens=self._predicted,
+            cached_tokens=cached,
+            ttft_s=ttft,
+            latency_s=latency,
+            ok=ok,
+            reasons=self._reasons,
+            dropped=self.client.dropped,
+            index_peak_blocks=self._peak,
+            index_blocks=stats.blocks,
+            index_runs=stats.runs,
+            index_residencies=stats.residencies,
+            events_applied=self._events,
+            engine_steps=self._steps,
+        )

@@ -1,0 +1,169 @@
+"""A replay's report: the `--json` document, the terminal table and the Markdown page.
+
+JSON schema "urc.replay/1" (keys sorted, floats rounded to 6 significant digits, no wall-clock
+value anywhere: the same trace, seed and flags give byte-identical files):
+
+    schema     "urc.replay/1"
+    config     the source (trace file name, or workload and its parameters), the fleet, the
+               client, the seed
+    policies   {NAME: {hit_rate, ttft_mean_s, ttft_p50_s, ttft_p99_s, throughput_tok_s,
+               load_imbalance, ...}}: every key of simulation.metrics.summarize
+    bound      {hit_rate}: one infinite cache (simulation.bound)
+    recorded   a gateway recording only: {hit_rate, predicted_hit_rate, policy, requests} as
+               measured live (cached_tokens and predicted_tokens of its lines)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "urc.replay/1"
+
+
+def rounded(value: Any) -> Any:
+    """Floats to 6 significant digits (NaN and inf to None), recursively."""
+    if isinstance(value, float):
+        return float(f"{value:.6g}") if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): rounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v) for v in value]
+    return value
+
+
+def build_report(
+    config: Mapping[str, Any],
+    summaries: Mapping[str, Mapping[str, Any]],
+    bound: float | None,
+    recorded: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "config": dict(config),
+        "policies": {name: dict(s) for name, s in summaries.items()},
+        "bound": {"hit_rate": bound},
+    }
+    if recorded is not None:
+        report["recorded"] = dict(recorded)
+    return rounded(report)
+
+
+def dumps(report: Mapping[str, Any]) -> str:
+    return json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
+
+
+def write_json(report: Mapping[str, Any], path: str | Path) -> None:
+    Path(path).write_text(dumps(report), encoding="utf-8")
+
+
+# -- the table -------------------------------------------------------------------------------
+
+COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("hit rate", "hit_rate", "pct"),
+    ("TTFT mean", "ttft_mean_s", "ms"),
+    ("TTFT p50", "ttft_p50_s", "ms"),
+    ("TTFT p99", "ttft_p99_s", "ms"),
+    ("lat p50", "latency_p50_s", "ms"),
+    ("lat p99", "latency_p99_s", "ms"),
+    ("tok/s", "throughput_tok_s", "int"),
+    ("imbalance", "load_imbalance", "x"),
+    ("index MB", "index_bytes_est", "mb"),
+)
+
+
+def _cell(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "pct":
+        return f"{value * 100:.1f}%"
+    if kind == "ms":
+        return f"{value * 1e3:.0f}ms"
+    if kind == "x":
+        return f"{value:.2f}"
+    if kind == "mb":
+        return f"{value / 1e6:.1f}"
+    return f"{value:,.0f}"
+
+
+def table_rows(
+    summaries: Mapping[str, Mapping[str, Any]],
+    bound: float | None,
+    speeds: Mapping[str, float] | None = None,
+) -> list[list[str]]:
+    header = ["policy", *(c[0] for c in COLUMNS)]
+    if speeds is not None:
+        header.append("sim req/s")
+    rows = [header]
+    for name, s in summaries.items():
+        row = [name, *(_cell(s.get(key), kind) for _, key, kind in COLUMNS)]
+        if speeds is not None:
+            row.append(f"{speeds.get(name, 0.0):,.0f}")
+        rows.append(row)
+    tail = ["bound: 1 infinite cache", _cell(bound, "pct")]
+    rows.append(tail + ["-"] * (len(header) - len(tail)))
+    return rows
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(rows: Sequence[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def markdown(report: Mapping[str, Any], plots: Sequence[str], plot_note: str | None) -> str:
+    """A short page: what was replayed on what, the table, the plots."""
+    cfg = report["config"]
+    fleet = cfg.get("fleet", {})
+    rows = table_rows(report["policies"], report["bound"]["hit_rate"])
+    source = cfg.get("trace") or f"workload {cfg.get('workload')}"
+    lines = [
+        "# urc replay",
+        "",
+        f"Source: `{source}`, {cfg.get('requests')} requests, seed {cfg.get('seed')}.",
+        f"Fleet: {fleet.get('workers')} emulated workers, "
+        f"{fleet.get('capacity_tokens'):,} tokens of KV each, prefill "
+        f"{fleet.get('prefill_tokens_per_s'):,.0f} tokens/s, blocks of "
+        f"{fleet.get('block_size')} tokens, KV events after {fleet.get('event_delay_s')} s"
+        + ("." if fleet.get("kv_events", True) else " (off: approximate residency)."),
+        "",
+        markdown_table(rows),
+        "",
+        "Hit rate: cached / prompt tokens as the workers report them. TTFT and latency from "
+        "the client's send. Imbalance: max / mean of the workers' mean requests in flight. "
+        "The bound: every request on one worker that never evicts.",
+    ]
+    recorded = report.get("recorded")
+    if recorded and recorded.get("hit_rate") is not None:
+        lines += [
+            "",
+            f"Recorded live under `{recorded.get('policy')}`: hit rate "
+            f"{recorded['hit_rate'] * 100:.1f}% over {recorded.get('requests')} requests.",
+        ]
+    reasons = {name: s.get("reasons", {}) for name, s in report["policies"].items()}
+    lines += ["", "Decisions by reason:", ""]
+    for name, counts in reasons.items():
+        text = ", ".join(f"{k} {v}" for k, v in counts.items())
+        lines.append(f"- `{name}`: {text}")
+    lines.append("")
+    if plots:
+        lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    elif plot_note:
+        lines.append(plot_note)
+    return "\n".join(lines) + "\n"

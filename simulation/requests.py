@@ -1,0 +1,85 @@
+"""What the simulator replays: requests reduced once to what routing and the engine need.
+
+A `SimRequest` is built once per trace line or workload request and shared by every policy's
+run: its block keys (the gateway's and the worker's, which are the same keys), the keys of the
+blocks its output will add to the worker's cache (`tail_keys`), and the `RouteRequest` the
+policies see. Nothing in it changes during a run.
+
+Keys are namespaced as the live system does: a tenant's prompts in its own salt (the gateway's
+`cache_salt`), none in the shared namespace. A fleet serving several kv_groups adds the group
+to the namespace, so that equal text in two models never shares a key in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from router.policies import RouteRequest
+
+_new = tuple.__new__  # RouteRequest(...) without NamedTuple's Python-level __new__
+
+
+class KeyedPrompt(Sequence[int]):
+    """A prompt known by its length and block keys only (a trace's hash ids). The engine never
+    reads its tokens: such a request carries `keys` and `tail_keys`, and the simulator's
+    workers publish KV events without token ids."""
+
+    __slots__ = ("length",)
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+        raise TypeError("a trace prompt has block keys, not token ids")
+
+    def __iter__(self) -> Iterator[int]:
+        raise TypeError("a trace prompt has block keys, not token ids")
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request of a replay. `arrival_s` is its send time from the start (None: a closed
+    loop sends it when a slot frees). A session's turns share `session` (>= 0); a turn is sent
+    only after the previous one has completed, as `urc bench` does."""
+
+    index: int
+    arrival_s: float | None
+    prompt: Sequence[int]  # token ids, or a KeyedPrompt
+    max_tokens: int
+    keys: list[int]  # chained keys of the prompt's full blocks
+    tail_keys: list[int]  # keys of the full blocks of prompt + output past `keys`
+    route: RouteRequest  # what the policies see
+    salt: str | None  # forwarded to the worker as cache_salt
+    tenant: str | None = None
+    chat: bool = False  # chat requests stream a role chunk at admission (the first byte)
+    session: int = -1
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def kv_group(self) -> str:
+        return self.route.kv_group
+
+    @property
+    def model(self) -> str:
+        return self.route.model
+
+
+def route_request(
+    keys: list[int], prompt_tokens: int, block_size: int, kv_group: str, model: str
+) -> RouteRequest:
+    return _new(RouteRequest, (keys, prompt_tokens, block_size, kv_group, model))
+
+
+def cache_salt(tenant: str | None, kv_group: str, one_group: bool) -> str | None:
+    """The namespace of a request's keys: the tenant's salt (None: shared), plus the kv_group
+    when the fleet serves several (one process keys them all)."""
+    if one_group:
+        return f"urc-sim/{tenant}" if tenant else None
+    return f"urc-sim/{kv_group}/{tenant or ''}"

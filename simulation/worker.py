@@ -1,0 +1,48 @@
+"""One simulated worker: an emulated engine on the virtual clock, and the gateway's view of it.
+
+The load fields are the gateway's own (router/gateway/proxy.py), moved at the same moments:
+
+    dispatched   in_flight += 1, queued_prefill_tokens += its uncached tokens (predicted)
+    first byte   queued_prefill_tokens -= them, running_decode += 1
+    done         in_flight -= 1, running_decode -= 1 (or the queued tokens, if never started)
+
+The first byte of a streamed chat response is the role chunk the worker writes once the request
+is admitted; a completion's is its first token. `cached_blocks` counts the blocks the unified
+index holds for the worker (what `UnifiedIndex.blocks_held` returns), kept from the KV events.
+"""
+
+from __future__ import annotations
+
+from backends.emulated.engine import EmulatedEngine, EngineConfig
+
+
+class SimWorker:
+    __slots__ = (
+        "name",
+        "kv_group",
+        "engine",
+        "max_model_len",
+        "in_flight",
+        "queued_prefill_tokens",
+        "running_decode",
+        "cached_blocks",
+        "wake",
+        "wake_seq",
+    )
+
+    def __init__(self, name: str, kv_group: str, config: EngineConfig, max_model_len: int) -> None:
+        self.name = name
+        self.kv_group = kv_group
+        self.engine = EmulatedEngine(config)
+        self.max_model_len = max_model_len  # longer prompt + max_tokens: 400, as the worker says
+        self.in_flight = 0
+        self.queued_prefill_tokens = 0
+        self.running_decode = 0
+        self.cached_blocks = 0
+        self.wake: float | None = None  # when the engine wants its next step call
+        self.wake_seq = -1  # the one valid heap entry of this worker
+
+
+def max_model_len(capacity_tokens: int) -> int:
+    """The emulated worker's default context length: min(capacity, 131072)."""
+    return min(capacity_tokens, 131_072)

@@ -1,0 +1,87 @@
+"""Built-in workloads (loadgen.workloads) -> `SimRequest`s with the live system's exact tokens.
+
+The specs are the ones `urc bench --workload NAME --seed S` sends. A multi-turn session's turn
+is the conversation so far, built by the bench's own `SessionQueue` from the previous turn and
+the reply the emulated worker gives (deterministic: `output_bytes(0, max_tokens)`), so every
+prompt here is token for token the prompt the gateway sees live: the byte tokenizer, its chat
+template for chat requests, block keys in the request's namespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from backends.emulated.engine import output_bytes, tail_keys
+from loadgen.sessions import SessionQueue
+from loadgen.workloads import RequestSpec, iter_requests, with_poisson_arrivals
+from router.blocks import block_keys
+from router.tokenizer import ByteTokenizer
+from simulation.requests import SimRequest, cache_salt, route_request
+
+DEFAULT_MODELS: tuple[str, ...] = ("emulated",)
+
+
+def workload_requests(
+    name: str,
+    n: int,
+    *,
+    seed: int = 0,
+    models: Sequence[str] = DEFAULT_MODELS,
+    rate: float | None = None,
+    block_size: int = 16,
+    params: dict[str, Any] | None = None,
+    isolate_tenants: bool = True,
+) -> list[SimRequest]:
+    """The first `n` requests of workload `name`; Poisson arrivals at `rate` (seeded as
+    `urc bench --rate` seeds them), or None for a closed loop. `isolate_tenants`: each tenant
+    in its own namespace, as a gateway with API keys keeps them (without keys, one shared)."""
+    specs: Any = iter_requests(name, seed, list(models), n, **(params or {}))
+    if rate is not None:
+        specs = with_poisson_arrivals(specs, rate, seed)
+    return requests_from_specs(list(specs), block_size, isolate_tenants)
+
+
+def requests_from_specs(
+    specs: Sequence[RequestSpec], block_size: int = 16, isolate_tenants: bool = True
+) -> list[SimRequest]:
+    """Tokenize and key specs in order; session turns carry the conversation so far."""
+    tokenizer = ByteTokenizer()
+    one_group = len({s.model for s in specs}) <= 1
+    sessions: dict[str, int] = {}
+    queue = SessionQueue()
+    out: list[SimRequest] = []
+    for spec in specs:
+        queue.add(spec)  # the previous turn has completed: the turn is ready at once
+        sent = queue.take()
+        assert sent is not None and sent.index == spec.index
+        reply = output_bytes(0, spec.max_tokens).decode()
+        queue.complete(sent, reply)
+        if sent.kind == "chat":
+            assert sent.messages is not None
+            tokens = tokenizer.encode_chat(sent.messages)
+        else:
+            assert sent.prompt is not None
+            tokens = tokenizer.encode(sent.prompt)
+        tenant = spec.tenant if isolate_tenants else None
+        salt = cache_salt(tenant, spec.model, one_group)
+        keys = block_keys(tokens, block_size, salt)
+        session = -1
+        if spec.session_id is not None:
+            session = sessions.setdefault(spec.session_id, len(sessions))
+        out.append(
+            SimRequest(
+                index=len(out),
+                arrival_s=spec.arrival_s,
+                prompt=tokens,
+                max_tokens=spec.max_tokens,
+                keys=keys,
+                tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt),
+                route=route_request(keys, len(tokens), block_size, spec.model, spec.model),
+                salt=salt,
+                tenant=tenant,
+                chat=spec.kind == "chat",
+                session=session,
+            )
+        )
+    return out
