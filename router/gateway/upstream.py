@@ -26,7 +26,7 @@ class _Connection(asyncio.Protocol):
         "parser",
         "status",
         "headers",
-        "_name",
+        "delimited",
         "headers_done",
         "chunks",
         "complete",
@@ -47,11 +47,11 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: list[tuple[str, str]] = []
-        self._name = b""
         self.headers_done = False
         self.chunks: deque[bytes] = deque()
         self.complete = False
         self.keep_alive = True
+        self.delimited = False  # a Content-Length or chunked body: its end is in the stream
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -72,12 +72,18 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self.headers_done and not self.complete and not self.delimited:
+            self.complete = True  # an HTTP/1.0-style body: it ends when the connection does
+            self.keep_alive = False
         self._notify()
 
     # -- httptools callbacks -----------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        key = name.decode("latin-1")
+        self.headers.append((key, value.decode("latin-1")))
+        if key.lower() in ("content-length", "transfer-encoding"):
+            self.delimited = True
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
