@@ -1,9 +1,10 @@
-"""The real-time shell of the emulated engine: an asyncio task steps it on the loop's clock.
+"""The real-time shell of the emulated engine: an asyncio task steps it on the loop's clock,
+behind the HTTP layer's Backend contract (backends/http/generation.py).
 
 The loop sleeps until the end of the step in flight (`next_step_time`), so tokens come out one
 step at a time as they would from a GPU; a submission or an abort wakes it early, so a new
-request joins at the next step boundary. Each HTTP handler holds a `Generation` and waits on
-its `changed` event; the KV events of every step go to `publish` (the ZMQ publisher).
+request joins at the next step boundary. After each step the generations it moved are updated
+(output, cached tokens, finish) and woken; the KV events of every step go to `publish`.
 """
 
 from __future__ import annotations
@@ -12,29 +13,13 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
-from backends.emulated.engine import EmulatedEngine, Request, State
+from backends.emulated.engine import EmulatedEngine, Request, output_bytes
+from backends.http.generation import Generation, WorkerLoad
 from router.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, eq=False)
-class Generation:
-    """One request in flight as its handler sees it; `changed` is set whenever it moved."""
-
-    req: Request
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def admitted(self) -> bool:
-        return self.req.state is not State.WAITING
-
-    @property
-    def done(self) -> bool:
-        return self.req.state is State.FINISHED or self.req.state is State.ABORTED
 
 
 class EngineRunner:
@@ -66,50 +51,41 @@ class EngineRunner:
                 await self._task
             self._task = None
 
-    def submit(self, prompt: list[int], max_tokens: int, cache_salt: str | None) -> Generation:
-        """Queue a generation now. ValueError when the engine could never run it."""
+    # -- Backend -------------------------------------------------------------------------------
+
+    def submit(self, gen: Generation) -> None:
+        """Queue a generation now (sampling is ignored: the output is the engine's filler).
+        ValueError when the engine could never run it."""
         rid = next(self._ids)
-        req = Request(rid, prompt, max_tokens, cache_salt, arrival=self._clock())
+        req = Request(
+            rid, gen.prompt, gen.sampling.max_tokens, gen.cache_salt, arrival=self._clock()
+        )
         self.engine.submit(req)
-        gen = Generation(req)
+        gen.handle = req
         self._live[rid] = gen
         self._wake.set()
-        return gen
 
     def abort(self, gen: Generation) -> None:
         """Drop a generation (its client went away); a finished one is left alone."""
-        if self._live.pop(gen.req.rid, None) is not None and not gen.done:
-            self.engine.abort(gen.req, self._clock())
+        req: Request | None = gen.handle
+        if req is not None and self._live.pop(req.rid, None) is not None and not gen.done:
+            self.engine.abort(req, self._clock())
+            gen.aborted = True
             gen.changed.set()
             self._wake.set()
 
-    def tokens(self, gen: Generation) -> int:
-        """Tokens the generation has produced so far."""
-        return self.engine.generated(gen.req)
+    def load(self) -> WorkerLoad:
+        load = self.engine.load()
+        stats = self.engine.cache.stats()
+        used = stats.capacity_tokens - stats.free_tokens
+        return WorkerLoad(load.running, load.waiting, used, stats.capacity_tokens)
 
-    async def admitted(self, gen: Generation) -> None:
-        """Until the generation leaves the queue (its cached_tokens are known) or ends."""
-        while not gen.admitted:
-            gen.changed.clear()
-            await gen.changed.wait()
+    # -- stepping ------------------------------------------------------------------------------
 
-    async def progress(self, gen: Generation) -> AsyncIterator[int]:
-        """Its token count each time it grows; ends when the generation does."""
-        sent = 0
-        while True:
-            n = self.tokens(gen)
-            if n > sent:
-                sent = n
-                yield n
-            if gen.done:
-                return
-            gen.changed.clear()
-            await gen.changed.wait()
-
-    async def finished(self, gen: Generation) -> None:
-        while not gen.done:
-            gen.changed.clear()
-            await gen.changed.wait()
+    def _catch_up(self, gen: Generation, n: int) -> None:
+        have = len(gen.output)
+        if n > have:
+            gen.output.extend(output_bytes(have, n))
 
     async def _drive(self) -> None:
         engine = self.engine
@@ -128,12 +104,20 @@ class EngineRunner:
                     log.exception("publishing KV events failed")
             for req in result.admitted:
                 if (gen := live.get(req.rid)) is not None:
+                    gen.cached_tokens = req.cached_tokens
+                    gen.admitted = True
                     gen.changed.set()
             for rid in result.emitted:
                 if (gen := live.get(rid)) is not None:
+                    self._catch_up(gen, engine.generated(gen.handle))
                     gen.changed.set()
             for req in result.finished:
                 if (gen := live.pop(req.rid, None)) is not None:
+                    self._catch_up(gen, req.generated)
+                    # a limit the client set is hit ("length"); without one the answer just
+                    # ends ("stop"), as a model's would
+                    natural = gen.chat and not gen.sampling.limit_set
+                    gen.finish_reason = "stop" if natural else "length"
                     gen.changed.set()
             wake_at = engine.next_step_time()
             timeout = None if wake_at is None else max(0.0, wake_at - self._clock())

@@ -1,8 +1,8 @@
 """`urc worker --engine emulated`: the emulated GPU worker's HTTP server.
 
 A thin aiohttp shell around EmulatedEngine (engine.py), stepped in real time by EngineRunner:
-OpenAI's API (openai_api.py), SGLang's native API (sglang_api.py), `/metrics`, and the
-discovery document the gateway reads, `GET /urc/info`:
+OpenAI's API and SGLang's native API (backends/http/, shared with the torch worker),
+`/metrics`, and the discovery document the gateway reads, `GET /urc/info`:
 
     {"engine": "emulated", "incarnation": <uuid hex per process>, "block_size": 16,
      "models": [{"name", "kv_group", "fingerprint", "tokenizer": "byte", "max_model_len"}],
@@ -31,13 +31,14 @@ from typing import Any
 
 from aiohttp import web
 
-from backends.emulated.api_errors import error_middleware, json_response
 from backends.emulated.engine import EmulatedEngine, EngineConfig
 from backends.emulated.metrics import CONTENT_TYPE, WorkerMetrics
-from backends.emulated.model import ENGINE, ServedModel
-from backends.emulated.openai_api import OpenAIApi
+from backends.emulated.model import ENGINE, served_model
 from backends.emulated.runner import EngineRunner
-from backends.emulated.sglang_api import SGLangApi
+from backends.http.errors import error_middleware, json_response
+from backends.http.openai_api import OpenAIApi
+from backends.http.served_model import ServedModel
+from backends.http.sglang_api import SGLangApi
 from router.kv_events import KVEvent
 from router.kv_publisher import KVEventPublisher
 
@@ -70,7 +71,7 @@ class EmulatedWorker:
         self.incarnation = uuid.uuid4().hex
         engine_cfg = config.engine
         max_len = config.max_model_len or min(engine_cfg.capacity_tokens, 131_072)
-        self.model = ServedModel(
+        self.model = served_model(
             config.model,
             config.kv_group or config.model,
             engine_cfg.block_size,
@@ -95,8 +96,9 @@ class EmulatedWorker:
         self.runner = EngineRunner(self.engine, self._publish)
         created = int(time.time())
         app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
-        OpenAIApi(self.runner, self.model, created).add_routes(app)
-        SGLangApi(self.runner, self.model, self.server_args, VERSION).add_routes(app)
+        models = {self.model.name: self.model}
+        OpenAIApi(self.runner, models, created).add_routes(app)
+        SGLangApi(self.runner, models, self.server_args, self.model_info, VERSION).add_routes(app)
         app.router.add_get("/urc/info", self.info)
         app.router.add_get("/metrics", self.metrics_handler)
         self._web = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -138,7 +140,7 @@ class EmulatedWorker:
             {
                 "engine": ENGINE,
                 "incarnation": self.incarnation,
-                "block_size": self.model.block_size,
+                "block_size": self.config.engine.block_size,
                 "models": [self.model.info()],
                 "kv_events": {
                     "endpoint": self._endpoint(self.publisher.endpoint, request),
@@ -149,6 +151,9 @@ class EmulatedWorker:
                 "load": load._asdict(),
             }
         )
+
+    def model_info(self, model: ServedModel) -> dict[str, Any]:
+        return {"model_type": "emulated", "architectures": ["EmulatedForCausalLM"]}
 
     def server_args(self) -> dict[str, Any]:
         """The worker's settings under SGLang's names (for /get_server_info)."""

@@ -1,9 +1,10 @@
-"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` on the emulated engine.
+"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` over any Backend.
 
 Responses and SSE chunks have OpenAI's shapes (streams end with `data: [DONE]`); usage carries
 `prompt_tokens_details.cached_tokens`, and every response the header `x-urc-cached-tokens`
 (sent with the headers of a stream, once the request is admitted), so a gateway learns what
 was reused even from a stream without usage. `cache_salt` (vLLM's field) partitions the cache.
+Sampling: `temperature`, `top_p`, `seed`, and vLLM's `top_k` and `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from backends.emulated.api_errors import (
+from backends.http.errors import (
     ApiError,
     bool_param,
     int_param,
@@ -23,9 +24,8 @@ from backends.emulated.api_errors import (
     read_json,
     salt_param,
 )
-from backends.emulated.engine import State, output_bytes
-from backends.emulated.model import ServedModel
-from backends.emulated.runner import EngineRunner, Generation
+from backends.http.generation import Backend, Generation, Sampling, TextStream, decode
+from backends.http.served_model import ServedModel, pick_model
 
 CACHED_TOKENS_HEADER = "x-urc-cached-tokens"
 _DONE = b"data: [DONE]\n\n"
@@ -36,29 +36,49 @@ def sse(chunk: Any) -> bytes:
     return b"data: " + _encode(chunk) + b"\n\n"
 
 
-def usage(gen: Generation) -> dict[str, Any]:
-    req = gen.req
-    completion = req.generated if req.state is State.FINISHED else 0
-    return {
-        "prompt_tokens": len(req.prompt),
-        "completion_tokens": completion,
-        "total_tokens": len(req.prompt) + completion,
-        "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
-    }
-
-
 def stream_headers(gen: Generation) -> dict[str, str]:
     return {
         "Content-Type": "text/event-stream",
         "Cache-Control": "no-cache",
-        CACHED_TOKENS_HEADER: str(gen.req.cached_tokens),
+        CACHED_TOKENS_HEADER: str(gen.cached_tokens),
     }
 
 
-class _Call:
-    """One parsed request: its prompt and sampling parameters."""
+def float_param(body: dict[str, Any], name: str, low: float, high: float, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be a number in [{low}, {high}]", param=name)
+    return float(value)
 
-    __slots__ = ("prompt", "max_tokens", "finish_reason", "salt", "stream", "include_usage")
+
+def sampling(body: dict[str, Any], max_tokens: int, limit_set: bool) -> Sampling:
+    """The sampling fields OpenAI and vLLM accept, checked."""
+    top_k = body.get("top_k")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise ApiError(400, "'top_k' must be an integer", param="top_k")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, "'seed' must be an integer", param="seed")
+    top_p = float_param(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise ApiError(400, "'top_p' must be in (0, 1]", param="top_p")
+    return Sampling(
+        max_tokens=max_tokens,
+        limit_set=limit_set,
+        temperature=float_param(body, "temperature", 0.0, 2.0, 1.0),
+        top_p=top_p,
+        top_k=max(0, top_k or 0),  # vLLM: -1 (or 0) means no limit
+        seed=seed,
+        ignore_eos=bool_param(body, "ignore_eos"),
+    )
+
+
+class _Call:
+    """One parsed request: its prompt, sampling and stream options."""
+
+    __slots__ = ("model", "prompt", "sampling", "salt", "stream", "include_usage", "chat")
 
     def __init__(self, model: ServedModel, body: dict[str, Any], prompt: list[int], chat: bool):
         param = "messages" if chat else "prompt"
@@ -67,10 +87,11 @@ class _Call:
             requested = int_param(body, "max_completion_tokens", 1)
         if int_param(body, "n", 1) not in (None, 1):
             raise ApiError(400, "only n=1 is supported", param="n")
+        self.model = model
         self.prompt = prompt
-        self.max_tokens = model.max_tokens(len(prompt), requested, param)
-        # a limit the client set is hit ("length"); without one the answer just ends ("stop")
-        self.finish_reason = "stop" if requested is None and chat else "length"
+        self.chat = chat
+        max_tokens = model.max_tokens(len(prompt), requested, param)
+        self.sampling = sampling(body, max_tokens, requested is not None)
         self.salt = salt_param(body)
         self.stream = bool_param(body, "stream")
         options = body.get("stream_options")
@@ -82,48 +103,56 @@ class _Call:
 
 
 class OpenAIApi:
-    def __init__(self, runner: EngineRunner, model: ServedModel, created: int) -> None:
-        self.runner = runner
-        self.model = model
+    def __init__(self, backend: Backend, models: dict[str, ServedModel], created: int) -> None:
+        self.backend = backend
+        self.models = models
         self.created = created
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models", self.list_models)
 
-    async def models(self, request: web.Request) -> web.Response:
-        card = {
-            "id": self.model.name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "urc",
-            "root": self.model.name,
-            "max_model_len": self.model.max_model_len,
-        }
-        return json_response({"object": "list", "data": [card]})
+    async def list_models(self, request: web.Request) -> web.Response:
+        cards = [
+            {
+                "id": m.name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "urc",
+                "root": m.name,
+                "max_model_len": m.max_model_len,
+            }
+            for m in self.models.values()
+        ]
+        return json_response({"object": "list", "data": cards})
 
     # -- parsing -----------------------------------------------------------------------------
 
-    def _prompt(self, body: dict[str, Any]) -> list[int]:
+    @staticmethod
+    def _prompt(model: ServedModel, body: dict[str, Any]) -> list[int]:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise ApiError(400, "'prompt' must not be empty", param="prompt")
-            return self.model.tokenizer.encode(prompt)
+            ids = model.tokenizer.encode(prompt)
+            if not ids:
+                raise ApiError(400, "'prompt' encoded to no tokens", param="prompt")
+            return ids
         if isinstance(prompt, list):
             if any(isinstance(p, str | list) for p in prompt):
                 raise ApiError(400, "only one prompt per request is supported", param="prompt")
-            return self.model.check_ids(prompt, "prompt")
+            return model.check_ids(prompt, "prompt")
         raise ApiError(
             400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
         )
 
-    def _messages(self, body: dict[str, Any]) -> list[int]:
+    @staticmethod
+    def _messages(model: ServedModel, body: dict[str, Any]) -> list[int]:
         try:
-            ids = self.model.tokenizer.encode_chat(body.get("messages"))  # type: ignore[arg-type]
+            ids = model.tokenizer.encode_chat(body.get("messages"))  # type: ignore[arg-type]
         except ValueError as exc:
             raise ApiError(400, str(exc), param="messages") from exc
         if not ids:
@@ -131,73 +160,77 @@ class OpenAIApi:
         return ids
 
     def _submit(self, call: _Call) -> Generation:
+        gen = Generation(call.model, call.prompt, call.sampling, call.salt, chat=call.chat)
         try:
-            return self.runner.submit(call.prompt, call.max_tokens, call.salt)
+            self.backend.submit(gen)
         except ValueError as exc:
             raise ApiError(400, str(exc), code="context_length_exceeded") from exc
+        return gen
 
     # -- handlers ----------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        self.model.check_model(body.get("model"))
-        call = _Call(self.model, body, self._prompt(body), chat=False)
-        return await self._serve(request, call, chat=False)
+        model = pick_model(self.models, body.get("model"))
+        call = _Call(model, body, self._prompt(model, body), chat=False)
+        return await self._serve(request, call)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
-        self.model.check_model(body.get("model"))
-        call = _Call(self.model, body, self._messages(body), chat=True)
-        return await self._serve(request, call, chat=True)
+        model = pick_model(self.models, body.get("model"))
+        call = _Call(model, body, self._messages(model, body), chat=True)
+        return await self._serve(request, call)
 
-    async def _serve(self, request: web.Request, call: _Call, chat: bool) -> web.StreamResponse:
+    async def _serve(self, request: web.Request, call: _Call) -> web.StreamResponse:
         gen = self._submit(call)
+        chat = call.chat
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             if call.stream:
-                return await self._stream(request, gen, call, rid, chat)
-            await self.runner.finished(gen)
-            if gen.req.state is not State.FINISHED:
+                return await self._stream(request, gen, call, rid)
+            await gen.wait_done()
+            if not gen.finished:
                 raise ApiError(503, "the request was aborted", type_="server_error")
-            text = output_bytes(0, gen.req.generated).decode()
+            text = decode(call.model.tokenizer, gen.output)
             if chat:
                 choice: dict[str, Any] = {
                     "index": 0,
                     "message": {"role": "assistant", "content": text},
                     "logprobs": None,
-                    "finish_reason": call.finish_reason,
+                    "finish_reason": gen.finish_reason,
                 }
             else:
                 choice = {
                     "index": 0,
                     "text": text,
                     "logprobs": None,
-                    "finish_reason": call.finish_reason,
+                    "finish_reason": gen.finish_reason,
                 }
             out = {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()),
-                "model": self.model.name,
+                "model": call.model.name,
                 "choices": [choice],
-                "usage": usage(gen),
+                "usage": gen.usage(),
             }
-            headers = {CACHED_TOKENS_HEADER: str(gen.req.cached_tokens)}
+            headers = {CACHED_TOKENS_HEADER: str(gen.cached_tokens)}
             return json_response(out, headers=headers)
         finally:
-            self.runner.abort(gen)  # a no-op once finished; frees the engine if the client left
+            self.backend.abort(gen)  # a no-op once finished; frees the engine if the client left
 
     async def _stream(
-        self, request: web.Request, gen: Generation, call: _Call, rid: str, chat: bool
+        self, request: web.Request, gen: Generation, call: _Call, rid: str
     ) -> web.StreamResponse:
-        await self.runner.admitted(gen)
+        chat = call.chat
+        await gen.wait_admitted()
         resp = web.StreamResponse(headers=stream_headers(gen))
         await resp.prepare(request)
         base: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model.name,
+            "model": call.model.name,
         }
         if call.include_usage:
             base["usage"] = None  # OpenAI: null on every chunk but the last
@@ -216,18 +249,27 @@ class OpenAIApi:
 
         if chat:
             await resp.write(chunk("", None, first=True))
-        sent = 0
-        async for n in self.runner.progress(gen):
-            piece = output_bytes(sent, n).decode()
-            sent = n
-            last = gen.req.state is State.FINISHED and not chat
-            await resp.write(chunk(piece, call.finish_reason if last else None))
-        if gen.req.state is not State.FINISHED:
+        text = TextStream(call.model.tokenizer)
+        closed = False  # a completion's last text chunk carries its finish_reason
+        async for n in gen.progress():
+            last = gen.finished and n == len(gen.output)
+            piece = text.piece(gen.output[:n], final=last)
+            if last and not chat:
+                await resp.write(chunk(piece, gen.finish_reason))
+                closed = True
+            elif piece:
+                await resp.write(chunk(piece, None))
+        if not gen.finished:
             return resp  # aborted (shutting down): the stream just ends
+        rest = text.piece(gen.output, final=True)
         if chat:
-            await resp.write(chunk("", call.finish_reason))
+            if rest:
+                await resp.write(chunk(rest, None))
+            await resp.write(chunk("", gen.finish_reason))
+        elif not closed:
+            await resp.write(chunk(rest, gen.finish_reason))
         if call.include_usage:
-            await resp.write(sse({**base, "choices": [], "usage": usage(gen)}))
+            await resp.write(sse({**base, "choices": [], "usage": gen.usage()}))
         await resp.write(_DONE)
         await resp.write_eof()
         return resp

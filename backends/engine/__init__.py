@@ -1,0 +1,1 @@
+"""The torch worker: a Llama decoder with SGLang-style radix attention over shared KV pages."""

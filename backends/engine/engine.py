@@ -1,0 +1,282 @@
+"""The torch engine: several models, one radix cache per page pool, continuous batching.
+
+A pure synchronous state machine around real forward passes: `submit`, `abort`, and `step()`,
+which runs at most one forward pass per model (per set of weights: aliases share one batch)
+and returns what happened, the KV events of each kv_group included. Whoever drives it (the
+worker's engine thread, a benchmark, a test) owns the only thread that touches it.
+
+Models whose KV layout (layers, KV heads, head dim, page size, dtype) is equal draw pages from
+one pool; each other layout gets its own pool, the memory budget split evenly between them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from backends.engine.attention import make_attention
+from backends.engine.loader import LoadedModel
+from backends.engine.model_runner import ModelRunner, WorkItem
+from backends.engine.page_pool import KVLayout, PagePool
+from backends.engine.paging import cache_blocks, release
+from backends.engine.radix_cache import PageRadixCache
+from backends.engine.request import Request, SamplingParams, Status
+from backends.engine.sampler import sample
+from backends.engine.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
+from router.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    page_size: int = 16
+    kv_cache_mb: float = 256.0  # all pools together
+    num_pages: int = 0  # > 0: pages per pool, instead of the kv_cache_mb split (tests)
+    attention: str = "auto"  # "torch", "flashinfer" or "auto"
+    record_logits: bool = False  # keep every sampled row of logits on the request (tests)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+class StepResult(NamedTuple):
+    admitted: list[Request]  # first admitted this step: cached_tokens is known
+    emitted: list[Request]  # got one more token
+    finished: list[Request]
+    events: dict[str, list[KVEvent]]  # kv_group -> the cache's changes, in order
+
+
+class EngineLoad(NamedTuple):
+    running: int
+    waiting: int
+    queued_prefill_tokens: int  # tokens admitted requests and the queue have yet to compute
+
+
+@dataclass(slots=True)
+class ModelCounters:
+    """Per served name, for /metrics."""
+
+    requests: int = 0  # finished
+    prompt_tokens: int = 0  # prefix cache queries, in tokens (at first admission)
+    cached_tokens: int = 0  # prefix cache hits, in tokens
+    generated_tokens: int = 0
+
+
+class TorchEngine:
+    def __init__(self, served: dict[str, LoadedModel], config: EngineConfig | None = None) -> None:
+        if not served:
+            raise ValueError("an engine needs at least one model")
+        self.config = cfg = config or EngineConfig()
+        self.served = served
+        self.counters = {name: ModelCounters() for name in served}
+        self._events: dict[str, list[KVEvent]] = {}
+        groups: dict[str, LoadedModel] = {}
+        for loaded in served.values():
+            if loaded.page_size != cfg.page_size:
+                raise ValueError(f"{loaded.source}: page size {loaded.page_size} != engine's")
+            groups.setdefault(loaded.kv_group, loaded)  # equal fingerprints: one set of weights
+        layouts = list(dict.fromkeys(m.layout for m in groups.values()))
+        self.pools: dict[KVLayout, PoolState] = {}
+        for layout in layouts:
+            device = next(m.device for m in groups.values() if m.layout == layout)
+            pages = cfg.num_pages or int(cfg.kv_cache_mb * 2**20 / len(layouts)) // (
+                layout.page_bytes()
+            )
+            pool = PagePool(layout, pages, device)
+            cache = PageRadixCache(pool, on_stored=self._on_stored, on_removed=self._on_removed)
+            self.pools[layout] = PoolState(cache)
+        self.models: dict[str, ModelState] = {}
+        for group, loaded in groups.items():
+            cfg_m = loaded.config
+            attention = make_attention(
+                cfg.attention,
+                cfg_m.head_dim**-0.5,
+                cfg_m.num_attention_heads,
+                cfg_m.num_key_value_heads,
+                cfg_m.head_dim,
+                loaded.dtype,
+                loaded.device,
+            )
+            runner = ModelRunner(loaded.model, attention, loaded.device)
+            self.models[group] = ModelState(loaded, runner, self.pools[loaded.layout])
+            self.pools[loaded.layout].cache.root(group)  # every group's tree exists from now
+            self._events[group] = []
+        self.scheduler = Scheduler(cfg.scheduler, self.models)
+        self._rotation = itertools.cycle(list(self.models.values()))
+        self._ids = itertools.count()
+
+    # -- KV events -----------------------------------------------------------------------------
+
+    def _on_stored(
+        self, group: str, parent: int | None, keys: list[int], tokens: list[int], salt: str | None
+    ) -> None:
+        self._events[group].append(
+            BlockStored(
+                keys, parent, tokens, self.config.page_size, medium=MEDIUM_GPU, cache_salt=salt
+            )
+        )
+
+    def _on_removed(self, group: str, keys: list[int]) -> None:
+        self._events[group].append(BlockRemoved(keys, MEDIUM_GPU))
+
+    # -- the driver's API ----------------------------------------------------------------------
+
+    def new_request(
+        self, model: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
+        """A request with a fresh id (not submitted)."""
+        return Request(next(self._ids), model, list(prompt), params, cache_salt)
+
+    def validate(self, req: Request) -> LoadedModel:
+        """ValueError when `req` can never run (unknown model, bad ids, too long). Reads only
+        what never changes: safe from any thread."""
+        loaded = self.served.get(req.model)
+        if loaded is None:
+            raise ValueError(f"unknown model {req.model!r}")
+        if not req.prompt:
+            raise ValueError("the prompt is empty")
+        vocab = loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt):
+            raise ValueError(f"a prompt token id is outside [0, {vocab})")
+        total = len(req.prompt) + req.params.max_tokens
+        if total > loaded.max_model_len:
+            raise ValueError(
+                f"prompt + max_tokens ({len(req.prompt)} + {req.params.max_tokens}) exceeds "
+                f"the context length of {loaded.max_model_len} tokens"
+            )
+        capacity = self.models[loaded.kv_group].pool.cache.pool.capacity * self.config.page_size
+        if total > capacity:
+            raise ValueError(f"prompt + max_tokens exceeds the KV pool ({capacity} tokens)")
+        return loaded
+
+    def submit(self, req: Request) -> None:
+        """Queue `req`; ValueError as `validate`."""
+        loaded = self.validate(req)
+        req.kv_group = loaded.kv_group
+        req.stop_ids = loaded.tokenizer.stop_token_ids
+        req.status = Status.WAITING
+        if self.config.record_logits:
+            req.logits = []
+        self.models[loaded.kv_group].waiting.append(req)
+
+    def abort(self, req: Request) -> bool:
+        """Drop a request; what it cached stays cached. False when it had already ended."""
+        ms = self.models.get(req.kv_group)
+        if ms is None or req.done:
+            return False
+        if req.status is Status.WAITING:
+            ms.waiting.remove(req)
+        else:
+            release(ms.pool.cache, req)
+            ms.running.remove(req)
+            ms.pool.running.remove(req)
+        req.status = Status.ABORTED
+        return True
+
+    def has_work(self) -> bool:
+        return any(ms.waiting or ms.running for ms in self.models.values())
+
+    def load(self) -> EngineLoad:
+        running = waiting = queued = 0
+        for ms in self.models.values():
+            running += len(ms.running)
+            waiting += len(ms.waiting)
+            queued += sum(r.pending for r in ms.running) + sum(r.pending for r in ms.waiting)
+        return EngineLoad(running, waiting, queued)
+
+    def step(self) -> StepResult:
+        """One forward pass per model that has work (in turn, so none always goes first)."""
+        result = StepResult([], [], [], {})
+        for _ in range(len(self.models)):
+            ms = next(self._rotation)
+            items = self.scheduler.schedule(ms, result.admitted)
+            if items:
+                self._run(ms, items, result)
+        for req in result.admitted:
+            counters = self.counters[req.model]
+            counters.prompt_tokens += len(req.prompt)
+            counters.cached_tokens += req.cached_tokens
+        for group, events in self._events.items():
+            if events:
+                result.events[group] = events
+                self._events[group] = []
+        return result
+
+    def _run(self, ms: ModelState, items: list[WorkItem], result: StepResult) -> None:
+        cache = ms.pool.cache
+        forward = ms.runner.forward(cache.pool, items)
+        for item in items:
+            item.req.computed += item.n
+            if self.config.scheduler.prefix_cache:
+                cache_blocks(cache, item.req)
+        logits = forward.logits.cpu()
+        for req, row in zip(forward.sampled, logits, strict=True):
+            if req.logits is not None:
+                req.logits.append(row.clone())
+            token = sample(req, row)
+            req.output.append(token)
+            result.emitted.append(req)
+            reason = self._finish_reason(req, token, ms.loaded.max_model_len)
+            if reason is not None:
+                self._finish(ms, req, reason)
+                result.finished.append(req)
+
+    @staticmethod
+    def _finish_reason(req: Request, token: int, max_model_len: int) -> str | None:
+        if token in req.stop_ids and not req.params.ignore_eos:
+            return "stop"
+        if len(req.output) >= req.params.max_tokens or req.num_tokens >= max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, ms: ModelState, req: Request, reason: str) -> None:
+        release(ms.pool.cache, req)
+        ms.running.remove(req)
+        ms.pool.running.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        counters = self.counters[req.model]
+        counters.requests += 1
+        counters.generated_tokens += len(req.output)
+
+    # -- integrity -----------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """The caches' invariants, plus: each pool's in-use pages are exactly the running
+        requests' private pages, no page is held twice, a request's page table starts with
+        exactly the pages of its locked path, in its own kv_group's tree, and lock counts are
+        exactly the running requests' locked paths."""
+        for pool_state in self.pools.values():
+            cache = pool_state.cache
+            in_tree = cache.check()
+            private: list[int] = []
+            expected: dict[int, int] = {}
+            for req in pool_state.running:
+                assert req.status is Status.RUNNING and req.node is not None
+                private.extend(req.pages[req.node_blocks :])
+                path: list[int] = []
+                node = req.node
+                while node.parent is not None:
+                    assert node.group == req.kv_group, "a page of another kv_group"
+                    assert node.page in in_tree
+                    path.append(node.page)
+                    expected[id(node)] = expected.get(id(node), 0) + 1
+                    node = node.parent
+                assert path[::-1] == req.pages[: req.node_blocks], "page table != locked path"
+            assert len(private) == len(set(private)) == cache.in_use_pages, "in-use pages"
+            assert not set(private) & (in_tree | cache.pool.free_set()), "a page held twice"
+            for group in cache.groups():
+                stack = [cache.root(group)]
+                while stack:
+                    node = stack.pop()
+                    stack.extend(node.children.values())
+                    if node.parent is not None:
+                        assert node.lock_ref == expected.get(id(node), 0), "lock counts"
+        for ms in self.models.values():
+            for req in ms.waiting:
+                assert req.status is Status.WAITING and req.node is None and not req.pages
+            assert len(ms.running) <= self.config.scheduler.max_running
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,71 @@
+"""One preallocated KV tensor per KV layout, cut into pages that any model of that layout uses.
+
+    kv[0, layer] is K, kv[1, layer] is V: [pages, page_size, kv_heads, head_dim]
+
+Page 0 is reserved: padded gathers read it and the mask drops it. The whole pool starts
+zeroed, because attention gathers whole pages and masks what is past a sequence's end: a
+masked score weighs 0, but 0 x NaN (uninitialized memory) is NaN. Pages only ever hold zeros
+or K/V a forward wrote, so every value read is finite.
+
+The pool only hands out and takes back page ids; what a page holds, and who may reuse it, is
+the radix cache's business (radix_cache.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+RESERVED_PAGE = 0
+
+
+class KVLayout(NamedTuple):
+    """What makes two models' pages interchangeable as memory (not as content)."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    def page_bytes(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * self.page_size * self.kv_heads * self.head_dim * elem
+
+
+class PagePool:
+    """`num_pages` pages of `layout` on `device`, page 0 reserved (so `capacity` is one less)."""
+
+    def __init__(self, layout: KVLayout, num_pages: int, device: torch.device) -> None:
+        if num_pages < 2:
+            raise ValueError("a pool needs at least 2 pages (page 0 is reserved)")
+        self.layout = layout
+        self.num_pages = num_pages
+        shape = (2, layout.layers, num_pages, layout.page_size, layout.kv_heads, layout.head_dim)
+        self.kv = torch.zeros(shape, dtype=layout.dtype, device=device)
+        # a stack: the most recently freed page is reused first (warm in caches)
+        self._free: list[int] = list(range(num_pages - 1, RESERVED_PAGE, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """`n` free pages; the caller made sure there are enough."""
+        assert 0 <= n <= len(self._free), "taking more pages than are free"
+        if n == 0:
+            return []
+        pages = self._free[-n:]
+        del self._free[-n:]
+        return pages
+
+    def give_back(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+    def free_set(self) -> set[int]:
+        return set(self._free)

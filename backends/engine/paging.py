@@ -1,0 +1,80 @@
+"""A request's pages through its life: admit (match + lock), grow, cache its full blocks,
+release. The only code that moves pages between a request and the radix cache.
+
+With the prefix cache off, a request matches nothing, caches nothing and releases every page:
+the same engine then computes every token of every prompt (the baseline of the equality test).
+"""
+
+from __future__ import annotations
+
+from backends.engine.radix_cache import PageRadixCache
+from backends.engine.request import Request
+
+
+def admit(cache: PageRadixCache, req: Request, kv_group: str, use_cache: bool) -> None:
+    """Take the longest cached prefix of the request's tokens but the last (at least one token
+    is always computed: it yields the next token's logits) and lock it."""
+    bs = cache.page_size
+    assert req.node is None and not req.pages, "admitting a request that holds pages"
+    if use_cache:
+        blocks = (req.num_tokens - 1) // bs
+        match = cache.match(kv_group, req.block_keys(blocks, bs), req.tokens, blocks)
+        node, pages = match.node, match.pages
+    else:
+        node, pages = cache.root(kv_group), []
+    cache.lock(node)
+    req.node = node
+    req.node_blocks = len(pages)
+    req.pages = list(pages)
+    req.computed = len(pages) * bs
+
+
+def pages_needed(req: Request, n: int, page_size: int) -> int:
+    """Pages to add so the page table covers `n` more computed tokens."""
+    return max(0, -(-(req.computed + n) // page_size) - len(req.pages))
+
+
+def grow(cache: PageRadixCache, req: Request, n: int) -> bool:
+    """Add `n` pages to the request's table (evicting for the shortfall); False if no room."""
+    pages = cache.allocate(n)
+    if pages is None:
+        return False
+    req.pages.extend(pages)
+    return True
+
+
+def cache_blocks(cache: PageRadixCache, req: Request) -> None:
+    """Insert the full blocks of its computed tokens that are not in the tree yet and move its
+    lock down to them. Blocks another request cached meanwhile replace ours in its table:
+
+        [0, node_blocks)            already on its locked path
+        [node_blocks, full)         inserted now (the tree's page where it had one)
+    """
+    bs = cache.page_size
+    full = req.computed // bs
+    start = req.node_blocks
+    if full <= start:
+        return
+    assert req.node is not None
+    keys = req.block_keys(full, bs)[start:]
+    tokens = req.tokens[start * bs : full * bs]
+    result = cache.insert(req.node, keys, tokens, req.pages[start:full], req.cache_salt)
+    if result.inserted == 0:
+        return  # a hash collision at the first block: the pages stay private
+    req.pages[start : start + result.inserted] = result.pages
+    cache.lock(result.node)
+    cache.unlock(req.node)
+    req.node = result.node
+    req.node_blocks = start + result.inserted
+
+
+def release(cache: PageRadixCache, req: Request) -> None:
+    """Give back its private pages and its lock (finish, abort or preemption); what it cached
+    stays cached."""
+    assert req.node is not None
+    cache.free(req.pages[req.node_blocks :])
+    cache.unlock(req.node)
+    req.node = None
+    req.node_blocks = 0
+    req.pages = []
+    req.computed = 0

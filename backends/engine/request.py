@@ -1,0 +1,94 @@
+"""One generation as the engine tracks it: its tokens, its pages and its place in the cache.
+
+A request's tokens are its prompt followed by its output. `computed` of them have K/V in its
+pages; the next forward computes `tokens[computed:]` (one token when decoding, a chunk when
+prefilling or recomputing after a preemption). Its page table is split in two:
+
+    pages[0, node_blocks)          in the cache's tree, on the path `node` locks
+    pages[node_blocks, len(pages)) private: allocated to it, not (yet) in the tree
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from backends.engine.radix_cache import Node
+from router.blocks import chain_keys, namespace, parent_prefix
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    seed: int | None = None
+    ignore_eos: bool = False  # run to max_tokens whatever is sampled
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("need max_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """The caller fills the first fields; the engine fills the rest."""
+
+    rid: int
+    model: str  # the served name it asked for
+    prompt: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    cached_tokens: int = 0  # prompt tokens found in the cache at its first admission
+    admitted: bool = False  # cached_tokens is known
+    preemptions: int = 0
+    # engine bookkeeping (see the module doc)
+    kv_group: str = ""
+    computed: int = 0
+    pages: list[int] = field(default_factory=list, repr=False)
+    node: Node | None = field(default=None, repr=False)
+    node_blocks: int = 0
+    keys: list[int] = field(default_factory=list, repr=False)  # keys of full blocks so far
+    order: int = 0  # admission order: preemption takes the newest
+    stop_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = field(default=None, repr=False)
+    logits: list[torch.Tensor] | None = field(default=None, repr=False)  # when recorded
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose K/V the next forward must compute."""
+        return self.num_tokens - self.computed
+
+    @property
+    def done(self) -> bool:
+        return self.status is Status.FINISHED or self.status is Status.ABORTED
+
+    def block_keys(self, blocks: int, page_size: int) -> list[int]:
+        """The keys of the first `blocks` full blocks of its tokens (extended as needed)."""
+        have = len(self.keys)
+        if blocks > have:
+            first = parent_prefix(self.keys[-1]) if have else namespace(self.cache_salt)
+            span = self.tokens[have * page_size : blocks * page_size]
+            self.keys.extend(chain_keys(span, page_size, first))
+        return self.keys[:blocks]

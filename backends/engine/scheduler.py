@@ -1,0 +1,142 @@
+"""What runs: for one model per step, its batch of decodes and prefill chunks.
+
+- Running requests first, in admission order: a decode costs one token; a prefill (or a
+  recomputation after preemption) takes a chunk of what is left of `chunk_size` tokens.
+- Then waiting requests of the model are admitted, longest cached prefix first (FCFS when the
+  queue is longer than `lpf_limit`, where matching them all would cost more than it saves),
+  while the batch has room, the budget has tokens and the pool has pages for the chunk plus
+  one page for every decoding request of the pool (so admitting does not at once preempt).
+- When pages run out for a running request, the newest running request of the pool (of any
+  model) is preempted: its full blocks are already cached, its private pages are freed and it
+  goes back to the front of its queue, to find its own blocks again when readmitted.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from itertools import count
+
+from backends.engine.loader import LoadedModel
+from backends.engine.model_runner import ModelRunner, WorkItem
+from backends.engine.paging import admit, grow, pages_needed, release
+from backends.engine.radix_cache import PageRadixCache
+from backends.engine.request import Request, Status
+
+
+@dataclass(slots=True, eq=False)
+class PoolState:
+    """A page pool's cache and every request that holds pages in it."""
+
+    cache: PageRadixCache
+    running: list[Request] = field(default_factory=list)  # admission order
+
+
+@dataclass(slots=True, eq=False)
+class ModelState:
+    """One set of weights (one kv_group) and its queues."""
+
+    loaded: LoadedModel
+    runner: ModelRunner
+    pool: PoolState
+    waiting: deque[Request] = field(default_factory=deque)
+    running: list[Request] = field(default_factory=list)  # admission order
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    chunk_size: int = 512  # prefill tokens per forward pass of a model
+    max_running: int = 64  # requests in one model's batch
+    prefix_cache: bool = True
+    lpf_limit: int = 128
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 1 or self.max_running < 1:
+            raise ValueError("chunk_size and max_running must be positive")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, models: dict[str, ModelState]) -> None:
+        self.config = config
+        self.models = models  # kv_group -> state
+        self._order = count()
+
+    def schedule(self, ms: ModelState, admitted: list[Request]) -> list[WorkItem]:
+        """The model's batch for this step (empty: nothing to run). Newly admitted requests
+        are appended to `admitted`."""
+        cache = ms.pool.cache
+        bs = cache.page_size
+        items: list[WorkItem] = []
+        budget = self.config.chunk_size
+        for req in list(ms.running):
+            if req.status is not Status.RUNNING:
+                continue  # preempted while this batch was being built
+            n = 1 if req.pending == 1 else min(req.pending, budget)
+            if n == 0:
+                continue
+            if not self._reserve(req, pages_needed(req, n, bs), items):
+                continue
+            items.append(WorkItem(req, n))
+            if req.pending > 1:
+                budget -= n
+        for req in self._admission_order(ms):
+            if budget <= 0 or len(ms.running) >= self.config.max_running:
+                break
+            admit(cache, req, ms.loaded.kv_group, self.config.prefix_cache)
+            n = min(req.pending, budget)
+            need = pages_needed(req, n, bs)
+            decoding = sum(1 for r in ms.pool.running if r.pending == 1)
+            if not cache.can_allocate(need + decoding) or not grow(cache, req, need):
+                release(cache, req)
+                break
+            ms.waiting.remove(req)
+            req.status = Status.RUNNING
+            req.order = next(self._order)
+            if not req.admitted:
+                req.admitted = True
+                req.cached_tokens = req.computed
+                admitted.append(req)
+            ms.running.append(req)
+            ms.pool.running.append(req)
+            items.append(WorkItem(req, n))
+            budget -= n
+        return items
+
+    def _admission_order(self, ms: ModelState) -> list[Request]:
+        waiting = list(ms.waiting)
+        if not self.config.prefix_cache or len(waiting) > self.config.lpf_limit:
+            return waiting
+        cache = ms.pool.cache
+        bs = cache.page_size
+        group = ms.loaded.kv_group
+
+        def matched(req: Request) -> int:
+            blocks = (req.num_tokens - 1) // bs
+            return len(cache.match(group, req.block_keys(blocks, bs), req.tokens, blocks).pages)
+
+        return sorted(waiting, key=lambda r: -matched(r))  # stable: FCFS among equals
+
+    def _reserve(self, req: Request, need: int, items: list[WorkItem]) -> bool:
+        """Pages for the request's next chunk, preempting the pool's newest requests until
+        they fit. False when the request itself was the newest (it was preempted)."""
+        pool = self.models[req.kv_group].pool
+        while not grow(pool.cache, req, need):
+            victim = max(pool.running, key=lambda r: r.order)
+            self.preempt(victim)
+            for i, item in enumerate(items):
+                if item.req is victim:
+                    del items[i]
+                    break
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Back to the front of its queue; its cached blocks stay cached."""
+        ms = self.models[req.kv_group]
+        release(ms.pool.cache, req)
+        ms.running.remove(req)
+        ms.pool.running.remove(req)
+        req.status = Status.WAITING
+        req.preemptions += 1
+        ms.waiting.appendleft(req)

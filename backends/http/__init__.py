@@ -1,0 +1,1 @@
+"""The HTTP layer our workers share: OpenAI's and SGLang's APIs over any engine."""

@@ -1,0 +1,138 @@
+"""One generation between an HTTP handler and an engine, and the contract engines implement.
+
+The handler builds a `Generation` and hands it to `Backend.submit`; the engine side fills in
+`cached_tokens` and `admitted`, appends to `output`, sets `finish_reason` (or `aborted`), and
+sets `changed` after every change, from the event loop's thread (an engine on another thread
+goes through `loop.call_soon_threadsafe`). Handlers only read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from backends.http.served_model import ServedModel
+from router.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class Sampling:
+    max_tokens: int
+    limit_set: bool  # the client asked for max_tokens (else the model's default applies)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no limit
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Generation:
+    model: ServedModel
+    prompt: list[int]
+    sampling: Sampling
+    cache_salt: str | None
+    chat: bool = False
+    output: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    admitted: bool = False
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    aborted: bool = False
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    handle: Any = None  # the engine's own record of it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.aborted
+
+    async def wait_admitted(self) -> None:
+        """Until it leaves the queue (cached_tokens is known) or ends."""
+        while not (self.admitted or self.done):
+            self.changed.clear()
+            await self.changed.wait()
+
+    async def wait_done(self) -> None:
+        while not self.done:
+            self.changed.clear()
+            await self.changed.wait()
+
+    async def progress(self) -> AsyncIterator[int]:
+        """Its output length each time it grows; ends when the generation does."""
+        sent = 0
+        while True:
+            done = self.done  # read before the length: a last token is never missed
+            n = len(self.output)
+            if n > sent:
+                sent = n
+                yield n
+            if done:
+                return
+            self.changed.clear()
+            if not self.done and len(self.output) == sent:
+                await self.changed.wait()
+
+    def usage(self) -> dict[str, Any]:
+        completion = len(self.output) if self.finished else 0
+        return {
+            "prompt_tokens": len(self.prompt),
+            "completion_tokens": completion,
+            "total_tokens": len(self.prompt) + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class WorkerLoad(NamedTuple):
+    running: int
+    waiting: int
+    used_tokens: int  # KV tokens cached or held by requests
+    capacity_tokens: int
+
+
+class Backend(Protocol):
+    """What an engine offers the HTTP layer; called on the event loop's thread."""
+
+    def submit(self, gen: Generation) -> None:
+        """Queue it; ValueError when it can never run (its text is the client's message)."""
+        ...
+
+    def abort(self, gen: Generation) -> None:
+        """Drop it (its client left, or shutdown); a no-op once done."""
+        ...
+
+    def load(self) -> WorkerLoad: ...
+
+
+def decode(tokenizer: Tokenizer, ids: list[int]) -> str:
+    """Text of `ids`; ids the tokenizer does not know (a random model may sample any id of its
+    vocabulary) are left out."""
+    try:
+        return tokenizer.decode(ids)
+    except ValueError:
+        return tokenizer.decode([i for i in ids if 0 <= i < tokenizer.vocab_size])
+
+
+class TextStream:
+    """Incremental text of a growing output: each call returns what is new since the last,
+    holding back a trailing incomplete UTF-8 sequence until its rest arrives (or the end)."""
+
+    __slots__ = ("tokenizer", "sent")
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.sent = 0
+
+    def piece(self, ids: list[int], final: bool = False) -> str:
+        text = decode(self.tokenizer, ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if len(text) <= self.sent:
+            return ""
+        out = text[self.sent :]
+        self.sent = len(text)
+        return out

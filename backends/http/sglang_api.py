@@ -1,0 +1,226 @@
+"""SGLang's native endpoints, so sglang-router and SGLang clients can use our workers.
+
+- `/health` (alive), `/health_generate` (a one-token generation went through the engine)
+- `/get_model_info` and `/model_info`, `/get_server_info` and `/server_info` (sglang-router
+  0.3.x probes both spellings), `/get_load`
+- `/generate`: `{"text" | "input_ids", "sampling_params": {"max_new_tokens", "temperature",
+  "top_p", "top_k", "ignore_eos", "sampling_seed"}, "stream", "rid", "model"}` ->
+  `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+  "completion_tokens", "cached_tokens", "e2e_latency", ...}}`; streamed as SSE events that each
+  carry the whole output so far (SGLang's default, non-incremental), then `[DONE]`.
+  `cache_salt` (top level) partitions the cache as on the OpenAI endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from backends.http.errors import (
+    ApiError,
+    bool_param,
+    int_param,
+    json_response,
+    read_json,
+    salt_param,
+)
+from backends.http.generation import Backend, Generation, Sampling, decode
+from backends.http.openai_api import CACHED_TOKENS_HEADER, float_param, sse, stream_headers
+from backends.http.served_model import ServedModel, pick_model
+
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
+HEALTH_TIMEOUT_S = 20.0
+
+
+class SGLangApi:
+    def __init__(
+        self,
+        backend: Backend,
+        models: dict[str, ServedModel],
+        server_args: Callable[[], dict[str, Any]],
+        model_info: Callable[[ServedModel], dict[str, Any]],
+        version: str,
+    ) -> None:
+        self.backend = backend
+        self.models = models
+        self.server_args = server_args  # the worker's settings, SGLang's names
+        self.model_info_of = model_info  # the engine's part of /get_model_info
+        self.version = version
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health_generate)
+        for path in ("/get_model_info", "/model_info"):
+            app.router.add_get(path, self.model_info)
+        for path in ("/get_server_info", "/server_info"):
+            app.router.add_get(path, self.server_info)
+        app.router.add_get("/get_load", self.get_load)
+        app.router.add_route("POST", "/generate", self.generate)
+        app.router.add_route("PUT", "/generate", self.generate)
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        model = next(iter(self.models.values()))
+        gen = Generation(model, [0], Sampling(1, True, temperature=0.0), None)
+        self.backend.submit(gen)
+        try:
+            await asyncio.wait_for(gen.wait_done(), HEALTH_TIMEOUT_S)
+        except TimeoutError:
+            return web.Response(status=503)
+        finally:
+            self.backend.abort(gen)
+        return web.Response(status=200 if gen.finished else 503)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        model = pick_model(self.models, request.query.get("model"))
+        return json_response(
+            {
+                "model_path": model.name,
+                "tokenizer_path": model.tokenizer_spec,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                **self.model_info_of(model),
+            }
+        )
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        load = self.backend.load()
+        internal = {
+            "num_running_reqs": load.running,
+            "num_waiting_reqs": load.waiting,
+            "token_usage": load.used_tokens / max(1, load.capacity_tokens),
+        }
+        return json_response(
+            {**self.server_args(), "internal_states": [internal], "version": self.version}
+        )
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        load = self.backend.load()
+        return json_response(
+            [
+                {
+                    "dp_rank": 0,
+                    "num_reqs": load.running + load.waiting,
+                    "num_waiting_reqs": load.waiting,
+                    "num_tokens": load.used_tokens,
+                }
+            ]
+        )
+
+    # -- /generate ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _prompt(model: ServedModel, body: dict[str, Any]) -> list[int]:
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise ApiError(400, "give exactly one of 'text' and 'input_ids'", param="text")
+        if isinstance(text, str):
+            if not text:
+                raise ApiError(400, "'text' must not be empty", param="text")
+            return model.tokenizer.encode(text)
+        if isinstance(ids, list) and not any(isinstance(i, list) for i in ids):
+            return model.check_ids(ids, "input_ids")
+        raise ApiError(400, "one prompt per request: a string or a list of token ids")
+
+    @staticmethod
+    def _sampling(model: ServedModel, body: dict[str, Any], prompt_len: int) -> Sampling:
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise ApiError(400, "'sampling_params' must be an object", param="sampling_params")
+        requested = int_param(params, "max_new_tokens", 1)
+        max_tokens = model.max_tokens(
+            prompt_len, DEFAULT_MAX_NEW_TOKENS if requested is None else requested, "text"
+        )
+        top_k = params.get("top_k")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+            raise ApiError(400, "'top_k' must be an integer", param="top_k")
+        seed = params.get("sampling_seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, "'sampling_seed' must be an integer", param="sampling_seed")
+        top_p = float_param(params, "top_p", 0.0, 1.0, 1.0)
+        if top_p == 0.0:
+            raise ApiError(400, "'top_p' must be in (0, 1]", param="top_p")
+        return Sampling(
+            max_tokens=max_tokens,
+            limit_set=True,  # SGLang always has a limit: 128 unless told
+            temperature=float_param(params, "temperature", 0.0, 2.0, 1.0),
+            top_p=top_p,
+            top_k=max(0, top_k or 0),  # SGLang: -1 means no limit
+            seed=seed,
+            ignore_eos=bool_param(params, "ignore_eos"),
+        )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await read_json(request)
+        model = pick_model(self.models, body.get("model"))
+        prompt = self._prompt(model, body)
+        gen = Generation(model, prompt, self._sampling(model, body, len(prompt)), salt_param(body))
+        stream = bool_param(body, "stream")
+        rid = body.get("rid")
+        rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
+        try:
+            self.backend.submit(gen)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from exc
+        start = time.monotonic()
+        try:
+            if stream:
+                return await self._stream(request, gen, rid, start)
+            await gen.wait_done()
+            if not gen.finished:
+                raise ApiError(503, "the request was aborted", type_="server_error")
+            headers = {CACHED_TOKENS_HEADER: str(gen.cached_tokens)}
+            return json_response(self._output(gen, len(gen.output), rid, start), headers=headers)
+        finally:
+            self.backend.abort(gen)
+
+    @staticmethod
+    def _output(gen: Generation, n: int, rid: str, start: float) -> dict[str, Any]:
+        ids = gen.output[:n]
+        finish: dict[str, Any] | None = None
+        if gen.finished and n == len(gen.output):
+            finish = {"type": "length", "length": n}
+            if gen.finish_reason == "stop":
+                finish = {"type": "stop", "matched": ids[-1] if ids else None}
+        return {
+            "text": decode(gen.model.tokenizer, ids),
+            "output_ids": ids,
+            "meta_info": {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(gen.prompt),
+                "completion_tokens": n,
+                "cached_tokens": gen.cached_tokens,
+                "e2e_latency": time.monotonic() - start,
+                "weight_version": "default",
+            },
+        }
+
+    async def _stream(
+        self, request: web.Request, gen: Generation, rid: str, start: float
+    ) -> web.StreamResponse:
+        await gen.wait_admitted()
+        resp = web.StreamResponse(headers=stream_headers(gen))
+        await resp.prepare(request)
+        final = False
+        async for n in gen.progress():
+            out = self._output(gen, n, rid, start)
+            final = out["meta_info"]["finish_reason"] is not None
+            await resp.write(sse(out))
+        if not gen.finished:
+            return resp
+        if not final:  # it ended without a new token: say how
+            await resp.write(sse(self._output(gen, len(gen.output), rid, start)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

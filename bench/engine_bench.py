@@ -1,0 +1,217 @@
+"""The torch engine's numbers, each against a baseline measured in the same run.
+
+1. TTFT of a prompt whose 1,000-token prefix is cached vs the same prompt cold (target >= 10x).
+2. Output tokens/s with 1, 8 and 32 requests in flight (the continuous batching gain).
+3. Prefix-cache hit rate of two models sharing one page pool vs a static 50/50 split of the
+   same pages, on model mixes from balanced to skewed (target: never lower; >= 20% relative
+   higher when skewed).
+
+    python bench/engine_bench.py                          # CPU: the bench model, random weights
+    python bench/engine_bench.py --model llama-3.2-1b --device cuda   # a 1B shape on a GPU
+
+The engine runs in this process (no HTTP): these are the engine's numbers, not the server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from backends.engine.config import PRESETS, LlamaConfig  # noqa: E402
+from backends.engine.engine import EngineConfig, TorchEngine, default_device  # noqa: E402
+from backends.engine.loader import LoadedModel, load_model  # noqa: E402
+from backends.engine.request import Request, SamplingParams  # noqa: E402
+from backends.engine.scheduler import SchedulerConfig  # noqa: E402
+
+# big enough that a forward pass is compute, not Python overhead, small enough for 2 CPU cores
+PRESETS.setdefault(
+    "bench",
+    LlamaConfig(
+        vocab_size=260,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=32,
+        max_position_embeddings=8192,
+    ),
+)
+
+
+def engine_for(served: dict[str, LoadedModel], pages: int, chunk: int, running: int) -> TorchEngine:
+    scheduler = SchedulerConfig(chunk_size=chunk, max_running=running)
+    return TorchEngine(served, EngineConfig(num_pages=pages, scheduler=scheduler))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_one(engine: TorchEngine, model: str, prompt: list[int], max_tokens: int) -> Request:
+    req = engine.new_request(model, prompt, SamplingParams(max_tokens, ignore_eos=True))
+    engine.submit(req)
+    while engine.has_work():
+        engine.step()
+    return req
+
+
+def ttft(engine: TorchEngine, prompt: list[int], device: torch.device) -> float:
+    req = engine.new_request("m", prompt, SamplingParams(1, ignore_eos=True))
+    sync(device)
+    start = time.perf_counter()
+    engine.submit(req)
+    while not req.output:
+        engine.step()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def bench_ttft(loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int) -> None:
+    rng = random.Random(0)
+    vocab = min(loaded.config.vocab_size, 256)
+    engine = engine_for(
+        {"m": loaded}, pages=4 * (prefix_len // 16 + 8) * repeats, chunk=4096, running=8
+    )
+    run_one(engine, "m", [rng.randrange(vocab) for _ in range(64)], 2)  # warm up kernels
+    cold, warm = [], []
+    for _ in range(repeats):
+        prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+        suffix = lambda: [rng.randrange(vocab) for _ in range(16)]  # noqa: E731
+        cold.append(ttft(engine, prefix + suffix(), device))  # nothing of it cached
+        warm.append(ttft(engine, prefix + suffix(), device))  # its prefix cached just now
+    c, w = statistics.median(cold), statistics.median(warm)
+    print(f"\nTTFT, {prefix_len}-token prefix + 16 new tokens (median of {repeats})")
+    print(f"  cold {c * 1e3:9.2f} ms")
+    print(f"  warm {w * 1e3:9.2f} ms   (prefix cached)")
+    print(f"  ratio {c / w:7.1f}x   (target >= 10x)")
+
+
+def bench_throughput(
+    loaded: LoadedModel, device: torch.device, prompt_len: int, out_len: int, seconds: float
+) -> None:
+    rng = random.Random(1)
+    vocab = min(loaded.config.vocab_size, 256)
+    print(f"\nOutput tokens/s, closed loop, {prompt_len}-token prompts, {out_len} tokens out")
+    base = None
+    for concurrency in (1, 8, 32):
+        engine = engine_for(
+            {"m": loaded},
+            pages=concurrency * ((prompt_len + out_len) // 16 + 2) + 8,
+            chunk=max(512, prompt_len),
+            running=concurrency,
+        )
+        run_one(engine, "m", [rng.randrange(vocab) for _ in range(prompt_len)], 2)
+
+        def new(engine: TorchEngine = engine) -> Request:
+            prompt = [rng.randrange(vocab) for _ in range(prompt_len)]  # nothing shared
+            req = engine.new_request("m", prompt, SamplingParams(out_len, ignore_eos=True))
+            engine.submit(req)
+            return req
+
+        live = [new() for _ in range(concurrency)]
+        for _ in range(3):  # past the first prefills: measure the steady state
+            engine.step()
+        tokens = 0
+        sync(device)
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            tokens += len(engine.step().emitted)
+            for i, req in enumerate(live):
+                if req.done:
+                    live[i] = new()
+        sync(device)
+        rate = tokens / (time.perf_counter() - start)
+        base = base or rate
+        print(f"  {concurrency:3d} in flight  {rate:10.1f} tok/s   {rate / base:5.1f}x of 1")
+
+
+def mix(shares: dict[str, float], requests: int) -> list[tuple[str, list[int]]]:
+    """A request sequence: each model draws from its own 12 prefixes of 256 tokens."""
+    rng = random.Random(2)
+    prefixes = {m: [[rng.randrange(256) for _ in range(256)] for _ in range(12)] for m in shares}
+    names, weights = list(shares), list(shares.values())
+    out = []
+    for _ in range(requests):
+        model = rng.choices(names, weights)[0]
+        out.append((model, rng.choice(prefixes[model]) + [rng.randrange(256) for _ in range(16)]))
+    return out
+
+
+def cached_and_total(
+    served: dict[str, LoadedModel], sequence: list[tuple[str, list[int]]], pages: int
+) -> tuple[int, int]:
+    """Prompt tokens found in the cache, and all prompt tokens, of the sequence's requests
+    for the models served (one at a time, in order)."""
+    engine = engine_for(served, pages=pages, chunk=4096, running=4)
+    cached = total = 0
+    for model, prompt in sequence:
+        if model in served:
+            req = run_one(engine, model, prompt, 1)
+            cached += req.cached_tokens
+            total += len(prompt)
+    return cached, total
+
+
+def bench_shared_pool(device: torch.device, requests: int) -> None:
+    a = load_model("tiny", device=device)
+    b = load_model("tiny", device=device, seed=1)  # the same layout, other weights
+    pages = 256  # one model's 12 prefixes need 192 pages; both together 384
+    print(f"\nHit rate, two models, {pages} pages: one shared pool vs a static 50/50 split")
+    print("  mix (a/b)    shared     split   relative")
+    for share_a in (0.5, 0.7, 0.9):
+        sequence = mix({"a": share_a, "b": 1 - share_a}, requests)
+        hits, total = cached_and_total({"a": a, "b": b}, sequence, pages)
+        shared = hits / total
+        # the split: each model alone in half of the pages, fed its part of the sequence
+        split_a = cached_and_total({"a": a}, sequence, pages // 2)
+        split_b = cached_and_total({"b": b}, sequence, pages // 2)
+        split = (split_a[0] + split_b[0]) / total
+        gain = (shared / split - 1) * 100 if split else float("inf")
+        print(f"  {share_a:.0%}/{1 - share_a:.0%}   {shared:7.1%}   {split:7.1%}   {gain:+7.1f}%")
+    print("  (target: never lower; >= +20% when skewed)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="bench", help="a preset or a model directory")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prefix", type=int, default=1000, help="cached prefix, tokens")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=128, help="throughput prompt length")
+    parser.add_argument("--out", type=int, default=64, help="throughput output length")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per throughput point")
+    parser.add_argument("--requests", type=int, default=600, help="per hit-rate run")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: ttft,tps,pool")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    device = default_device() if args.device == "auto" else torch.device(args.device)
+    skip = set(filter(None, args.skip.split(",")))
+    loaded = load_model(args.model, device=device, dtype=args.dtype)
+    cfg = loaded.config
+    print(
+        f"model {args.model}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads, {loaded.dtype}, "
+        f"{device}, {torch.get_num_threads()} threads"
+    )
+    if "ttft" not in skip:
+        bench_ttft(loaded, device, args.prefix, args.repeats)
+    if "tps" not in skip:
+        bench_throughput(loaded, device, args.prompt, args.out, args.seconds)
+    if "pool" not in skip:
+        bench_shared_pool(device, args.requests)
+
+
+if __name__ == "__main__":
+    main()
