@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 # Subcommand -> (one-line help, the issue that brings it while it is not built yet).
 SUBCOMMANDS: dict[str, tuple[str, int | None]] = {
     "gateway": ("the OpenAI-compatible cache-aware HTTP gateway", None),
-    "worker": ("one worker process (--engine emulated; torch comes with issue 4)", None),
+    "worker": ("one worker process (--engine emulated|torch)", None),
     "cluster": ("gateway plus N local workers on this machine", None),
     "replay": ("the offline simulator: replay a trace through the policies", None),
     "bench": ("a load generator against any OpenAI-compatible endpoint", None),
@@ -66,7 +66,14 @@ def _delegate(command: str, argv: list[str]) -> int:
         from backends.emulated.server import main as worker_main
 
         return worker_main(rest)
-    print(f"urc worker: engine {engine!r} is not built yet (torch: issue 4)", file=sys.stderr)
+    if engine == "torch":
+        from backends.engine.server import main as torch_main
+
+        return torch_main(rest)
+    print(
+        f"urc worker: unknown engine {engine!r} (emulated, torch; vllm/sglang: issue 6)",
+        file=sys.stderr,
+    )
     return 2
 
 

@@ -117,6 +117,7 @@ class WorkerMirror:
         # engine hash -> (our key, kv_group), for blocks of any other group (LoRA adapters)
         self._other: dict[BlockHash, tuple[int, str]] = {}
         self._recent: dict[int, int] = {}  # seq -> fingerprint of the applied batch
+        self._groups: set[str] = {self.base_group}  # every kv_group this stream has fed
         self.last_seq: int | None = None
         self.last_event_ts: float | None = None
         self.applied_batches = self.blocks_stored = self.blocks_removed = 0
@@ -169,10 +170,17 @@ class WorkerMirror:
 
     def _clear(self) -> None:
         # _recent survives: replayed copies of batches applied before a reset stay duplicates
-        self.index.clear(self.worker)
+        self._forget_all()
+        self.last_seq = None
+
+    def _forget_all(self) -> None:
+        """Drop this stream's residency: only the kv_groups it fed (a worker may publish one
+        stream per group, and a resync of one must not touch the others)."""
+        for group in self._groups:
+            self.index.clear(self.worker, group)
+        self._groups = {self.base_group}
         self._keys.clear()
         self._other.clear()
-        self.last_seq = None
 
     def _record(self, seq: int, fingerprint: int) -> None:
         recent = self._recent
@@ -187,9 +195,7 @@ class WorkerMirror:
             elif type(ev) is BlockRemoved:
                 self._removed(ev)
             elif type(ev) is AllBlocksCleared:
-                self.index.clear(self.worker)
-                self._keys.clear()
-                self._other.clear()
+                self._forget_all()
         self.unknown_events += batch.unknown_events
         self.applied_batches += 1
         self.last_seq = seq
@@ -240,6 +246,8 @@ class WorkerMirror:
             if n == 0:
                 return
         keys = chain_keys(ev.token_ids[: n * bs], bs, first)
+        if group not in self._groups:
+            self._groups.add(group)
         self._remember(hashes[:n], keys, group)
         self.blocks_stored += self.index.insert(keys, self.worker, group, now, parent=parent)
 

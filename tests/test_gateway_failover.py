@@ -71,7 +71,7 @@ def test_killed_worker_fails_over_and_comes_back():
         else:
             raise AssertionError("no request reached the restarted worker")
         assert wait_for(lambda: by_name(url)[victim.url]["cached_blocks"] > 0, 5)
-        mirror = by_name(url)[victim.url]["kv_events"]["mirror"]
+        mirror = by_name(url)[victim.url]["kv_events"][0]["mirror"]
         assert mirror["last_seq"] is not None
     finally:
         gateway.stop()

@@ -38,12 +38,11 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
 
 def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
     blocks_held = sum(index.blocks_held(worker.name, g) for g in set(worker.models.values()))
-    mirror = worker.mirror.stats()._asdict() if worker.mirror is not None else None
     return {
         "name": worker.name,
         "url": worker.url,
         "up": worker.up,
-        "mode": "exact" if worker.exact else "approximate",
+        "mode": worker.mode,
         "models": worker.models,
         "block_size": worker.block_size,
         "cached_blocks": blocks_held,
@@ -53,11 +52,7 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
             "queued_prefill_tokens": worker.queued_prefill_tokens,
             "running_decode": worker.running_decode,
         },
-        "kv_events": {
-            "endpoint": worker.kv_events,
-            "replay_endpoint": worker.kv_replay,
-            "mirror": mirror,
-        },
+        "kv_events": [stream.describe() for stream in worker.streams],
     }
 
 

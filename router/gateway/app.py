@@ -109,8 +109,8 @@ class Gateway:
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: workers without KV events get approximate residency; the request
         goes to the recording."""
-        if not worker.exact and plan.keys:
-            group = worker.models.get(plan.model.name, plan.model.kv_group)
+        group = worker.models.get(plan.model.name, plan.model.kv_group)
+        if plan.keys and not worker.exact(group):
             self.index.insert(plan.keys, worker.name, group, time.monotonic(), approximate=True)
         if self.recorder is not None:
             self.recorder.record(plan, worker, tenant, usage)

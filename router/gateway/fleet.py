@@ -9,7 +9,6 @@ the others get approximate residency from the gateway's own routing history (DES
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,10 +17,9 @@ from urllib.parse import urlparse
 import aiohttp
 
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
+from router.gateway.events import EventStream, discovered_streams
 from router.gateway.upstream import UpstreamPool
 from router.index import UnifiedIndex
-from router.kv_mirror import WorkerMirror
-from router.kv_subscriber import KVEventSubscriber
 from router.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -52,37 +50,26 @@ class Worker:
     in_flight: int = 0
     queued_prefill_tokens: int = 0
     running_decode: int = 0
-    # KV events (no endpoint: approximate residency)
-    kv_events: str | None = None
-    kv_replay: str | None = None
-    kv_topic: str = ""
-    mirror: WorkerMirror | None = None
-    subscriber: KVEventSubscriber | None = None
-    task: asyncio.Task[None] | None = None
+    # KV events, one stream per kv_group (a group without one: approximate residency)
+    streams: list[EventStream] = field(default_factory=list)
     pool: UpstreamPool | None = None  # keep-alive connections for requests
 
+    def exact(self, kv_group: str) -> bool:
+        """Whether this worker's residency in `kv_group` comes from its KV events."""
+        return any(s.kv_group == kv_group and s.subscriber is not None for s in self.streams)
+
     @property
-    def exact(self) -> bool:
-        return self.subscriber is not None
+    def mode(self) -> str:
+        groups = set(self.models.values())
+        exact = sum(self.exact(g) for g in groups)
+        return (
+            "exact" if groups and exact == len(groups) else "approximate" if not exact else "mixed"
+        )
 
 
 def worker_name(url: str) -> str:
     parsed = urlparse(url)
     return f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
-
-
-_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", "127.0.0.1", "localhost"}
-
-
-def reachable(endpoint: str | None, worker_host: str) -> str | None:
-    """A worker reports its bind address (tcp://*:5557, tcp://127.0.0.1:5557); seen from the
-    gateway its events live on the host of its URL (a container name, another machine)."""
-    if not endpoint or not endpoint.startswith("tcp://"):
-        return endpoint
-    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-    if sep and host in _WILDCARD_HOSTS:
-        return f"tcp://{worker_host}:{port}"
-    return endpoint
 
 
 class Fleet:
@@ -230,36 +217,28 @@ class Fleet:
                 model = self.models[name]
             served[name] = model.kv_group
         worker.models = served
-        events = info.get("kv_events") or {}
         host = urlparse(worker.url).hostname or "127.0.0.1"
-        # configured endpoints win; discovered ones are refreshed (a restart may move them)
-        worker.kv_events = config.kv_events or reachable(events.get("endpoint"), host)
-        worker.kv_replay = config.kv_replay or reachable(events.get("replay_endpoint"), host)
-        worker.kv_topic = config.kv_topic or events.get("topic", "")
+        if config.kv_events:  # configured: one stream, meaningful only for a single kv_group
+            groups = set(served.values())
+            worker.streams = (
+                [EventStream(groups.pop(), config.kv_events, config.kv_replay, config.kv_topic)]
+                if len(groups) == 1
+                else []
+            )
+        else:  # discovered afresh each time: a restart may move them
+            worker.streams = discovered_streams(info, served, host)
 
     async def _mark_up(self, worker: Worker) -> None:
         worker.up = True
         worker.failures = 0
-        groups = set(worker.models.values())
-        if worker.kv_events and len(groups) == 1:
-            # one kv_group per event stream: the events carry no model name
-            worker.mirror = WorkerMirror(
-                self.index, worker.name, groups.pop(), block_size=worker.block_size
-            )
-            worker.subscriber = KVEventSubscriber(
-                worker.mirror,
-                worker.kv_events,
-                worker.kv_replay,
-                topic=worker.kv_topic,
-                clock=time.monotonic,
-            )
-            worker.task = asyncio.get_running_loop().create_task(worker.subscriber.run())
+        for stream in worker.streams:
+            stream.start(self.index, worker.name, worker.block_size)
         self._regroup()
         log.info(
             "worker %s up (%s, %s)",
             worker.name,
             ", ".join(worker.models) or "no models",
-            "exact" if worker.exact else "approximate",
+            worker.mode,
         )
 
     async def _mark_down(self, worker: Worker, why: str) -> None:
@@ -275,10 +254,5 @@ class Fleet:
         log.warning("worker %s down (%s): its residency left the index", worker.name, why)
 
     async def _stop_events(self, worker: Worker) -> None:
-        if worker.subscriber is not None:
-            worker.subscriber.stop()
-        if worker.task is not None:
-            worker.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await worker.task
-        worker.subscriber = worker.task = worker.mirror = None
+        for stream in worker.streams:
+            await stream.stop()

@@ -220,16 +220,17 @@ class _FleetCollector(Collector):
         now = time.time()
         for w in self.fleet.workers.values():
             healthy.add_metric([w.name], float(w.up))
-            exact.add_metric([w.name], float(w.exact))
+            exact.add_metric([w.name], float(w.mode == "exact"))
             in_flight.add_metric([w.name], w.in_flight)
             queued.add_metric([w.name], w.queued_prefill_tokens)
             held.add_metric(
                 [w.name], sum(self.index.blocks_held(w.name, g) for g in set(w.models.values()))
             )
-            if w.mirror is not None:
-                m = w.mirror.stats()
-                if m.last_event_ts is not None:
-                    lag.add_metric([w.name], max(0.0, now - m.last_event_ts))
-                gaps.add_metric([w.name], m.gaps)
-                resets.add_metric([w.name], m.resets + m.restarts)
+            mirrors = [s.mirror.stats() for s in w.streams if s.mirror is not None]
+            if mirrors:
+                newest = max((m.last_event_ts or 0.0) for m in mirrors)
+                if newest:
+                    lag.add_metric([w.name], max(0.0, now - newest))
+                gaps.add_metric([w.name], sum(m.gaps for m in mirrors))
+                resets.add_metric([w.name], sum(m.resets + m.restarts for m in mirrors))
         yield from (healthy, exact, in_flight, queued, held, lag, gaps, resets)
