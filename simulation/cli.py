@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--trace-kind",
         choices=("completion", "chat"),
         default="completion",
-        help="trace: how requests stream (a chat's first byte leaves on admission)",
+        help="trace: send the trace's requests as chats or completions",
     )
     p.add_argument("--skip-bad-lines", action="store_true", help="trace: skip invalid lines")
     fleet = p.add_argument_group("fleet")

@@ -258,13 +258,7 @@ class Replay:
         requests = self.requests
         started = self._started
         uncached = self._uncached
-        for r in result.admitted:
-            i = r.rid
-            if requests[i].chat:  # the role chunk: the gateway's first byte
-                started[i] = True
-                w.queued_prefill_tokens -= uncached[i]
-                w.running_decode += 1
-        for r in result.first_token:
+        for r in result.first_token:  # the gateway's first byte (a chat's role rides on it)
             i = r.rid
             if not started[i]:
                 started[i] = True

@@ -55,7 +55,7 @@ class SimRequest:
     route: RouteRequest  # what the policies see
     salt: str | None  # forwarded to the worker as cache_salt
     tenant: str | None = None
-    chat: bool = False  # chat requests stream a role chunk at admission (the first byte)
+    chat: bool = False  # a chat request (its role chunk rides on the first token)
     session: int = -1
 
     @property

@@ -6,8 +6,8 @@ The load fields are the gateway's own (router/gateway/proxy.py), moved at the sa
     first byte   queued_prefill_tokens -= them, running_decode += 1
     done         in_flight -= 1, running_decode -= 1 (or the queued tokens, if never started)
 
-The first byte of a streamed chat response is the role chunk the worker writes once the request
-is admitted; a completion's is its first token. `cached_blocks` counts the blocks the unified
+The first byte of a streamed response is its first token (a chat's role chunk rides on it, as
+vLLM sends it). `cached_blocks` counts the blocks the unified
 index holds for the worker (what `UnifiedIndex.blocks_held` returns), kept from the KV events.
 """
 

@@ -81,18 +81,16 @@ def keyed(i: int, t: float, tokens: int, chat: bool) -> SimRequest:
 
 
 @pytest.mark.parametrize("chat", [False, True])
-def test_first_byte_is_admission_for_chat_and_first_token_for_completions(chat: bool) -> None:
-    """As the live proxy sees it: a chat stream's role chunk leaves on admission."""
+def test_the_first_byte_is_the_first_token_for_chats_and_completions(chat: bool) -> None:
+    """As the live proxy sees it: a prefill in progress is still queued work (a chat's role
+    chunk rides on its first token)."""
     policy = Recorder()
     fleet = FleetConfig(workers=1, prefill_tokens_per_s=1000.0, decode_base_s=0.01)
     reqs = [keyed(0, 0.0, 500, chat), keyed(1, 0.1, 40, chat)]
     Replay(reqs, policy, fleet).run()
     (only,) = policy.seen[1][1]  # what the second request saw: the first mid-prefill
     assert only.in_flight == 1
-    if chat:
-        assert (only.queued_prefill_tokens, only.running_decode) == (0, 1)
-    else:
-        assert (only.queued_prefill_tokens, only.running_decode) == (500, 0)
+    assert (only.queued_prefill_tokens, only.running_decode) == (500, 0)
 
 
 def test_one_worker_is_driven_exactly_as_the_engine_alone() -> None:

@@ -247,8 +247,9 @@ class OpenAIApi:
             choice["finish_reason"] = finish
             return sse({**base, "choices": [choice]})
 
-        if chat:
-            await resp.write(chunk("", None, first=True))
+        # the role rides on the first token, as vLLM sends it: a gateway takes the first body
+        # byte for the first token (headers, with the cached-token count, leave on admission)
+        first = chat
         text = TextStream(call.model.tokenizer)
         closed = False  # a completion's last text chunk carries its finish_reason
         async for n in gen.progress():
@@ -257,14 +258,15 @@ class OpenAIApi:
             if last and not chat:
                 await resp.write(chunk(piece, gen.finish_reason))
                 closed = True
-            elif piece:
-                await resp.write(chunk(piece, None))
+            elif piece or first:
+                await resp.write(chunk(piece, None, first=first))
+                first = False
         if not gen.finished:
             return resp  # aborted (shutting down): the stream just ends
         rest = text.piece(gen.output, final=True)
         if chat:
-            if rest:
-                await resp.write(chunk(rest, None))
+            if rest or first:
+                await resp.write(chunk(rest, None, first=first))
             await resp.write(chunk("", gen.finish_reason))
         elif not closed:
             await resp.write(chunk(rest, gen.finish_reason))
