@@ -213,6 +213,10 @@ class UnifiedIndex:
                 by_run.setdefault(run, []).append(key)
         released = 0
         for run, run_keys in by_run.items():
+            if len(run_keys) == len(run.keys) and len(set(run_keys)) == len(run_keys):
+                released += len(run_keys)  # the whole run: no positions, no splits
+                self._release(run, bit)
+                continue
             if len(run_keys) == 1:
                 offsets = [run.keys.index(run_keys[0])]
             else:
