@@ -76,6 +76,7 @@ class UnifiedIndex:
         self._resident_of: list[Resident | None] = []  # bit -> resident
         self._free_bits: list[int] = []
         self._held: list[int] = []  # bit -> blocks held
+        self._stored: list[int] = []  # bit -> blocks it came to hold so far (its cache inflow)
         self._group_mask: dict[str, int] = {}
         # approximate residency: key -> {bit: expiry}; sweep queue in expiry order (TTL is fixed)
         self._approx: dict[int, dict[int, float]] = {}
@@ -93,10 +94,12 @@ class UnifiedIndex:
             if self._free_bits:
                 bit = self._free_bits.pop()
                 self._resident_of[bit] = resident
+                self._stored[bit] = 0
             else:
                 bit = len(self._resident_of)
                 self._resident_of.append(resident)
                 self._held.append(0)
+                self._stored.append(0)
             self._bit_of[resident] = bit
             self._group_mask[kv_group] = self._group_mask.get(kv_group, 0) | (1 << bit)
         return bit
@@ -119,6 +122,11 @@ class UnifiedIndex:
     def blocks_held(self, worker: str, kv_group: str) -> int:
         bit = self._bit_of.get((worker, kv_group))
         return 0 if bit is None else self._held[bit]
+
+    def blocks_stored(self, worker: str, kv_group: str) -> int:
+        """Blocks the resident came to hold so far: the inflow of its cache."""
+        bit = self._bit_of.get((worker, kv_group))
+        return 0 if bit is None else self._stored[bit]
 
     # -- LRU leaf list -----------------------------------------------------------------------
 
@@ -318,6 +326,7 @@ class UnifiedIndex:
         if prev.children == 0:
             self._link_newest(prev)
         self._held[bit] += added
+        self._stored[bit] += added
         if approximate:
             self._approx_queue.append((expiry, bit, tuple(keys)))
         if self.max_blocks and len(where) > self.max_blocks:

@@ -202,6 +202,7 @@ class Replay:
         if not self.fleet.kv_events:  # approximate residency also shrinks by expiry
             for w in workers:
                 w.cached_blocks = index.blocks_held(w.name, w.kv_group)
+                w.stored_blocks = index.blocks_stored(w.name, w.kv_group)
         matched = index.match(route.block_keys, route.kv_group, now)
         get = matched.get
         candidates = [
@@ -214,6 +215,7 @@ class Replay:
                     w.queued_prefill_tokens,
                     w.running_decode,
                     w.cached_blocks,
+                    w.stored_blocks,
                 ),
             )
             for w in workers
@@ -292,9 +294,9 @@ class Replay:
             name, group = w.name, w.kv_group
             for ev in events:
                 if type(ev) is BlockStored:
-                    w.cached_blocks += insert(
-                        ev.block_hashes, name, group, due, parent=ev.parent_block_hash
-                    )
+                    added = insert(ev.block_hashes, name, group, due, parent=ev.parent_block_hash)
+                    w.cached_blocks += added
+                    w.stored_blocks += added  # as UnifiedIndex.blocks_stored counts
                 elif type(ev) is BlockRemoved:
                     w.cached_blocks -= remove(ev.block_hashes, name, group)
                 applied += 1

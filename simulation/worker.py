@@ -26,6 +26,7 @@ class SimWorker:
         "queued_prefill_tokens",
         "running_decode",
         "cached_blocks",
+        "stored_blocks",
         "wake",
         "wake_seq",
     )
@@ -39,6 +40,7 @@ class SimWorker:
         self.queued_prefill_tokens = 0
         self.running_decode = 0
         self.cached_blocks = 0
+        self.stored_blocks = 0
         self.wake: float | None = None  # when the engine wants its next step call
         self.wake_seq = -1  # the one valid heap entry of this worker
 

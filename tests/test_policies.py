@@ -74,7 +74,7 @@ def test_cache_aware_cost_is_the_documented_model() -> None:
     # a: work = 140 + 160 - 64 = 236 tokens in 3 steps of 100, with 5 decodes riding along
     assert policy.ttft(req, cands[0]) == pytest.approx(236 / 10_000 + 3 * 5 * 1e-3)
     assert policy.ttft(req, cands[1]) == pytest.approx(160 / 10_000)
-    waiting = (2 + 1) / 2  # requests awaiting their first token, mean over the candidates
+    waiting = (7 + 1) / 2  # requests in flight, mean over the candidates
     decision = policy.choose(req, cands)
     for score, cand in zip(decision.scores, cands, strict=True):
         uncached = 160 - score.matched_tokens

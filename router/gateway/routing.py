@@ -127,6 +127,7 @@ class Router:
                 w.queued_prefill_tokens,
                 w.running_decode,
                 index.blocks_held(w.name, group),
+                index.blocks_stored(w.name, group),
             )
             for w in workers
         ]

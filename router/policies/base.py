@@ -29,6 +29,7 @@ class Candidate(NamedTuple):
     queued_prefill_tokens: int = 0  # uncached prompt tokens routed to it and not yet prefilled
     running_decode: int = 0  # requests past their first token, still decoding
     cached_blocks: int = 0  # all blocks this worker holds for the kv_group (its tree size)
+    stored_blocks: int = 0  # blocks it has stored so far (its cache's inflow, from KV events)
 
 
 class Score(NamedTuple):

@@ -13,12 +13,13 @@ own uncached tokens, in chunks of at most `chunk_tokens` per engine step; every 
 advances each running decode by a token (vLLM's chunked schedule, SGLang's mixed chunks).
 
 The last term is what the choice costs everyone else. Uncached tokens are work that delays every
-request that arrives while it waits or runs; in a FIFO queue's steady state that is as many
-requests as it finds waiting (a departing job leaves behind as many as arrived during its stay,
-distributed as what an arrival sees), and with backlogs kept level the fleet shares the delay as
-one pooled queue. So `waiting` is the mean, over the candidates, of requests awaiting their first
-token (`in_flight - running_decode`). An idle fleet recomputes freely; a busy one keeps prefixes
-where they are, because recomputing them there takes capacity everyone is queueing for.
+request in flight where it runs: those awaiting their first token wait for it, and decoding ones
+advance one token per engine step while prefill chunks lengthen the steps (chunked prefill). In
+a FIFO queue's steady state a job delays as many requests as it finds (a departing job leaves
+behind as many as arrived during its stay), and with backlogs kept level the fleet shares the
+delay as one pooled queue. So `waiting` is the mean, over the candidates, of requests in flight.
+An idle fleet recomputes freely; a busy one keeps prefixes where they are, because recomputing
+them takes capacity everyone is queueing for.
 
 Cache and load are priced in one unit: a cached block saves `block_size / prefill_tokens_per_s`
 seconds, a queued token costs as much. A hot prefix's holder with a long queue loses to an idle
@@ -26,13 +27,18 @@ worker exactly when recomputing the prefix there is cheaper (herding).
 
 When every candidate holds the same prefix (none, on a cold miss), the rest of the prompt is new:
 it goes to the rendezvous (highest-random-weight) winner of its first new block, among workers
-within `max(rendezvous_slack_s, rendezvous_factor * best ttft)` of the best cost. Gateway replicas
-that see the same index agree without talking, and a burst of requests sharing a new prefix lands
-together before the workers report it. Exact ties elsewhere are broken by the same hash.
+within `max(rendezvous_slack_s, rendezvous_factor * best ttft)` of the best cost. The rendezvous
+is weighted by `(mean inflow / a worker's inflow) ** inflow_power`, where inflow is the blocks a
+worker's cache has stored (from KV events): new content spreads evenly over the caches, so each
+keeps what it holds about as long as the others (SGLang's router gets this from its smallest
+tree). Gateway replicas that see the same index agree without talking, and a burst of requests
+sharing a new prefix lands together before the workers report it. Exact ties elsewhere are
+broken by the same hash.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import xxhash
@@ -58,6 +64,8 @@ class CacheAwarePolicy:
       rendezvous_slack_s = 0.05     new prefixes may take a worker this much slower than the
       rendezvous_factor = 0.25      best, or this fraction of the best TTFT if larger: within the
                                     estimate's own error, agreement is worth more
+      inflow_power = 1.0            how hard new content is steered to the less-filled caches
+                                    (1: chance inversely proportional to inflow; 0: plain hash)
     Reasons: "cache_hit" (the chosen worker holds the longest match; "cold_miss" when no one
     holds anything) or "load" (a worker holding more of the prompt lost on its queue).
     """
@@ -72,6 +80,7 @@ class CacheAwarePolicy:
         externality: float = 1.0,
         rendezvous_slack_s: float = 0.05,
         rendezvous_factor: float = 0.25,
+        inflow_power: float = 1.0,
     ) -> None:
         if prefill_tokens_per_s <= 0 or chunk_tokens <= 0:
             raise ValueError("prefill_tokens_per_s and chunk_tokens must be positive")
@@ -83,6 +92,7 @@ class CacheAwarePolicy:
         self.externality = externality
         self.rendezvous_slack_s = rendezvous_slack_s
         self.rendezvous_factor = rendezvous_factor
+        self.inflow_power = inflow_power
         self._s_per_token = 1.0 / prefill_tokens_per_s
         self._name_bytes: dict[str, bytes] = {}
 
@@ -107,7 +117,7 @@ class CacheAwarePolicy:
         decode_token_s = self.decode_token_s
         waiting = 0
         for c in candidates:
-            waiting += c.in_flight - c.running_decode
+            waiting += c.in_flight
         # seconds of everyone else's delay per uncached token
         s_delay = self.externality * max(waiting, 0) / len(candidates) * s_per_token
 
@@ -150,7 +160,7 @@ class CacheAwarePolicy:
             new_tokens = prompt - scores[best].matched_tokens
             best_ttft = best_cost - new_tokens * s_delay
             bound = best_cost + max(self.rendezvous_slack_s, self.rendezvous_factor * best_ttft)
-            best = self._rendezvous(scores, keys[most_blocks], bound)
+            best = self._rendezvous(scores, keys[most_blocks], bound, candidates)
         elif n_best > 1:  # exact tie: hash the first block the tied workers do not all hold
             tied = [i for i, s in enumerate(scores) if s.cost == best_cost]
             shared = min(candidates[i].matched_blocks for i in tied)
@@ -171,13 +181,20 @@ class CacheAwarePolicy:
             raw = self._name_bytes[worker] = worker.encode()
         return _xxh3(raw, key & _U64)
 
-    def _rendezvous(self, scores: list[Score], key: int, bound: float) -> int:
-        best, best_weight = -1, -1
-        for i, s in enumerate(scores):
-            if s.cost <= bound:
-                weight = self._weight(s.worker, key)
-                if weight > best_weight:
-                    best, best_weight = i, weight
+    def _rendezvous(
+        self, scores: list[Score], key: int, bound: float, candidates: Sequence[Candidate]
+    ) -> int:
+        """Weighted rendezvous among the workers within `bound`: a worker's chance is
+        inversely proportional to its cache inflow so far, so new content spreads evenly."""
+        eligible = [i for i, s in enumerate(scores) if s.cost <= bound]
+        mean = sum(candidates[i].stored_blocks for i in eligible) / len(eligible) + 1.0
+        best, best_score = -1, -1.0
+        for i in eligible:
+            u = (self._weight(scores[i].worker, key) + 1) / 18446744073709551617.0
+            weight = (mean / (candidates[i].stored_blocks + 1.0)) ** self.inflow_power
+            score = weight / -math.log(u)
+            if score > best_score:
+                best, best_score = i, score
         return best
 
     def _rendezvous_among(self, scores: list[Score], among: list[int], key: int) -> int:
