@@ -111,7 +111,8 @@ def bench_ingest(blocks: int = 192_000) -> None:
             events.append(BlockStored(hashes, parent, tokens, BS, None, "GPU"))
             parent, parent_key = hashes[-1], keys[-1]
         payloads = [
-            encode_batch(EventBatch(float(i), events[i : i + per_batch]))
+            # tagged-map events in a positional batch: what vLLM 0.32 and our workers send
+            encode_batch(EventBatch(float(i), events[i : i + per_batch]), array_like=False)
             for i in range(0, len(events), per_batch)
         ]
         mirror = WorkerMirror(UnifiedIndex(), "w0", "llama-8b", block_size=BS)

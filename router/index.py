@@ -153,9 +153,7 @@ class UnifiedIndex:
 
     def _new_run(self, keys: list[int], parent: _Run | None, mask: int, now: float) -> _Run:
         run = _Run(keys, parent, mask, now)
-        where = self._where
-        for key in keys:
-            where[key] = run
+        self._where.update(dict.fromkeys(keys, run))
         self._runs.add(run)
         if parent is not None:
             self._adopt(parent)
@@ -278,14 +276,17 @@ class UnifiedIndex:
         while i < n:
             run = where.get(keys[i])
             if run is None:  # new blocks up to the next known key
-                j = i + 1
-                while j < n and keys[j] not in where:
-                    j += 1
+                fresh = keys[i:] if i else keys
+                if where.keys().isdisjoint(fresh):  # the common case: all of the rest is new
+                    j = n
+                else:
+                    j = i + 1
+                    while j < n and keys[j] not in where:
+                        j += 1
                 fresh = list(keys[i:j])
                 if prev is not None and prev.children == 0 and prev.mask == flag:
                     prev.keys.extend(fresh)  # a leaf only this resident holds grows in place
-                    for key in fresh:
-                        where[key] = prev
+                    where.update(dict.fromkeys(fresh, prev))
                     prev.ts = now
                     run = prev
                 else:

@@ -185,8 +185,9 @@ class WorkerMirror:
     def _record(self, seq: int, fingerprint: int) -> None:
         recent = self._recent
         recent[seq] = fingerprint
-        if len(recent) > self.dedup_window:
-            del recent[next(iter(recent))]
+        # seqs only grow between clears; popping the oldest by iterating would walk the
+        # deleted slots at the dict's front (quadratic), so drop the one a window back
+        recent.pop(seq - self.dedup_window, None)
 
     def _apply(self, seq: int, batch: EventBatch, now: float) -> None:
         for ev in batch.events:
@@ -274,8 +275,12 @@ class WorkerMirror:
                 self._other[h] = (key, group)
             return
         mapped = self._keys
-        if not self._other and not mapped and hashes == keys:
-            return  # our own hashing: identity needs no entry
+        if not self._other:
+            if not mapped and hashes == keys:
+                return  # our own hashing: identity needs no entry
+            if mapped.keys().isdisjoint(hashes):  # new blocks (the common case): no conflicts
+                mapped.update(zip(hashes, keys, strict=True))
+                return
         for h, key in zip(hashes, keys, strict=True):
             old = mapped.get(h)
             if (old is not None and old != key) or self._other:
