@@ -35,6 +35,7 @@ from backends.emulated.engine import EmulatedEngine, EngineConfig
 from backends.emulated.metrics import CONTENT_TYPE, WorkerMetrics
 from backends.emulated.model import ENGINE, served_model
 from backends.emulated.runner import EngineRunner
+from backends.http.cli import add_serving_arguments
 from backends.http.errors import error_middleware, json_response
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
@@ -197,8 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--engine", choices=[ENGINE], default=ENGINE, help="the engine")
-    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on")
-    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    add_serving_arguments(parser)
     parser.add_argument("--model", default="emulated", help="the served model name")
     parser.add_argument(
         "--kv-group", default=None, help="KV-identity group (unset: the model name)"
@@ -226,19 +226,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-model-len", type=int, default=0, help="context length (0: min(capacity, 131072))"
     )
-    parser.add_argument(
-        "--default-max-tokens", type=int, default=256, help="output length when a chat sets none"
-    )
-    parser.add_argument(
-        "--kv-events-port", type=int, default=0, help="ZMQ PUB port for KV events (0: any)"
-    )
-    parser.add_argument(
-        "--kv-replay-port", type=int, default=0, help="ZMQ ROUTER port for replays (0: any)"
-    )
-    parser.add_argument(
-        "--max-body-mb", type=float, default=32.0, help="larger request bodies get 413"
-    )
-    parser.add_argument("--log-level", default="WARNING", help="logging level")
     return parser
 
 
