@@ -158,55 +158,49 @@ class Proxy:
         assert worker.pool is not None
         try:
             async with asyncio.timeout(self.request_timeout_s):
-                return await self._exchange(request, path, payload, plan, worker, load, stream, t0)
+                try:
+                    upstream = await worker.pool.post(path, payload)
+                except UpstreamError as exc:
+                    raise _Failover(str(exc)) from None
+                try:
+                    if stream and upstream.status == 200:
+                        response, usage = await self._stream(
+                            request, upstream, plan, worker, load, t0
+                        )
+                        return response, 200, usage
+                    return await self._whole(upstream, plan, worker, load, t0)
+                finally:
+                    upstream.release()
         except TimeoutError:
             raise _Failover(f"no complete answer within {self.request_timeout_s} s") from None
 
-    async def _exchange(
-        self,
-        request: web.Request,
-        path: str,
-        payload: bytes,
-        plan: Plan,
-        worker: Worker,
-        load: _Load,
-        stream: bool,
-        t0: float,
-    ) -> tuple[web.StreamResponse, int, Usage | None]:
-        assert worker.pool is not None
+    async def _whole(
+        self, upstream: UpstreamResponse, plan: Plan, worker: Worker, load: _Load, t0: float
+    ) -> tuple[web.Response, int, Usage | None]:
+        """A non-streamed answer, checked before anything reaches the client."""
         try:
-            upstream = await worker.pool.post(path, payload)
+            body = await upstream.read()
         except UpstreamError as exc:
             raise _Failover(str(exc)) from None
-        try:
-            if stream and upstream.status == 200:
-                response, usage = await self._stream(request, upstream, plan, worker, load, t0)
-                return response, 200, usage
-            try:
-                body = await upstream.read()
-            except UpstreamError as exc:
-                raise _Failover(str(exc)) from None
-            if upstream.status >= 500:  # nothing reached the client yet: the next one may serve
-                self.metrics.status(plan.model.name, worker.name, upstream.status).inc()
-                raise _Failover(f"answered {upstream.status}")
-            if upstream.status == 200 and not _is_json_object(body):
-                raise _Failover("answered 200 with a body that is not a JSON object")
-            load.start()
-            self.metrics.series(plan.model.name, worker.name).ttft.observe(time.monotonic() - t0)
-            usage = None
-            if upstream.status == 200:
-                cached = _CACHED_RE.search(body)
-                output = _OUTPUT_RE.search(body)
-                usage = Usage(
-                    int(cached.group(1)) if cached else _header_int(upstream),
-                    int(output.group(1)) if output else None,
-                )
-            headers = {k: v for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
-            headers["x-urc-route"] = route_header(plan, worker)
-            response = web.Response(body=body, status=upstream.status, headers=headers)
-            return response, upstream.status, usage
-        finally:
-            upstream.release()
+        status = upstream.status
+        if status >= 500:  # nothing reached the client yet: the next worker may serve it
+            self.metrics.status(plan.model.name, worker.name, status).inc()
+            raise _Failover(f"answered {status}")
+        if status == 200 and not _is_json_object(body):
+            raise _Failover("answered 200 with a body that is not a JSON object")
+        load.start()
+        self.metrics.series(plan.model.name, worker.name).ttft.observe(time.monotonic() - t0)
+        usage = None
+        if status == 200:
+            cached = _CACHED_RE.search(body)
+            output = _OUTPUT_RE.search(body)
+            usage = Usage(
+                int(cached.group(1)) if cached else _header_int(upstream),
+                int(output.group(1)) if output else None,
+            )
+        headers = {k: v for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
+        headers["x-urc-route"] = route_header(plan, worker)
+        return web.Response(body=body, status=status, headers=headers), status, usage
 
     def _account(self, plan: Plan, worker: Worker, cached: int | None) -> None:
         series = self.metrics.series(plan.model.name, worker.name)
