@@ -38,7 +38,7 @@ def _gateway(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    run_gateway(config)
+    run_gateway(config, args.config)
     return 0
 
 

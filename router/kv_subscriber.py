@@ -67,6 +67,7 @@ class KVEventSubscriber:
         self.messages = 0
         self.bad_frames = 0
         self.reconnects = 0
+        self.connected = False  # the SUB socket's connection to the worker is up
         self.replays = 0
         self.replay_failures = 0
 
@@ -79,7 +80,7 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
@@ -111,7 +112,9 @@ class KVEventSubscriber:
             event = parse_monitor_message(await monitor.recv_multipart())
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.reconnects += 1
-                connected = True
+                self.connected = connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected = False
         return connected
 
     async def _guarded(self, step: Awaitable[None]) -> None:

@@ -32,6 +32,8 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             web.post("/admin/workers", json_errors(admin.add_worker)),
             web.delete("/admin/workers/{name}", json_errors(admin.remove_worker)),
             web.post("/admin/route", json_errors(admin.dry_run)),
+            web.get("/admin/mode", json_errors(admin.get_mode)),
+            web.post("/admin/mode", json_errors(admin.set_mode)),
         ]
     )
 
@@ -127,7 +129,7 @@ class _Admin:
         if tenant is None:
             raise bad_request(f"unknown tenant {tenant_name!r}", "tenant")
         # a copy: a dry run must not move the live policy's state (round robin, routed sizes)
-        policy = copy.deepcopy(self.gateway.policy)
+        policy = copy.deepcopy(self.gateway.modes.active())
         plan = self.gateway.router.plan(body, chat, tenant.salt, policy)
         return web.json_response(
             {
@@ -142,3 +144,15 @@ class _Admin:
                 "candidates": [s._asdict() for s in plan.decision.scores],
             }
         )
+
+    async def get_mode(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response(self.gateway.modes.describe())
+
+    async def set_mode(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = await self._json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("degraded"), bool):
+            raise bad_request("send {'degraded': true} or {'degraded': false}", "degraded")
+        self.gateway.modes.manual = body["degraded"]
+        return web.json_response(self.gateway.modes.describe())

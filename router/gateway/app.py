@@ -19,10 +19,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.gateway.admin import add_admin_routes
-from router.gateway.config import GatewayConfig
+from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.errors import add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
-from router.gateway.metrics import GatewayMetrics
+from router.gateway.metrics import GatewayMetrics, ModesCollector
+from router.gateway.modes import RoutingModes
 from router.gateway.proxy import Proxy, Usage, with_salt
 from router.gateway.recorder import Recorder
 from router.gateway.routing import Plan, Router, parse_body, validate
@@ -44,8 +45,12 @@ class Gateway:
         self.fleet = Fleet(config, self.index)
         self.policy = make_policy(config.policy, **config.policy_params)
         self.router = Router(self.fleet, self.index, self.policy)
+        self.modes = RoutingModes(
+            self.policy, config.shadow_policies, config.prefill_tokens_per_s, config.degraded
+        )
         self.tenants = Tenants(config.tenants, config.salt_secret)
         self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
+        self.metrics.registry.register(ModesCollector(self.modes))
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self._tasks: list[asyncio.Task[None]] = []
@@ -68,7 +73,32 @@ class Gateway:
 
     async def _start(self, _app: web.Application) -> None:
         await self.fleet.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(self.fleet.health_loop()))
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self.fleet.health_loop()))
+        self._tasks.append(loop.create_task(self._watch_index_health()))
+
+    async def _watch_index_health(self) -> None:
+        """Degrade while every KV-event stream is lost; recover when one is back."""
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            lost = self.fleet.events_lost()
+            if lost != self.modes.auto:
+                self.modes.auto = lost
+                log.warning(
+                    "KV event streams %s: routing %s",
+                    "lost" if lost else "back",
+                    "degraded to least load" if lost else "restored",
+                )
+
+    def reload(self, path: str) -> None:
+        """SIGHUP: read the config file again for what can change at runtime."""
+        try:
+            fresh = load_config(path)
+        except ConfigError as exc:
+            log.error("config reload failed, nothing changed: %s", exc)
+            return
+        self.modes.manual = fresh.degraded
+        log.warning("config reloaded: routing %s", "degraded" if fresh.degraded else "live")
 
     async def _stop(self, _app: web.Application) -> None:
         for task in self._tasks:
@@ -92,7 +122,10 @@ class Gateway:
         raw = await request.read()
         body = parse_body(raw)
         validate(body, chat)
-        plan = self.router.plan(body, chat, tenant.salt)
+        modes = self.modes
+        plan = self.router.plan(body, chat, tenant.salt, modes.active())
+        if modes.shadows:
+            modes.watch(plan)
         self.metrics.decision.observe(plan.decision_s)
         self.metrics.reason(plan.decision.reason).inc()
         payload = with_salt(raw, body, tenant.salt)
@@ -148,9 +181,14 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def serve_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set; print `gateway: URL` once the socket accepts connections."""
+async def serve_gateway(
+    config: GatewayConfig, stop: asyncio.Event, config_path: str | None = None
+) -> None:
+    """Serve until `stop` is set; print `gateway: URL` once the socket accepts connections.
+    With `config_path`, SIGHUP reloads it."""
     gateway = Gateway(config)
+    if config_path:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)
     runner = web.AppRunner(gateway.app, access_log=None, handle_signals=False)
     await runner.setup()
     try:
@@ -162,13 +200,13 @@ async def serve_gateway(config: GatewayConfig, stop: asyncio.Event) -> None:
         await runner.cleanup()
 
 
-def run_gateway(config: GatewayConfig) -> None:
+def run_gateway(config: GatewayConfig, config_path: str | None = None) -> None:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_gateway(config, stop)
+        await serve_gateway(config, stop, config_path)
 
     run_async(main())
 

@@ -90,6 +90,8 @@ class GatewayConfig:
     index_max_blocks: int = 20_000_000
     prefill_tokens_per_s: float = 15_000.0  # to age queued prefill of non-streamed requests
     record: str | None = None  # a JSONL file: every served request, for `urc replay`
+    degraded: bool = False  # route by plain least load (the degrade switch)
+    shadow_policies: list[str] = field(default_factory=list)  # watch, never act
 
 
 def _table(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -154,6 +156,20 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--admin-key", help="the key of the admin API (/admin/...)")
     parser.add_argument(
+        "--shadow-policy",
+        action="append",
+        default=[],
+        choices=POLICY_NAMES,
+        metavar="NAME",
+        help="a policy that sees every request and chooses without being acted on; its "
+        "predictions are exported in /metrics and /admin/mode; repeatable",
+    )
+    parser.add_argument(
+        "--degraded",
+        action="store_true",
+        help="start degraded: plain least-load routing (flip with POST /admin/mode)",
+    )
+    parser.add_argument(
         "--record",
         metavar="FILE",
         help="append every served request to FILE (Mooncake JSONL + model, tenant, worker, "
@@ -194,6 +210,9 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
         config.admin_key = args.admin_key
     if args.record:
         config.record = args.record
+    config.shadow_policies.extend(args.shadow_policy)
+    if args.degraded:
+        config.degraded = True
     models = {m.name: m for m in config.models}
     for item in args.model_tokenizer:
         name, sep, spec = item.partition("=")
@@ -207,8 +226,9 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
 
 
 def validate(config: GatewayConfig) -> None:
-    if config.policy not in POLICY_NAMES:
-        raise ConfigError(f"unknown policy {config.policy!r} (known: {', '.join(POLICY_NAMES)})")
+    for name in (config.policy, *config.shadow_policies):
+        if name not in POLICY_NAMES:
+            raise ConfigError(f"unknown policy {name!r} (known: {', '.join(POLICY_NAMES)})")
     keys: set[str] = set()
     for tenant in config.tenants:
         for key in tenant.api_keys:

@@ -153,6 +153,11 @@ class Fleet:
             worker.pool.close()
         return True
 
+    def events_lost(self) -> bool:
+        """The index is unhealthy: workers publish KV events, and no stream is connected."""
+        streams = [s for w in self.workers.values() if w.up for s in w.streams]
+        return bool(streams) and not any(s.subscriber and s.subscriber.connected for s in streams)
+
     # -- health ------------------------------------------------------------------------------
 
     async def check(self, worker: Worker) -> None:

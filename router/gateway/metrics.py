@@ -234,3 +234,47 @@ class _FleetCollector(Collector):
                 gaps.add_metric([w.name], sum(m.gaps for m in mirrors))
                 resets.add_metric([w.name], sum(m.resets + m.restarts for m in mirrors))
         yield from (healthy, exact, in_flight, queued, held, lag, gaps, resets)
+
+
+class ModesCollector(Collector):
+    """Which routing mode is active, and what the shadow policies would have done."""
+
+    def __init__(self, modes: Any) -> None:
+        self.modes = modes
+
+    def collect(self) -> Iterator[Any]:
+        modes = self.modes
+        yield GaugeMetricFamily(
+            "urc_routing_degraded",
+            "1 while routing falls back to least load",
+            float(modes.degraded),
+        )
+        active = GaugeMetricFamily(
+            "urc_routing_policy", "The policy routing now", labels=["policy"]
+        )
+        active.add_metric([modes.active().name], 1.0)
+        yield active
+        fields = [
+            ("urc_shadow_requests", "Requests a shadow policy saw", "requests"),
+            ("urc_shadow_prompt_tokens", "Prompt tokens a shadow policy saw", "prompt_tokens"),
+            (
+                "urc_shadow_predicted_hit_tokens",
+                "Cached tokens its choices would have found",
+                "predicted_hit_tokens",
+            ),
+            (
+                "urc_shadow_predicted_ttft_seconds",
+                "Sum of the TTFT predicted at its choices",
+                "predicted_ttft_s",
+            ),
+            (
+                "urc_shadow_disagreements",
+                "Requests where it chose another worker than the live policy",
+                "disagreements",
+            ),
+        ]
+        for name, doc, field in fields:
+            family = CounterMetricFamily(name, doc, labels=["policy"])
+            for policy, stats in modes.stats.items():
+                family.add_metric([policy], float(getattr(stats, field)))
+            yield family

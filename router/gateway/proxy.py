@@ -93,7 +93,7 @@ def with_salt(raw: bytes, body: dict[str, Any], salt: str | None) -> bytes:
 def route_header(plan: Plan, worker: Worker) -> str:
     return (
         f"worker={worker.name}; matched_tokens={plan.matched(worker.name)}; "
-        f"prompt_tokens={plan.prompt_tokens}; reason={plan.decision.reason}"
+        f"prompt_tokens={plan.prompt_tokens}; reason={plan.decision.reason}; policy={plan.policy}"
     )
 
 

@@ -27,6 +27,9 @@ class Plan(NamedTuple):
     matched_blocks: dict[str, int]  # leading blocks each candidate holds (from the index)
     decision_s: float
     arrived: float  # time.monotonic() when routing began
+    request: RouteRequest  # what the policy saw (shadow policies see the same)
+    candidates: list[Candidate]
+    policy: str  # the policy that decided
 
     def matched(self, worker: str) -> int:
         """Tokens of the prompt the index says `worker` holds."""
@@ -132,8 +135,19 @@ class Router:
             for w in workers
         ]
         request = RouteRequest(keys, len(tokens), model.block_size, group, name)
-        decision = (policy or self.policy).choose(request, candidates)
+        policy = policy or self.policy
+        decision = policy.choose(request, candidates)
         decision_s = time.perf_counter() - t0
         return Plan(
-            model, keys, len(tokens), decision, workers, matched_blocks, decision_s, arrived
+            model,
+            keys,
+            len(tokens),
+            decision,
+            workers,
+            matched_blocks,
+            decision_s,
+            arrived,
+            request,
+            candidates,
+            policy.name,
         )
