@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 import time
 import uuid
@@ -35,7 +34,7 @@ from backends.emulated.engine import EmulatedEngine, EngineConfig
 from backends.emulated.metrics import CONTENT_TYPE, WorkerMetrics
 from backends.emulated.model import ENGINE, served_model
 from backends.emulated.runner import EngineRunner
-from backends.http.cli import add_serving_arguments
+from backends.http.cli import add_serving_arguments, serve_until_signal
 from backends.http.errors import error_middleware, json_response
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
@@ -260,19 +259,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 async def serve(config: WorkerConfig) -> None:
     """Run a worker until SIGINT or SIGTERM."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    worker = EmulatedWorker(config)
-    try:
-        await worker.start()
-        print(f"ready: {worker.url}", flush=True)
-        await stop.wait()
-    finally:
-        await worker.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    await serve_until_signal(EmulatedWorker(config))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

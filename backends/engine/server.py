@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import signal
 import sys
 import time
 import uuid
@@ -41,7 +40,7 @@ from backends.engine.loader import LoadedModel, load_model
 from backends.engine.metrics import CONTENT_TYPE, WorkerMetrics
 from backends.engine.runner import EngineThread
 from backends.engine.scheduler import SchedulerConfig
-from backends.http.cli import add_serving_arguments
+from backends.http.cli import add_serving_arguments, serve_until_signal
 from backends.http.errors import error_middleware, json_response
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
@@ -354,19 +353,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
 
 async def serve(config: WorkerConfig, served: dict[str, LoadedModel]) -> None:
     """Run a worker until SIGINT or SIGTERM."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    worker = TorchWorker(config, served)
-    try:
-        await worker.start()
-        print(f"ready: {worker.url}", flush=True)
-        await stop.wait()
-    finally:
-        await worker.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+    await serve_until_signal(TorchWorker(config, served))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,8 +1,19 @@
-"""The flags every worker takes: where it serves, its KV-event ports, request limits, logging."""
+"""What every worker process shares: its serving flags, and serving until a signal."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
+from typing import Protocol
+
+
+class Served(Protocol):
+    url: str
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser, kv_port_note: str = "") -> None:
@@ -27,3 +38,20 @@ def add_serving_arguments(parser: argparse.ArgumentParser, kv_port_note: str = "
         "--max-body-mb", type=float, default=32.0, help="larger request bodies get 413"
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level")
+
+
+async def serve_until_signal(worker: Served) -> None:
+    """Start `worker`, announce `ready: URL` (what `urc cluster` and the tests wait for), and
+    serve until SIGINT or SIGTERM."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await worker.start()
+        print(f"ready: {worker.url}", flush=True)
+        await stop.wait()
+    finally:
+        await worker.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
