@@ -40,6 +40,9 @@ EXPIRE_EVERY_S = 0.5
 _new = tuple.__new__  # Candidate(...) without NamedTuple's Python-level __new__: hot path
 
 
+_ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change them
+
+
 @dataclass(slots=True)
 class FleetConfig:
     """The fleet, the gateway's settings and the client. Engine defaults are the emulated
@@ -47,13 +50,13 @@ class FleetConfig:
 
     workers: int = 8
     names: list[str] | None = None  # worker names (default w0, w1, ...): rendezvous hashes them
-    block_size: int = 16
-    capacity_tokens: int = 400_000
-    prefill_tokens_per_s: float = 15_000.0
-    decode_base_s: float = 0.008
-    decode_per_request_s: float = 0.00008
-    max_batch: int = 256
-    chunk_tokens: int = 8192
+    block_size: int = _ENGINE.block_size
+    capacity_tokens: int = _ENGINE.capacity_tokens
+    prefill_tokens_per_s: float = _ENGINE.prefill_tokens_per_s
+    decode_base_s: float = _ENGINE.decode_base_s
+    decode_per_request_s: float = _ENGINE.decode_per_request_s
+    max_batch: int = _ENGINE.max_batch
+    chunk_tokens: int = _ENGINE.chunk_tokens
     max_model_len: int = 0  # 0: the worker's default, min(capacity, 131072)
     event_delay_s: float = 0.002
     kv_events: bool = True  # False: approximate residency from routing history

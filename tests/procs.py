@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 
 
 def free_port() -> int:
@@ -84,3 +88,38 @@ def wait_for(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> bo
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+@dataclass(slots=True)
+class Worker:
+    url: str
+    proc: subprocess.Popen[str]
+
+
+@contextmanager
+def running_worker(
+    module: str, *args: str, stop: signal.Signals = signal.SIGTERM, ready_timeout_s: float = 60.0
+) -> Iterator[Worker]:
+    """`python -m MODULE --port 0 ARGS`, until it announces `ready: URL`; on leaving, send
+    `stop` and require a clean exit (code 0): a worker must shut down, not be killed."""
+    cmd = [sys.executable, "-m", module, "--port", "0", *args]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            ready, _, _ = select.select([proc.stdout], [], [], ready_timeout_s)
+            line = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+            if not line.startswith("ready: http://127.0.0.1:"):
+                err.seek(0)
+                raise AssertionError(f"worker did not start: {line!r} {err.read()[-2000:]}")
+            yield Worker(line.split()[1], proc)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(stop)
+            try:
+                code = proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+                raise
+            err.seek(0)
+            assert code == 0, err.read()[-2000:]

@@ -8,15 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import select
 import signal
-import subprocess
-import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +26,8 @@ from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
 from router.tokenizer import ByteTokenizer
+from tests import procs
+from tests.procs import Worker
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,37 +38,8 @@ BS = 16
 FAST = ["--prefill-tps", "500000", "--decode-base-ms", "2", "--decode-per-request-ms", "0.01"]
 
 
-@dataclass(slots=True)
-class Worker:
-    url: str
-    proc: subprocess.Popen[str]
-
-
-@contextmanager
-def running_worker(*args: str, stop: signal.Signals = signal.SIGTERM) -> Iterator[Worker]:
-    """Start `python -m backends.emulated.server` on a free port; stop it with `stop` and
-    require a clean exit."""
-    cmd = [sys.executable, "-m", "backends.emulated.server", "--port", "0", *args]
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
-        try:
-            ready, _, _ = select.select([proc.stdout], [], [], 15.0)
-            line = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
-            if not line.startswith("ready: http://127.0.0.1:"):
-                err.seek(0)
-                raise AssertionError(f"worker did not start: {line!r} {err.read()[-2000:]}")
-            yield Worker(line.split()[1], proc)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(stop)
-            try:
-                code = proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-                raise
-            err.seek(0)
-            assert code == 0, err.read()[-2000:]
+def running_worker(*args: str, **kwargs: Any) -> AbstractContextManager[Worker]:
+    return procs.running_worker("backends.emulated.server", *args, **kwargs)
 
 
 @pytest.fixture(scope="module")

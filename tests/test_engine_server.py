@@ -7,15 +7,10 @@ to it unchanged, and a clean exit on SIGTERM."""
 from __future__ import annotations
 
 import asyncio
-import select
-import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -25,7 +20,8 @@ from router.blocks import block_keys
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
-from tests.procs import start_gateway, wait_for
+from tests import procs
+from tests.procs import Worker, start_gateway, wait_for
 from tests.test_engine_models import write_model
 
 pytestmark = pytest.mark.timeout(90)
@@ -34,38 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BS = 16
 
 
-@dataclass(slots=True)
-class Worker:
-    url: str
-    proc: subprocess.Popen[str]
-
-
-@contextmanager
-def running_worker(*args: str) -> Iterator[Worker]:
-    """`python -m backends.engine.server` on a free port; SIGTERM must end it with 0."""
-    cmd = [sys.executable, "-m", "backends.engine.server", "--port", "0", "--threads", "1"]
-    with tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen(
-            [*cmd, *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True
-        )
-        try:
-            ready, _, _ = select.select([proc.stdout], [], [], 60.0)
-            line = proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
-            if not line.startswith("ready: http://127.0.0.1:"):
-                err.seek(0)
-                raise AssertionError(f"worker did not start: {line!r} {err.read()[-2000:]}")
-            yield Worker(line.split()[1], proc)
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-                raise
-            err.seek(0)
-            assert code == 0, err.read()[-2000:]
+def running_worker(*args: str, **kwargs: Any) -> AbstractContextManager[Worker]:
+    return procs.running_worker("backends.engine.server", "--threads", "1", *args, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from backends.emulated.model import ENGINE, served_model
 from backends.emulated.runner import EngineRunner
 from backends.http.cli import add_serving_arguments, serve_until_signal
 from backends.http.errors import error_middleware, json_response
+from backends.http.kv_events_doc import KV_TOPIC, events_document
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
 from backends.http.sglang_api import SGLangApi
@@ -45,8 +46,6 @@ from router.kv_publisher import KVEventPublisher
 log = logging.getLogger(__name__)
 
 VERSION = "urc-emulated-0.1"
-KV_TOPIC = "kv"
-_ANY_HOST = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(slots=True)
@@ -123,16 +122,6 @@ class EmulatedWorker:
 
     # -- documents ---------------------------------------------------------------------------
 
-    def _endpoint(self, endpoint: str | None, request: web.Request) -> str | None:
-        """A bound ZMQ endpoint as a client can reach it (a wildcard host: the one it asked)."""
-        if endpoint is None:
-            return None
-        scheme, _, rest = endpoint.partition("://")
-        host, _, port = rest.rpartition(":")
-        if host.strip("[]") in _ANY_HOST:
-            host = request.url.host or "127.0.0.1"
-        return f"{scheme}://{host}:{port}"
-
     async def info(self, request: web.Request) -> web.Response:
         assert self.publisher is not None
         load = self.engine.load()
@@ -142,11 +131,7 @@ class EmulatedWorker:
                 "incarnation": self.incarnation,
                 "block_size": self.config.engine.block_size,
                 "models": [self.model.info()],
-                "kv_events": {
-                    "endpoint": self._endpoint(self.publisher.endpoint, request),
-                    "replay_endpoint": self._endpoint(self.publisher.replay_endpoint, request),
-                    "topic": KV_TOPIC,
-                },
+                "kv_events": events_document(self.publisher, request),
                 "capacity_tokens": self.engine.cache.capacity_tokens,
                 "load": load._asdict(),
             }

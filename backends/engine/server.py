@@ -42,6 +42,7 @@ from backends.engine.runner import EngineThread
 from backends.engine.scheduler import SchedulerConfig
 from backends.http.cli import add_serving_arguments, serve_until_signal
 from backends.http.errors import error_middleware, json_response
+from backends.http.kv_events_doc import KV_TOPIC, events_document
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
 from backends.http.sglang_api import SGLangApi
@@ -52,8 +53,6 @@ log = logging.getLogger(__name__)
 
 ENGINE = "torch"
 VERSION = "urc-torch-0.1"
-KV_TOPIC = "kv"
-_ANY_HOST = ("0.0.0.0", "::", "*", "")
 
 
 @dataclass(slots=True)
@@ -157,29 +156,10 @@ class TorchWorker:
 
     # -- documents -------------------------------------------------------------------------------
 
-    @staticmethod
-    def _endpoint(endpoint: str | None, request: web.Request) -> str | None:
-        """A bound ZMQ endpoint as a client can reach it (a wildcard host: the one it asked)."""
-        if endpoint is None:
-            return None
-        scheme, _, rest = endpoint.partition("://")
-        host, _, port = rest.rpartition(":")
-        if host.strip("[]") in _ANY_HOST:
-            host = request.url.host or "127.0.0.1"
-        return f"{scheme}://{host}:{port}"
-
-    def _events_doc(self, group: str, request: web.Request) -> dict[str, Any]:
-        pub = self.publishers[group]
-        return {
-            "endpoint": self._endpoint(pub.endpoint, request),
-            "replay_endpoint": self._endpoint(pub.replay_endpoint, request),
-            "topic": KV_TOPIC,
-        }
-
     async def info(self, request: web.Request) -> web.Response:
         engine = self.engine
         models = [
-            {**m.info(), "kv_events": self._events_doc(m.kv_group, request)}
+            {**m.info(), "kv_events": events_document(self.publishers[m.kv_group], request)}
             for m in self.models.values()
         ]
         pools = []
@@ -207,7 +187,7 @@ class TorchWorker:
             "load": self.runner.engine_load._asdict(),
         }
         if len(self.groups) == 1:
-            doc["kv_events"] = self._events_doc(self.groups[0], request)
+            doc["kv_events"] = events_document(self.publishers[self.groups[0]], request)
         return json_response(doc)
 
     def model_info(self, model: ServedModel) -> dict[str, Any]:

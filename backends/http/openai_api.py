@@ -53,14 +53,17 @@ def float_param(body: dict[str, Any], name: str, low: float, high: float, defaul
     return float(value)
 
 
-def sampling(body: dict[str, Any], max_tokens: int, limit_set: bool) -> Sampling:
-    """The sampling fields OpenAI and vLLM accept, checked."""
+def sampling(
+    body: dict[str, Any], max_tokens: int, limit_set: bool, seed_field: str = "seed"
+) -> Sampling:
+    """The sampling fields OpenAI and vLLM accept (SGLang's too: its seed is `sampling_seed`),
+    checked. top_k -1 or 0 means no limit."""
     top_k = body.get("top_k")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise ApiError(400, "'top_k' must be an integer", param="top_k")
-    seed = body.get("seed")
+    seed = body.get(seed_field)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ApiError(400, "'seed' must be an integer", param="seed")
+        raise ApiError(400, f"'{seed_field}' must be an integer", param=seed_field)
     top_p = float_param(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise ApiError(400, "'top_p' must be in (0, 1]", param="top_p")
@@ -69,7 +72,7 @@ def sampling(body: dict[str, Any], max_tokens: int, limit_set: bool) -> Sampling
         limit_set=limit_set,
         temperature=float_param(body, "temperature", 0.0, 2.0, 1.0),
         top_p=top_p,
-        top_k=max(0, top_k or 0),  # vLLM: -1 (or 0) means no limit
+        top_k=max(0, top_k or 0),
         seed=seed,
         ignore_eos=bool_param(body, "ignore_eos"),
     )

@@ -30,7 +30,7 @@ from backends.http.errors import (
     salt_param,
 )
 from backends.http.generation import Backend, Generation, Sampling, decode
-from backends.http.openai_api import CACHED_TOKENS_HEADER, float_param, sse, stream_headers
+from backends.http.openai_api import CACHED_TOKENS_HEADER, sampling, sse, stream_headers
 from backends.http.served_model import ServedModel, pick_model
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -141,24 +141,8 @@ class SGLangApi:
         max_tokens = model.max_tokens(
             prompt_len, DEFAULT_MAX_NEW_TOKENS if requested is None else requested, "text"
         )
-        top_k = params.get("top_k")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
-            raise ApiError(400, "'top_k' must be an integer", param="top_k")
-        seed = params.get("sampling_seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ApiError(400, "'sampling_seed' must be an integer", param="sampling_seed")
-        top_p = float_param(params, "top_p", 0.0, 1.0, 1.0)
-        if top_p == 0.0:
-            raise ApiError(400, "'top_p' must be in (0, 1]", param="top_p")
-        return Sampling(
-            max_tokens=max_tokens,
-            limit_set=True,  # SGLang always has a limit: 128 unless told
-            temperature=float_param(params, "temperature", 0.0, 2.0, 1.0),
-            top_p=top_p,
-            top_k=max(0, top_k or 0),  # SGLang: -1 means no limit
-            seed=seed,
-            ignore_eos=bool_param(params, "ignore_eos"),
-        )
+        # SGLang always has a limit: 128 unless told
+        return sampling(params, max_tokens, limit_set=True, seed_field="sampling_seed")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await read_json(request)
