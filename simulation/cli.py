@@ -3,10 +3,14 @@
     urc replay TRACE | --workload NAME [--workers N] [--policy NAME|all|a,b]
                [--kv-capacity-tokens N] [--prefill-tps N] [--time-scale X] [--requests N]
                [--seed S] [--out DIR] [--json FILE]
+    urc replay RECORDING --shadow NAME [--shadow NAME ...] [--worker-names A,B,...]
 
 A trace replays its own timestamps (open loop); a workload runs closed-loop at --concurrency
 (default 8, as `urc bench`) or open-loop at --rate. Prints a table; --out DIR gets report.md,
 report.json, series.json and PNG plots (with matplotlib); --json FILE the report alone.
+With --shadow, a gateway recording is replayed on its recorded decisions while each named
+policy watches, as the gateway's --shadow-policy does (simulation/shadow.py); --policy then
+adds normal runs beside it.
 Exit status: 0 on success, 2 on bad arguments or an unreadable trace.
 """
 
@@ -24,6 +28,7 @@ from typing import Any, TextIO
 from backends.emulated.engine import EngineConfig
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS
+from router.policies import POLICY_NAMES
 from simulation import plots
 from simulation.compare import compare, policy_names, split_params
 from simulation.replay import FleetConfig
@@ -31,11 +36,13 @@ from simulation.report import (
     build_report,
     format_table,
     markdown,
+    markdown_table,
     rounded,
     table_rows,
     write_json,
 )
 from simulation.requests import SimRequest
+from simulation.shadow import LIVE, fleet_names, recorded_lines, replay_shadow, shadow_rows
 from simulation.traces import Trace, read_trace, trace_requests
 from simulation.workloads import DEFAULT_MODELS, workload_requests
 
@@ -74,7 +81,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fleet = p.add_argument_group("fleet")
     fleet.add_argument("--workers", type=int, default=8, help="emulated workers")
     fleet.add_argument("--worker-names", help="comma-separated names (rendezvous hashes them)")
-    fleet.add_argument("--policy", default="all", help="a policy, a comma-separated list, or 'all'")
+    fleet.add_argument(
+        "--policy",
+        help="a policy, a comma-separated list, or 'all' (default: all; none with --shadow)",
+    )
+    fleet.add_argument(
+        "--shadow",
+        action="append",
+        default=[],
+        choices=POLICY_NAMES,
+        metavar="NAME",
+        help="recording: follow its live decisions; NAME chooses beside them without acting "
+        "(the gateway's --shadow-policy); repeatable",
+    )
     fleet.add_argument(
         "--policy-param",
         action="append",
@@ -258,11 +277,18 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.shadow and args.trace is None:
+        print("urc replay: --shadow replays a gateway recording (TRACE)", file=sys.stderr)
+        return 2
     try:
-        names = policy_names(args.policy)
+        spec = args.policy or ("" if args.shadow else "all")
+        names = policy_names(spec) if spec else []
         requests, source, trace, block_size = load_requests(args)
         open_loop = args.trace is not None or args.rate is not None
         fleet = fleet_from_args(args, block_size, open_loop)
+        if args.shadow and trace is not None:  # the simulated workers carry the recorded names
+            fleet.names = fleet_names(recorded_lines(trace, len(requests)), fleet.names)
+            fleet.workers = len(fleet.names)
         fleet.worker_names()
         fleet.engine_config()
         given = split_params(args.policy_param, names)
@@ -274,16 +300,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = Progress(len(requests), sys.stderr) if show else None
+    shadow = None
     try:
         comparison = compare(
             requests, names, fleet, params=given, seed=args.seed, progress=progress
         )
+        if args.shadow and trace is not None:
+            report_live = None if progress is None else (lambda sent: progress(LIVE, sent))
+            shadow = replay_shadow(trace, requests, args.shadow, fleet, report_live)
     except ValueError as e:
         print(f"urc replay: {e}", file=sys.stderr)
         return 2
     finally:
         if progress is not None:
             progress.end()
+    if shadow is not None:
+        comparison.results[LIVE] = shadow.result
+        comparison.summaries = {LIVE: shadow.summary, **comparison.summaries}
+        comparison.series[LIVE] = shadow.series
+        comparison.speeds[LIVE] = shadow.speed
     config = {
         **source,
         "requests": len(requests),
@@ -293,10 +328,17 @@ def run(args: argparse.Namespace) -> int:
         "policies": names,
         "policy_params": comparison.params,
     }
+    if shadow is not None:
+        config["shadow"] = list(args.shadow)
     recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
     report = build_report(config, comparison.summaries, comparison.bound, recorded)
+    if shadow is not None:
+        report["shadow"] = rounded(shadow.section)
     rows = table_rows(report["policies"], report["bound"]["hit_rate"], comparison.speeds)
     print(format_table(rows))
+    if shadow is not None:
+        print()
+        print(format_table(shadow_rows(shadow.section)))
     if args.json:
         write_json(report, args.json)
     if args.out:
@@ -311,7 +353,11 @@ def run(args: argparse.Namespace) -> int:
         note = None if written else plots.MISSING
         if note:
             print(f"urc replay: {note}", file=sys.stderr)
-        (out / "report.md").write_text(markdown(report, written, note), encoding="utf-8")
+        page = markdown(report, written, note)
+        if shadow is not None:
+            page += "\nShadow policies on the recorded decisions:\n\n"
+            page += markdown_table(shadow_rows(shadow.section)) + "\n"
+        (out / "report.md").write_text(page, encoding="utf-8")
         print(f"report: {out / 'report.md'}")
     return 0
 

@@ -11,6 +11,8 @@ value anywhere: the same trace, seed and flags give byte-identical files):
     bound      {hit_rate}: one infinite cache (simulation.bound)
     recorded   a gateway recording only: {hit_rate, predicted_hit_rate, policy, requests} as
                measured live (cached_tokens and predicted_tokens of its lines)
+    shadow     `--shadow` only: the recorded decisions replayed with candidate policies
+               watching (simulation/shadow.py); its run is the policy "recorded"
 """
 
 from __future__ import annotations

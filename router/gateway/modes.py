@@ -10,19 +10,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from router.gateway.routing import Plan
-from router.policies import CacheAwarePolicy, Policy, make_policy
-
-
-@dataclass(slots=True)
-class ShadowStats:
-    requests: int = 0
-    predicted_hit_tokens: int = 0
-    prompt_tokens: int = 0
-    predicted_ttft_s: float = 0.0
-    disagreements: int = 0
+from router.policies import Policy, make_policy
+from router.shadow import ShadowPolicies
 
 
 class RoutingModes:
@@ -33,9 +23,10 @@ class RoutingModes:
         self.fallback = make_policy("least_load")
         self.manual = degraded  # the operator's switch
         self.auto = False  # the index is unhealthy
-        self.estimator = CacheAwarePolicy(prefill_tokens_per_s=prefill_tokens_per_s)
-        self.shadows = {name: make_policy(name) for name in shadows}
-        self.stats = {name: ShadowStats() for name in shadows}
+        # the same counting as `urc replay --shadow` (router/shadow.py)
+        self.shadow = ShadowPolicies(shadows, prefill_tokens_per_s)
+        self.shadows = self.shadow.policies
+        self.stats = self.shadow.stats
 
     @property
     def degraded(self) -> bool:
@@ -46,15 +37,7 @@ class RoutingModes:
 
     def watch(self, plan: Plan) -> None:
         """Run every shadow policy on this request's candidates; count what it would do."""
-        by_name = {c.worker: c for c in plan.candidates}
-        for name, policy in self.shadows.items():
-            decision = policy.choose(plan.request, plan.candidates)
-            stats = self.stats[name]
-            stats.requests += 1
-            stats.prompt_tokens += plan.prompt_tokens
-            stats.predicted_hit_tokens += decision.matched_tokens
-            stats.predicted_ttft_s += self.estimator.ttft(plan.request, by_name[decision.worker])
-            stats.disagreements += decision.worker != plan.decision.worker
+        self.shadow.watch(plan.request, plan.candidates, plan.decision.worker)
 
     def describe(self) -> dict[str, object]:
         return {
@@ -63,17 +46,5 @@ class RoutingModes:
             "active_policy": self.active().name,
             "degraded_by_operator": self.manual,
             "degraded_by_index_health": self.auto,
-            "shadows": {
-                name: {
-                    "requests": s.requests,
-                    "predicted_hit_rate": s.predicted_hit_tokens / s.prompt_tokens
-                    if s.prompt_tokens
-                    else None,
-                    "predicted_ttft_mean_s": s.predicted_ttft_s / s.requests
-                    if s.requests
-                    else None,
-                    "disagreement_rate": s.disagreements / s.requests if s.requests else None,
-                }
-                for name, s in self.stats.items()
-            },
+            "shadows": self.shadow.describe(),
         }

@@ -1,14 +1,15 @@
 """`urc gateway --record FILE`: live traffic as a trace `urc replay` can read.
 
-One JSON line per served request in Mooncake's format (DESIGN §7) — `timestamp` (ms since the
-first recorded arrival), `input_length`, `output_length`, `hash_ids` — where the hash ids are
-the request's block keys, `block_size` tokens each, plus what only the gateway knows: model,
-tenant, chosen worker, the policy, predicted and actual cached tokens. Lines are written when
-requests finish, so they are not in timestamp order: sort before replaying.
+One JSON line per served request in Mooncake's format (DESIGN §7) — `timestamp` (ms from the
+start of the recording to its arrival), `input_length`, `output_length`, `hash_ids` — where the
+hash ids are the request's block keys, `block_size` tokens each, plus what only the gateway
+knows: model, tenant, chosen worker, the policy, predicted and actual cached tokens. Lines are
+written when requests finish, so they are not in timestamp order: sort before replaying.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import msgspec
@@ -23,12 +24,10 @@ class Recorder:
         self.path = Path(path)
         self.policy = policy
         self._file = self.path.open("ab", buffering=1 << 16)
-        self._t0: float | None = None
+        self._t0 = time.monotonic()  # the clock of Plan.arrived
         self._encode = msgspec.json.Encoder().encode
 
     def record(self, plan: Plan, worker: Worker, tenant: str, usage: Usage) -> None:
-        if self._t0 is None:
-            self._t0 = plan.arrived
         line = {
             "timestamp": round((plan.arrived - self._t0) * 1000, 3),
             "input_length": plan.prompt_tokens,

@@ -1,0 +1,193 @@
+"""`urc replay REC --shadow NAME`: a gateway recording with the live and candidate policies
+side by side.
+
+The simulated fleet follows the recorded live decisions: each request goes to the worker the
+gateway chose (simulated workers carry the recorded names), so the replay's index and load view
+evolve as the gateway's did. At each request, every candidate policy is asked on the replay's
+index with the candidates the live decision saw, through the gateway's own counting
+(router/shadow.py): predicted hit tokens, predicted TTFT and disagreement with the live choice.
+
+The report's "shadow" section:
+
+    live       policy (the recording's), requests, recorded_hit_rate and
+               recorded_predicted_hit_rate (the lines' cached_tokens and predicted_tokens),
+               hit_rate (the replay's workers), predicted_hit_rate and predicted_ttft_mean_s
+               (the replay's index and the estimator at the live choice)
+    policies   {NAME: {requests, prompt_tokens, predicted_hit_tokens, predicted_hit_rate,
+               predicted_ttft_mean_s, disagreement_rate}}: what /admin/mode exports live
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loadgen.mooncake import TraceRecord
+from router.policies import Candidate, Decision, RouteRequest, Score
+from router.shadow import ShadowPolicies, ShadowStats
+from simulation.metrics import series, summarize
+from simulation.replay import FleetConfig, Replay, RunResult
+from simulation.requests import SimRequest
+from simulation.traces import Trace
+
+LIVE = "recorded"  # the followed live decisions, as a row of the report's policies
+
+
+class RecordedChoice:
+    """The live policy of a recording, as a policy: each request goes to the worker the gateway
+    chose; the shadow policies watch the same candidates. Requests are known by their
+    `RouteRequest` object (the replay hands each request's own to `choose`)."""
+
+    name = LIVE
+
+    def __init__(
+        self, requests: Sequence[SimRequest], workers: Sequence[str], shadows: ShadowPolicies
+    ) -> None:
+        self._chosen = {id(r.route): w for r, w in zip(requests, workers, strict=True)}
+        self.shadows = shadows
+        self.live = ShadowStats()  # the live choice counted as a shadow's (never disagrees)
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        worker = self._chosen[id(request)]
+        bs, prompt = request.block_size, request.prompt_tokens
+        scores = tuple(
+            Score(c.worker, min(c.matched_blocks * bs, prompt), c.in_flight, 0.0)
+            for c in candidates
+        )
+        chosen = next((c for c in candidates if c.worker == worker), None)
+        if chosen is None:
+            names = ", ".join(c.worker for c in candidates)
+            raise ValueError(f"the recording sent a request to {worker!r}, not one of {names}")
+        self.shadows.watch(request, candidates, worker)
+        live = self.live
+        live.requests += 1
+        live.prompt_tokens += prompt
+        live.predicted_hit_tokens += min(chosen.matched_blocks * bs, prompt)
+        live.predicted_ttft_s += self.shadows.estimator.ttft(request, chosen)
+        return Decision(worker, "recorded", scores)
+
+
+@dataclass(slots=True)
+class ShadowReplay:
+    result: RunResult
+    summary: dict[str, Any]
+    series: dict[str, Any]
+    speed: float  # simulated requests per second of wall time (not in the report)
+    section: dict[str, Any]  # the report's "shadow"
+
+
+def recorded_lines(trace: Trace, limit: int | None = None) -> list[TraceRecord]:
+    """The recording's lines in the order `trace_requests` makes requests of them."""
+    return sorted(trace.records, key=lambda r: r.timestamp_ms)[:limit]
+
+
+def fleet_names(lines: Sequence[TraceRecord], given: Sequence[str] | None) -> list[str]:
+    """The simulated workers: `given` (the gateway's candidate order, GET /admin/workers), or
+    the recorded workers in order of first use. ValueError if a line names no worker or one
+    that is not in `given`."""
+    used: dict[str, None] = {}
+    for rec in lines:
+        if not rec.worker:
+            raise ValueError(f"line {rec.line} of the recording names no worker")
+        used.setdefault(rec.worker, None)
+    if not given:
+        return list(used)
+    missing = [w for w in used if w not in given]
+    if missing:
+        raise ValueError(f"recorded workers not in --worker-names: {', '.join(missing)}")
+    return list(given)
+
+
+def replay_shadow(
+    trace: Trace,
+    requests: Sequence[SimRequest],
+    shadows: Sequence[str],
+    fleet: FleetConfig,
+    progress: Callable[[int], None] | None = None,
+) -> ShadowReplay:
+    """Replay `requests` (made by `trace_requests` from `trace`, a recording) on the recorded
+    decisions with `shadows` watching. The fleet's names must hold every recorded worker."""
+    if not trace.recorded:
+        raise ValueError("--shadow needs a gateway recording (urc gateway --record FILE)")
+    lines = recorded_lines(trace, len(requests))
+    if len({r.kv_group for r in requests}) > 1:
+        raise ValueError("--shadow replays a recording of one model (kv_group) for now")
+    watch = ShadowPolicies(shadows, fleet.prefill_tokens_per_s)
+    policy = RecordedChoice(requests, [rec.worker or "" for rec in lines], watch)
+    t0 = time.perf_counter()
+    result = Replay(requests, policy, fleet).run(progress)
+    speed = len(requests) / max(time.perf_counter() - t0, 1e-9)
+    summary = summarize(result, requests)
+    prompt = sum(rec.input_length for rec in lines)
+    cached = [rec.cached_tokens for rec in lines]
+    recorded_hit = sum(c or 0 for c in cached) / prompt if prompt and None not in cached else None
+    live = policy.live.summary()
+    section = {
+        "live": {
+            "policy": trace.policy,
+            "requests": len(lines),
+            "recorded_hit_rate": recorded_hit,
+            "recorded_predicted_hit_rate": _recorded_predicted(trace, lines, prompt),
+            "hit_rate": summary["hit_rate"],
+            "predicted_hit_rate": live["predicted_hit_rate"],
+            "predicted_ttft_mean_s": live["predicted_ttft_mean_s"],
+        },
+        "policies": {
+            name: {
+                **s.summary(),
+                "prompt_tokens": s.prompt_tokens,
+                "predicted_hit_tokens": s.predicted_hit_tokens,
+            }
+            for name, s in watch.stats.items()
+        },
+    }
+    return ShadowReplay(result, summary, series(result, requests), speed, section)
+
+
+def _recorded_predicted(trace: Trace, lines: Sequence[TraceRecord], prompt: int) -> float | None:
+    """The recording's predicted hit rate, where it covers every line replayed."""
+    if len(lines) != len(trace.records) or trace.predicted_tokens is None or not prompt:
+        return None
+    return trace.predicted_tokens / prompt
+
+
+def _cell(value: float | None, kind: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 100:.1f}%" if kind == "pct" else f"{value * 1e3:.0f}ms"
+
+
+def shadow_rows(section: dict[str, Any]) -> list[list[str]]:
+    """The live decisions (recorded, replayed) and each shadow policy, one row each."""
+    live = section["live"]
+    header = ["shadow", "hit rate", "predicted hit rate", "predicted TTFT", "disagreement"]
+    rows = [
+        header,
+        [
+            f"live {live['policy'] or '?'}, recorded",
+            _cell(live["recorded_hit_rate"], "pct"),
+            _cell(live["recorded_predicted_hit_rate"], "pct"),
+            "-",
+            "-",
+        ],
+        [
+            f"live {live['policy'] or '?'}, replayed",
+            _cell(live["hit_rate"], "pct"),
+            _cell(live["predicted_hit_rate"], "pct"),
+            _cell(live["predicted_ttft_mean_s"], "ms"),
+            _cell(0.0, "pct"),
+        ],
+    ]
+    for name, s in section["policies"].items():
+        rows.append(
+            [
+                name,
+                "-",
+                _cell(s["predicted_hit_rate"], "pct"),
+                _cell(s["predicted_ttft_mean_s"], "ms"),
+                _cell(s["disagreement_rate"], "pct"),
+            ]
+        )
+    return rows
