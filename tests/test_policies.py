@@ -26,6 +26,7 @@ from router.policies import (
     make_policy,
     policy_params,
 )
+from router.policies.cache_aware import FleetView, RoutingHistory
 
 BS = 16
 
@@ -75,11 +76,38 @@ def test_cache_aware_cost_is_the_documented_model() -> None:
     assert policy.ttft(req, cands[0]) == pytest.approx(236 / 10_000 + 3 * 5 * 1e-3)
     assert policy.ttft(req, cands[1]) == pytest.approx(160 / 10_000)
     waiting = (7 + 1) / 2  # requests in flight, mean over the candidates
+    view = policy.fleet_view(req, cands)
+    # no history yet: every queue counts in full, nothing is known to be reused
+    assert view == FleetView(waiting, 70.0, 1.0, 0.0)
     decision = policy.choose(req, cands)
     for score, cand in zip(decision.scores, cands, strict=True):
         uncached = 160 - score.matched_tokens
         assert score.cost == pytest.approx(policy.ttft(req, cand) + waiting * uncached / 10_000)
-        assert score.cost == pytest.approx(policy.cost(req, cand, waiting))
+        assert score.cost == pytest.approx(policy.cost(req, cand, view))
+
+
+def test_cache_aware_cost_pools_backlogs_and_prices_evictions() -> None:
+    policy = CacheAwarePolicy(prefill_tokens_per_s=10_000.0, decode_token_s=0.0, chunk_tokens=100)
+    history = policy.history("llama-8b")
+    history.record(hit=600, miss=400, free=True, cache_tokens=10**12)  # no decay to speak of
+    history.record(hit=0, miss=400, free=False, cache_tokens=10**12)
+    req = request(10, extra_tokens=0)  # 160 tokens
+    full = Candidate(
+        "full", 4, in_flight=3, queued_prefill_tokens=1000, stored_blocks=9, cached_blocks=5
+    )
+    room = Candidate(
+        "room", 0, in_flight=1, queued_prefill_tokens=200, stored_blocks=3, cached_blocks=3
+    )
+    view = policy.fleet_view(req, [full, room])
+    share = 1 - 400 / (800 + BS)  # half the recent uncached work was free to go anywhere
+    reuse = 600 / (800 + BS)  # hit tokens per miss token
+    assert view == pytest.approx(FleetView(2.0, 600.0, share, reuse))
+    decision = policy.choose(req, [full, room])
+    costs = {s.worker: s.cost for s in decision.scores}
+    # full: backlog 600 + share * 400; 96 uncached tokens delay 2 requests each and evict
+    # blocks that `reuse` says get used again; room stores 160 tokens without evicting
+    assert costs["full"] == pytest.approx(((600 + share * 400) + 96 + 96 * (2 + reuse)) / 10_000)
+    assert costs["room"] == pytest.approx(((600 - share * 400) + 160 + 160 * 2) / 10_000)
 
 
 def test_a_busy_fleet_keeps_the_prefix_where_it_is() -> None:
@@ -128,9 +156,49 @@ def test_cache_aware_picks_the_lowest_estimate_when_matches_differ(
     costs = {s.worker: s.cost for s in decision.scores}
     if matched > 0:
         assert costs[decision.worker] == min(costs.values())
-    else:  # a cold miss may take any worker within the load bound
-        best = min(costs.values())
-        assert costs[decision.worker] <= best + max(0.05, 0.25 * best)
+    else:  # a cold miss may take any worker within the bound on the fastest wait
+        waits = {c.worker: policy.ttft(req, c) for c in cands}
+        best = min(waits.values())
+        bound = best + max(policy.rendezvous_slack_s, policy.rendezvous_factor * best)
+        assert waits[decision.worker] <= bound
+
+
+def test_free_traffic_levels_the_queues_so_a_prefix_stays_home() -> None:
+    req = request(64)  # 1029 tokens, 960 of them held by "holder"
+    holder = Candidate("holder", 60, in_flight=2, queued_prefill_tokens=6000)
+    other = Candidate("other", 0, in_flight=2)
+    # every request so far had a home: queues are what they are, and recomputing is faster
+    bound = CacheAwarePolicy()
+    bound.history("llama-8b").record(hit=0, miss=50_000, free=False, cache_tokens=10**6)
+    assert bound.choose(req, [holder, other]).worker == "other"
+    # most recent work was free to go anywhere: it levels the queues, the prefix stays home
+    free = CacheAwarePolicy()
+    free.history("llama-8b").record(hit=0, miss=50_000, free=True, cache_tokens=10**6)
+    decision = free.choose(req, [holder, other])
+    assert (decision.worker, decision.reason) == ("holder", "cache_hit")
+
+
+def test_storing_on_a_full_cache_costs_what_the_fleet_reuses() -> None:
+    req = request(64)  # 1029 tokens
+    holder = Candidate("holder", 8, stored_blocks=900, cached_blocks=800)  # full: it evicted
+    roomy = Candidate("roomy", 0, stored_blocks=300, cached_blocks=300)
+    assert CacheAwarePolicy().choose(req, [holder, roomy]).worker == "holder"  # nothing reused
+    policy = CacheAwarePolicy()
+    policy.history("llama-8b").record(hit=30_000, miss=10_000, free=False, cache_tokens=10**6)
+    decision = policy.choose(req, [holder, roomy])
+    assert (decision.worker, decision.reason) == ("roomy", "load")
+    assert CacheAwarePolicy(cache_value=0).choose(req, [holder, roomy]).worker == "holder"
+
+
+def test_routing_history_forgets_over_a_turnover_of_the_caches() -> None:
+    history = RoutingHistory()
+    history.record(hit=1000, miss=1000, free=True, cache_tokens=100_000)
+    for _ in range(200):  # 100k more prompt tokens, all new and bound: one cache's worth
+        history.record(hit=0, miss=500, free=False, cache_tokens=100_000)
+    assert history.hit_tokens == pytest.approx(1000 / math.e, rel=0.02)
+    assert history.free_tokens == pytest.approx(1000 / math.e, rel=0.02)
+    assert 0.99 < history.bound_share(BS) < 1.0
+    assert history.reuse(BS) == pytest.approx(history.hit_tokens / (history.miss_tokens + BS))
 
 
 def test_cold_misses_agree_across_instances_and_spread_over_workers() -> None:
@@ -159,27 +227,41 @@ def test_cold_miss_home_depends_on_the_first_block_only() -> None:
         assert policy.choose(base._replace(block_keys=keys), cands).worker == home
 
 
-def test_cold_miss_respects_the_load_bound() -> None:
+def test_cold_miss_fills_the_cache_that_took_least_lately_among_the_fast_enough() -> None:
     policy = CacheAwarePolicy()
-    cands = idle("a", "b", "c", "d")
     req = request(64)  # 1029 tokens: ~69 ms of prefill on an idle worker
-    home = policy.choose(req, cands).worker
+    start = [Candidate(n, 0, stored_blocks=1000, cached_blocks=800) for n in "abcd"]
+    policy.choose(req, start)  # first sight: nothing stored lately, the rendezvous decides
+    cands = [c._replace(stored_blocks=1100) for c in start]
+    cands[2] = cands[2]._replace(stored_blocks=1020)  # c took 20 blocks since, the rest 100
+    decision = policy.choose(req, cands)
+    assert (decision.worker, decision.reason) == ("c", "cold_miss")
+    # blocks routed and not yet prefilled count as taken: 200 queued blocks outweigh 80 stored
+    queued = [c._replace(queued_prefill_tokens=200 * BS) if c.worker == "c" else c for c in cands]
+    assert policy.choose(req, queued).worker != "c"
+    # the emptiest cache loses once its queue puts it past the bound on the fastest wait
     best = policy.ttft(req, cands[0])
     bound = best + max(policy.rendezvous_slack_s, policy.rendezvous_factor * best)
-
-    def with_home_queue(tokens: int) -> list[Candidate]:
-        return [c._replace(queued_prefill_tokens=tokens) if c.worker == home else c for c in cands]
-
     inside = int((bound - best) * policy.prefill_tokens_per_s) - 1
-    assert policy.choose(req, with_home_queue(inside)).worker == home
-    loaded = with_home_queue(inside + 50)
-    decision = policy.choose(req, loaded)
-    assert decision.worker != home
-    assert decision.reason == "cold_miss"
-    assert decision.worker == CacheAwarePolicy().choose(req, loaded).worker
-    # a busy fleet adds the same delay term to every cold candidate; the bound stays on TTFT
-    busy = [c._replace(in_flight=10) for c in with_home_queue(inside + 50)]
-    assert policy.choose(req, busy).worker != home
+    cands[2] = cands[2]._replace(queued_prefill_tokens=inside)
+    assert policy.choose(req, cands).worker == "c"
+    cands[2] = cands[2]._replace(queued_prefill_tokens=inside + 50)
+    decision = policy.choose(req, cands)
+    assert decision.worker != "c" and decision.reason == "cold_miss"
+
+
+def test_a_worker_that_joins_late_fills_up_then_takes_its_share() -> None:
+    policy = CacheAwarePolicy()
+    req = request(8)
+    old = [Candidate(n, 0, stored_blocks=10**6, cached_blocks=800) for n in "ab"]
+    policy.choose(req, old)
+    fleet = [c._replace(stored_blocks=10**6 + 100) for c in old] + [Candidate("new", 0)]
+    assert policy.choose(req, fleet).worker == "new"  # an empty cache: storing evicts nothing
+    # it stored a cache's worth while the others took 100 blocks each: its turn is over,
+    # though its count is a thousandth of theirs
+    fleet = [c._replace(stored_blocks=10**6 + 200) for c in old]
+    fleet.append(Candidate("new", 0, stored_blocks=800, cached_blocks=800))
+    assert policy.choose(req, fleet).worker != "new"
 
 
 def test_a_shared_prefix_held_everywhere_rendezvouses_on_the_first_new_block() -> None:

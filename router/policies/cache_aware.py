@@ -3,43 +3,64 @@
 The cost of sending a request to a worker is a queueing model of its engine, in seconds:
 
     uncached = prompt_tokens - matched_tokens
-    work     = queued_prefill_tokens + uncached
-    ttft     = work / prefill_tokens_per_s + max(1, ceil(work / chunk_tokens)) * running_decode
+    backlog  = mean_queued + bound_share * (queued_prefill_tokens - mean_queued)
+    work     = backlog + uncached
+    wait     = work / prefill_tokens_per_s + max(1, ceil(work / chunk_tokens)) * running_decode
                * decode_token_s
-    cost     = ttft + externality * waiting * uncached / prefill_tokens_per_s
+    cost     = wait + uncached / prefill_tokens_per_s * (externality * waiting
+               + cache_value * reuse * full)
 
-`ttft` is this request's own wait: the prefill routed to the worker and not yet done, plus its
+`wait` is this request's own wait: the prefill routed to the worker and not yet done, plus its
 own uncached tokens, in chunks of at most `chunk_tokens` per engine step; every step also
 advances each running decode by a token (vLLM's chunked schedule, SGLang's mixed chunks).
 
-The last term is what the choice costs everyone else. Uncached tokens are work that delays every
-request in flight where it runs: those awaiting their first token wait for it, and decoding ones
-advance one token per engine step while prefill chunks lengthen the steps (chunked prefill). In
-a FIFO queue's steady state a job delays as many requests as it finds (a departing job leaves
-behind as many as arrived during its stay), and with backlogs kept level the fleet shares the
-delay as one pooled queue. So `waiting` is the mean, over the candidates, of requests in flight.
-An idle fleet recomputes freely; a busy one keeps prefixes where they are, because recomputing
-them takes capacity everyone is queueing for.
+The backlog is pooled. Requests that every candidate holds equally (none, on a cold miss) are
+free to go anywhere, and they go where the backlog is short: the fleet levels its queues with
+them. So a worker's excess over the fleet's mean backlog persists only in the share of the work
+that is bound to a cache: `bound_share` = 1 - the free share of recently routed uncached tokens.
+A request that holds a prefix somewhere leaves it for another worker only for the excess that
+free traffic cannot level. A fleet where every request has a home (all bound) sees each queue
+as it is; one with much free traffic keeps prefixes home and levels with the rest.
+
+The rest is what the choice costs everyone else, in two parts:
+- Queueing. Uncached tokens are work that delays every request in flight where it runs: those
+  awaiting their first token wait for it, and decoding ones advance one token per engine step
+  while prefill chunks lengthen the steps. In a FIFO queue's steady state a job delays as many
+  requests as it finds (a departing job leaves behind as many as arrived during its stay), and
+  with backlogs level the fleet shares the delay as one pooled queue, so `waiting` is the mean,
+  over the candidates, of requests in flight.
+- Eviction. Every uncached block is stored where it runs; on a full cache (`full`: the worker
+  has evicted before, stored_blocks > cached_blocks) it evicts a block, which a later request
+  may need and recompute. `reuse` is the fleet's recent hit tokens per miss token: how often a
+  stored block has been used again, so how much recomputation an eviction costs, per token.
+Both are measured per kv_group from the policy's own decisions (`RoutingHistory`), decayed with
+the fleet's cached tokens as the time constant: reuse over the last cache's worth of prompt
+tokens routed, the free share over the last cache's worth of uncached ones (one turnover).
 
 Cache and load are priced in one unit: a cached block saves `block_size / prefill_tokens_per_s`
 seconds, a queued token costs as much. A hot prefix's holder with a long queue loses to an idle
 worker exactly when recomputing the prefix there is cheaper (herding).
 
 When every candidate holds the same prefix (none, on a cold miss), the rest of the prompt is new:
-it goes to the rendezvous (highest-random-weight) winner of its first new block, among workers
-within `max(rendezvous_slack_s, rendezvous_factor * best ttft)` of the best cost. The rendezvous
-is weighted by `(mean inflow / a worker's inflow) ** inflow_power`, where inflow is the blocks a
-worker's cache has stored (from KV events): new content spreads evenly over the caches, so each
-keeps what it holds about as long as the others (SGLang's router gets this from its smallest
-tree). Gateway replicas that see the same index agree without talking, and a burst of requests
-sharing a new prefix lands together before the workers report it. Exact ties elsewhere are
-broken by the same hash.
+among the workers whose own wait is within `max(rendezvous_slack_s, rendezvous_factor * best)`
+of the best, it goes to the one whose cache has taken the least new content lately (blocks
+stored over the last turnover of the caches, from KV events, plus the tokens routed to it and
+not yet prefilled): new content spreads evenly over the caches, so each keeps what it holds as
+long as the others (SGLang's router gets this from its smallest tree). Lately, not ever: a
+cache's contents are its last turnover's, and a worker that joins late fills up and then takes
+its share, instead of drawing every new prefix until its count catches up. Ties, as in an idle
+fleet, go to the rendezvous (highest-random-weight) winner of the first new block, so gateway
+replicas that see the same index agree without talking (each counts only the queued tokens it
+routed itself: under load two may place one new prefix apart until the index shows it). Exact
+ties elsewhere are broken by the same hash.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import xxhash
 
@@ -50,8 +71,69 @@ _new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: ho
 _U64 = (1 << 64) - 1
 
 
+@dataclass(slots=True)
+class RoutingHistory:
+    """One kv_group's recent routing outcomes (decisions are its only clock).
+
+    Reuse is counted over the last fleet cache's worth of prompt tokens routed; the free share
+    and each worker's cache inflow over the last fleet cache's worth of new blocks (one turnover
+    of the caches)."""
+
+    hit_tokens: float = 0.0  # matched tokens at the chosen workers
+    miss_tokens: float = 0.0  # uncached tokens routed, on the same clock as hit_tokens
+    inflow_tokens: float = 0.0  # uncached tokens routed: what the caches stored
+    free_tokens: float = 0.0  # of those, tokens of requests every candidate held equally
+    inflow: dict[str, float] = field(default_factory=dict)  # worker -> recent blocks stored
+    seen_stored: dict[str, int] = field(default_factory=dict)  # worker -> stored_blocks seen
+
+    def record(self, hit: int, miss: int, free: bool, cache_tokens: int) -> None:
+        """One decision: `hit` tokens matched and `miss` tokens to store where it went; `free`
+        when every candidate held the same prefix."""
+        decay = math.exp(-(hit + miss) / (cache_tokens + hit + miss + 1))
+        self.hit_tokens = self.hit_tokens * decay + hit
+        self.miss_tokens = self.miss_tokens * decay + miss
+        decay = math.exp(-miss / (cache_tokens + miss + 1))
+        self.inflow_tokens = self.inflow_tokens * decay + miss
+        self.free_tokens = self.free_tokens * decay + (miss if free else 0)
+
+    def observe(self, candidates: Sequence[Candidate]) -> None:
+        """Add the blocks each worker stored since last seen to its recent inflow. A count
+        that went down is a worker the index forgot and met again: it starts over."""
+        seen = self.seen_stored
+        added: list[int] = []
+        for c in candidates:
+            last = seen.get(c.worker)
+            added.append(
+                c.stored_blocks - last if last is not None and c.stored_blocks >= last else 0
+            )
+            seen[c.worker] = c.stored_blocks
+        total = sum(added)
+        held = sum(c.cached_blocks for c in candidates)
+        decay = math.exp(-total / (held + total + 1))
+        inflow = self.inflow
+        for c, n in zip(candidates, added, strict=True):
+            inflow[c.worker] = inflow.get(c.worker, 0.0) * decay + n
+
+    def reuse(self, block_size: int) -> float:
+        """Recent hit tokens per miss token: how often what was stored got used again."""
+        return self.hit_tokens / (self.miss_tokens + block_size)
+
+    def bound_share(self, block_size: int) -> float:
+        """The share of recent uncached work that was bound to a cache (not free to move)."""
+        return 1.0 - self.free_tokens / (self.inflow_tokens + block_size)
+
+
+class FleetView(NamedTuple):
+    """What a cost depends on besides the candidate itself (see the module docstring)."""
+
+    waiting: float  # mean requests in flight over the candidates
+    mean_queued: float  # mean queued_prefill_tokens over the candidates
+    bound_share: float  # share of recent uncached work bound to a cache (1 - free share)
+    reuse: float  # recent hit tokens per miss token
+
+
 class CacheAwarePolicy:
-    """Minimise the fleet's time to first token; rendezvous-hash what is new.
+    """Minimise the fleet's time to first token; spread what is new over the caches.
 
     Defaults describe an 8B model in bf16 on one H100:
       prefill_tokens_per_s = 15000  ~2*8e9 FLOP/token at ~25-40% of 989 TFLOP/s (10-20k tok/s)
@@ -59,15 +141,17 @@ class CacheAwarePolicy:
                                     scheduling); 64 of them make ~13 ms of a 10-30 ms step
       chunk_tokens = 8192           prefill tokens per engine step (SGLang's chunked prefill
                                     size, vLLM's max_num_batched_tokens)
-      externality = 1.0             weight of the delay imposed on others: 1 is the model, 0 is
-                                    selfish (own TTFT only); a switch for ablations
-      rendezvous_slack_s = 0.05     new prefixes may take a worker this much slower than the
-      rendezvous_factor = 0.25      best, or this fraction of the best TTFT if larger: within the
-                                    estimate's own error, agreement is worth more
-      inflow_power = 1.0            how hard new content is steered to the less-filled caches
-                                    (1: chance inversely proportional to inflow; 0: plain hash)
+      externality = 1.0             weight of the queueing delay imposed on others: 1 is the
+                                    model, 0 is selfish (own TTFT only); a switch for ablations
+      cache_value = 1.0             weight of the recomputation an eviction causes: 1 is the
+                                    model, 0 ignores it; a switch for ablations
+      rendezvous_slack_s = 0.0      new prefixes may take a worker this much slower than the
+      rendezvous_factor = 0.1       best, or this fraction of the best wait if larger: within the
+                                    estimate's own error, an even spread is worth more
     Reasons: "cache_hit" (the chosen worker holds the longest match; "cold_miss" when no one
-    holds anything) or "load" (a worker holding more of the prompt lost on its queue).
+    holds anything) or "load" (a worker holding more of the prompt lost on its cost).
+    Like SGLang's router, the object remembers its decisions (a `RoutingHistory` per kv_group);
+    it reads no clock: time is what it routed.
     """
 
     name = "cache_aware"
@@ -78,36 +162,65 @@ class CacheAwarePolicy:
         decode_token_s: float = 2e-4,
         chunk_tokens: int = 8192,
         externality: float = 1.0,
-        rendezvous_slack_s: float = 0.05,
-        rendezvous_factor: float = 0.25,
-        inflow_power: float = 1.0,
+        cache_value: float = 1.0,
+        rendezvous_slack_s: float = 0.0,
+        rendezvous_factor: float = 0.1,
     ) -> None:
         if prefill_tokens_per_s <= 0 or chunk_tokens <= 0:
             raise ValueError("prefill_tokens_per_s and chunk_tokens must be positive")
-        if min(decode_token_s, externality, rendezvous_slack_s, rendezvous_factor) < 0:
-            raise ValueError("decode_token_s, externality and rendezvous bounds must be >= 0")
+        if min(decode_token_s, externality, cache_value) < 0:
+            raise ValueError("decode_token_s, externality and cache_value must be >= 0")
+        if min(rendezvous_slack_s, rendezvous_factor) < 0:
+            raise ValueError("rendezvous bounds must be >= 0")
         self.prefill_tokens_per_s = prefill_tokens_per_s
         self.decode_token_s = decode_token_s
         self.chunk_tokens = chunk_tokens
         self.externality = externality
+        self.cache_value = cache_value
         self.rendezvous_slack_s = rendezvous_slack_s
         self.rendezvous_factor = rendezvous_factor
-        self.inflow_power = inflow_power
         self._s_per_token = 1.0 / prefill_tokens_per_s
         self._name_bytes: dict[str, bytes] = {}
+        self._history: dict[str, RoutingHistory] = {}
 
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
-        """Estimated seconds to this request's first token on `candidate`."""
+        """Estimated seconds to this request's first token on `candidate` (its own queue)."""
         matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
-        work = candidate.queued_prefill_tokens + request.prompt_tokens - matched
+        return self._wait(
+            candidate.queued_prefill_tokens + request.prompt_tokens - matched, candidate
+        )
+
+    def history(self, kv_group: str) -> RoutingHistory:
+        """What the policy has learnt of `kv_group` from its own decisions (made on first use)."""
+        history = self._history.get(kv_group)
+        if history is None:
+            history = self._history[kv_group] = RoutingHistory()
+        return history
+
+    def fleet_view(self, request: RouteRequest, candidates: Sequence[Candidate]) -> FleetView:
+        """The fleet-wide terms of the next decision's costs."""
+        h = self.history(request.kv_group)
+        n = len(candidates)
+        return FleetView(
+            waiting=sum(c.in_flight for c in candidates) / n,
+            mean_queued=sum(c.queued_prefill_tokens for c in candidates) / n,
+            bound_share=h.bound_share(request.block_size),
+            reuse=h.reuse(request.block_size),
+        )
+
+    def cost(self, request: RouteRequest, candidate: Candidate, view: FleetView) -> float:
+        """What `choose` minimises (the score's cost), as the module docstring defines it."""
+        matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
+        uncached = request.prompt_tokens - matched
+        share = view.bound_share
+        backlog = view.mean_queued * (1.0 - share) + share * candidate.queued_prefill_tokens
+        full = candidate.stored_blocks > candidate.cached_blocks
+        others = self.externality * view.waiting + (self.cache_value * view.reuse if full else 0.0)
+        return self._wait(backlog + uncached, candidate) + uncached * self._s_per_token * others
+
+    def _wait(self, work: float, candidate: Candidate) -> float:
         steps = -(-work // self.chunk_tokens) or 1
         return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
-
-    def cost(self, request: RouteRequest, candidate: Candidate, waiting: float) -> float:
-        """What `choose` minimises (the score's cost); `waiting` as in the module docstring."""
-        matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
-        delay = self.externality * waiting * (request.prompt_tokens - matched) * self._s_per_token
-        return self.ttft(request, candidate) + delay
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         block_size = request.block_size
@@ -115,27 +228,34 @@ class CacheAwarePolicy:
         chunk = self.chunk_tokens
         s_per_token = self._s_per_token
         decode_token_s = self.decode_token_s
-        waiting = 0
+        n = len(candidates)
+        waiting = queued = held = 0
         for c in candidates:
             waiting += c.in_flight
-        # seconds of everyone else's delay per uncached token
-        s_delay = self.externality * max(waiting, 0) / len(candidates) * s_per_token
+            queued += c.queued_prefill_tokens
+            held += c.cached_blocks
+        history = self.history(request.kv_group)
+        share = history.bound_share(block_size)
+        base = queued / n * (1.0 - share)  # backlog = base + share * queued_prefill_tokens
+        s_delay = self.externality * waiting / n * s_per_token  # per uncached token
+        s_evict = self.cache_value * history.reuse(block_size) * s_per_token  # on a full cache
 
         scores: list[Score] = []
         best, best_cost, n_best = 0, float("inf"), 0
         most_blocks = -1
         fewest_blocks = 1 << 62
-        for i, c in enumerate(candidates):  # ttft and cost, inlined: this loop is the hot path
+        for i, c in enumerate(candidates):  # `cost`, inlined: this loop is the hot path
             blocks = c.matched_blocks
             matched = blocks * block_size
             if matched > prompt:
                 matched = prompt
-            work = c.queued_prefill_tokens + prompt - matched
-            cost = (
-                work * s_per_token
-                + (-(-work // chunk) or 1) * c.running_decode * decode_token_s
-                + (prompt - matched) * s_delay
+            uncached = prompt - matched
+            work = base + share * c.queued_prefill_tokens + uncached
+            cost = work * s_per_token + uncached * (
+                s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay
             )
+            if c.running_decode:
+                cost += (-(-work // chunk) or 1) * c.running_decode * decode_token_s
             scores.append(_new(Score, (c.worker, matched, c.in_flight, cost)))
             if cost < best_cost:
                 best, best_cost, n_best = i, cost, 1
@@ -154,13 +274,11 @@ class CacheAwarePolicy:
             )
             return Decision(scores[best].worker, "cold_miss", tuple(scores))
 
-        if fewest_blocks == most_blocks < n_keys:
-            # Everyone holds the same prefix and the rest is new, so the delay term is the same
-            # for all: bound by the best own TTFT, rendezvous on the first new block.
-            new_tokens = prompt - scores[best].matched_tokens
-            best_ttft = best_cost - new_tokens * s_delay
-            bound = best_cost + max(self.rendezvous_slack_s, self.rendezvous_factor * best_ttft)
-            best = self._rendezvous(scores, keys[most_blocks], bound, candidates)
+        free = fewest_blocks == most_blocks
+        if free and most_blocks < n_keys:
+            # Everyone holds the same prefix and the rest is new: fill the emptiest cache
+            # among the workers fast enough, by the first new block where that ties.
+            best = self._place_new(request, candidates, scores, keys[most_blocks])
         elif n_best > 1:  # exact tie: hash the first block the tied workers do not all hold
             tied = [i for i, s in enumerate(scores) if s.cost == best_cost]
             shared = min(candidates[i].matched_blocks for i in tied)
@@ -172,7 +290,34 @@ class CacheAwarePolicy:
             reason = "cache_hit"
         else:
             reason = "load"
+        hit = scores[best].matched_tokens
+        history.record(hit, prompt - hit, free, held * block_size)
         return Decision(scores[best].worker, reason, tuple(scores))
+
+    def _place_new(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        scores: list[Score],
+        key: int,
+    ) -> int:
+        """The worker within the wait bound whose cache took the least new content lately:
+        blocks stored over the last turnover plus blocks routed to it and not yet prefilled;
+        ties by rendezvous."""
+        waits = [self.ttft(request, c) for c in candidates]  # the same new tokens for all
+        fastest = min(waits)
+        bound = fastest + max(self.rendezvous_slack_s, self.rendezvous_factor * fastest)
+        history = self.history(request.kv_group)
+        history.observe(candidates)
+        recent = history.inflow
+        block_size = request.block_size
+        inflow = {
+            i: recent[c.worker] + c.queued_prefill_tokens / block_size
+            for i, c in enumerate(candidates)
+            if waits[i] <= bound
+        }
+        least = min(inflow.values())
+        return self._rendezvous_among(scores, [i for i, v in inflow.items() if v == least], key)
 
     def _weight(self, worker: str, key: int) -> int:
         """Rendezvous weight: xxh3_64(worker name, seed=block key); same in every process."""
@@ -180,22 +325,6 @@ class CacheAwarePolicy:
         if raw is None:
             raw = self._name_bytes[worker] = worker.encode()
         return _xxh3(raw, key & _U64)
-
-    def _rendezvous(
-        self, scores: list[Score], key: int, bound: float, candidates: Sequence[Candidate]
-    ) -> int:
-        """Weighted rendezvous among the workers within `bound`: a worker's chance is
-        inversely proportional to its cache inflow so far, so new content spreads evenly."""
-        eligible = [i for i, s in enumerate(scores) if s.cost <= bound]
-        mean = sum(candidates[i].stored_blocks for i in eligible) / len(eligible) + 1.0
-        best, best_score = -1, -1.0
-        for i in eligible:
-            u = (self._weight(scores[i].worker, key) + 1) / 18446744073709551617.0
-            weight = (mean / (candidates[i].stored_blocks + 1.0)) ** self.inflow_power
-            score = weight / -math.log(u)
-            if score > best_score:
-                best, best_score = i, score
-        return best
 
     def _rendezvous_among(self, scores: list[Score], among: list[int], key: int) -> int:
         return max(among, key=lambda i: self._weight(scores[i].worker, key))

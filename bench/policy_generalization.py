@@ -1,0 +1,305 @@
+"""Does `cache_aware` win beyond the trace it was looked at on? Policies x workloads, offline.
+
+Every scenario is replayed by the simulator (`urc replay`'s engine, virtual time) under each
+policy with its defaults; the table shows the hit rate and TTFT p50/p99, and the summary counts
+the scenarios where `cache_aware` is ahead of each baseline on hit rate and on p99 TTFT.
+
+Scenarios: the shared Mooncake trace (if present) at three fleet shapes; synthetic
+Mooncake-style traces made here from seeds (shared documents with Zipf popularity, multi-turn
+sessions and agent loops that extend their last prompt, unique suffixes, Poisson arrivals), each
+with its own sharing structure, lengths, load, cache size and 4, 8 or 16 workers; and the
+built-in workloads of `urc bench` (system prompts, multi-turn chats, the mix) open-loop with
+small caches. Every cache is far smaller than its scenario's working set.
+
+    python bench/policy_generalization.py [--policies cache_aware,sglang,round_robin]
+        [--seeds 0,1,2] [--only NAME,...] [--variant LABEL:KEY=VALUE,...] [--quick]
+
+`--seeds`: seed 0 is the default set; others draw other synthetic traces and workloads of the
+same shapes and name the workers differently (the rendezvous hashes names), and the summary
+counts over all of them. `--variant` adds a row per scenario for `cache_aware` with other
+parameters (for ablations). `--quick` halves the synthetic scenarios (about 20 s per seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from router.policies import make_policy  # noqa: E402
+from simulation.compare import build_params  # noqa: E402
+from simulation.metrics import summarize  # noqa: E402
+from simulation.replay import FleetConfig, Replay  # noqa: E402
+from simulation.requests import SimRequest  # noqa: E402
+from simulation.traces import parse_trace, read_trace, trace_requests  # noqa: E402
+from simulation.workloads import workload_requests  # noqa: E402
+
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
+BLOCK = 512  # tokens per hash id, as in Mooncake's traces
+HIT_TIE = 0.002  # hit rates this close are a tie (0.2 points)
+P99_TIE = 0.01  # p99 TTFTs within 1% are a tie
+
+
+@dataclass(slots=True)
+class Synthetic:
+    """A Mooncake-style trace: shared documents (Zipf), sessions, unique suffixes."""
+
+    seed: int
+    requests: int = 2500
+    rate: float = 4.0  # requests/s, Poisson
+    docs: int = 400  # shared prefixes (system prompts, documents)
+    zipf: float = 1.0  # popularity skew of the documents
+    doc_blocks: float = 16.0  # mean document length in blocks (lognormal)
+    unique_blocks: float = 6.0  # mean unique suffix per request in blocks (lognormal)
+    session_p: float = 0.3  # chance a request continues an open session
+    turn_blocks: float = 3.0  # mean new blocks per follow-up turn
+    output_tokens: float = 150.0  # mean output length
+    fanout: int = 1  # requests sent at once on each newly drawn document
+
+    def records(self) -> list[str]:
+        rng = random.Random(f"synthetic/{self.seed}")
+        next_id = iter(range(1 << 62))
+        doc_len = [_lognormal(rng, self.doc_blocks) for _ in range(self.docs)]
+        docs = [[next(next_id) for _ in range(n)] for n in doc_len]
+        weights = [1.0 / (k + 1) ** self.zipf for k in range(self.docs)]
+        sessions: list[list[int]] = []
+        t, lines = 0.0, []
+        while len(lines) < self.requests:
+            if sessions and rng.random() < self.session_p:
+                s = rng.randrange(len(sessions))
+                ids = sessions[s] + [
+                    next(next_id) for _ in range(_lognormal(rng, self.turn_blocks))
+                ]
+                sessions[s] = ids
+                if rng.random() < 0.25:  # the conversation ends
+                    sessions.pop(s)
+                batch = [ids]
+            else:
+                (doc,) = rng.choices(docs, weights)
+                batch = [  # fan-out: parallel calls on one document, each with its own question
+                    doc + [next(next_id) for _ in range(_lognormal(rng, self.unique_blocks))]
+                    for _ in range(self.fanout)
+                ]
+                sessions.append(batch[0])
+                if len(sessions) > 64:
+                    sessions.pop(0)
+            for k, ids in enumerate(batch):
+                length = (len(ids) - 1) * BLOCK + rng.randint(1, BLOCK)
+                out = max(1, int(rng.expovariate(1.0 / self.output_tokens)))
+                record = {
+                    "timestamp": int(t * 1000) + 5 * k,
+                    "input_length": length,
+                    "output_length": out,
+                    "hash_ids": ids,
+                }
+                lines.append(json.dumps(record))
+            t += rng.expovariate(self.rate)
+        return lines
+
+
+def _lognormal(rng: random.Random, mean: float) -> int:
+    sigma = 0.8
+    return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+
+
+@dataclass(slots=True)
+class Scenario:
+    name: str
+    requests: Callable[[], list[SimRequest]]
+    workers: int
+    capacity_tokens: int
+    block_size: int = BLOCK
+    names: str = "w"  # worker names are this + 0, 1, ... (rendezvous hashes them)
+
+
+def _trace(path: Path, time_scale: float = 1.0) -> Callable[[], list[SimRequest]]:
+    return lambda: trace_requests(read_trace(path), time_scale=time_scale)
+
+
+def _synthetic(spec: Synthetic) -> Callable[[], list[SimRequest]]:
+    return lambda: trace_requests(parse_trace(spec.records(), f"synthetic/{spec.seed}"))
+
+
+def _workload(
+    name: str, n: int, rate: float, seed: int, **params: Any
+) -> Callable[[], list[SimRequest]]:
+    return lambda: workload_requests(name, n, seed=seed, rate=rate, params=params)
+
+
+def scenarios(quick: bool, seed: int = 0) -> list[Scenario]:
+    """The scenarios; `seed` draws other synthetic traces and workloads of the same shapes."""
+    n = 1200 if quick else 2500
+    k = 100 * seed
+    out: list[Scenario] = []
+    if SHARED_TRACE.exists():
+        out.append(Scenario("mooncake 8x400k", _trace(SHARED_TRACE), 8, 400_000))
+        out.append(Scenario("mooncake 16x200k", _trace(SHARED_TRACE), 16, 200_000))
+        out.append(Scenario("mooncake 4x800k slow", _trace(SHARED_TRACE, 2.0), 4, 800_000))
+    out += [
+        Scenario("docs zipf1.0 8x400k", _synthetic(Synthetic(k + 1, n, rate=4.0)), 8, 400_000),
+        Scenario(
+            "docs long 8x200k",
+            _synthetic(Synthetic(k + 2, n, rate=2.0, docs=200, doc_blocks=40, unique_blocks=10)),
+            8,
+            200_000,
+        ),
+        Scenario(
+            "hot docs 4x400k busy",
+            _synthetic(Synthetic(k + 3, n, rate=4.5, docs=60, zipf=1.2, unique_blocks=4)),
+            4,
+            400_000,
+        ),
+        Scenario(
+            "chats 16x200k",
+            _synthetic(Synthetic(k + 4, n, rate=8.0, docs=100, session_p=0.6, unique_blocks=4)),
+            16,
+            200_000,
+        ),
+        Scenario(
+            "flat docs 8x300k",
+            _synthetic(Synthetic(k + 5, n, rate=5.0, docs=1500, zipf=0.6, doc_blocks=10)),
+            8,
+            300_000,
+        ),
+        Scenario(
+            "unique long 8x400k",
+            _synthetic(Synthetic(k + 6, n, rate=3.0, docs=800, unique_blocks=24, session_p=0.2)),
+            8,
+            400_000,
+        ),
+        Scenario(
+            "agents 8x400k",
+            _synthetic(Synthetic(k + 7, n, rate=3.0, docs=30, session_p=0.8, turn_blocks=8.0)),
+            8,
+            400_000,
+        ),
+        Scenario(
+            "flat docs 8x400k busy",
+            _synthetic(Synthetic(k + 8, n, rate=7.0, docs=2000, zipf=0.8, doc_blocks=12)),
+            8,
+            400_000,
+        ),
+        Scenario(
+            "fan-out 8x400k",
+            _synthetic(
+                Synthetic(k + 9, n, rate=1.0, docs=300, doc_blocks=30, session_p=0.1, fanout=4)
+            ),
+            8,
+            400_000,
+        ),
+        Scenario(
+            "system-prompts 8x24k",
+            _workload("system-prompts", n, 30.0, 7 + seed, groups=60, prefix_tokens=3000),
+            8,
+            24_000,
+            block_size=16,
+        ),
+        Scenario(
+            "multi-turn 4x16k",
+            _workload("multi-turn", n, 40.0, 7 + seed, sessions=48, turns=6, system_tokens=1000),
+            4,
+            16_000,
+            block_size=16,
+        ),
+        Scenario("mixed 16x8k", _workload("mixed", n, 60.0, 7 + seed), 16, 8_000, block_size=16),
+    ]
+    if seed:
+        for sc in out:
+            sc.names = f"s{seed}w"
+    return out
+
+
+def run(
+    scenario: Scenario, requests: list[SimRequest], name: str, params: dict[str, str]
+) -> dict[str, Any]:
+    fleet = FleetConfig(
+        workers=scenario.workers,
+        names=[f"{scenario.names}{i}" for i in range(scenario.workers)],
+        block_size=scenario.block_size,
+        capacity_tokens=scenario.capacity_tokens,
+    )
+    policy = make_policy(name, **build_params(name, params, fleet, 0))
+    return summarize(Replay(requests, policy, fleet).run(), requests)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policies", default="cache_aware,sglang,round_robin")
+    p.add_argument("--only", default="", help="comma-separated scenario names (substrings)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL:KEY=VALUE,...")
+    p.add_argument("--quick", action="store_true", help="fewer requests per synthetic scenario")
+    p.add_argument("--seeds", default="0", help="comma-separated scenario seeds")
+    args = p.parse_args()
+    rows: list[tuple[str, str, dict[str, str]]] = [
+        (n, n, {}) for n in args.policies.split(",") if n
+    ]
+    for item in args.variant:
+        label, _, rest = item.partition(":")
+        kv = dict(x.split("=", 1) for x in rest.split(",") if x)
+        rows.append((label, "cache_aware", kv))
+    only = [s for s in args.only.split(",") if s]
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    t0 = time.perf_counter()
+    header = f"{'scenario':25s} {'policy':14s} {'hit':>6s} {'p50 ms':>7s} {'p99 ms':>7s}"
+    print(header)
+    print("-" * len(header))
+    seeds = [int(s) for s in args.seeds.split(",") if s]
+    for seed in seeds:
+        for sc in scenarios(args.quick, seed):
+            if only and not any(o in sc.name for o in only):
+                continue
+            title = sc.name if len(seeds) == 1 else f"{sc.name} #{seed}"
+            requests = sc.requests()
+            results[title] = {}
+            for label, name, params in rows:
+                s = run(sc, requests, name, params)
+                results[title][label] = s
+                print(
+                    f"{title:25s} {label:14s} {s['hit_rate']:6.1%} "
+                    f"{s['ttft_p50_s'] * 1e3:7.0f} {s['ttft_p99_s'] * 1e3:7.0f}",
+                    flush=True,
+                )
+    print(f"\n({time.perf_counter() - t0:.0f} s)")
+    summary(
+        results,
+        [r[0] for r in rows if r[1] == "cache_aware"],
+        [r[0] for r in rows if r[1] != "cache_aware"],
+    )
+    return 0
+
+
+def summary(
+    results: dict[str, dict[str, dict[str, Any]]], ours: list[str], others: list[str]
+) -> None:
+    """Wins/ties/losses of each cache_aware row against each baseline, and the worst case."""
+    for mine in ours:
+        for other in others:
+            hit = [0, 0, 0]
+            p99 = [0, 0, 0]
+            worst_hit, worst_p99 = 0.0, 0.0
+            for rows in results.values():
+                a, b = rows[mine], rows[other]
+                dh = a["hit_rate"] - b["hit_rate"]
+                hit[0 if dh > HIT_TIE else 1 if dh >= -HIT_TIE else 2] += 1
+                worst_hit = min(worst_hit, dh)
+                rp = a["ttft_p99_s"] / b["ttft_p99_s"] - 1
+                p99[0 if rp < -P99_TIE else 1 if rp <= P99_TIE else 2] += 1
+                worst_p99 = max(worst_p99, rp)
+            print(
+                f"{mine} vs {other}: hit win/tie/loss {hit[0]}/{hit[1]}/{hit[2]} "
+                f"(worst {worst_hit * 100:+.1f} pts); p99 win/tie/loss {p99[0]}/{p99[1]}/{p99[2]} "
+                f"(worst {worst_p99:+.0%})"
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
