@@ -7,6 +7,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 
+import msgspec
 from aiohttp import web
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,12 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
+    def body(self) -> bytes:
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+        return msgspec.json.encode({"error": error})
+
     def response(self) -> web.Response:
-        body = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return web.json_response({"error": body}, status=self.status)
+        return web.Response(body=self.body(), status=self.status, content_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

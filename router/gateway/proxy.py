@@ -18,11 +18,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import msgspec
-from aiohttp import web
 
+from router.gateway.deadlines import Deadlines
 from router.gateway.errors import bad_gateway
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
+from router.gateway.reply import Reply
 from router.gateway.routing import Plan
 from router.gateway.upstream import UpstreamError, UpstreamResponse
 
@@ -103,16 +104,18 @@ class Proxy:
         self.metrics = metrics
         self.s_per_token = 1.0 / prefill_tokens_per_s
         self.request_timeout_s = fleet.config.request_timeout_s
+        self.deadlines = Deadlines()
 
     async def forward(
         self,
-        request: web.Request,
+        reply: Reply,
         path: str,
         payload: bytes,
         plan: Plan,
         stream: bool,
         on_success: Callable[[Plan, Worker, Usage], None],
-    ) -> web.StreamResponse:
+    ) -> None:
+        """Send the request on; the answer (or the last worker's error) goes to `reply`."""
         t0 = time.monotonic()
         model = plan.model.name
         last_error = "no worker was up"
@@ -124,8 +127,8 @@ class Proxy:
                 delay = worker.queued_prefill_tokens * self.s_per_token
                 load.timer = asyncio.get_running_loop().call_later(delay, load.start)
             try:
-                response, status, usage = await self._attempt(
-                    request, path, payload, plan, worker, load, stream, t0
+                status, usage = await self._attempt(
+                    reply, path, payload, plan, worker, load, stream, t0
                 )
             except _Failover as exc:
                 last_error = f"{worker.name}: {exc}"
@@ -140,12 +143,12 @@ class Proxy:
             if usage is not None:
                 self._account(plan, worker, usage.cached_tokens)
                 on_success(plan, worker, usage)
-            return response
+            return
         raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
 
     async def _attempt(
         self,
-        request: web.Request,
+        reply: Reply,
         path: str,
         payload: bytes,
         plan: Plan,
@@ -153,30 +156,40 @@ class Proxy:
         load: _Load,
         stream: bool,
         t0: float,
-    ) -> tuple[web.StreamResponse, int, Usage | None]:
-        """One try on one worker: the response, its status and, on success, its usage."""
+    ) -> tuple[int, Usage | None]:
+        """One try on one worker, answered to `reply`: its status and, on success, usage."""
         assert worker.pool is not None
+        task = self.deadlines.enter(self.request_timeout_s)
         try:
-            async with asyncio.timeout(self.request_timeout_s):
-                try:
-                    upstream = await worker.pool.post(path, payload)
-                except UpstreamError as exc:
-                    raise _Failover(str(exc)) from None
-                try:
-                    if stream and upstream.status == 200:
-                        response, usage = await self._stream(
-                            request, upstream, plan, worker, load, t0
-                        )
-                        return response, 200, usage
-                    return await self._whole(upstream, plan, worker, load, t0)
-                finally:
-                    upstream.release()
-        except TimeoutError:
+            try:
+                upstream = await worker.pool.post(path, payload)
+            except UpstreamError as exc:
+                raise _Failover(str(exc)) from None
+            try:
+                if stream and upstream.status == 200:
+                    usage = await self._stream(reply, upstream, plan, worker, load, t0)
+                    return 200, usage
+                return await self._whole(reply, upstream, plan, worker, load, t0)
+            finally:
+                upstream.release()
+        except asyncio.CancelledError:
+            if not self.deadlines.expired(task):
+                raise
+            if reply.started:  # the client has part of a stream: it ends here, cut
+                return 200, None
             raise _Failover(f"no complete answer within {self.request_timeout_s} s") from None
+        finally:
+            self.deadlines.leave(task)
 
     async def _whole(
-        self, upstream: UpstreamResponse, plan: Plan, worker: Worker, load: _Load, t0: float
-    ) -> tuple[web.Response, int, Usage | None]:
+        self,
+        reply: Reply,
+        upstream: UpstreamResponse,
+        plan: Plan,
+        worker: Worker,
+        load: _Load,
+        t0: float,
+    ) -> tuple[int, Usage | None]:
         """A non-streamed answer, checked before anything reaches the client."""
         try:
             body = await upstream.read()
@@ -198,9 +211,10 @@ class Proxy:
                 int(cached.group(1)) if cached else _header_int(upstream),
                 int(output.group(1)) if output else None,
             )
-        headers = {k: v for k, v in upstream.headers if k.lower() not in _HOP_HEADERS}
-        headers["x-urc-route"] = route_header(plan, worker)
-        return web.Response(body=body, status=status, headers=headers), status, usage
+        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
+        headers.append(("x-urc-route", route_header(plan, worker)))
+        reply.whole(status, headers, body)
+        return status, usage
 
     def _account(self, plan: Plan, worker: Worker, cached: int | None) -> None:
         series = self.metrics.series(plan.model.name, worker.name)
@@ -213,19 +227,16 @@ class Proxy:
 
     async def _stream(
         self,
-        request: web.Request,
+        reply: Reply,
         upstream: UpstreamResponse,
         plan: Plan,
         worker: Worker,
         load: _Load,
         t0: float,
-    ) -> tuple[web.StreamResponse, Usage | None]:
+    ) -> Usage | None:
         """Pass the SSE stream through as it comes; usage (None: the client left early)."""
-        response = web.StreamResponse(status=upstream.status)
-        for key, value in upstream.headers:
-            if key.lower() not in _HOP_HEADERS:
-                response.headers[key] = value
-        response.headers["x-urc-route"] = route_header(plan, worker)
+        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
+        headers.append(("x-urc-route", route_header(plan, worker)))
         cached = _header_int(upstream)
         output: int | None = None
         events = 0
@@ -240,37 +251,25 @@ class Proxy:
                     self.metrics.series(plan.model.name, worker.name).ttft.observe(
                         time.monotonic() - t0
                     )
-                    await response.prepare(request)
+                    await reply.start(upstream.status, headers)
                 events += chunk.count(b"data:")
                 if b'"usage"' in chunk:
                     if found := _CACHED_RE.search(chunk):
                         cached = int(found.group(1))
                     if found := _OUTPUT_RE.search(chunk):
                         output = int(found.group(1))
-                if not await _send(response, chunk):
-                    return response, None  # the client went away: stop reading, free the worker
+                if not await reply.send(chunk):
+                    return None  # the client went away: stop reading, free the worker
         except UpstreamError as exc:
             if first:  # not a byte reached the client: the next worker may serve it
                 raise _Failover(f"{exc.__class__.__name__}: {exc}") from None
-            return response, None  # the client has a partial stream; nothing more can be done
+            return None  # the client has a partial stream; nothing more can be done
         if first:
-            await response.prepare(request)
-        if not await _send(response, None):
-            return response, None
+            await reply.start(upstream.status, headers)
+        if not await reply.end():
+            return None
         # without a usage chunk, one content event per token less the closing [DONE]
-        return response, Usage(cached, output if output is not None else max(events - 1, 0))
-
-
-async def _send(response: web.StreamResponse, chunk: bytes | None) -> bool:
-    """Write to the client (None: the end); False when the client has gone."""
-    try:
-        if chunk is None:
-            await response.write_eof()
-        else:
-            await response.write(chunk)
-    except ConnectionResetError:
-        return False
-    return True
+        return Usage(cached, output if output is not None else max(events - 1, 0))
 
 
 def _is_json_object(body: bytes) -> bool:

@@ -144,7 +144,18 @@ class UpstreamResponse:
             await conn.wait()
 
     async def read(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks()])
+        conn = self._conn
+        if conn.complete:  # small answers are usually whole by now
+            return conn.take()
+        parts = []
+        while not conn.complete:
+            if conn.lost:
+                raise UpstreamError("the worker closed the connection mid-response")
+            if conn.chunks:
+                parts.append(conn.take())  # taking resumes a connection paused when full
+            await conn.wait()
+        parts.append(conn.take())
+        return b"".join(parts)
 
     def release(self) -> None:
         """Back to the pool when the exchange completed cleanly; closed otherwise."""
