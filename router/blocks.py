@@ -5,12 +5,17 @@
 
 Tokens are little-endian int32. Only full blocks get a key. A chain may continue from a
 known parent key (KV events store blocks under a parent): then `le64(parent)` stands in for ns.
+
+A public prefix (a tenant in `shared` isolation: its leading system prompt) is keyed in the
+shared namespace and the salt is mixed in at the first private block p instead of at block 0:
+    key_p = xxh3_64(le64(key_{p-1}) ‖ ns ‖ tokens_p)
+so tenants that opt in share the public blocks and never the rest.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 import xxhash
@@ -64,10 +69,46 @@ def chain_keys(
 
 
 def block_keys(
-    tokens: Sequence[int], block_size: int, salt: str | bytes | None = None
+    tokens: Sequence[int],
+    block_size: int,
+    salt: str | bytes | None = None,
+    public_blocks: int = 0,
 ) -> list[int]:
-    """Keys of a prompt's full blocks in the namespace of `salt` (None: shared)."""
-    return chain_keys(tokens, block_size, namespace(salt))
+    """Keys of a prompt's full blocks in the namespace of `salt` (None: shared); the first
+    `public_blocks` blocks in the shared namespace, the salt mixed in after them."""
+    if not public_blocks or not salt:
+        return chain_keys(tokens, block_size, namespace(salt))
+    public = chain_keys(tokens[: public_blocks * block_size], block_size)
+    if len(public) < public_blocks:  # callers cap public_blocks at the prompt's full blocks
+        return public
+    private = tokens[public_blocks * block_size :]
+    return public + chain_keys(private, block_size, salted_after(public[-1], salt))
+
+
+def salted_after(parent_key: int, salt: str | bytes | None) -> bytes:
+    """What stands before the first private block after a public prefix ending at `parent_key`."""
+    return parent_prefix(parent_key) + namespace(salt)
+
+
+def continue_after(keys: Sequence[int], salt: str | bytes | None, public_blocks: int = 0) -> bytes:
+    """What stands before the block after `keys` (a chain keyed by `block_keys` with these
+    arguments): the namespace, the parent, or the parent and the salt at the public edge."""
+    if not keys:
+        return SHARED_NAMESPACE if public_blocks else namespace(salt)
+    if public_blocks and salt and len(keys) == public_blocks:
+        return salted_after(keys[-1], salt)
+    return parent_prefix(keys[-1])
+
+
+def salt_scope(salt: str | None = None, salt_prefix: str | None = None) -> Callable[[str], bool]:
+    """A test on the salts of namespaces: exactly `salt`, or `salt_prefix` and every salt below
+    it (`T` covers `T.u.…` and `T.s.…`, router/gateway/isolation.py): scoped invalidation."""
+    if salt is not None:
+        return lambda s: s == salt
+    if salt_prefix is None:
+        raise ValueError("a scope needs a salt or a salt prefix")
+    below = salt_prefix + "."
+    return lambda s: s == salt_prefix or s.startswith(below)
 
 
 def has_native() -> bool:

@@ -84,6 +84,22 @@ class UnifiedIndex:
         self._lru = _Run([], None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
         self._lru.prev = self._lru.next = self._lru
         self._evicted = 0
+        # key that starts a salted namespace -> its salt: what router/index_scopes.py finds a
+        # tenant's (user's, session's) blocks by; may name keys no longer (or not yet) indexed
+        self.namespaces: dict[int, str] = {}
+
+    def tag_namespace(self, key: int, salt: str) -> None:
+        """`key` starts the namespace of `salt`: a root block, or the first private block after
+        a public prefix. Untagged keys of gone blocks are pruned now and then."""
+        ns = self.namespaces
+        if key in ns:
+            return
+        ns[key] = salt
+        if len(ns) > 2 * len(self._where) + 8192:
+            where = self._where
+            recent = list(ns.items())[-4096:]  # perhaps not indexed yet: keep them
+            self.namespaces = {k: v for k, v in ns.items() if k in where}
+            self.namespaces.update(recent)
 
     # -- residents ---------------------------------------------------------------------------
 
@@ -169,22 +185,35 @@ class UnifiedIndex:
         so the children's parent links stay valid. Returns the head."""
         head = _Run(run.keys[:at], run.parent, run.mask, run.ts)
         del run.keys[:at]
-        where = self._where
-        for key in head.keys:
-            where[key] = head
+        self._where.update(dict.fromkeys(head.keys, head))
         self._runs.add(head)
         head.children = 1
         run.parent = head
         return head
+
+    def _cut_tail(self, run: _Run, n: int) -> _Run:
+        """`_split(run, len(run.keys) - n)`, returning the tail of `n` keys; a leaf's shorter
+        tail becomes the new run instead (fewer keys to re-map; it takes the leaf's LRU place)."""
+        at = len(run.keys) - n
+        if run.children or n >= at:
+            self._split(run, at)
+            return run
+        tail = _Run(run.keys[at:], run, run.mask, run.ts)
+        del run.keys[at:]
+        self._where.update(dict.fromkeys(tail.keys, tail))
+        self._runs.add(tail)
+        tail.prev, tail.next = run.prev, run.next
+        tail.prev.next = tail.next.prev = tail  # type: ignore[union-attr]
+        run.prev = run.next = None
+        run.children = 1
+        return tail
 
     def _delete(self, run: _Run) -> None:
         """Delete an empty leaf run, and its ancestors that become empty leaves."""
         while True:
             self._unlink(run)
             self._runs.discard(run)
-            where = self._where
-            for key in run.keys:
-                del where[key]
+            deque(map(self._where.__delitem__, run.keys), maxlen=0)  # del each key, in C
             parent = run.parent
             if parent is None:
                 return
@@ -211,18 +240,29 @@ class UnifiedIndex:
     def _release_keys(self, keys: Iterable[int], bit: int) -> int:
         """Release the resident's hold on these keys, splitting runs at the range edges."""
         flag = 1 << bit
-        where = self._where
-        by_run: dict[_Run, list[int]] = {}
-        for key in keys:
-            run = where.get(key)
-            if run is not None and run.mask & flag:
-                by_run.setdefault(run, []).append(key)
+        keys = keys if type(keys) is list else list(keys)
+        runs = list(map(self._where.get, keys))
         released = 0
-        for run, run_keys in by_run.items():
+        for run in dict.fromkeys(runs):  # each run once, in order of first appearance
+            if run is None or not run.mask & flag:
+                continue
+            # its keys, in order: mostly one contiguous stretch (found in C, not key by key)
+            first, count = runs.index(run), runs.count(run)
+            if count == 1 or runs[first : first + count].count(run) == count:
+                run_keys = keys[first : first + count]
+            else:
+                run_keys = [key for key, r in zip(keys, runs, strict=True) if r is run]
             if len(run_keys) == len(run.keys) and len(set(run_keys)) == len(run_keys):
                 released += len(run_keys)  # the whole run: no positions, no splits
                 self._release(run, bit)
                 continue
+            size, n = len(run.keys), len(run_keys)
+            if n < size and run.keys[size - n] in (run_keys[-1], run_keys[0]):
+                tail = run.keys[size - n :]
+                if tail == run_keys[::-1] or tail == run_keys:  # a tail, as LRU evictions go
+                    released += n
+                    self._release(self._cut_tail(run, n), bit)
+                    continue
             if len(run_keys) == 1:
                 offsets = [run.keys.index(run_keys[0])]
             else:

@@ -7,8 +7,10 @@ older vLLM) or a map (`{"type": "BlockStored", "block_hashes": ..., ...}`, vLLM 
 hashes are ints or bytes and are kept as given. Extra trailing positions and unknown map keys
 are tolerated; events of unknown type are skipped and counted in `EventBatch.unknown_events`.
 
-Our extension: `BlockStored.cache_salt`, the tenant salt of a root block. It travels only in the
-map encoding (vLLM carries none; a root block without one is in the shared namespace).
+Our extension: `BlockStored.cache_salt`, the salt of the namespace the event's first block
+starts: a root block, or (shared isolation) the first private block after a public prefix,
+keyed `xxh3_64(le64(parent) ‖ ns ‖ tokens)` (router/blocks.py). It travels only in the map
+encoding (vLLM carries none; a root block without one is in the shared namespace).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None  # per block: what else the engine hashed (mm, salt)
     group_idx: int | None = None  # the engine's KV cache group (hybrid models)
-    cache_salt: str | None = None  # our extension: the salt of a root block
+    cache_salt: str | None = None  # our extension: the salt of a namespace-starting block
 
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):

@@ -218,3 +218,18 @@ def test_the_gateway_routes_to_torch_workers_unchanged() -> None:
             assert "matched_tokens=80" in again.headers["x-urc-route"]
         finally:
             gateway.stop()
+
+
+def test_public_prefix_and_scoped_invalidation(client: openai.OpenAI, worker: Worker) -> None:
+    prompt = list(range(150, 198)) + list(range(198, 250))  # 3 public pages, then private
+    a = {"extra_body": {"cache_salt": "ta", "urc_public_tokens": 48}}
+    b = {"extra_body": {"cache_salt": "tb", "urc_public_tokens": 48}}
+    assert cached_tokens(client, "tiny", prompt, **a) == 0
+    assert cached_tokens(client, "tiny", prompt, **b) == 48  # the public part only
+    assert cached_tokens(client, "tiny", prompt, **a) == 96
+    r = httpx.post(worker.url + "/urc/invalidate", json={"salt_prefix": "ta"}, timeout=30)
+    assert r.status_code == 200 and r.json()["freed_blocks"] == 3
+    assert cached_tokens(client, "tiny", prompt, **b) == 96  # another tenant's: untouched
+    assert cached_tokens(client, "tiny", prompt, **a) == 48  # ta's own blocks are gone
+    bad = httpx.post(worker.url + "/urc/invalidate", json={"salt": ""}, timeout=30)
+    assert bad.status_code == 400

@@ -29,6 +29,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+_new = tuple.__new__  # a NamedTuple without its Python-level __new__: results on hot paths
+
 # (parent key or None for a root block, keys, token ids of exactly those blocks or None, salt)
 StoredCallback = Callable[[int | None, list[int], list[int] | None, str | None], None]
 RemovedCallback = Callable[[list[int]], None]
@@ -76,6 +78,14 @@ class CacheStats(NamedTuple):
     evicted_blocks: int  # ever evicted
 
 
+def _head(tokens: list[int] | None, cut: int | None) -> list[int] | None:
+    return None if tokens is None else tokens[:cut]
+
+
+def _tail(tokens: list[int] | None, cut: int | None) -> list[int] | None:
+    return None if tokens is None else tokens[cut:]
+
+
 class RadixCache:
     """Blocks of `block_size` tokens in a pool of `capacity_tokens` tokens (rounded down to
     whole blocks). `on_stored` / `on_removed` hear every change to the set of cached keys, in
@@ -107,6 +117,9 @@ class RadixCache:
         self.allocated_tokens = 0
         self.stored_blocks = 0
         self.evicted_blocks = 0
+        # key that starts a salted namespace -> its salt (may name evicted keys; see scopes.py)
+        self.namespaces: dict[int, str] = {}
+        self.next_tombstone = -1  # invalidated locked runs are re-keyed below zero
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -148,7 +161,7 @@ class RadixCache:
         node, matched = self._descend(self.root, keys, 0, limit)
         if node.children == 0 and node.lock_ref == 0:
             self._push(node)  # its stamp changed: re-queue it
-        return MatchResult(node, matched)
+        return _new(MatchResult, (node, matched))
 
     def _descend(self, node: Run, keys: Sequence[int], i: int, limit: int) -> tuple[Run, int]:
         """Follow keys[i:limit] down from `node` (whose last key is the parent of keys[i]).
@@ -225,6 +238,25 @@ class RadixCache:
                     self._push(node)
             node = node.parent  # type: ignore[assignment]
 
+    def move_lock(self, node: Run, down_to: Run) -> None:
+        """`lock(down_to)` then `unlock(node)`, for `down_to` at or below the locked `node`: one
+        walk. `node`'s path stays locked (only used now), so nothing becomes evictable."""
+        bs = self.block_size
+        while down_to is not node:
+            if down_to.lock_ref == 0:
+                tokens = len(down_to.keys) * bs
+                self.evictable_tokens -= tokens
+                self.protected_tokens += tokens
+            down_to.lock_ref += 1
+            down_to = down_to.parent  # type: ignore[assignment]
+        root = self.root
+        self._tick += 1
+        tick = self._tick
+        while node is not root:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.stamp = tick
+            node = node.parent  # type: ignore[assignment]
+
     # -- room --------------------------------------------------------------------------------
 
     def can_allocate(self, tokens: int) -> bool:
@@ -259,6 +291,7 @@ class RadixCache:
         keys: Sequence[int],
         tokens: Sequence[int] | None = None,
         salt: str | None = None,
+        salt_at: int | None = None,
     ) -> InsertResult:
         """Cache blocks `keys` (keys[0] a child of `parent`'s last key; `parent` must be locked
         or the root) whose KV the caller computed in its allocated room. Blocks cached meanwhile
@@ -267,13 +300,23 @@ class RadixCache:
             [0, cached_blocks)         already in the tree: our allocated room is freed
             [cached_blocks, len(keys)) added as a new leaf run: allocated -> evictable
 
-        `tokens` (exactly the blocks' token ids; not to be changed after) and `salt` only travel
-        to `on_stored`."""
+        `tokens` (exactly the blocks' token ids; not to be changed after) only travel to
+        `on_stored`. `salt` is the namespace of the blocks: it travels with a root block, or
+        with keys[salt_at] when a public prefix ends before it (router/blocks.py; None: the salt
+        starts at the root), and scoped
+        invalidation finds the namespace by it. Under an invalidated run nothing is cached."""
         n = len(keys)
         bs = self.block_size
         assert self.allocated_tokens >= n * bs, "insert needs its tokens allocated first"
         self._tick += 1
-        node, i = self._descend(parent, keys, 0, n)
+        if parent.keys and parent.keys[-1] < 0:  # an invalidated run: cache nothing under it
+            self.allocated_tokens -= n * bs
+            self.free_tokens += n * bs
+            return InsertResult(parent, n, 0)
+        if n and keys[0] not in self._where:  # all new (the common case): nothing to follow
+            node, i = parent, 0
+        else:
+            node, i = self._descend(parent, keys, 0, n)
         self.allocated_tokens -= n * bs
         self.free_tokens += i * bs  # our copy of blocks cached meanwhile
         if i < n:
@@ -288,17 +331,33 @@ class RadixCache:
             self.evictable_tokens += len(fresh) * bs
             self.stored_blocks += len(fresh)
             self._push(run)
+            # where in `fresh` the salt's namespace starts, if it does (None: at the root)
+            at = (0 if node is self.root else -1) if salt_at is None else salt_at - i
+            if salt and 0 <= at < len(fresh):
+                self._note_namespace(fresh[at], salt)
             if self.on_stored is not None:
                 block_tokens = None
                 if tokens is not None:  # handed on, not copied, when all of it is new
                     part = tokens[i * bs : n * bs] if i else tokens
                     block_tokens = part if type(part) is list else list(part)
-                root_salt = salt if node is self.root else None
-                self.on_stored(node.last_key, fresh, block_tokens, root_salt)
+                if not salt or at <= 0 or at >= len(fresh):
+                    self.on_stored(node.last_key, fresh, block_tokens, salt if at == 0 else None)
+                else:  # a public prefix, then the salted rest: two events, as keyed
+                    cut = None if block_tokens is None else at * bs
+                    self.on_stored(node.last_key, fresh[:at], _head(block_tokens, cut), None)
+                    self.on_stored(fresh[at - 1], fresh[at:], _tail(block_tokens, cut), salt)
             node = run
         elif node.children == 0 and node.lock_ref == 0 and node is not self.root:
             self._push(node)  # used again: re-queue it under its new stamp
-        return InsertResult(node, i, n - i)
+        return _new(InsertResult, (node, i, n - i))
+
+    def _note_namespace(self, key: int, salt: str) -> None:
+        """`key` starts the namespace of `salt`; notes of evicted keys are pruned now and then."""
+        namespaces = self.namespaces
+        namespaces[key] = salt
+        if len(namespaces) > 2 * len(self._where) + 8192:
+            where = self._where
+            self.namespaces = {k: s for k, s in namespaces.items() if k in where}
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -326,7 +385,7 @@ class RadixCache:
         while blocks > 0:
             assert heap, "evictable count out of step with the leaves"
             _, seq, run = heap[0]
-            if not self._valid(run, seq):
+            if not (run.heap_seq == seq and run.alive and run.children == 0 and not run.lock_ref):
                 heapq.heappop(heap)
                 continue
             run_keys = run.keys
@@ -350,6 +409,8 @@ class RadixCache:
             self.free_tokens += take * bs
             blocks -= take
         self.evicted_blocks += len(removed)
+        if self.next_tombstone != -1:  # invalidated runs were announced removed already
+            removed = [k for k in removed if k >= 0]
         if self.on_removed is not None and removed:
             self.on_removed(removed)
 

@@ -60,6 +60,7 @@ class EngineRunner:
         req = Request(
             rid, gen.prompt, gen.sampling.max_tokens, gen.cache_salt, arrival=self._clock()
         )
+        req.public_blocks = gen.public_tokens // self.engine.config.block_size
         self.engine.submit(req)
         gen.handle = req
         self._live[rid] = gen

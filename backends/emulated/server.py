@@ -30,12 +30,14 @@ from typing import Any
 
 from aiohttp import web
 
+from backends.emulated.cache_scopes import invalidate
 from backends.emulated.engine import EmulatedEngine, EngineConfig
 from backends.emulated.metrics import CONTENT_TYPE, WorkerMetrics
 from backends.emulated.model import ENGINE, served_model
 from backends.emulated.runner import EngineRunner
 from backends.http.cli import add_serving_arguments, serve_until_signal
-from backends.http.errors import error_middleware, json_response
+from backends.http.errors import error_middleware, json_response, read_json
+from backends.http.invalidate import parse_invalidate
 from backends.http.kv_events_doc import KV_TOPIC, events_document
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
@@ -99,6 +101,7 @@ class EmulatedWorker:
         OpenAIApi(self.runner, models, created).add_routes(app)
         SGLangApi(self.runner, models, self.server_args, self.model_info, VERSION).add_routes(app)
         app.router.add_get("/urc/info", self.info)
+        app.router.add_post("/urc/invalidate", self.invalidate)
         app.router.add_get("/metrics", self.metrics_handler)
         self._web = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._web.setup()
@@ -119,6 +122,16 @@ class EmulatedWorker:
     def _publish(self, events: list[KVEvent]) -> None:
         assert self.publisher is not None
         self.publisher.publish(events, ts=time.time())
+
+    async def invalidate(self, request: web.Request) -> web.Response:
+        """Drop a scope of the cache now (backends/http/invalidate.py)."""
+        asked = parse_invalidate(await read_json(request))
+        if asked.kv_group not in (None, self.model.kv_group):
+            return json_response({"freed_blocks": 0, "locked_blocks": 0})
+        done = invalidate(self.engine.cache, asked.scope)
+        if events := self.engine.drain_events():  # pending stores first, then the removals
+            self._publish(events)
+        return json_response(done._asdict())
 
     # -- documents ---------------------------------------------------------------------------
 

@@ -12,12 +12,14 @@ one pool; each other layout gets its own pool, the memory budget split evenly be
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from backends.engine.attention import make_attention
+from backends.engine.cache_scopes import Invalidated, invalidate
 from backends.engine.loader import LoadedModel
 from backends.engine.model_runner import ModelRunner, WorkItem
 from backends.engine.page_pool import KVLayout, PagePool
@@ -201,6 +203,20 @@ class TorchEngine:
                 result.events[group] = events
                 self._events[group] = []
         return result
+
+    def invalidate(
+        self, scope: Callable[[str], bool] | None, kv_group: str | None = None
+    ) -> tuple[Invalidated, dict[str, list[KVEvent]]]:
+        """Drop a scope of every pool's cache (backends/engine/cache_scopes.py); returns what
+        went and the events not yet handed out by a step, the removals last."""
+        freed = locked = 0
+        for pool in self.pools.values():
+            done = invalidate(pool.cache, scope, kv_group)
+            freed += done.freed_blocks
+            locked += done.locked_blocks
+        events = {g: e for g, e in self._events.items() if e}
+        self._events = {g: [] for g in self._events}
+        return Invalidated(freed, locked), events
 
     def _run(self, ms: ModelState, items: list[WorkItem], result: StepResult) -> None:
         cache = ms.pool.cache

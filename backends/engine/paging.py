@@ -58,7 +58,8 @@ def cache_blocks(cache: PageRadixCache, req: Request) -> None:
     assert req.node is not None
     keys = req.block_keys(full, bs)[start:]
     tokens = req.tokens[start * bs : full * bs]
-    result = cache.insert(req.node, keys, tokens, req.pages[start:full], req.cache_salt)
+    salt_at = req.public_blocks - start  # where the salt starts in these blocks
+    result = cache.insert(req.node, keys, tokens, req.pages[start:full], req.cache_salt, salt_at)
     if result.inserted == 0:
         return  # a hash collision at the first block: the pages stay private
     req.pages[start : start + result.inserted] = result.pages

@@ -109,6 +109,9 @@ class PageRadixCache:
         self.stored_pages = 0
         self.evicted_pages = 0
         self.group_pages: dict[str, int] = {}
+        # key that starts a salted namespace -> its salt (may name evicted keys; cache_scopes.py)
+        self.namespaces: dict[int, str] = {}
+        self.next_tombstone = -1  # invalidated locked nodes are re-keyed below zero
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -224,6 +227,7 @@ class PageRadixCache:
         tokens: Sequence[int],
         pages: Sequence[int],
         salt: str | None = None,
+        salt_at: int | None = None,
     ) -> InsertResult:
         """Put blocks `keys` (keys[0] a child of `parent`, which the caller holds locked or is
         a root; `tokens` exactly their tokens) into `parent`'s tree, their K/V computed into
@@ -234,9 +238,13 @@ class PageRadixCache:
             [dup, inserted)   new nodes on our pages: in use -> evictable
             [inserted, n)     after a hash collision (tokens differ): still the caller's pages
 
-        New nodes are unlocked: lock the returned node before the next allocation."""
+        New nodes are unlocked: lock the returned node before the next allocation. `salt`
+        travels with a root block, or with keys[salt_at] when a public prefix ends before it
+        (router/blocks.py); under an invalidated node (cache_scopes.py) nothing is cached."""
         bs = self.page_size
         self._tick += 1
+        if parent.key < 0:  # invalidated while the caller held it: its pages stay private
+            return InsertResult(parent, [], 0)
         node = parent
         out: list[int] = []
         fresh_keys: list[int] = []
@@ -261,6 +269,13 @@ class PageRadixCache:
             out.append(child.page)
             node = child
         if fresh_keys:
+            # where in fresh_keys the salt's namespace starts, if it does (None: at the root)
+            if salt_at is None:
+                at = 0 if fresh_from == 0 and parent.parent is None else -1
+            else:
+                at = salt_at - fresh_from
+            if salt and 0 <= at < len(fresh_keys):
+                self._note_namespace(fresh_keys[at], salt)
             self.stored_pages += len(fresh_keys)
             self.group_pages[parent.group] += len(fresh_keys)
             if self.on_stored is not None:
@@ -268,12 +283,38 @@ class PageRadixCache:
                     parent_key: int | None = keys[fresh_from - 1]
                 else:
                     parent_key = None if parent.parent is None else parent.key
-                root_salt = salt if parent_key is None else None
                 span = list(tokens[fresh_from * bs : (fresh_from + len(fresh_keys)) * bs])
-                self.on_stored(parent.group, parent_key, fresh_keys, span, root_salt)
+                self._announce(parent.group, parent_key, fresh_keys, span, salt, at)
         if node is not parent and not node.children and node.lock_ref == 0:
             self._push(node)
         return InsertResult(node, out, len(out))
+
+    def _note_namespace(self, key: int, salt: str) -> None:
+        """`key` starts the namespace of `salt`; notes of evicted keys are pruned now and then."""
+        namespaces = self.namespaces
+        namespaces[key] = salt
+        if len(namespaces) > 2 * self.cached_pages + 8192:
+            held = {k for group in self._roots for k in self.keys(group)}
+            self.namespaces = {k: s for k, s in namespaces.items() if k in held}
+
+    def _announce(
+        self,
+        group: str,
+        parent_key: int | None,
+        keys: list[int],
+        tokens: list[int],
+        salt: str | None,
+        at: int,
+    ) -> None:
+        """BlockStored for new blocks: the salt rides on the block that starts its namespace,
+        so a public prefix and its salted rest go as two events."""
+        assert self.on_stored is not None
+        if not salt or at <= 0 or at >= len(keys):
+            self.on_stored(group, parent_key, keys, tokens, salt if at == 0 else None)
+            return
+        cut = at * self.page_size
+        self.on_stored(group, parent_key, keys[:at], tokens[:cut], None)
+        self.on_stored(group, keys[at - 1], keys[at:], tokens[cut:], salt)
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -314,7 +355,10 @@ class PageRadixCache:
         self.pool.give_back(freed)
         if self.on_removed is not None:
             for group, keys in removed.items():
-                self.on_removed(group, keys)
+                if self.next_tombstone != -1:  # invalidated nodes were announced already
+                    keys = [k for k in keys if k >= 0]
+                if keys:
+                    self.on_removed(group, keys)
 
     # -- integrity ---------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.engine.radix_cache import Node
-from router.blocks import chain_keys, namespace, parent_prefix
+from router.blocks import block_keys, chain_keys, continue_after
 
 
 @dataclass(slots=True)
@@ -66,6 +66,8 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = field(default=None, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # when recorded
+    # shared isolation: leading prompt blocks keyed in the shared namespace (router/blocks.py)
+    public_blocks: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -87,8 +89,12 @@ class Request:
     def block_keys(self, blocks: int, page_size: int) -> list[int]:
         """The keys of the first `blocks` full blocks of its tokens (extended as needed)."""
         have = len(self.keys)
-        if blocks > have:
-            first = parent_prefix(self.keys[-1]) if have else namespace(self.cache_salt)
+        public = self.public_blocks
+        if blocks > have and have < public:  # up to or across the public edge: key it whole
+            span = self.tokens[: blocks * page_size]
+            self.keys = block_keys(span, page_size, self.cache_salt, min(public, blocks))
+        elif blocks > have:
+            first = continue_after(self.keys, self.cache_salt, public)
             span = self.tokens[have * page_size : blocks * page_size]
             self.keys.extend(chain_keys(span, page_size, first))
         return self.keys[:blocks]

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from backends.engine.engine import EngineLoad, TorchEngine
 from backends.engine.request import Request, SamplingParams, Status
@@ -32,6 +32,13 @@ class _Message(NamedTuple):
     gen: Generation
 
 
+class _Call(NamedTuple):
+    """Run `fn` on the engine thread between steps; its result (or error) goes to `future`."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future[Any]
+
+
 class _Update(NamedTuple):
     gen: Generation
     output_len: int
@@ -46,7 +53,7 @@ class EngineThread:
     def __init__(self, engine: TorchEngine, publish: Publish | None = None) -> None:
         self.engine = engine
         self.publish = publish
-        self._inbox: queue.SimpleQueue[_Message | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Message | _Call | None] = queue.SimpleQueue()
         self._live: dict[int, Generation] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -79,6 +86,9 @@ class EngineThread:
             ignore_eos=s.ignore_eos,
         )
         req = self.engine.new_request(gen.model.name, gen.prompt, params, gen.cache_salt)
+        if gen.cache_salt:  # shared isolation: the public part, whole blocks of the prompt
+            full = len(gen.prompt) // self.engine.config.page_size
+            req.public_blocks = min(gen.public_tokens // self.engine.config.page_size, full)
         self.engine.validate(req)
         gen.handle = req
         self._inbox.put(_Message("submit", req, gen))
@@ -123,7 +133,17 @@ class EngineThread:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(_apply, updates)
 
-    def _handle(self, message: _Message, updates: list[_Update]) -> None:
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the engine thread, between steps (operator calls: invalidation)."""
+        assert self._loop is not None
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._inbox.put(_Call(fn, future))
+        return await future
+
+    def _handle(self, message: _Message | _Call, updates: list[_Update]) -> None:
+        if isinstance(message, _Call):
+            self._run_call(message)
+            return
         req, gen = message.req, message.gen
         if message.kind == "submit":
             try:
@@ -134,6 +154,16 @@ class EngineThread:
             self._live[req.rid] = gen
         elif self._live.pop(req.rid, None) is not None and self.engine.abort(req):
             updates.append(_Update(gen, len(req.output), None, None, True))
+
+    def _run_call(self, call: _Call) -> None:
+        assert self._loop is not None
+        future = call.future
+        try:
+            result = call.fn()
+        except Exception as exc:  # the caller's to report
+            self._loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            self._loop.call_soon_threadsafe(_settle, future, result, None)
 
     def _step(self, updates: list[_Update]) -> None:
         result = self.engine.step()
@@ -175,6 +205,15 @@ class EngineThread:
         self._load = WorkerLoad(
             load.running, load.waiting, used * engine.config.page_size, self._load.capacity_tokens
         )
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def _apply(updates: list[_Update]) -> None:

@@ -41,7 +41,8 @@ from backends.engine.metrics import CONTENT_TYPE, WorkerMetrics
 from backends.engine.runner import EngineThread
 from backends.engine.scheduler import SchedulerConfig
 from backends.http.cli import add_serving_arguments, serve_until_signal
-from backends.http.errors import error_middleware, json_response
+from backends.http.errors import error_middleware, json_response, read_json
+from backends.http.invalidate import parse_invalidate
 from backends.http.kv_events_doc import KV_TOPIC, events_document
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
@@ -136,6 +137,7 @@ class TorchWorker:
             app
         )
         app.router.add_get("/urc/info", self.info)
+        app.router.add_post("/urc/invalidate", self.invalidate)
         app.router.add_get("/metrics", self.metrics_handler)
         self._web = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._web.setup()
@@ -153,6 +155,18 @@ class TorchWorker:
 
     def _publish(self, group: str, events: list[KVEvent]) -> None:
         self.publishers[group].publish(events, ts=time.time())
+
+    async def invalidate(self, request: web.Request) -> web.Response:
+        """Drop a scope of the cache now (backends/http/invalidate.py), on the engine thread."""
+        asked = parse_invalidate(await read_json(request))
+
+        def run() -> dict[str, int]:
+            done, events = self.engine.invalidate(asked.scope, asked.kv_group)
+            for group, batch in events.items():  # pending stores first, then the removals
+                self._publish(group, batch)
+            return done._asdict()
+
+        return json_response(await self.runner.call(run))
 
     # -- documents -------------------------------------------------------------------------------
 

@@ -117,6 +117,17 @@ def bool_param(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+def public_param(body: dict[str, Any]) -> int:
+    """Our `urc_public_tokens` (the gateway's, for a tenant in shared isolation): how many
+    leading prompt tokens are keyed in the shared namespace before the salt (needs one)."""
+    value = body.get("urc_public_tokens", 0)
+    if type(value) is not int or value < 0:
+        raise ApiError(
+            400, "'urc_public_tokens' must be an integer >= 0", param="urc_public_tokens"
+        )
+    return value
+
+
 def salt_param(body: dict[str, Any]) -> str | None:
     """vLLM's `cache_salt`: a non-empty string, or absent."""
     salt = body.get("cache_salt")

@@ -42,6 +42,7 @@ class Generation:
     aborted: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     handle: Any = None  # the engine's own record of it
+    public_tokens: int = 0  # `urc_public_tokens`: keyed in the shared namespace, then the salt
 
     @property
     def finished(self) -> bool:

@@ -21,6 +21,7 @@ from backends.http.errors import (
     bool_param,
     int_param,
     json_response,
+    public_param,
     read_json,
     salt_param,
 )
@@ -81,7 +82,7 @@ def sampling(
 class _Call:
     """One parsed request: its prompt, sampling and stream options."""
 
-    __slots__ = ("model", "prompt", "sampling", "salt", "stream", "include_usage", "chat")
+    __slots__ = ("model", "prompt", "sampling", "salt", "public", "stream", "include_usage", "chat")
 
     def __init__(self, model: ServedModel, body: dict[str, Any], prompt: list[int], chat: bool):
         param = "messages" if chat else "prompt"
@@ -96,6 +97,7 @@ class _Call:
         max_tokens = model.max_tokens(len(prompt), requested, param)
         self.sampling = sampling(body, max_tokens, requested is not None)
         self.salt = salt_param(body)
+        self.public = public_param(body) if self.salt else 0
         self.stream = bool_param(body, "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
@@ -164,6 +166,7 @@ class OpenAIApi:
 
     def _submit(self, call: _Call) -> Generation:
         gen = Generation(call.model, call.prompt, call.sampling, call.salt, chat=call.chat)
+        gen.public_tokens = call.public
         try:
             self.backend.submit(gen)
         except ValueError as exc:

@@ -1,9 +1,12 @@
 """The admin API, behind the admin key (`Authorization: Bearer ADMIN_KEY`); off without one.
 
-GET    /admin/workers              the fleet: health, mode, load, models, event-stream state
+GET    /admin/workers              the fleet: health, mode, load, models, event streams, parity
 POST   /admin/workers              add a worker: {"url", "name"?, "models"?, "kv_events"?, ...}
 DELETE /admin/workers/{name}       remove a worker (its residency leaves the index)
 POST   /admin/route?tenant=NAME    dry-run: the routing decision for a request body, explained
+GET    /admin/tenants              tenants and their isolation levels
+POST   /admin/invalidate           drop cached prefixes of a tenant, user, session, model, kv_group
+                                   or all, from the index and the workers (invalidation.py)
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from aiohttp import web
 from router.gateway.config import WorkerConfig
 from router.gateway.errors import APIError, bad_request, json_errors
 from router.gateway.fleet import Worker
+from router.gateway.invalidation import Invalidator
 from router.gateway.routing import parse_body, validate
 from router.index import UnifiedIndex
 
@@ -34,6 +38,8 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             web.post("/admin/route", json_errors(admin.dry_run)),
             web.get("/admin/mode", json_errors(admin.get_mode)),
             web.post("/admin/mode", json_errors(admin.set_mode)),
+            web.post("/admin/invalidate", json_errors(admin.invalidate)),
+            web.get("/admin/tenants", json_errors(admin.list_tenants)),
         ]
     )
 
@@ -61,6 +67,7 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
 class _Admin:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.invalidator = Invalidator(gateway)
 
     def _authorize(self, request: web.Request) -> None:
         key = self.gateway.config.admin_key
@@ -90,6 +97,7 @@ class _Admin:
             {
                 "workers": [describe(w, self.gateway.index) for w in fleet.workers.values()],
                 "index": self.gateway.index.stats()._asdict(),
+                "tokenizer_parity": self.gateway.parity.describe(),
                 "policy": self.gateway.config.policy,
             }
         )
@@ -130,7 +138,8 @@ class _Admin:
             raise bad_request(f"unknown tenant {tenant_name!r}", "tenant")
         # a copy: a dry run must not move the live policy's state (round robin, routed sizes)
         policy = copy.deepcopy(self.gateway.modes.active())
-        plan = self.gateway.router.plan(body, chat, tenant.salt, policy)
+        scope = tenant.scope(body, request.headers)
+        plan = self.gateway.router.plan(body, chat, scope.salt, policy, scope.public)
         return web.json_response(
             {
                 "worker": plan.decision.worker,
@@ -144,6 +153,17 @@ class _Admin:
                 "candidates": [s._asdict() for s in plan.decision.scores],
             }
         )
+
+    async def list_tenants(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        tenants = self.gateway.tenants.all()
+        return web.json_response(
+            {"tenants": [{"name": t.name, "isolation": t.isolation} for t in tenants]}
+        )
+
+    async def invalidate(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        return web.json_response(await self.invalidator.run(await self._json(request)))
 
     async def get_mode(self, request: web.Request) -> web.Response:
         self._authorize(request)

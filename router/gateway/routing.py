@@ -14,6 +14,7 @@ import msgspec
 from router.blocks import block_keys
 from router.gateway.errors import APIError, bad_request, unavailable
 from router.gateway.fleet import Fleet, Model, Worker
+from router.gateway.isolation import leading_system, public_tokens
 from router.index import UnifiedIndex
 from router.policies import Candidate, Decision, Policy, RouteRequest
 
@@ -30,10 +31,15 @@ class Plan(NamedTuple):
     request: RouteRequest  # what the policy saw (shadow policies see the same)
     candidates: list[Candidate]
     policy: str  # the policy that decided
+    public_tokens: int = 0  # shared isolation: leading tokens keyed in the shared namespace
 
     def matched(self, worker: str) -> int:
-        """Tokens of the prompt the index says `worker` holds."""
-        return min(self.matched_blocks.get(worker, 0) * self.model.block_size, self.prompt_tokens)
+        """Tokens of the prompt `worker` will find cached, as the index says: its full blocks,
+        less the last one when it holds the whole prompt (vLLM, SGLang and our workers compute
+        at least the last prompt token)."""
+        bs = self.model.block_size
+        usable = max(self.prompt_tokens - 1, 0) // bs
+        return min(self.matched_blocks.get(worker, 0), usable) * bs
 
     def ranked(self) -> Iterator[Worker]:
         """The chosen worker, then (only if asked for: failover) the rest by the policy's cost."""
@@ -103,8 +109,21 @@ class Router:
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if chat else "prompt") from None
 
+    def public_tokens(self, model: Model, body: dict[str, Any], tokens: list[int]) -> int:
+        """Shared isolation: the whole blocks of the leading system prompt."""
+        system = leading_system(body["messages"])
+        if not system:
+            return 0
+        rendered = self.tokens(model, {**body, "messages": system}, True)
+        return public_tokens(tokens, rendered, model.block_size)
+
     def plan(
-        self, body: dict[str, Any], chat: bool, salt: str | None, policy: Policy | None = None
+        self,
+        body: dict[str, Any],
+        chat: bool,
+        salt: str | None,
+        policy: Policy | None = None,
+        public: bool = False,
     ) -> Plan:
         arrived = time.monotonic()
         t0 = time.perf_counter()
@@ -118,7 +137,11 @@ class Router:
         if not workers:
             raise unavailable(f"no healthy worker serves model '{name}'")
         tokens = self.tokens(model, body, chat)
-        keys = block_keys(tokens, model.block_size, salt)
+        public_tokens = self.public_tokens(model, body, tokens) if public and chat and salt else 0
+        public_blocks = public_tokens // model.block_size
+        keys = block_keys(tokens, model.block_size, salt, public_blocks)
+        if salt and len(keys) > public_blocks:  # where scoped invalidation finds the namespace
+            self.index.tag_namespace(keys[public_blocks], salt)
         group = model.kv_group
         matched_blocks = self.index.match(keys, group, arrived)
         index = self.index
@@ -150,4 +173,5 @@ class Router:
             request,
             candidates,
             policy.name,
+            public_tokens,
         )

@@ -8,10 +8,12 @@ cannot name another tenant's salt, and every gateway replica derives the same on
 from __future__ import annotations
 
 import hashlib
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 from router.gateway.config import TenantConfig
 from router.gateway.errors import APIError
+from router.gateway.isolation import Scope, request_scope
 
 SHARED_TENANT = "default"
 
@@ -19,6 +21,11 @@ SHARED_TENANT = "default"
 class Tenant(NamedTuple):
     name: str
     salt: str | None  # forwarded as `cache_salt`; None: the shared namespace
+    isolation: str = "tenant"  # shared | tenant | user | session (router/gateway/isolation.py)
+
+    def scope(self, body: dict[str, Any], headers: Mapping[str, str]) -> Scope:
+        """The salt of one request of this tenant under its isolation level."""
+        return request_scope(self.isolation, self.salt, body, headers)
 
 
 class Tenants:
@@ -28,7 +35,7 @@ class Tenants:
             digest = hashlib.blake2b(
                 config.name.encode(), key=secret.encode()[:64], digest_size=16
             ).hexdigest()
-            tenant = Tenant(config.name, f"urc-{digest}")
+            tenant = Tenant(config.name, f"urc-{digest}", config.isolation)
             for key in config.api_keys:
                 self._by_key[key] = tenant
         self.auth = bool(self._by_key)
@@ -54,6 +61,12 @@ class Tenants:
                 code="invalid_api_key",
             )
         return tenant
+
+    def all(self) -> list[Tenant]:
+        """Every tenant (the shared one when auth is off), each once."""
+        if not self.auth:
+            return [self._shared]
+        return list({t.name: t for t in self._by_key.values()}.values())
 
     def by_name(self, name: str) -> Tenant | None:
         if not self.auth and name == SHARED_TENANT:

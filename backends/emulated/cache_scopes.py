@@ -1,0 +1,111 @@
+"""Scoped invalidation of the emulated worker's radix cache (an operator's call).
+
+A namespace starts at a key the cache noted on insert (`RadixCache.namespaces`): a salted root
+block, or the first private block after a public prefix; every block below it is in it. The
+runs of the matching namespaces (all runs when the scope is everything) go at once:
+
+    unlocked   freed now: their tokens go back to the pool, BlockRemoved is announced
+    locked     re-keyed below zero, so no request can match them and nothing is cached under
+               them; they stay protected while locked and are evicted like any leaf after.
+               BlockRemoved is announced now for their real keys.
+
+Locks walk to the root, so the unlocked runs of a subtree are whole subtrees themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+from backends.emulated.radix_cache import RadixCache, Run
+
+SaltTest = Callable[[str], bool]
+
+
+class Invalidated(NamedTuple):
+    freed_blocks: int  # back in the free pool now
+    locked_blocks: int  # in use by running requests: unmatchable now, freed once released
+
+
+def invalidate(cache: RadixCache, scope: SaltTest | None) -> Invalidated:
+    """Drop the blocks of the namespaces `scope` matches (None: every block)."""
+    if scope is None:
+        doomed = list(cache._runs)
+        cache.namespaces.clear()
+    else:
+        doomed = _under(cache, _cut_at_starts(cache, scope))
+        for key in [k for k, s in cache.namespaces.items() if scope(s)]:
+            del cache.namespaces[key]
+    where = cache._where
+    bs = cache.block_size
+    removed: list[int] = []
+    freed = locked = 0
+    for run in doomed:
+        removed.extend(run.keys)
+        for key in run.keys:
+            del where[key]
+        if run.lock_ref:
+            locked += len(run.keys)
+            tombstones = list(range(cache.next_tombstone, cache.next_tombstone - len(run.keys), -1))
+            cache.next_tombstone -= len(run.keys)
+            run.keys = tombstones
+            where.update(dict.fromkeys(tombstones, run))
+            continue
+        freed += len(run.keys)
+        cache.evictable_tokens -= len(run.keys) * bs
+        cache.free_tokens += len(run.keys) * bs
+        run.alive = False
+        run.keys = []
+        cache._runs.discard(run)
+        parent = run.parent
+        assert parent is not None
+        parent.children -= 1
+    for run in doomed:  # parents left without children become evictable leaves
+        parent = run.parent
+        if (
+            parent is not None
+            and parent is not cache.root
+            and parent.alive
+            and parent.children == 0
+            and parent.lock_ref == 0
+        ):
+            cache._push(parent)
+    cache.evicted_blocks += freed
+    if cache.on_removed is not None and removed:
+        cache.on_removed(removed)
+    return Invalidated(freed, locked)
+
+
+def _cut_at_starts(cache: RadixCache, scope: SaltTest) -> set[Run]:
+    """The runs that begin at a matching namespace start (split off where one starts mid-run)."""
+    where = cache._where
+    tops: set[Run] = set()
+    for key, salt in cache.namespaces.items():
+        run = where.get(key)
+        if run is None or not scope(salt):
+            continue
+        if run.keys[0] != key:
+            cache._split(run, run.keys.index(key))  # `run` keeps the keys from `key` on
+        tops.add(run)
+    return tops
+
+
+def _under(cache: RadixCache, tops: set[Run]) -> list[Run]:
+    """`tops` and every run below one of them."""
+    if not tops:
+        return []
+    verdict: dict[Run, bool] = dict.fromkeys(tops, True)
+    verdict[cache.root] = False
+    found: list[Run] = []
+    for run in cache._runs:
+        path: list[Run] = []
+        cur: Run | None = run
+        while cur is not None and cur not in verdict:
+            path.append(cur)
+            cur = cur.parent
+        inside = cur is not None and verdict[cur]
+        for r in path:
+            verdict[r] = inside
+        if inside:
+            found.append(run)
+    return found

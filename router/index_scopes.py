@@ -1,0 +1,80 @@
+"""Scoped invalidation of the unified index: an operator's call, never the request path.
+
+A namespace (a tenant's, a user's, a session's) starts at a tagged key (`tag_namespace`): a
+root block keyed in its salt, or the first private block after a public prefix. Every block
+under such a key is in that namespace, because keys are chained. Dropping a scope is: find
+the tagged keys whose salt the scope matches, cut their runs there, and release every
+resident's hold on those runs and all runs below them. It walks the runs once, as `clear`
+does; it lives here, beside the index, to keep index.py about the hot paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from router.index import UnifiedIndex, _bits, _Run
+
+SaltTest = Callable[[str], bool]
+
+
+def invalidate(index: UnifiedIndex, scope: SaltTest | None, kv_group: str | None = None) -> int:
+    """Drop every resident's hold on the blocks of the namespaces `scope` matches (None: every
+    block) in `kv_group` (None: every group). Returns the block residencies dropped."""
+    if kv_group is None:
+        mask = sum(1 << bit for bit in index._bit_of.values())
+    else:
+        mask = index._group_mask.get(kv_group, 0)
+    if scope is None:
+        doomed = list(index._runs)
+    else:
+        tops = _cut_at_starts(index, scope)
+        doomed = _under(index, tops)
+        if kv_group is None:
+            for key in [k for k, s in index.namespaces.items() if scope(s)]:
+                del index.namespaces[key]
+    dropped = 0
+    touched: set[int] = set()
+    for run in doomed:
+        held = run.mask & mask  # a run deleted on the way has an empty mask
+        for bit in _bits(held):
+            dropped += len(run.keys)
+            touched.add(bit)
+            index._release(run, bit)
+    for bit in touched:
+        if index._resident_of[bit] is not None and index._held[bit] == 0:
+            index._forget(bit)
+    return dropped
+
+
+def _cut_at_starts(index: UnifiedIndex, scope: SaltTest) -> set[_Run]:
+    """The runs that begin at a matching namespace start (split off where one starts mid-run)."""
+    where = index._where
+    tops: set[_Run] = set()
+    for key, salt in index.namespaces.items():
+        run = where.get(key)
+        if run is None or not scope(salt):
+            continue
+        if run.keys[0] != key:
+            index._split(run, run.keys.index(key))  # `run` keeps the keys from `key` on
+        tops.add(run)
+    return tops
+
+
+def _under(index: UnifiedIndex, tops: set[_Run]) -> list[_Run]:
+    """`tops` and every run below one of them."""
+    if not tops:
+        return []
+    verdict: dict[_Run, bool] = dict.fromkeys(tops, True)
+    found: list[_Run] = []
+    for run in index._runs:
+        path: list[_Run] = []
+        cur: _Run | None = run
+        while cur is not None and cur not in verdict:
+            path.append(cur)
+            cur = cur.parent
+        inside = cur is not None and verdict[cur]
+        for r in path:
+            verdict[r] = inside
+        if inside:
+            found.append(run)
+    return found
