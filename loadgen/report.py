@@ -20,7 +20,8 @@ JSON schema "urc.bench/1" (keys are stable; a value is null when nothing measure
                  (x-urc-route matched_tokens) against the worker's cached tokens, per ok request
                  reporting both: mean |predicted - actual| (and mean predicted - actual) in % of
                  the request's prompt tokens
-    workers      {worker: {requests, ok, prompt_tokens, cached_tokens, hit_rate}} from x-urc-route
+    workers      {worker: {requests, ok, prompt_tokens, cached_tokens, hit_rate,
+                 prediction_mae_pct}} from x-urc-route (the MAE as in `prediction`, per worker)
     requests     only with --json-requests: one object per request (see `request_row`)
 
 Percentiles interpolate linearly between the closest ranks (numpy's default).
@@ -111,6 +112,10 @@ def summarize(
         for r in compared
     ]
     workers: dict[str, dict[str, Any]] = {}
+    worker_gaps: dict[str, list[float]] = {}
+    for r, gap in zip(compared, gaps, strict=True):
+        if r.route is not None and r.route.worker is not None:
+            worker_gaps.setdefault(r.route.worker, []).append(abs(gap))
     for r in results:
         if r.route is None or r.route.worker is None:
             continue
@@ -123,8 +128,10 @@ def summarize(
             if r.prompt_tokens is not None and r.actual_cached_tokens is not None:
                 w["prompt_tokens"] += r.prompt_tokens
                 w["cached_tokens"] += r.actual_cached_tokens
-    for w in workers.values():
+    for name, w in workers.items():
         w["hit_rate"] = w["cached_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else None
+        errs = worker_gaps.get(name)
+        w["prediction_mae_pct"] = sum(errs) / len(errs) if errs else None
     summary: dict[str, Any] = {
         "schema": SCHEMA,
         "config": dict(config or {}),
@@ -211,8 +218,12 @@ def format_report(summary: Mapping[str, Any]) -> str:
         )
     if summary["workers"]:
         width = max(12, *(len(name) + 2 for name in summary["workers"]))
-        lines.append(f"{'worker':{width}}{'requests':>10}{'ok':>10}{'hit rate':>10}")
+        lines.append(
+            f"{'worker':{width}}{'requests':>10}{'ok':>10}{'hit rate':>10}{'pred MAE':>10}"
+        )
         for name, w in summary["workers"].items():
             hit = _pct(w["hit_rate"])
-            lines.append(f"{name:{width}}{w['requests']:>10}{w['ok']:>10}{hit:>10}")
+            mae = w.get("prediction_mae_pct")
+            err = "-" if mae is None else f"{mae:.2f}%"
+            lines.append(f"{name:{width}}{w['requests']:>10}{w['ok']:>10}{hit:>10}{err:>10}")
     return "\n".join(lines)

@@ -3,6 +3,9 @@
 Workers run as child processes (`python -m backends.<engine>.server`), each announcing
 `ready: URL`; the gateway runs in this process and prints `gateway: URL` once it accepts
 connections. SIGINT/SIGTERM stop the gateway, then the workers.
+
+`--engine vllm|sglang` starts real engines instead (backends/real_cluster.py), in parallel,
+and hands the gateway their endpoints and the model directory's tokenizer.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import os
 import signal
 import socket
 import sys
+from pathlib import Path
 
 from router.gateway.app import run_async, serve_gateway
 from router.gateway.config import (
     ConfigError,
     GatewayConfig,
+    ModelConfig,
     WorkerConfig,
     add_gateway_arguments,
     apply_flags,
@@ -26,6 +31,7 @@ from router.gateway.config import (
 )
 
 ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.engine.server"}
+REAL_ENGINES = ("vllm", "sglang")  # backends/real_cluster.py, imported only when asked for
 READY_TIMEOUT_S = 120.0
 
 
@@ -37,7 +43,7 @@ def free_port() -> int:
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4, help="number of workers (default 4)")
-    parser.add_argument("--engine", choices=sorted(ENGINES), default="emulated")
+    parser.add_argument("--engine", choices=sorted([*ENGINES, *REAL_ENGINES]), default="emulated")
     parser.add_argument(
         "--worker-arg",
         action="append",
@@ -45,6 +51,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="an argument passed to every worker, e.g. --worker-arg=--capacity-tokens=200000",
     )
+    from backends.real_cluster import add_real_engine_arguments
+
+    add_real_engine_arguments(parser)
     add_gateway_arguments(parser)
 
 
@@ -103,7 +112,32 @@ async def stop_workers(procs: list[asyncio.subprocess.Process], timeout_s: float
             await proc.wait()
 
 
+async def run_real_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
+    from backends.real_cluster import start_real_engines, stop_engines
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    engines = await start_real_engines(args)
+    try:
+        for engine in engines:
+            config.workers.append(WorkerConfig(**engine.endpoints.worker_entry()))
+        names = engines[0].endpoints.models
+        configured = {m.name for m in config.models}
+        if Path(args.model).is_dir():  # key prompts with the engine's own tokenizer
+            config.models += [
+                ModelConfig(n, tokenizer=args.model) for n in names if n not in configured
+            ]
+        await serve_gateway(config, stop)
+    finally:
+        await asyncio.to_thread(stop_engines, engines)
+
+
 async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
+    if args.engine in REAL_ENGINES:
+        await run_real_cluster(args, config)
+        return
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -134,7 +168,7 @@ def cluster_main(args: argparse.Namespace) -> int:
         return 2
     try:
         run_async(run_cluster(args, config))
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"urc cluster: {exc}", file=sys.stderr)
         return 1
     return 0

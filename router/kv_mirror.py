@@ -24,7 +24,7 @@ import enum
 from collections.abc import Callable, Collection, Hashable
 from typing import NamedTuple
 
-from router.blocks import chain_keys, namespace, parent_prefix
+from router.blocks import chain_keys, namespace, parent_prefix, salted_after
 from router.index import UnifiedIndex
 from router.kv_events import (
     AllBlocksCleared,
@@ -77,6 +77,18 @@ def _fingerprint(batch: EventBatch) -> int:
         ev = batch.events[0]
         first = tuple(ev.block_hashes[:1]) if not isinstance(ev, AllBlocksCleared) else "clear"
     return hash((batch.ts, len(batch.events), first))
+
+
+def _engine_salt(ev: BlockStored) -> str | None:
+    """vLLM publishes a root block's cache_salt among its untagged extra keys (after the LoRA
+    name): the one string there that is not the LoRA name."""
+    if not ev.extra_keys:
+        return None
+    keys = ev.extra_keys[0]
+    if not isinstance(keys, list | tuple):
+        return None
+    strings = [k for k in keys if isinstance(k, str) and k != ev.lora_name]
+    return strings[0] if len(strings) == 1 else None
 
 
 class WorkerMirror:
@@ -231,17 +243,21 @@ class WorkerMirror:
             return
         lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
         group = self._group_of(lora)
+        salt = ev.cache_salt
         if ev.parent_block_hash is None:
             parent = None
-            first = namespace(ev.cache_salt)
+            if salt is None:
+                salt = _engine_salt(ev)
+            first = namespace(salt)
         else:
             known = self._lookup(ev.parent_block_hash)
             if known is None or known[1] != group:
                 self.skipped_orphans += len(hashes)
                 return
             parent = known[0]
-            first = parent_prefix(parent)
-        n = self._plain_prefix(ev)
+            # a salt on a child: the first private block after a public prefix (blocks.py)
+            first = salted_after(parent, ev.cache_salt) if ev.cache_salt else parent_prefix(parent)
+        n = self._plain_prefix(ev, salt)
         if n < len(hashes):
             self.skipped_unkeyable += len(hashes) - n
             if n == 0:
@@ -250,15 +266,17 @@ class WorkerMirror:
         if group not in self._groups:
             self._groups.add(group)
         self._remember(hashes[:n], keys, group)
+        if salt:  # ours, or vLLM's root-block extra key
+            self.index.tag_namespace(keys[0], salt)
         self.blocks_stored += self.index.insert(keys, self.worker, group, now, parent=parent)
 
-    def _plain_prefix(self, ev: BlockStored) -> int:
+    def _plain_prefix(self, ev: BlockStored, salt: str | None) -> int:
         """How many leading blocks were hashed from their tokens alone (plus LoRA and salt,
         which we key by kv_group and namespace): the rest carry multimodal or other keys."""
         extra = ev.extra_keys
         if not extra:
             return len(ev.block_hashes)
-        ours: set[Hashable] = {ev.lora_name, ev.cache_salt} - {None}
+        ours: set[Hashable] = {ev.lora_name, salt} - {None}
         for i, keys in enumerate(extra[: len(ev.block_hashes)]):
             if not keys:
                 continue

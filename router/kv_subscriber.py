@@ -203,6 +203,8 @@ class KVEventSubscriber:
                     self.replay_failures += 1
                     return None
                 frames = await dealer.recv_multipart()
+                if len(frames) == 4:  # vLLM today: (empty, topic, seq, payload)
+                    frames = [frames[0], frames[2], frames[3]]
                 if len(frames) != 3 or len(frames[1]) != 8:
                     log.warning("kv events from %s: bad replay frames", self.mirror.worker)
                     self.replay_failures += 1

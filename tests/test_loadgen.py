@@ -308,6 +308,7 @@ def test_report_math():
         "prompt_tokens": 2000,
         "cached_tokens": 1500,
         "hit_rate": 0.75,
+        "prediction_mae_pct": pytest.approx(10.0),
     }
     assert s["workers"]["w2"]["requests"] == 3 and s["workers"]["w2"]["ok"] == 2
     assert percentile([], 50) is None and percentile([5.0], 99) == 5.0

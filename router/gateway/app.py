@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -20,18 +21,23 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.gateway.admin import add_admin_routes
 from router.gateway.config import ConfigError, GatewayConfig, load_config
-from router.gateway.errors import add_fallback_route, json_errors
+from router.gateway.errors import APIError, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
+from router.gateway.isolation import export_levels, with_public
 from router.gateway.metrics import GatewayMetrics, ModesCollector
 from router.gateway.modes import RoutingModes
+from router.gateway.parity import ParityCollector, ParityProbe
 from router.gateway.proxy import Proxy, Usage, with_salt
 from router.gateway.recorder import Recorder
+from router.gateway.reply import AiohttpReply, Reply
 from router.gateway.routing import Plan, Router, parse_body, validate
+from router.gateway.server import FrontServer
 from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.policies import make_policy
 
 log = logging.getLogger(__name__)
+JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 class Gateway:
@@ -51,6 +57,11 @@ class Gateway:
         self.tenants = Tenants(config.tenants, config.salt_secret)
         self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
         self.metrics.registry.register(ModesCollector(self.modes))
+        export_levels(self.metrics.registry, [(t.name, t.isolation) for t in self.tenants.all()])
+        self.parity = ParityProbe(self.fleet, config.parity_interval_s)
+        if config.parity_interval_s > 0:
+            self.fleet.on_up.append(self.parity.on_up)
+            self.metrics.registry.register(ParityCollector(self.parity))
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self._tasks: list[asyncio.Task[None]] = []
@@ -76,6 +87,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.fleet.health_loop()))
         self._tasks.append(loop.create_task(self._watch_index_health()))
+        if self.config.parity_interval_s > 0:
+            self._tasks.append(loop.create_task(self.parity.run()))
 
     async def _watch_index_health(self) -> None:
         """Degrade while every KV-event stream is lost; recover when one is back."""
@@ -105,6 +118,8 @@ class Gateway:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.parity.close()
+        await self.proxy.deadlines.close()
         await self.fleet.close()
         if self.recorder is not None:
             self.recorder.close()
@@ -112,26 +127,44 @@ class Gateway:
     # -- OpenAI endpoints --------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "/v1/completions", chat=False)
+        return await self._via_aiohttp(request, "/v1/completions")
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "/v1/chat/completions", chat=True)
+        return await self._via_aiohttp(request, "/v1/chat/completions")
 
-    async def _serve(self, request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-        tenant = self.tenants.authenticate(request.headers.get("Authorization"))
-        raw = await request.read()
+    async def _via_aiohttp(self, request: web.Request, path: str) -> web.StreamResponse:
+        """An inference request on a connection aiohttp holds (server.py says when)."""
+        reply = AiohttpReply(request)
+        await self.serve(reply, path, request.headers, await request.read())
+        assert reply.response is not None
+        return reply.response
+
+    async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
+        """One inference request, whichever server took it; `headers` are looked up by
+        lowercase name. An error before the first byte leaves as OpenAI-style JSON."""
+        try:
+            await self._serve(reply, path, headers, raw)
+        except APIError as exc:
+            if reply.started:
+                raise
+            reply.whole(exc.status, JSON_HEADERS, exc.body())
+
+    async def _serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
+        chat = path == "/v1/chat/completions"
+        tenant = self.tenants.authenticate(headers.get("authorization"))
         body = parse_body(raw)
         validate(body, chat)
         modes = self.modes
-        plan = self.router.plan(body, chat, tenant.salt, modes.active())
+        scope = tenant.scope(body, headers)
+        plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
         if modes.shadows:
             modes.watch(plan)
         self.metrics.decision.observe(plan.decision_s)
         self.metrics.reason(plan.decision.reason).inc()
-        payload = with_salt(raw, body, tenant.salt)
+        payload = with_public(with_salt(raw, body, scope.salt), plan.public_tokens)
         stream = body.get("stream") is True
-        return await self.proxy.forward(
-            request,
+        await self.proxy.forward(
+            reply,
             path,
             payload,
             plan,
@@ -191,12 +224,18 @@ async def serve_gateway(
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)
     runner = web.AppRunner(gateway.app, access_log=None, handle_signals=False)
     await runner.setup()
+    assert runner.server is not None
+    front = FrontServer(gateway.serve, runner.server, config.max_body_bytes)
     try:
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        print(f"gateway: http://{config.host}:{config.port}", flush=True)
+        port = await front.start(config.host, config.port)
+        # what startup made lives as long as the process: out of the collector's sight, so
+        # full collections under load walk only what requests and the index made since
+        gc.collect()
+        gc.freeze()
+        print(f"gateway: http://{config.host}:{port}", flush=True)
         await stop.wait()
     finally:
+        await front.stop()
         await runner.cleanup()
 
 

@@ -26,6 +26,7 @@ aliases = ["llama3"]
 [[tenants]]
 name = "acme"
 api_keys = ["sk-acme-1"]
+isolation = "tenant"             # shared | tenant | user | session (router/gateway/isolation.py)
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from router.policies import POLICY_NAMES
+
+ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
 
 
 class ConfigError(ValueError):
@@ -67,6 +70,7 @@ class WorkerConfig:
 class TenantConfig:
     name: str
     api_keys: list[str]
+    isolation: str = "tenant"  # shared | tenant | user | session
 
 
 @dataclass(slots=True)
@@ -92,6 +96,7 @@ class GatewayConfig:
     record: str | None = None  # a JSONL file: every served request, for `urc replay`
     degraded: bool = False  # route by plain least load (the degrade switch)
     shadow_policies: list[str] = field(default_factory=list)  # watch, never act
+    parity_interval_s: float = 300.0  # token-parity probes of every worker (0: none at all)
 
 
 def _table(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -154,6 +159,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="TENANT:KEY",
         help="an API key of a tenant; repeatable. With none, auth is off (one shared tenant)",
     )
+    parser.add_argument(
+        "--tenant-isolation",
+        action="append",
+        default=[],
+        metavar="TENANT:LEVEL",
+        help="a tenant's cache isolation: shared (its leading system prompt is shared with "
+        "other shared tenants), tenant (the default), user (the request's 'user'), session "
+        "(the x-urc-session header); repeatable",
+    )
     parser.add_argument("--admin-key", help="the key of the admin API (/admin/...)")
     parser.add_argument(
         "--shadow-policy",
@@ -176,6 +190,21 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "cached tokens) for `urc replay`",
     )
     parser.add_argument(
+        "--attach",
+        action="append",
+        default=[],
+        metavar="URL,KEY=VALUE,...",
+        help="an engine started elsewhere (vLLM, SGLang), e.g. http://h:8000,model=llama,"
+        "kv_events=tcp://h:5557,kv_replay=tcp://h:5558,kv_topic=kv,block_size=16; repeatable",
+    )
+    parser.add_argument(
+        "--parity-interval",
+        type=float,
+        metavar="S",
+        help="probe every worker's token counts against the gateway's every S seconds, and "
+        "when it comes up (default 300; 0: never)",
+    )
+    parser.add_argument(
         "--model-tokenizer",
         action="append",
         default=[],
@@ -190,6 +219,9 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
     if args.port is not None:
         config.port = args.port
     config.workers.extend(WorkerConfig(url=url) for url in args.worker)
+    config.workers.extend(parse_attach(spec) for spec in getattr(args, "attach", []))
+    if getattr(args, "parity_interval", None) is not None:
+        config.parity_interval_s = args.parity_interval
     if args.policy:
         config.policy = args.policy
     for item in args.policy_param:
@@ -206,6 +238,11 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
             by_name[tenant] = TenantConfig(tenant, [])
             config.tenants.append(by_name[tenant])
         by_name[tenant].api_keys.append(key)
+    for item in getattr(args, "tenant_isolation", []):
+        tenant, sep, level = item.partition(":")
+        if not sep or tenant not in by_name:
+            raise ConfigError(f"--tenant-isolation wants TENANT:LEVEL of a known tenant: {item!r}")
+        by_name[tenant].isolation = level
     if args.admin_key:
         config.admin_key = args.admin_key
     if args.record:
@@ -225,6 +262,30 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
     return config
 
 
+def parse_attach(spec: str) -> WorkerConfig:
+    """`URL,model=NAME,...,kv_events=EP,kv_replay=EP,kv_topic=T,block_size=N,name=N`."""
+    url, *items = spec.split(",")
+    worker = WorkerConfig(url=url.strip())
+    models: list[str] = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not value:
+            raise ConfigError(f"--attach wants URL,KEY=VALUE,...: bad {item!r} in {spec!r}")
+        if key in ("model", "models"):
+            models.append(value)
+        elif key == "block_size" and value.isdigit():
+            worker.block_size = int(value)
+        elif key in ("kv_events", "kv_replay", "kv_topic", "name"):
+            setattr(worker, key, value)
+        else:
+            raise ConfigError(f"--attach: unknown or bad {key!r} in {spec!r}")
+    if not models:
+        raise ConfigError(f"--attach {spec!r}: name the served models (model=NAME, repeatable)")
+    worker.models = models
+    return worker
+
+
 def validate(config: GatewayConfig) -> None:
     for name in (config.policy, *config.shadow_policies):
         if name not in POLICY_NAMES:
@@ -235,6 +296,10 @@ def validate(config: GatewayConfig) -> None:
             if key in keys:
                 raise ConfigError(f"API key of tenant {tenant.name!r} is used twice")
             keys.add(key)
+        if tenant.isolation not in ISOLATION_LEVELS:
+            raise ConfigError(
+                f"tenant {tenant.name!r}: isolation must be one of {', '.join(ISOLATION_LEVELS)}"
+            )
     for worker in config.workers:
         if not worker.url.startswith(("http://", "https://")):
             raise ConfigError(f"worker URL must start with http:// or https://: {worker.url!r}")

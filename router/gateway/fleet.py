@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
@@ -86,6 +87,7 @@ class Fleet:
         for model in config.models:
             self._declare(model.name, model, model.kv_group or model.name, model.block_size or 16)
         self.session: aiohttp.ClientSession | None = None
+        self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
 
     # -- models ------------------------------------------------------------------------------
 
@@ -155,7 +157,9 @@ class Fleet:
 
     def events_lost(self) -> bool:
         """The index is unhealthy: workers publish KV events, and no stream is connected."""
-        streams = [s for w in self.workers.values() if w.up for s in w.streams]
+        streams = [
+            s for w in self.workers.values() if w.up for s in w.streams if s.subscriber is not None
+        ]
         return bool(streams) and not any(s.subscriber and s.subscriber.connected for s in streams)
 
     # -- health ------------------------------------------------------------------------------
@@ -215,11 +219,13 @@ class Fleet:
             served[name] = group
             if name not in self.models:
                 self._declare(name, configured, group, worker.block_size)
+            self._adopt_block_size(name, worker)
         for name in config.models or ():
             model = self.models.get(name)
             if model is None:
                 self._declare(name, None, name, worker.block_size)
                 model = self.models[name]
+            self._adopt_block_size(name, worker)
             served[name] = model.kv_group
         worker.models = served
         host = urlparse(worker.url).hostname or "127.0.0.1"
@@ -233,12 +239,30 @@ class Fleet:
         else:  # discovered afresh each time: a restart may move them
             worker.streams = discovered_streams(info, served, host)
 
+    def _adopt_block_size(self, name: str, worker: Worker) -> None:
+        """A model configured without a block size is keyed with its workers' (a kv_group has
+        one block size: a worker that disagrees cannot be mirrored exactly)."""
+        configured = self._configured.get(name)
+        model = self.models[name]
+        if configured is not None and configured.block_size is None:
+            model.block_size = worker.block_size
+        elif model.block_size != worker.block_size:
+            log.warning(
+                "worker %s has block size %d, model %s is keyed with %d",
+                worker.name,
+                worker.block_size,
+                name,
+                model.block_size,
+            )
+
     async def _mark_up(self, worker: Worker) -> None:
         worker.up = True
         worker.failures = 0
         for stream in worker.streams:
             stream.start(self.index, worker.name, worker.block_size)
         self._regroup()
+        for hook in self.on_up:
+            hook(worker)
         log.info(
             "worker %s up (%s, %s)",
             worker.name,

@@ -1,0 +1,211 @@
+"""Token parity: the gateway keys prompts with its own tokenizer, so its keys are the engine's
+only if both turn a request into the same token ids (DESIGN §1).
+
+When a worker comes up, and then every `parity_interval_s`, a known chat and a known completion
+(one token of output each) go to each kv_group the worker serves, and the worker's
+`usage.prompt_tokens` is compared with the gateway's own count. A mismatch is logged, exported
+(`urc_tokenizer_parity` 0, `urc_tokenizer_parity_mismatches`) and *downgrades* that worker's
+kv_group to approximate mode: its KV-event stream is stopped and its residency cleared, so it is
+routed on the gateway's own history (keys from the gateway's tokenizer, consistent with
+themselves) instead of on events keyed from the engine's ids that no prompt of ours will match.
+A later matching probe restores exact mode. A probe that gets no answer changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.gateway.fleet import Fleet, Worker
+
+log = logging.getLogger(__name__)
+
+# Text that tokenizers disagree on: casing, digits, punctuation runs, spacing, non-ASCII.
+PROBE_TEXT = (
+    "Parity probe: The QUICK brown fox, 1234567 jumps over 89 lazy dogs!!  Tabs\tand\nnewlines; "
+    "café naïve façade, 東京 and émoji 🙂 -- the end."
+)
+PROBE_CHAT: list[dict[str, str]] = [
+    {"role": "system", "content": "You are a parity probe. Answer in one word."},
+    {"role": "user", "content": PROBE_TEXT},
+]
+
+
+@dataclass(slots=True)
+class ParityState:
+    """The last verdict for one (worker, model)."""
+
+    ok: bool | None = None  # None: never answered
+    expected: dict[str, int] | None = None  # the gateway's counts, by "chat"/"completion"
+    actual: dict[str, int] | None = None  # the worker's usage.prompt_tokens
+    checks: int = 0
+    mismatches: int = 0
+    errors: int = 0
+
+
+class ParityProbe:
+    """Probes the fleet's workers; `on_up` is Fleet's hook, `run` the periodic loop."""
+
+    def __init__(self, fleet: Fleet, interval_s: float, timeout_s: float = 30.0) -> None:
+        self.fleet = fleet
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.states: dict[tuple[str, str], ParityState] = {}
+        self.downgraded: set[tuple[str, str]] = set()  # (worker, kv_group)
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def on_up(self, worker: Worker) -> None:
+        """A worker came (back) up: its streams were restarted, so downgrades are redone."""
+        self.downgraded = {d for d in self.downgraded if d[0] != worker.name}
+        task = asyncio.get_running_loop().create_task(self.probe(worker))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            workers = [w for w in self.fleet.workers.values() if w.up]
+            await asyncio.gather(*(self.probe(w) for w in workers), return_exceptions=True)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """The last verdict per (worker, model), for GET /admin/workers."""
+        return [
+            {"worker": worker, "model": model, **asdict(state)}
+            for (worker, model), state in sorted(self.states.items())
+        ]
+
+    async def probe(self, worker: Worker) -> None:
+        """One probe per kv_group the worker serves (through the first model of the group)."""
+        by_group: dict[str, str] = {}
+        for name, group in worker.models.items():
+            by_group.setdefault(group, name)
+        for group, name in by_group.items():
+            await self._probe_group(worker, group, name)
+
+    async def _probe_group(self, worker: Worker, group: str, name: str) -> None:
+        model = self.fleet.model(name)
+        if model is None:
+            return
+        state = self.states.setdefault((worker.name, name), ParityState())
+        tokenizer = model.tokenizer
+        try:
+            expected = {
+                "chat": len(tokenizer.encode_chat(PROBE_CHAT)),
+                "completion": len(tokenizer.encode(PROBE_TEXT)),
+            }
+        except ValueError:  # no chat template: only completions can be compared
+            expected = {"completion": len(tokenizer.encode(PROBE_TEXT))}
+        actual: dict[str, int] = {}
+        for kind in expected:
+            count = await self._prompt_tokens(worker, name, kind)
+            if count is None:
+                state.errors += 1
+                return
+            actual[kind] = count
+        state.checks += 1
+        state.expected, state.actual = expected, actual
+        ok = expected == actual
+        if not ok:
+            state.mismatches += 1
+            log.warning(
+                "tokenizer parity: worker %s model %s counts %s prompt tokens, the gateway %s: "
+                "its kv_group %s is routed in approximate mode",
+                worker.name,
+                name,
+                actual,
+                expected,
+                group,
+            )
+            await self._downgrade(worker, group)
+        elif state.ok is False:
+            log.warning("tokenizer parity: worker %s model %s matches again", worker.name, name)
+            self._restore(worker, group)
+        state.ok = ok
+
+    async def _prompt_tokens(self, worker: Worker, model: str, kind: str) -> int | None:
+        """The worker's usage.prompt_tokens for the probe (None: no usable answer)."""
+        session = self.fleet.session
+        if session is None or not worker.up:
+            return None
+        body: dict[str, Any] = {"model": model, "max_tokens": 1, "temperature": 0.0}
+        if kind == "chat":
+            body["messages"] = PROBE_CHAT
+            path = "/v1/chat/completions"
+        else:
+            body["prompt"] = PROBE_TEXT
+            path = "/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with session.post(worker.url + path, json=body, timeout=timeout) as resp:
+                if resp.status != 200:
+                    log.info("parity probe of %s answered %d", worker.name, resp.status)
+                    return None
+                data = await resp.json(content_type=None)
+            count = data["usage"]["prompt_tokens"]
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+            log.info("parity probe of %s failed: %s", worker.name, exc)
+            return None
+        return count if type(count) is int else None
+
+    async def _downgrade(self, worker: Worker, group: str) -> None:
+        if (worker.name, group) in self.downgraded:
+            return
+        self.downgraded.add((worker.name, group))
+        for stream in worker.streams:
+            if stream.kv_group == group:
+                await stream.stop()
+        self.fleet.index.clear(worker.name, group)
+
+    def _restore(self, worker: Worker, group: str) -> None:
+        if (worker.name, group) not in self.downgraded:
+            return
+        self.downgraded.discard((worker.name, group))
+        if not worker.up:
+            return  # its streams start again when it comes up
+        self.fleet.index.clear(worker.name, group)  # the approximate entries make way
+        for stream in worker.streams:
+            if stream.kv_group == group and stream.subscriber is None:
+                stream.start(self.fleet.index, worker.name, worker.block_size)
+
+
+class ParityCollector(Collector):
+    def __init__(self, probe: ParityProbe) -> None:
+        self.probe = probe
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        parity = GaugeMetricFamily(
+            "urc_tokenizer_parity",
+            "1 if the worker counts the probe's prompt tokens as the gateway does, 0 if not",
+            labels=["worker", "model"],
+        )
+        mismatches = CounterMetricFamily(
+            "urc_tokenizer_parity_mismatches",
+            "Parity probes whose prompt-token counts differed",
+            labels=["worker", "model"],
+        )
+        errors = CounterMetricFamily(
+            "urc_tokenizer_parity_probe_errors",
+            "Parity probes that got no usable answer",
+            labels=["worker", "model"],
+        )
+        fleet = self.probe.fleet.workers
+        for (worker, model), state in list(self.probe.states.items()):
+            if worker not in fleet:  # removed from the fleet
+                continue
+            if state.ok is not None:
+                parity.add_metric([worker, model], float(state.ok))
+            mismatches.add_metric([worker, model], state.mismatches)
+            errors.add_metric([worker, model], state.errors)
+        yield from (parity, mismatches, errors)
