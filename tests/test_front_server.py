@@ -153,3 +153,12 @@ async def test_chunked_request_bodies_and_expect_continue(front: int) -> None:
 async def test_connection_close_is_honoured(front: int) -> None:
     got = await exchange(front, post({"n": 1}, b"Connection: close\r\n"))
     assert b"Connection: close" in got and got.endswith(b'"n": 1}')
+
+
+async def test_an_http10_stream_is_raw_and_ends_with_the_connection(front: int) -> None:
+    raw = json.dumps({"stream": True}).encode()
+    request = b"POST /v1/completions HTTP/1.0\r\nContent-Length: %d\r\n\r\n%s" % (len(raw), raw)
+    got = await exchange(front, request)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding" not in head and b"Connection: close" in head
+    assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"

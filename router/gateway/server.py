@@ -56,7 +56,7 @@ class _HandOver(Exception):
 
 
 class _Request:
-    __slots__ = ("path", "headers", "body", "size", "keep_alive", "too_large", "refusal")
+    __slots__ = ("path", "headers", "body", "size", "keep_alive", "chunked", "too_large", "refusal")
 
     def __init__(self, path: str, refusal: APIError | None = None) -> None:
         self.path = path
@@ -65,17 +65,19 @@ class _Request:
         self.body: list[bytes] = []
         self.size = 0
         self.keep_alive = True
+        self.chunked = True  # HTTP/1.1: a stream goes chunked; HTTP/1.0: raw until close
         self.too_large = False
 
 
 class LeanReply:
     """A response written straight to the connection's transport."""
 
-    __slots__ = ("conn", "keep_alive", "started", "complete")
+    __slots__ = ("conn", "keep_alive", "chunked", "started", "complete")
 
-    def __init__(self, conn: FrontProtocol, keep_alive: bool) -> None:
+    def __init__(self, conn: FrontProtocol, keep_alive: bool, chunked: bool = True) -> None:
         self.conn = conn
         self.keep_alive = keep_alive
+        self.chunked = chunked
         self.started = False
         self.complete = False  # the whole answer was written (a cut stream must close)
 
@@ -87,19 +89,25 @@ class LeanReply:
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
-        close = b"" if self.keep_alive else b"Connection: close\r\n"
-        self.conn.write(_head(status, headers, b"Transfer-Encoding: chunked\r\n%s\r\n" % close))
+        if not self.chunked:  # an HTTP/1.0 client: the stream ends when the connection does
+            self.keep_alive = False
+            self.conn.write(_head(status, headers, b"Connection: close\r\n\r\n"))
+        else:
+            close = b"" if self.keep_alive else b"Connection: close\r\n"
+            extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % close
+            self.conn.write(_head(status, headers, extra))
         await self.conn.drain()
 
     async def send(self, chunk: bytes) -> bool:
         if chunk:
-            self.conn.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+            self.conn.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if self.chunked else chunk)
         await self.conn.drain()
         return not self.conn.lost
 
     async def end(self) -> bool:
         self.complete = True
-        self.conn.write(b"0\r\n\r\n")
+        if self.chunked:
+            self.conn.write(b"0\r\n\r\n")
         await self.conn.drain()
         return not self.conn.lost
 
@@ -191,6 +199,7 @@ class FrontProtocol(asyncio.Protocol):
             self.request = _Request(path)
         self.head = None
         self.request.keep_alive = self.parser.should_keep_alive()
+        self.request.chunked = self.parser.get_http_version() != "1.0"
         if self.request.headers.get("expect", "").lower() == "100-continue":
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -257,36 +266,35 @@ class FrontProtocol(asyncio.Protocol):
                     self.reading_paused = False
                     assert self.transport is not None
                     self.transport.resume_reading()
-                await self._serve_one(request)
-                if not request.keep_alive:
+                if not await self._serve_one(request):
                     self.close()
                     return
         finally:
             self.task = None
 
-    async def _serve_one(self, request: _Request) -> None:
-        reply = LeanReply(self, request.keep_alive)
+    async def _serve_one(self, request: _Request) -> bool:
+        """Answer one request; whether the connection may serve another."""
+        reply = LeanReply(self, request.keep_alive, request.chunked)
         if request.refusal is not None:
             reply.whole(request.refusal.status, JSON_HEADERS, request.refusal.body())
-            return
+            return False
         if request.too_large:
             limit = self.front.max_body_bytes
             error = APIError(413, f"request body too large (limit {limit} bytes)", code="too_large")
-            reply.keep_alive = request.keep_alive = False
+            reply.keep_alive = False
             reply.whole(413, JSON_HEADERS, error.body())
-            return
+            return False
         body = request.body[0] if len(request.body) == 1 else b"".join(request.body)
         try:
             await self.front.serve(reply, request.path, request.headers, body)
         except Exception:
             log.exception("internal error on POST %s", request.path)
             if reply.started:  # a stream was under way: the client sees it cut
-                request.keep_alive = False
-                return
+                return False
             error = APIError(500, "internal error in the gateway", type="server_error")
             reply.whole(500, JSON_HEADERS, error.body())
-        if not reply.complete:  # a stream cut short: only closing tells the client
-            request.keep_alive = False
+        # a stream cut short (or raw, HTTP/1.0) ends only when the connection does
+        return reply.complete and reply.keep_alive
 
     # -- the transport -----------------------------------------------------------------------
 
