@@ -94,8 +94,9 @@ class Client:
     def complete(self, req: SimRequest, ok: bool, now: float) -> None:
         """`req` finished (ok) or failed at `now`."""
         self.active -= 1
-        self.next_at = now
         session = req.session
+        if not self.open_loop or self._ready or session >= 0:
+            self.next_at = now  # a slot freed: something may be sent now
         if session < 0:
             return
         queued = self._waiting.pop(session, None)

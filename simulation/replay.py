@@ -113,10 +113,20 @@ class RunResult:
 class Replay:
     """One policy over one fleet: `Replay(requests, policy, fleet).run()`."""
 
-    def __init__(self, requests: Sequence[SimRequest], policy: Policy, fleet: FleetConfig) -> None:
+    def __init__(
+        self,
+        requests: Sequence[SimRequest],
+        policy: Policy,
+        fleet: FleetConfig,
+        *,
+        per_step: bool = False,
+    ) -> None:
         self.requests = list(requests)
         self.policy = policy
         self.fleet = fleet
+        # one event per forward pass, as a real-time loop steps the engine: the same outcome,
+        # far slower (bench/replay_bench.py's in-run baseline for the segments)
+        self.per_step = per_step
         if any(r.route.block_size != fleet.block_size for r in self.requests):
             raise ValueError("requests are keyed with another block size than the fleet's")
         config = fleet.engine_config()
@@ -183,7 +193,7 @@ class Replay:
 
     def _schedule(self, w: SimWorker) -> None:
         """Queue the worker's next step call (at most one valid heap entry per worker)."""
-        t = w.engine.next_time()
+        t = w.engine.next_step_time() if self.per_step else w.engine.next_time()
         if t is None:
             w.wake_seq = -1
         elif t != w.wake or w.wake_seq < 0:
@@ -257,31 +267,47 @@ class Replay:
     # -- engine steps ------------------------------------------------------------------------
 
     def _step(self, w: SimWorker, now: float) -> None:
-        w.wake_seq = -1  # this call consumes the worker's heap entry
-        result = w.engine.step(now)
-        self._steps += 1
+        """Step `w` at `now`, and again at each of its next times that comes before anything
+        else (a send, another worker's step): the heap would hand it straight back."""
+        engine = w.engine
+        client = self.client
+        heap = self._heap
         requests = self.requests
         started = self._started
         uncached = self._uncached
-        for r in result.first_token:  # the gateway's first byte (a chat's role rides on it)
-            i = r.rid
-            if not started[i]:
-                started[i] = True
-                w.queued_prefill_tokens -= uncached[i]
-                w.running_decode += 1
-        if result.finished:
-            client = self.client
-            for r in result.finished:
+        per_step = self.per_step
+        while True:
+            result = engine.step(now)
+            self._steps += 1
+            for r in result.first_token:  # the gateway's first byte (a chat's role rides on it)
                 i = r.rid
-                w.running_decode -= 1  # started at its first token at the latest
-                w.in_flight -= 1
-                req = requests[i]
-                if not self.fleet.kv_events and req.keys:  # the gateway's routing history
-                    self.index.insert(req.keys, w.name, w.kv_group, now, approximate=True)
-                client.complete(req, True, now)
-        if result.events:
-            self._kv.append((now + self.fleet.event_delay_s, w, result.events))
-        self._schedule(w)
+                if not started[i]:
+                    started[i] = True
+                    w.queued_prefill_tokens -= uncached[i]
+                    w.running_decode += 1
+            if result.finished:
+                for r in result.finished:
+                    i = r.rid
+                    w.running_decode -= 1  # started at its first token at the latest
+                    w.in_flight -= 1
+                    req = requests[i]
+                    if not self.fleet.kv_events and req.keys:  # the gateway's routing history
+                        self.index.insert(req.keys, w.name, w.kv_group, now, approximate=True)
+                    client.complete(req, True, now)
+            if result.events:
+                self._kv.append((now + self.fleet.event_delay_s, w, result.events))
+            # this call consumed the worker's heap entry
+            t = engine.next_step_time() if per_step else engine.next_time()
+            if t is None:
+                w.wake_seq = -1
+                return
+            if t < client.next_at and (not heap or t < heap[0][0]):
+                now = t  # it would be the next event: no heap round trip
+                continue
+            self._seq = seq = self._seq + 1
+            w.wake, w.wake_seq = t, seq
+            heapq.heappush(heap, (t, seq, w))
+            return
 
     # -- KV events ---------------------------------------------------------------------------
 

@@ -214,6 +214,22 @@ def test_skipping_decode_stretches_changes_nothing_but_the_number_of_calls() -> 
     assert calls_coarse * 3 < calls_fine
 
 
+def test_an_arrival_at_the_boundary_just_streamed_joins_there_as_when_skipping() -> None:
+    # stepping every boundary, the loop already stepped the one the arrival rounds to: the cut
+    # ends the segment there (not one step later), as when the stretch is skipped
+    runs = []
+    for fine in (False, True):
+        a = Request("a", prompt(32, 1), 10, arrival=0.0)  # first token at 0.75, then 0.25 steps
+        b = Request("b", prompt(32, 2), 2, arrival=1.25 + 1e-12)  # float noise past a boundary
+        engine = EmulatedEngine(
+            config(decode_base_s=0.25, decode_per_request_s=0.0, prefill_tokens_per_s=64.0)
+        )
+        drive(engine, [a, b], fine=fine)
+        runs.append((b.admitted_time, b.first_token_time, a.finish_time))
+    assert runs[0] == runs[1]
+    assert runs[0][0] == 1.25
+
+
 def test_outputs_are_exact_and_the_next_turn_reuses_them() -> None:
     engine = EmulatedEngine(config())
     p = prompt(100, 6)

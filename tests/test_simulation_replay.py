@@ -115,6 +115,19 @@ def test_one_worker_is_driven_exactly_as_the_engine_alone() -> None:
         assert result.latency_s[r.index] == pytest.approx(a.finish_time - a.arrival, abs=1e-12)
 
 
+@pytest.mark.parametrize("concurrency", [6, None])
+def test_one_event_per_forward_pass_gives_the_same_outcome(concurrency: int | None) -> None:
+    reqs = workload_requests("mixed", 160, seed=5, rate=None if concurrency else 30.0)
+    fleet = small_fleet(concurrency=concurrency)
+    runs = [
+        Replay(reqs, make_policy("cache_aware"), fleet, per_step=per_step).run()
+        for per_step in (False, True)
+    ]
+    assert runs[0].engine_steps * 3 < runs[1].engine_steps  # decode stretches were skipped
+    for name in ("worker", "cached_tokens", "predicted_tokens", "ttft_s", "latency_s", "ok"):
+        assert getattr(runs[0], name) == getattr(runs[1], name), name
+
+
 def test_closed_loop_keeps_concurrency_and_sessions_keep_their_order() -> None:
     reqs = workload_requests("multi-turn", 60, params={"sessions": 5, "turns": 4})
     result = Replay(reqs, make_policy("cache_aware"), small_fleet(concurrency=4)).run()

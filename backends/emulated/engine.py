@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from backends.emulated.radix_cache import RadixCache, Run
-from router.blocks import block_keys, chain_keys, namespace, parent_prefix
+from router.blocks import block_keys, chain_keys, continue_after, namespace, parent_prefix
 from router.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
@@ -166,6 +166,8 @@ class Request:
     node_blocks: int = 0
     reserved: int = 0
     decode_from: int = 0
+    # shared isolation: leading prompt blocks keyed in the shared namespace (router/blocks.py)
+    public_blocks: int = 0
 
 
 class StepResult(NamedTuple):
@@ -234,6 +236,12 @@ class EmulatedEngine:
     def _on_removed(self, keys: list[int]) -> None:
         self._events.append(BlockRemoved(keys, MEDIUM_GPU))
 
+    def drain_events(self) -> list[KVEvent]:
+        """Events not yet handed out by a step (an invalidation's, and any before it), in order."""
+        events = self._events[:]
+        self._events.clear()
+        return events
+
     # -- the driver's API --------------------------------------------------------------------
 
     def footprint(self, prompt_tokens: int, max_tokens: int) -> int:
@@ -243,16 +251,20 @@ class EmulatedEngine:
     def submit(self, req: Request) -> None:
         """Queue `req` (arrived at `req.arrival`). ValueError when it can never run."""
         cfg = self.config
-        if not req.prompt or req.max_tokens < 1:
+        prompt_len = len(req.prompt)
+        if not prompt_len or req.max_tokens < 1:
             raise ValueError("a request needs a prompt and max_tokens >= 1")
-        if self.footprint(len(req.prompt), req.max_tokens) > self.cache.capacity_tokens:
+        if self.footprint(prompt_len, req.max_tokens) > self.cache.capacity_tokens:
             raise ValueError(
-                f"prompt + max_tokens ({len(req.prompt)} + {req.max_tokens}) exceeds the KV "
+                f"prompt + max_tokens ({prompt_len} + {req.max_tokens}) exceeds the KV "
                 f"capacity of {self.cache.capacity_tokens} tokens"
             )
+        if req.public_blocks:  # only a salted prompt has a public part, of its full blocks
+            full = len(req.prompt) // cfg.block_size
+            req.public_blocks = min(req.public_blocks, full) if req.cache_salt else 0
         if req.keys is None:
-            req.keys = block_keys(req.prompt, cfg.block_size, req.cache_salt)
-        req.prompt_len = len(req.prompt)
+            req.keys = block_keys(req.prompt, cfg.block_size, req.cache_salt, req.public_blocks)
+        req.prompt_len = prompt_len
         req.state = _WAITING
         self._queue.append(req)
         self._queued_prefill += req.prompt_len
@@ -304,9 +316,10 @@ class EmulatedEngine:
         return None
 
     def next_step_time(self) -> float | None:
-        """The end of the step in flight (a real-time loop streams tokens step by step)."""
+        """The end of the step in flight (a real-time loop streams tokens step by step); the
+        segment's end when a submission cut it at the boundary just accounted."""
         if self._active:
-            return self._seg_start + (self._seg_done + 1) * self._seg_d
+            return self._seg_start + min(self._seg_done + 1, self._seg_k) * self._seg_d
         return self.next_time()
 
     def generated(self, req: Request) -> int:
@@ -394,9 +407,9 @@ class EmulatedEngine:
             return
         start = req.node_blocks
         tokens = req.prompt[start * bs : nb * bs] if self._tokens_out else None
-        ins = self.cache.insert(req.node, keys[start:nb], tokens, req.cache_salt)
-        self.cache.lock(ins.node)
-        self.cache.unlock(req.node)
+        salt_at = req.public_blocks - start  # where the salt starts in this chunk
+        ins = self.cache.insert(req.node, keys[start:nb], tokens, req.cache_salt, salt_at)
+        self.cache.move_lock(req.node, ins.node)
         req.node = ins.node
         req.node_blocks = nb
         req.reserved -= (nb - start) * bs
@@ -414,10 +427,11 @@ class EmulatedEngine:
             if new_keys is None or self._tokens_out:
                 tail = tail_tokens(req.prompt, keys, req.max_tokens, bs)
                 if new_keys is None:
-                    first = parent_prefix(keys[-1]) if keys else namespace(req.cache_salt)
+                    first = continue_after(keys, req.cache_salt, req.public_blocks)
                     new_keys = chain_keys(tail, bs, first)
             assert len(new_keys) == full - len(keys), "tail_keys of the wrong length"
-            self.cache.insert(node, new_keys, tail, req.cache_salt)
+            salt_at = req.public_blocks - len(keys)  # 0: the output starts the salted part
+            self.cache.insert(node, new_keys, tail, req.cache_salt, salt_at)
             req.reserved -= len(new_keys) * bs
         self.cache.free(req.reserved)
         req.reserved = 0
