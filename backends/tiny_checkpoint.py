@@ -16,6 +16,8 @@ import json
 import random
 from pathlib import Path
 
+from loadgen.text import VOCAB
+
 BOS, EOS, START, END = "<|bos|>", "<|eos|>", "<|start|>", "<|end|>"
 SPECIAL_TOKENS = [BOS, EOS, START, END]
 CHAT_TEMPLATE = (
@@ -25,19 +27,8 @@ CHAT_TEMPLATE = (
 )
 
 
-_WORDS = """
-    the of and to in is it that for on with as was at by be this are from or have an they which
-    one you were all we her she there been if more when will would who so no time can out up
-    about into than them some could only other new then its also two may first any these like
-    now over such our man me even most made after way many must before through back years where
-    much your well down should because each just those people how too little state good very
-    make world still own see men work long get here between both life being under never day
-    same another know while last might us great old year off come since against go came right
-    used take three cache model token block prefix route worker query answer system user server
-    data graph node tree page layer batch queue match hash merge value table index green river
-    stone cloud light water paper field music north south east west small large quick quiet
-"""
-WORDS: tuple[str, ...] = tuple(_WORDS.split())
+# the load generator's vocabulary: the tokenizer is trained on the words it will see
+WORDS = VOCAB
 
 
 def corpus(variant: str, lines: int = 400) -> list[str]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from router.index import UnifiedIndex, _bits, _Run
+from router.index import UnifiedIndex, _bits
+from router.scopes import runs_in_scope
 
 SaltTest = Callable[[str], bool]
 
@@ -27,8 +28,7 @@ def invalidate(index: UnifiedIndex, scope: SaltTest | None, kv_group: str | None
     if scope is None:
         doomed = list(index._runs)
     else:
-        tops = _cut_at_starts(index, scope)
-        doomed = _under(index, tops)
+        doomed = runs_in_scope(index._where, index.namespaces, index._split, index._runs, scope)
         if kv_group is None:
             for key in [k for k, s in index.namespaces.items() if scope(s)]:
                 del index.namespaces[key]
@@ -44,37 +44,3 @@ def invalidate(index: UnifiedIndex, scope: SaltTest | None, kv_group: str | None
         if index._resident_of[bit] is not None and index._held[bit] == 0:
             index._forget(bit)
     return dropped
-
-
-def _cut_at_starts(index: UnifiedIndex, scope: SaltTest) -> set[_Run]:
-    """The runs that begin at a matching namespace start (split off where one starts mid-run)."""
-    where = index._where
-    tops: set[_Run] = set()
-    for key, salt in index.namespaces.items():
-        run = where.get(key)
-        if run is None or not scope(salt):
-            continue
-        if run.keys[0] != key:
-            index._split(run, run.keys.index(key))  # `run` keeps the keys from `key` on
-        tops.add(run)
-    return tops
-
-
-def _under(index: UnifiedIndex, tops: set[_Run]) -> list[_Run]:
-    """`tops` and every run below one of them."""
-    if not tops:
-        return []
-    verdict: dict[_Run, bool] = dict.fromkeys(tops, True)
-    found: list[_Run] = []
-    for run in index._runs:
-        path: list[_Run] = []
-        cur: _Run | None = run
-        while cur is not None and cur not in verdict:
-            path.append(cur)
-            cur = cur.parent
-        inside = cur is not None and verdict[cur]
-        for r in path:
-            verdict[r] = inside
-        if inside:
-            found.append(run)
-    return found

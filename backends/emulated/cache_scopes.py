@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from backends.emulated.radix_cache import RadixCache, Run
+from backends.emulated.radix_cache import RadixCache
+from router.scopes import runs_in_scope
 
 SaltTest = Callable[[str], bool]
 
@@ -33,7 +34,9 @@ def invalidate(cache: RadixCache, scope: SaltTest | None) -> Invalidated:
         doomed = list(cache._runs)
         cache.namespaces.clear()
     else:
-        doomed = _under(cache, _cut_at_starts(cache, scope))
+        doomed = runs_in_scope(
+            cache._where, cache.namespaces, cache._split, cache._runs, scope, cache.root
+        )
         for key in [k for k, s in cache.namespaces.items() if scope(s)]:
             del cache.namespaces[key]
     where = cache._where
@@ -74,38 +77,3 @@ def invalidate(cache: RadixCache, scope: SaltTest | None) -> Invalidated:
     if cache.on_removed is not None and removed:
         cache.on_removed(removed)
     return Invalidated(freed, locked)
-
-
-def _cut_at_starts(cache: RadixCache, scope: SaltTest) -> set[Run]:
-    """The runs that begin at a matching namespace start (split off where one starts mid-run)."""
-    where = cache._where
-    tops: set[Run] = set()
-    for key, salt in cache.namespaces.items():
-        run = where.get(key)
-        if run is None or not scope(salt):
-            continue
-        if run.keys[0] != key:
-            cache._split(run, run.keys.index(key))  # `run` keeps the keys from `key` on
-        tops.add(run)
-    return tops
-
-
-def _under(cache: RadixCache, tops: set[Run]) -> list[Run]:
-    """`tops` and every run below one of them."""
-    if not tops:
-        return []
-    verdict: dict[Run, bool] = dict.fromkeys(tops, True)
-    verdict[cache.root] = False
-    found: list[Run] = []
-    for run in cache._runs:
-        path: list[Run] = []
-        cur: Run | None = run
-        while cur is not None and cur not in verdict:
-            path.append(cur)
-            cur = cur.parent
-        inside = cur is not None and verdict[cur]
-        for r in path:
-            verdict[r] = inside
-        if inside:
-            found.append(run)
-    return found

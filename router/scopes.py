@@ -1,0 +1,59 @@
+"""The runs of a namespace scope in a tree of block runs (scoped invalidation).
+
+A namespace starts at a known key (`namespaces`: key -> salt; a root block, or the first private
+block after a public prefix, router/blocks.py), and everything below that key is in it. The
+gateway's index and our workers' caches keep their blocks in runs with a parent; both find a
+scope's runs the same way: split runs where a matching namespace starts mid-run, then take every
+run below one of those starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
+
+
+class _Run(Protocol):
+    keys: list[int]
+    parent: Any
+
+
+R = TypeVar("R", bound=_Run)
+
+
+def runs_in_scope(
+    where: dict[int, R],
+    namespaces: dict[int, str],
+    split: Callable[[R, int], object],
+    runs: Iterable[R],
+    scope: Callable[[str], bool],
+    root: R | None = None,
+) -> list[R]:
+    """Every run in a namespace whose salt passes `scope`. `split(run, at)` cuts `run` so that
+    it keeps its keys from `at` on; `root`, a sentinel run that is never in a scope."""
+    tops: set[R] = set()
+    for key, salt in namespaces.items():
+        run = where.get(key)
+        if run is None or not scope(salt):
+            continue
+        if run.keys[0] != key:
+            split(run, run.keys.index(key))  # `run` keeps the keys from `key` on
+        tops.add(run)
+    if not tops:
+        return []
+    verdict: dict[R, bool] = dict.fromkeys(tops, True)
+    if root is not None:
+        verdict[root] = False
+    found: list[R] = []
+    for run in runs:
+        path: list[R] = []
+        cur: R | None = run
+        while cur is not None and cur not in verdict:
+            path.append(cur)
+            cur = cur.parent
+        inside = cur is not None and verdict[cur]
+        for r in path:
+            verdict[r] = inside
+        if inside:
+            found.append(run)
+    return found
