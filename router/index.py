@@ -9,7 +9,10 @@ list comparison of the run's keys, not a lookup per block.
 Residency is a bitmask per run: each `(worker, kv_group)` pair (a *resident*) owns one bit.
 Exact residency comes from KV events and lasts until removed; approximate residency comes from
 routing history and expires `approx_ttl_s` after it was last confirmed. A run's `ts` is the
-last time it was confirmed or matched.
+last time it was confirmed or matched. *Pending* residency bridges the gap between sending a
+request to a worker with KV events and its events arriving: the request's keys are held at once,
+approximate with the short `pending_ttl_s`, until the worker's own store confirms them (exact)
+or they expire. A pending block counts as stored (`blocks_stored`) only when confirmed.
 
 Memory is bounded by `max_blocks`: blocks go from the tail of the least recently used leaf run,
 only as many as the shortfall. Leaf runs sit in an intrusive doubly linked list (oldest at the
@@ -46,9 +49,10 @@ class IndexStats(NamedTuple):
     blocks: int  # keys in the tree
     runs: int  # tree nodes (runs of blocks with one residency)
     residencies: int  # (block, resident) pairs
-    approximate: int  # of which approximate
+    approximate: int  # of which approximate (pending ones included)
     residents: int  # (worker, kv_group) pairs holding anything
     evicted: int  # blocks dropped by the memory budget so far
+    pending: int = 0  # approximate residencies routed to an exact worker, not yet confirmed
 
 
 def _bits(mask: int) -> Iterator[int]:
@@ -65,11 +69,14 @@ class UnifiedIndex:
     the simulator its virtual time.
     """
 
-    def __init__(self, max_blocks: int = 0, approx_ttl_s: float = 120.0) -> None:
-        if max_blocks < 0 or approx_ttl_s <= 0:
-            raise ValueError("max_blocks must be >= 0 and approx_ttl_s > 0")
+    def __init__(
+        self, max_blocks: int = 0, approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0
+    ) -> None:
+        if max_blocks < 0 or approx_ttl_s <= 0 or pending_ttl_s < 0:
+            raise ValueError("max_blocks, pending_ttl_s must be >= 0 and approx_ttl_s > 0")
         self.max_blocks = max_blocks  # 0: unbounded
         self.approx_ttl_s = approx_ttl_s
+        self.pending_ttl_s = pending_ttl_s  # 0: pending residency off (such inserts do nothing)
         self._where: dict[int, _Run] = {}  # every key -> the run holding it
         self._runs: set[_Run] = set()
         self._bit_of: dict[tuple[str, str], int] = {}  # Resident -> bit
@@ -78,9 +85,12 @@ class UnifiedIndex:
         self._held: list[int] = []  # bit -> blocks held
         self._stored: list[int] = []  # bit -> blocks it came to hold so far (its cache inflow)
         self._group_mask: dict[str, int] = {}
-        # approximate residency: key -> {bit: expiry}; sweep queue in expiry order (TTL is fixed)
+        # approximate residency: key -> {bit: expiry}; sweep queues in expiry order (one per
+        # TTL, each fixed); pending: key -> bits whose approximate hold awaits confirmation
         self._approx: dict[int, dict[int, float]] = {}
         self._approx_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
+        self._pending: dict[int, int] = {}
+        self._pending_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
         self._lru = _Run([], None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
         self._lru.prev = self._lru.next = self._lru
         self._evicted = 0
@@ -230,10 +240,14 @@ class UnifiedIndex:
         run.mask &= ~(1 << bit)
         self._held[bit] -= len(run.keys)
         if self._approx:
+            approx, pending = self._approx, self._pending
             for key in run.keys:
-                times = self._approx.get(key)
-                if times is not None and times.pop(bit, None) is not None and not times:
-                    del self._approx[key]
+                times = approx.get(key)
+                if times is not None and times.pop(bit, None) is not None:
+                    if not times:
+                        del approx[key]
+                    if pending and pending.get(key, 0) >> bit & 1:
+                        self._unpend(key, bit)
         if run.mask == 0 and run.children == 0:
             self._delete(run)
 
@@ -296,16 +310,25 @@ class UnifiedIndex:
         *,
         parent: int | None = None,
         approximate: bool = False,
+        pending: bool = False,
     ) -> int:
         """Mark a chain of keys (keys[0] a child of `parent`, None: a root) as held by the
-        resident. Exact residency overrides approximate. Returns blocks newly held."""
+        resident. Exact residency overrides approximate. `pending`: a request with these keys
+        was just sent to a worker whose KV events will confirm them; new holds are approximate
+        for `pending_ttl_s` and count as stored only once an exact insert confirms them.
+        Returns blocks newly held, plus (exact) pending blocks this insert confirmed."""
         n = len(keys)
-        if n == 0:
+        if n == 0 or pending and not self.pending_ttl_s:
             return 0
         bit = self._bit(worker, kv_group)
         flag = 1 << bit
         where = self._where
-        expiry = now + self.approx_ttl_s
+        if pending:
+            approximate = True
+            expiry = now + self.pending_ttl_s
+        else:
+            expiry = now + self.approx_ttl_s
+        confirmed = 0
         prev: _Run | None = None  # the run that ends with the parent of keys[i]
         if parent is not None and (prev := where.get(parent)) is not None:
             at = len(prev.keys) if prev.keys[-1] == parent else prev.keys.index(parent) + 1
@@ -334,6 +357,8 @@ class UnifiedIndex:
                 if approximate:
                     for key in fresh:
                         self._approx[key] = {bit: expiry}
+                    if pending:
+                        self._pending.update(dict.fromkeys(fresh, flag))
                 added += j - i
                 i = j
                 prev = run
@@ -359,34 +384,56 @@ class UnifiedIndex:
                 if approximate:
                     for key in run.keys:
                         self._approx[key] = {**self._approx.get(key, {}), bit: expiry}
+                    if pending:
+                        marks = self._pending
+                        for key in run.keys:
+                            marks[key] = marks.get(key, 0) | flag
             elif self._approx:
-                self._confirm(run.keys, bit, expiry if approximate else None)
+                confirmed += self._confirm(run.keys, bit, expiry if approximate else None)
             i += m
             prev = run
         assert prev is not None
         if prev.children == 0:
             self._link_newest(prev)
         self._held[bit] += added
-        self._stored[bit] += added
-        if approximate:
-            self._approx_queue.append((expiry, bit, tuple(keys)))
+        if pending:
+            self._pending_queue.append((expiry, bit, tuple(keys)))
+        else:
+            self._stored[bit] += added + confirmed
+            if approximate:
+                self._approx_queue.append((expiry, bit, tuple(keys)))
         if self.max_blocks and len(where) > self.max_blocks:
             self._evict(len(where) - self.max_blocks)
-        return added
+        return added + confirmed
 
-    def _confirm(self, keys: list[int], bit: int, expiry: float | None) -> None:
-        """Keys already held: refresh approximate ones, or make them exact (expiry None)."""
+    def _confirm(self, keys: list[int], bit: int, expiry: float | None) -> int:
+        """Keys already held: refresh approximate ones, or make them exact (expiry None).
+        Returns how many pending ones that made exact."""
         approx = self._approx
+        pending = self._pending
+        confirmed = 0
         for key in keys:
             times = approx.get(key)
             if times is None or bit not in times:
                 continue  # exact already: an approximate sighting does not demote it
             if expiry is not None:
-                times[bit] = expiry
-            else:
-                del times[bit]
-                if not times:
-                    del approx[key]
+                if expiry > times[bit]:  # TTLs differ (pending vs approximate): keep the later
+                    times[bit] = expiry
+                continue
+            del times[bit]
+            if not times:
+                del approx[key]
+            if pending and pending.get(key, 0) >> bit & 1:
+                self._unpend(key, bit)
+                confirmed += 1
+        return confirmed
+
+    def _unpend(self, key: int, bit: int) -> None:
+        mask = self._pending[key] & ~(1 << bit)
+        if mask:
+            self._pending[key] = mask
+        else:
+            del self._pending[key]
 
     def remove(self, keys: Iterable[int], worker: str, kv_group: str) -> int:
         """The resident no longer holds these keys. Returns how many it held."""
@@ -419,8 +466,11 @@ class UnifiedIndex:
         return removed
 
     def expire(self, now: float) -> int:
-        """Drop approximate residency not confirmed within the TTL. Cheap when nothing is due."""
-        queue = self._approx_queue
+        """Drop approximate (and pending) residency not confirmed within its TTL. Cheap when
+        nothing is due."""
+        return self._expire(self._approx_queue, now) + self._expire(self._pending_queue, now)
+
+    def _expire(self, queue: deque[tuple[float, int, tuple[int, ...]]], now: float) -> int:
         approx = self._approx
         dropped = 0
         while queue and queue[0][0] <= now:
@@ -444,6 +494,9 @@ class UnifiedIndex:
                 self._held[bit] -= take
             for key in gone:
                 self._approx.pop(key, None)
+            if self._pending:
+                for key in gone:
+                    self._pending.pop(key, None)
             before = len(where)
             if take == len(run.keys):
                 run.mask = 0
@@ -522,6 +575,22 @@ class UnifiedIndex:
         times = self._approx.get(key)
         return bit is not None and times is not None and bit in times
 
+    def confirmed_depth(self, keys: Sequence[int], worker: str, kv_group: str, depth: int) -> int:
+        """Of the first `depth` keys (a match), how many lead before the first one the resident
+        holds only pending: what it will find even if the request it awaits is not done."""
+        bit = self._bit_of.get((worker, kv_group))
+        pending = self._pending
+        if not pending or bit is None:
+            return depth
+        for i in range(depth):
+            if pending.get(keys[i], 0) >> bit & 1:
+                return i
+        return depth
+
+    def is_pending(self, key: int, worker: str, kv_group: str) -> bool:
+        bit = self._bit_of.get((worker, kv_group))
+        return bit is not None and bool(self._pending.get(key, 0) >> bit & 1)
+
     def last_confirmed(self, key: int) -> float | None:
         run = self._where.get(key)
         return None if run is None else run.ts
@@ -534,6 +603,7 @@ class UnifiedIndex:
             approximate=sum(len(t) for t in self._approx.values()),
             residents=len(self._bit_of),
             evicted=self._evicted,
+            pending=sum(m.bit_count() for m in self._pending.values()),
         )
 
     def __len__(self) -> int:
@@ -570,3 +640,5 @@ class UnifiedIndex:
         assert held == self._held, "held counts"
         for key, times in self._approx.items():
             assert times and all(self._where[key].mask >> b & 1 for b in times)
+        for key, mask in self._pending.items():
+            assert mask and all(b in self._approx.get(key, ()) for b in _bits(mask)), "pending"

@@ -140,6 +140,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="workers publish no KV events: approximate residency from routing history",
     )
+    fleet.add_argument(
+        "--pending-ttl",
+        type=float,
+        default=FleetConfig().pending_ttl_s,
+        metavar="S",
+        help="a request's keys are held on its worker from dispatch until its KV events confirm "
+        "them, or for S seconds, as `urc gateway --pending-ttl` does (0: off)",
+    )
     fleet.add_argument("--max-in-flight", type=int, default=1024, help="open loop cap")
     out = p.add_argument_group("output")
     out.add_argument("--out", help="directory for report.md, report.json, series.json, PNGs")
@@ -228,6 +236,7 @@ def fleet_from_args(args: argparse.Namespace, block_size: int, open_loop: bool) 
         max_model_len=args.max_model_len,
         event_delay_s=args.event_delay_ms / 1e3,
         kv_events=not args.no_kv_events,
+        pending_ttl_s=args.pending_ttl,
         concurrency=None if open_loop else (args.concurrency or 8),
         max_in_flight=args.max_in_flight,
     )

@@ -45,6 +45,7 @@ class FidelityCase:
     prefill_tps: float = 5_000.0
     concurrency: int = 8
     seed: int = 0
+    pending_ttl_s: float = 0.0  # the gateway's --pending-ttl, and the replay's
     ready_timeout_s: float = 90.0
 
 
@@ -113,6 +114,7 @@ def _start_cluster(case: FidelityCase, port: int) -> tuple[subprocess.Popen[str]
         ADMIN_KEY,
         f"--worker-arg=--capacity-tokens={case.capacity_tokens}",
         f"--worker-arg=--prefill-tps={case.prefill_tps}",
+        f"--pending-ttl={case.pending_ttl_s}",
     ]
     if "prefill_tokens_per_s" in policy_params(case.policy):  # the gateway knows its hardware
         cmd.append(f"--policy-param=prefill_tokens_per_s={case.prefill_tps}")
@@ -216,6 +218,7 @@ def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:
         capacity_tokens=case.capacity_tokens,
         prefill_tokens_per_s=case.prefill_tps,
         concurrency=case.concurrency,
+        pending_ttl_s=case.pending_ttl_s,
     )
     return compare(requests, [case.policy], fleet, seed=case.seed).summaries[case.policy]
 

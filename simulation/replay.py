@@ -17,7 +17,9 @@ The index is fed as `WorkerMirror` feeds it from our workers, whose block hashes
 `insert(keys, worker, group, now, parent=...)` for BlockStored, `remove` for BlockRemoved. With
 `kv_events=False` workers publish nothing and the gateway's approximate residency stands in:
 each successful request's keys are inserted as approximate when it ends, and expire after the
-TTL (checked every `EXPIRE_EVERY_S`, the gateway's health interval).
+TTL (checked every `EXPIRE_EVERY_S`, the gateway's health interval). With KV events and
+`pending_ttl_s` > 0, each request's keys are pending residency on its worker from the moment it
+is sent, as the gateway marks them at dispatch, until its events confirm them or they expire.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class FleetConfig:
     event_delay_s: float = 0.002
     kv_events: bool = True  # False: approximate residency from routing history
     approx_ttl_s: float = 120.0
+    pending_ttl_s: float = 0.0  # dispatched keys held until confirmed, e.g. 10 (0: off)
     index_max_blocks: int = 20_000_000
     concurrency: int | None = None  # closed loop with this many in flight; None: open loop
     max_in_flight: int = 1024  # the open loop's cap (the bench's --max-in-flight)
@@ -144,8 +147,13 @@ class Replay:
             self.by_group.setdefault(w.kv_group, []).append(w)
         self.by_name = {w.name: w for w in self.workers}
         self.index = UnifiedIndex(
-            max_blocks=fleet.index_max_blocks, approx_ttl_s=fleet.approx_ttl_s
+            max_blocks=fleet.index_max_blocks,
+            approx_ttl_s=fleet.approx_ttl_s,
+            pending_ttl_s=fleet.pending_ttl_s,
         )
+        # the index's counts change beyond the events too: by expiry, and by pending entries
+        self._recount = not fleet.kv_events or fleet.pending_ttl_s > 0
+        self._pending = fleet.kv_events and fleet.pending_ttl_s > 0
         self.client = Client(self.requests, fleet.concurrency, fleet.max_in_flight)
         n = len(self.requests)
         self._sent = [math.nan] * n
@@ -207,12 +215,12 @@ class Replay:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
         index = self.index
-        if not self.fleet.kv_events and now >= self._next_expire:
+        if self._recount and now >= self._next_expire:
             index.expire(now)
             self._next_expire = now + EXPIRE_EVERY_S
         route = req.route
         workers = self.by_group[route.kv_group]
-        if not self.fleet.kv_events:  # approximate residency also shrinks by expiry
+        if self._recount:  # approximate and pending residency also shrink by expiry
             for w in workers:
                 w.cached_blocks = index.blocks_held(w.name, w.kv_group)
                 w.stored_blocks = index.blocks_stored(w.name, w.kv_group)
@@ -239,13 +247,19 @@ class Replay:
         i = req.index
         prompt = route.prompt_tokens
         predicted = min(get(w.name, 0) * route.block_size, prompt)
-        uncached = prompt - predicted
+        if self._pending:  # the load counts pending blocks as work: the worker may redo them
+            held = index.confirmed_depth(route.block_keys, w.name, w.kv_group, get(w.name, 0))
+            uncached = prompt - min(held * route.block_size, prompt)
+        else:
+            uncached = prompt - predicted
         self._sent[i] = now
         self._worker[i] = self._worker_index[w.name]
         self._predicted[i] = predicted
         self._uncached[i] = uncached
         w.in_flight += 1
         w.queued_prefill_tokens += uncached
+        if self._pending and req.keys:  # the gateway marks them at dispatch (app.py)
+            index.insert(req.keys, w.name, w.kv_group, now, pending=True)
         if prompt + req.max_tokens > w.max_model_len:
             self._reject(req, w, now)
             return
@@ -330,6 +344,10 @@ class Replay:
                     w.cached_blocks -= remove(ev.block_hashes, name, group)
                 applied += 1
         self._events += applied
+        if self._pending:  # a confirmed pending block was held already: count from the index
+            for w in self.workers:
+                w.cached_blocks = index.blocks_held(w.name, w.kv_group)
+                w.stored_blocks = index.blocks_stored(w.name, w.kv_group)
         size = len(index)
         if size > self._peak:
             self._peak = size

@@ -123,6 +123,40 @@ def test_shared_prefixes_land_where_they_are_cached():
             w.stop()
 
 
+def test_a_new_prefix_is_pending_on_its_worker_before_its_events_arrive():
+    """Two concurrent requests over one new 2,000-token prefix: the second, sent while the
+    first is still prefilling (so no KV event has told the gateway anything), goes where the
+    first went and finds the prefix there, as the gateway predicted."""
+    workers = [start_worker("--prefill-tps", "400") for _ in range(2)]  # ~5 s of prefill
+    gateway = start_gateway(
+        [w.url for w in workers], "--admin-key", "admin-secret", "--pending-ttl", "10"
+    )
+    try:
+        url = gateway.url
+        assert wait_for(lambda: all_exact(url, 2), 20)
+        prefix = ("a new document nobody has read yet " * 60)[:2000]
+        bodies = [
+            {"model": "emulated", "prompt": prefix + f" question {i}?", "max_tokens": 2}
+            for i in range(2)
+        ]
+        with cf.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(httpx.post, f"{url}/v1/completions", json=bodies[0], timeout=30)
+            # the first is routed (its prefix pending at once) long before its prefill ends
+            assert wait_for(lambda: best_match(url, bodies[1]) >= 1984, 5)
+            assert not first.done()
+            second = httpx.post(f"{url}/v1/completions", json=bodies[1], timeout=30)
+            first_response = first.result()
+        assert first_response.status_code == second.status_code == 200, second.text
+        assert route(second)["worker"] == route(first_response)["worker"]
+        # what the second actually reuses depends on how much of the first's prefill is done
+        # when it is scheduled (only computed blocks are shared), not on the routing
+        assert int(route(second)["matched_tokens"]) >= 1984
+    finally:
+        gateway.stop()
+        for w in workers:
+            w.stop()
+
+
 def test_tenants_do_not_share_cache():
     worker = start_worker()
     gateway = start_gateway([worker.url], "--api-key", "acme:key-a", "--api-key", "beta:key-b")

@@ -1,4 +1,5 @@
-"""The unified index against a brute-force model, plus LRU, TTL and tenant isolation."""
+"""The unified index against a brute-force model, plus LRU, TTL, pending residency and tenant
+isolation."""
 
 from __future__ import annotations
 
@@ -8,30 +9,43 @@ from hypothesis import strategies as st
 
 from router.blocks import block_keys
 from router.index import UnifiedIndex
+from router.index_scopes import invalidate
 
 BS = 4
 WORKERS = ["w0", "w1", "w2"]
 GROUPS = ["llama", "qwen"]
 TENANTS = [None, "tenant-a", "tenant-b"]
 TTL = 10.0
+PENDING_TTL = 3.0
+MODES = ["exact", "approximate", "pending"]
 
 # Prompts drawn from a tiny alphabet share long prefixes, as real traffic does.
 prompt_st = st.lists(st.sampled_from([1, 2]), min_size=BS, max_size=6 * BS)
 
 
 class Model:
-    """Brute force: per resident, key -> expiry (None: exact)."""
+    """Brute force: per resident, key -> (expiry, pending) (None: exact), and blocks stored."""
 
     def __init__(self) -> None:
-        self.held: dict[tuple[str, str], dict[int, float | None]] = {}
+        self.held: dict[tuple[str, str], dict[int, tuple[float, bool] | None]] = {}
+        self.stored: dict[tuple[str, str], int] = {}
 
-    def insert(self, keys, worker, group, now, approximate):
+    def insert(self, keys, worker, group, now, mode):
         held = self.held.setdefault((worker, group), {})
+        stored = 0
         for key in keys:
-            if not approximate:
+            old = held.get(key, "absent")
+            if mode == "exact":
+                # new, or a pending block confirmed: stored now (approximate ones were already)
+                stored += old == "absent" or (old is not None and old[1])
                 held[key] = None
-            elif key not in held or held[key] is not None:
-                held[key] = now + TTL
+            elif old == "absent":
+                held[key] = (now + (PENDING_TTL if mode == "pending" else TTL), mode == "pending")
+                stored += mode == "approximate"
+            elif old is not None:  # refreshed to the later expiry; exact is never demoted
+                ttl = PENDING_TTL if mode == "pending" else TTL
+                held[key] = (max(old[0], now + ttl), old[1])
+        self.stored[(worker, group)] = self.stored.get((worker, group), 0) + stored
 
     def remove(self, keys, worker, group):
         held = self.held.get((worker, group), {})
@@ -45,8 +59,15 @@ class Model:
 
     def expire(self, now):
         for held in self.held.values():
-            for key in [k for k, t in held.items() if t is not None and t <= now]:
+            for key in [k for k, t in held.items() if t is not None and t[0] <= now]:
                 del held[key]
+
+    def forget_empty(self):
+        """The index forgets a resident that holds nothing: its stored count starts over."""
+        for resident in [r for r, held in self.held.items() if not held]:
+            del self.held[resident]
+        for resident in [r for r in self.stored if r not in self.held]:
+            del self.stored[resident]
 
     def match(self, keys, group):
         out = {}
@@ -68,7 +89,7 @@ op_st = st.one_of(
         st.sampled_from(WORKERS),
         st.sampled_from(GROUPS),
         st.sampled_from(TENANTS),
-        st.booleans(),
+        st.sampled_from(MODES),
         st.integers(0, 5),
     ),
     st.tuples(
@@ -90,23 +111,29 @@ def _check_agree(index: UnifiedIndex, model: Model) -> None:
     for (w, g), held in model.held.items():
         assert index.residency(w, g) == set(held), (w, g)
         assert index.blocks_held(w, g) == len(held)
-        for key, expiry in held.items():
-            assert index.is_approximate(key, w, g) == (expiry is not None)
+        assert index.blocks_stored(w, g) == model.stored[(w, g)], (w, g)
+        for key, state in held.items():
+            assert index.is_approximate(key, w, g) == (state is not None)
+            assert index.is_pending(key, w, g) == (state is not None and state[1])
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(op_st, max_size=60))
 def test_index_agrees_with_brute_force(ops):
-    index, model, now = UnifiedIndex(approx_ttl_s=TTL), Model(), 0.0
+    index = UnifiedIndex(approx_ttl_s=TTL, pending_ttl_s=PENDING_TTL)
+    model, now = Model(), 0.0
     for op in ops:
         if op[0] == "insert":
-            _, tokens, w, g, tenant, approximate, skip = op
+            _, tokens, w, g, tenant, mode, skip = op
             keys = block_keys(tokens, BS, tenant)
             skip = min(skip, len(keys) - 1)
             # a chain may continue from a parent the caller already knows (as KV events do)
             parent = keys[skip - 1] if skip else None
-            index.insert(keys[skip:], w, g, now, parent=parent, approximate=approximate)
-            model.insert(keys[skip:], w, g, now, approximate)
+            approximate, pending = mode == "approximate", mode == "pending"
+            index.insert(
+                keys[skip:], w, g, now, parent=parent, approximate=approximate, pending=pending
+            )
+            model.insert(keys[skip:], w, g, now, mode)
         elif op[0] == "remove":
             _, tokens, w, g, tenant, start = op
             keys = block_keys(tokens, BS, tenant)[start:]
@@ -123,6 +150,7 @@ def test_index_agrees_with_brute_force(ops):
             _, tokens, g, tenant = op
             keys = block_keys(tokens, BS, tenant)
             assert index.match(keys, g, now) == model.match(keys, g)
+        model.forget_empty()
         _check_agree(index, model)
 
 
@@ -133,7 +161,7 @@ def test_budget_evicts_whole_blocks_and_keeps_the_rest_exact(inserts, budget):
     for t, (tokens, w) in enumerate(inserts):
         keys = block_keys(tokens, BS)
         index.insert(keys, w, "g", float(t))
-        model.insert(keys, w, "g", float(t), False)
+        model.insert(keys, w, "g", float(t), "exact")
         index.check()
         assert len(index) <= budget
         for (worker, group), held in model.held.items():
@@ -198,3 +226,46 @@ def test_approximate_entries_expire_unless_confirmed_or_exact():
 def test_rejects_bad_configuration():
     with pytest.raises(ValueError):
         UnifiedIndex(max_blocks=-1)
+
+
+def test_pending_blocks_match_at_once_and_events_confirm_them():
+    keys = block_keys(list(range(64)), 16)
+    index = UnifiedIndex(pending_ttl_s=5.0)
+    assert index.insert(keys, "w0", "g", 0.0, pending=True) == 4
+    assert index.match(keys, "g") == {"w0": 4}  # a follower sees the prefix before any event
+    assert index.blocks_held("w0", "g") == 4 and index.blocks_stored("w0", "g") == 0
+    # the worker's events confirm it in two chunks: exact, and stored once
+    assert index.insert(keys[:2], "w0", "g", 1.0) == 2
+    assert index.insert(keys[2:3], "w0", "g", 1.0, parent=keys[1]) == 1
+    assert index.blocks_stored("w0", "g") == 3 and index.blocks_held("w0", "g") == 4
+    assert not index.is_approximate(keys[0], "w0", "g") and index.is_pending(keys[3], "w0", "g")
+    assert index.stats().pending == 1
+    assert index.insert(keys[:3], "w0", "g", 1.5) == 0  # stored again: nothing new
+    index.insert(keys, "w0", "g", 2.0, pending=True)  # another request: never demotes exact
+    assert not index.is_approximate(keys[0], "w0", "g")
+    assert index.expire(6.9) == 0  # keys[3] was refreshed at 2.0
+    assert index.expire(7.0) == 1  # never confirmed: gone
+    assert index.match(keys, "g") == {"w0": 3}
+    assert index.blocks_stored("w0", "g") == 3
+    index.check()
+
+
+def test_pending_blocks_go_with_clear_remove_and_scoped_invalidation():
+    keys = block_keys(list(range(64)), 16, "tenant-a")
+    index = UnifiedIndex()
+    index.tag_namespace(keys[0], "tenant-a")
+    index.insert(keys[:2], "w0", "g", 0.0)
+    index.insert(keys, "w0", "g", 0.0, pending=True)
+    index.insert(keys, "w1", "g", 0.0, pending=True)
+    index.clear("w0", "g")  # a resync of w0: its pending entries go too
+    assert index.match(keys, "g") == {"w1": 4} and index.stats().pending == 4
+    assert index.remove(keys[2:], "w1", "g") == 2
+    assert index.match(keys, "g") == {"w1": 2}
+    assert invalidate(index, lambda salt: salt == "tenant-a") == 2
+    assert index.match(keys, "g") == {} and index.stats().pending == 0
+    index.check()
+    # an exact confirmation after expiry counts once: the expired pending block never did
+    index.insert(keys, "w2", "g", 0.0, pending=True)
+    index.expire(100.0)
+    assert index.insert(keys, "w2", "g", 101.0) == 4 and index.blocks_stored("w2", "g") == 4
+    index.check()

@@ -262,6 +262,25 @@ def test_lora_groups_salts_and_what_is_not_tracked() -> None:
     assert index.blocks_held(W, G) == 0 and mirror.mapped_hashes() == 0
 
 
+def test_events_confirm_pending_blocks_and_a_resync_drops_them() -> None:
+    index = UnifiedIndex(pending_ttl_s=10.0)
+    mirror = WorkerMirror(index, W, G, BS)
+    toks = list(range(3 * BS))
+    k = block_keys(toks, BS)
+    index.insert(k, W, G, 0.0, pending=True)  # the gateway sent a request with these blocks
+    stored = [BlockStored([11, 12], None, toks[: 2 * BS], BS, None, "GPU")]
+    mirror.apply(0, EventBatch(1.0, stored), now=1.0)
+    assert mirror.blocks_stored == index.blocks_stored(W, G) == 2  # confirmed: stored once
+    assert [index.is_pending(key, W, G) for key in k] == [False, False, True]
+    assert index.match(k, G) == {W: 3}
+    mirror.reset()  # a gap without replay: nothing stale survives, pending or not
+    assert index.match(k, G) == {} and index.stats().pending == 0
+    index.insert(k, W, G, 2.0, pending=True)
+    mirror.apply(0, EventBatch(3.0, [AllBlocksCleared()]), now=3.0)
+    assert index.match(k, G) == {} and index.stats().pending == 0
+    index.check()
+
+
 def test_undecodable_batch_resets_the_worker() -> None:
     index = UnifiedIndex()
     mirror = WorkerMirror(index, W, G, BS)

@@ -24,6 +24,13 @@ CASES = {
         requests=150,
         capacity_tokens=20_000,
     ),
+    "shared system prompts, pending prefixes": FidelityCase(
+        workload="system-prompts",
+        params={"groups": "16", "question_tokens": "400"},
+        requests=160,
+        capacity_tokens=40_000,
+        pending_ttl_s=10.0,
+    ),
 }
 
 

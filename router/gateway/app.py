@@ -1,8 +1,9 @@
 """The gateway's HTTP surface: OpenAI endpoints, health, metrics; admin routes in admin.py.
 
-Each request: authenticate -> parse -> plan (tokenize, keys, match, policy) -> forward with the
-tenant's `cache_salt` -> record approximate residency for workers without events -> respond,
-with `x-urc-route` saying where it went and why.
+Each request: authenticate -> parse -> plan (tokenize, keys, match, policy) -> mark its keys
+pending on a worker with KV events -> forward with the tenant's `cache_salt` -> record
+approximate residency for workers without events -> respond, with `x-urc-route` saying where it
+went and why.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self.index = UnifiedIndex(
-            max_blocks=config.index_max_blocks, approx_ttl_s=config.approx_ttl_s
+            max_blocks=config.index_max_blocks,
+            approx_ttl_s=config.approx_ttl_s,
+            pending_ttl_s=config.pending_ttl_s,
         )
         self.fleet = Fleet(config, self.index)
         self.policy = make_policy(config.policy, **config.policy_params)
@@ -161,6 +164,8 @@ class Gateway:
             modes.watch(plan)
         self.metrics.decision.observe(plan.decision_s)
         self.metrics.reason(plan.decision.reason).inc()
+        if plan.keys and self.config.pending_ttl_s > 0:
+            self._mark_pending(plan)
         payload = with_public(with_salt(raw, body, scope.salt), plan.public_tokens)
         stream = body.get("stream") is True
         await self.proxy.forward(
@@ -171,6 +176,16 @@ class Gateway:
             stream,
             lambda plan, worker, usage: self._served(plan, worker, usage, tenant.name),
         )
+
+    def _mark_pending(self, plan: Plan) -> None:
+        """Requests right behind this one find its prefix on its worker before the worker's
+        KV events say so; the events confirm it (or it expires). Failover elsewhere is rare:
+        the TTL clears the mark then."""
+        chosen = plan.decision.worker
+        worker = next(w for w in plan.workers if w.name == chosen)
+        group = worker.models.get(plan.model.name, plan.model.kv_group)
+        if worker.exact(group):
+            self.index.insert(plan.keys, chosen, group, time.monotonic(), pending=True)
 
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: workers without KV events get approximate residency; the request

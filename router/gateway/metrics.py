@@ -188,6 +188,11 @@ class _FleetCollector(Collector):
             "urc_index_residencies", "(block, worker) residencies", stats.residencies
         )
         yield GaugeMetricFamily(
+            "urc_index_pending_residencies",
+            "Residencies marked at dispatch, not yet confirmed by the worker's KV events",
+            stats.pending,
+        )
+        yield GaugeMetricFamily(
             "urc_index_memory_bytes",
             "Estimated memory of the index",
             stats.blocks * INDEX_BYTES_PER_BLOCK,

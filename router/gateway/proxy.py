@@ -101,6 +101,7 @@ def route_header(plan: Plan, worker: Worker) -> str:
 class Proxy:
     def __init__(self, fleet: Fleet, metrics: GatewayMetrics, prefill_tokens_per_s: float):
         self.fleet = fleet
+        self.index = fleet.index
         self.metrics = metrics
         self.s_per_token = 1.0 / prefill_tokens_per_s
         self.request_timeout_s = fleet.config.request_timeout_s
@@ -122,7 +123,7 @@ class Proxy:
         for worker in plan.ranked():
             if not worker.up:
                 continue
-            load = _Load(worker, plan.prompt_tokens - plan.matched(worker.name))
+            load = _Load(worker, plan.prompt_tokens - plan.load_matched(worker.name, self.index))
             if not stream:
                 delay = worker.queued_prefill_tokens * self.s_per_token
                 load.timer = asyncio.get_running_loop().call_later(delay, load.start)

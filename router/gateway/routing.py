@@ -41,6 +41,13 @@ class Plan(NamedTuple):
         usable = max(self.prompt_tokens - 1, 0) // bs
         return min(self.matched_blocks.get(worker, 0), usable) * bs
 
+    def load_matched(self, worker: str, index: UnifiedIndex) -> int:
+        """`matched`, less what the worker holds only pending (another request's prefix, maybe
+        not computed when this one starts): the tokens its queued load takes as cached."""
+        blocks = self.matched(worker) // self.model.block_size
+        held = index.confirmed_depth(self.keys, worker, self.request.kv_group, blocks)
+        return held * self.model.block_size
+
     def ranked(self) -> Iterator[Worker]:
         """The chosen worker, then (only if asked for: failover) the rest by the policy's cost."""
         chosen = self.decision.worker
