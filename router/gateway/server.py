@@ -182,26 +182,24 @@ class FrontProtocol(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.request is None:
-            path = HOT_PATHS.get(self.url.partition(b"?")[0])
-            if path is None or self.parser.get_method() != b"POST":
-                self._not_ours()
-                return
-            self.request = _Request(path)
-        self.request.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        request = self.request or self._start_request()
+        request.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        if self.request is None:  # a request with no header at all
-            path = HOT_PATHS.get(self.url.partition(b"?")[0])
-            if path is None or self.parser.get_method() != b"POST":
-                self._not_ours()
-                return
-            self.request = _Request(path)
+        request = self.request or self._start_request()  # a request with no header at all
         self.head = None
-        self.request.keep_alive = self.parser.should_keep_alive()
-        self.request.chunked = self.parser.get_http_version() != "1.0"
-        if self.request.headers.get("expect", "").lower() == "100-continue":
+        request.keep_alive = self.parser.should_keep_alive()
+        request.chunked = self.parser.get_http_version() != "1.0"
+        if request.headers.get("expect", "").lower() == "100-continue":
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _start_request(self) -> _Request:
+        """The URL is complete: an inference request begins, or the connection is aiohttp's."""
+        path = HOT_PATHS.get(self.url.partition(b"?")[0])
+        if path is None or self.parser.get_method() != b"POST":
+            raise _HandOver  # stops the parser: data_received hands the connection over
+        self.request = _Request(path)
+        return self.request
 
     def on_body(self, body: bytes) -> None:
         request = self.request
@@ -230,9 +228,6 @@ class FrontProtocol(asyncio.Protocol):
             self.transport.pause_reading()
 
     # -- serving -----------------------------------------------------------------------------
-
-    def _not_ours(self) -> None:
-        raise _HandOver  # stops the parser: data_received hands the connection over
 
     def _hand_over(self) -> None:
         """Give the connection to aiohttp with the bytes of the message that began."""
