@@ -46,6 +46,7 @@ class Worker:
     up: bool = False
     failures: int = 0  # consecutive failed checks or requests
     down_until: float = 0.0  # circuit breaker: no re-admission before this (monotonic)
+    answered_at: float = 0.0  # its last successful answer (monotonic): alive, no probe needed
     incarnation: str | None = None
     # load as the gateway sees it
     in_flight: int = 0
@@ -193,9 +194,14 @@ class Fleet:
             asyncio.get_running_loop().create_task(self._mark_down(worker, "unhealthy"))
 
     async def health_loop(self) -> None:
+        """Probe every worker each interval, except those up that answered a request within
+        it: under load, requests are the health checks (a failing one counts as a failed
+        check), and the probes would only take the workers' and the gateway's time."""
+        interval = self.config.health_interval_s
         while True:
-            await asyncio.sleep(self.config.health_interval_s)
-            workers = list(self.workers.values())
+            await asyncio.sleep(interval)
+            recent = time.monotonic() - interval
+            workers = [w for w in self.workers.values() if not (w.up and w.answered_at > recent)]
             await asyncio.gather(*(self.check(w) for w in workers), return_exceptions=True)
             self.index.expire(time.monotonic())
 

@@ -138,9 +138,12 @@ class Proxy:
                 continue
             finally:
                 load.finish()
+            now = time.monotonic()
             worker.failures = 0
+            if status < 500:  # it answered for itself: as good as a health check
+                worker.answered_at = now
             self.metrics.status(model, worker.name, status).inc()
-            self.metrics.series(model, worker.name).latency.observe(time.monotonic() - t0)
+            self.metrics.series(model, worker.name).latency.observe(now - t0)
             if usage is not None:
                 self._account(plan, worker, usage.cached_tokens)
                 on_success(plan, worker, usage)
