@@ -15,6 +15,7 @@ from backends.emulated.cache_scopes import invalidate as invalidate_cache
 from backends.emulated.engine import EmulatedEngine, EngineConfig, Request, State, StepResult
 from router.blocks import block_keys, chain_keys, continue_after, salt_scope
 from router.gateway.config import ConfigError, add_gateway_arguments, apply_flags, load_config
+from router.gateway.fleet import Model
 from router.gateway.isolation import (
     leading_system,
     public_tokens,
@@ -23,11 +24,13 @@ from router.gateway.isolation import (
     user_salt,
     with_public,
 )
+from router.gateway.routing import Router
 from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.index_scopes import invalidate as invalidate_index
 from router.kv_events import BlockRemoved, EventBatch
 from router.kv_mirror import WorkerMirror
+from router.tokenizer import ByteTokenizer
 
 BS = 16
 
@@ -79,6 +82,34 @@ def test_public_prefix_of_a_chat() -> None:
     assert public_tokens(list(range(50)), list(range(40)) + [7], BS) == 32
     assert with_public(b'{"a":1}', 32) == b'{"urc_public_tokens":32,"a":1}'
     assert with_public(b'{"a":1,"urc_public_tokens":999}', 0) == b'{"a":1}'  # never the client's
+
+
+class CountingTokenizer(ByteTokenizer):
+    def __init__(self) -> None:
+        super().__init__()
+        self.chats = 0
+
+    def encode_chat(self, messages, tools=None):  # type: ignore[no-untyped-def]
+        self.chats += 1
+        return super().encode_chat(messages, tools)
+
+
+def test_a_system_prompt_is_rendered_alone_once() -> None:
+    tokenizer = CountingTokenizer()
+    model = Model("m", "m", tokenizer, BS)
+    router = Router(None, UnifiedIndex(), None)  # type: ignore[arg-type]
+    system = {"role": "system", "content": "You are a careful assistant. " * 20}
+    publics = []
+    for i in range(5):
+        body = {"model": "m", "messages": [system, {"role": "user", "content": f"question {i}"}]}
+        full = router.tokens(model, body, True)
+        publics.append(router.public_tokens(model, body, full))
+    assert tokenizer.chats == 5 + 1  # each request once, the system prompt alone once
+    assert len(set(publics)) == 1 and publics[0] > 0 and publics[0] % BS == 0
+    other = {"role": "system", "content": "Another prompt. " * 30}
+    body = {"model": "m", "messages": [other, {"role": "user", "content": "q"}]}
+    assert router.public_tokens(model, body, router.tokens(model, body, True)) > 0
+    assert tokenizer.chats == 6 + 2
 
 
 def drive(engine: EmulatedEngine, reqs: list[Request], mirror: WorkerMirror, t0: float) -> float:

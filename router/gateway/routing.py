@@ -101,11 +101,18 @@ def validate(body: Any, chat: bool) -> None:
     _check_int(body, "n", 1)
 
 
+SYSTEM_RENDERS = 1024  # shared isolation: distinct system prompts whose render is kept
+_json = msgspec.json.Encoder(order="sorted")
+
+
 class Router:
     def __init__(self, fleet: Fleet, index: UnifiedIndex, policy: Policy) -> None:
         self.fleet = fleet
         self.index = index
         self.policy = policy
+        # (tokenizer, the system messages and tools as JSON) -> their render alone: in shared
+        # mode the same few system prompts come back on every request (oldest dropped first)
+        self._system_renders: dict[tuple[object, bytes], list[int]] = {}
 
     def tokens(self, model: Model, body: dict[str, Any], chat: bool) -> list[int]:
         try:
@@ -121,7 +128,13 @@ class Router:
         system = leading_system(body["messages"])
         if not system:
             return 0
-        rendered = self.tokens(model, {**body, "messages": system}, True)
+        key = (model.tokenizer, _json.encode([system, body.get("tools")]))
+        rendered = self._system_renders.get(key)
+        if rendered is None:
+            rendered = self.tokens(model, {**body, "messages": system}, True)
+            if len(self._system_renders) >= SYSTEM_RENDERS:
+                del self._system_renders[next(iter(self._system_renders))]
+            self._system_renders[key] = rendered
         return public_tokens(tokens, rendered, model.block_size)
 
     def plan(
