@@ -3,8 +3,8 @@
 Keys are chained (router/blocks.py), so a key names its whole prefix and the token path of a
 prompt is stored once however many workers and models hold it. The tree is compressed, as
 SGLang's radix cache is: a node is a *run* of consecutive blocks with the same residency, and
-`_where` maps every key to its run. Matching a prompt costs one dict lookup per run plus a
-list comparison of the run's keys, not a lookup per block.
+`_where` maps every key to its run (router/run_tree.py keeps that shape). Matching a prompt
+costs one dict lookup per run plus a list comparison of the run's keys, not a lookup per block.
 
 Residency is a bitmask per run: each `(worker, kv_group)` pair (a *resident*) owns one bit.
 Exact residency comes from KV events and lasts until removed; approximate residency comes from
@@ -26,18 +26,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from typing import NamedTuple
 
-
-class _Run:
-    __slots__ = ("keys", "parent", "mask", "children", "ts", "prev", "next")
-
-    def __init__(self, keys: list[int], parent: _Run | None, mask: int, ts: float) -> None:
-        self.keys = keys  # consecutive chained keys: keys[i] is the parent block of keys[i + 1]
-        self.parent = parent  # the run whose last key is the parent of keys[0]
-        self.mask = mask  # bit i set: resident i holds every block of the run
-        self.children = 0
-        self.ts = ts
-        self.prev: _Run | None = None  # LRU leaf list links; None when not a listed leaf
-        self.next: _Run | None = None
+from router.run_tree import Run, RunTree
 
 
 class Resident(NamedTuple):
@@ -62,7 +51,7 @@ def _bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-class UnifiedIndex:
+class UnifiedIndex(RunTree):
     """Residency of every block on every `(worker, kv_group)` in one tree.
 
     All methods are synchronous and take time as an argument: the gateway passes its clock,
@@ -74,11 +63,10 @@ class UnifiedIndex:
     ) -> None:
         if max_blocks < 0 or approx_ttl_s <= 0 or pending_ttl_s < 0:
             raise ValueError("max_blocks, pending_ttl_s must be >= 0 and approx_ttl_s > 0")
+        super().__init__()
         self.max_blocks = max_blocks  # 0: unbounded
         self.approx_ttl_s = approx_ttl_s
         self.pending_ttl_s = pending_ttl_s  # 0: pending residency off (such inserts do nothing)
-        self._where: dict[int, _Run] = {}  # every key -> the run holding it
-        self._runs: set[_Run] = set()
         self._bit_of: dict[tuple[str, str], int] = {}  # Resident -> bit
         self._resident_of: list[Resident | None] = []  # bit -> resident
         self._free_bits: list[int] = []
@@ -91,8 +79,6 @@ class UnifiedIndex:
         self._approx_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
         self._pending: dict[int, int] = {}
         self._pending_queue: deque[tuple[float, int, tuple[int, ...]]] = deque()
-        self._lru = _Run([], None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
-        self._lru.prev = self._lru.next = self._lru
         self._evicted = 0
         # key that starts a salted namespace -> its salt: what router/index_scopes.py finds a
         # tenant's (user's, session's) blocks by; may name keys no longer (or not yet) indexed
@@ -154,88 +140,7 @@ class UnifiedIndex:
         bit = self._bit_of.get((worker, kv_group))
         return 0 if bit is None else self._stored[bit]
 
-    # -- LRU leaf list -----------------------------------------------------------------------
-
-    def _unlink(self, run: _Run) -> None:
-        if run.prev is not None:
-            run.prev.next = run.next
-            run.next.prev = run.prev  # type: ignore[union-attr]
-            run.prev = run.next = None
-
-    def _link_newest(self, run: _Run) -> None:
-        self._unlink(run)
-        head = self._lru
-        run.prev, run.next = head.prev, head
-        head.prev.next = run  # type: ignore[union-attr]
-        head.prev = run
-
-    def _link_oldest(self, run: _Run) -> None:
-        head = self._lru
-        run.prev, run.next = head, head.next
-        head.next.prev = run  # type: ignore[union-attr]
-        head.next = run
-
-    # -- structure ---------------------------------------------------------------------------
-
-    def _new_run(self, keys: list[int], parent: _Run | None, mask: int, now: float) -> _Run:
-        run = _Run(keys, parent, mask, now)
-        self._where.update(dict.fromkeys(keys, run))
-        self._runs.add(run)
-        if parent is not None:
-            self._adopt(parent)
-        return run
-
-    def _adopt(self, parent: _Run) -> None:
-        if parent.children == 0:
-            self._unlink(parent)  # no longer a leaf
-        parent.children += 1
-
-    def _split(self, run: _Run, at: int) -> _Run:
-        """Cut `run` before keys[at]: a new head run takes keys[:at] and `run` keeps the rest,
-        so the children's parent links stay valid. Returns the head."""
-        head = _Run(run.keys[:at], run.parent, run.mask, run.ts)
-        del run.keys[:at]
-        self._where.update(dict.fromkeys(head.keys, head))
-        self._runs.add(head)
-        head.children = 1
-        run.parent = head
-        return head
-
-    def _cut_tail(self, run: _Run, n: int) -> _Run:
-        """`_split(run, len(run.keys) - n)`, returning the tail of `n` keys; a leaf's shorter
-        tail becomes the new run instead (fewer keys to re-map; it takes the leaf's LRU place)."""
-        at = len(run.keys) - n
-        if run.children or n >= at:
-            self._split(run, at)
-            return run
-        tail = _Run(run.keys[at:], run, run.mask, run.ts)
-        del run.keys[at:]
-        self._where.update(dict.fromkeys(tail.keys, tail))
-        self._runs.add(tail)
-        tail.prev, tail.next = run.prev, run.next
-        tail.prev.next = tail.next.prev = tail  # type: ignore[union-attr]
-        run.prev = run.next = None
-        run.children = 1
-        return tail
-
-    def _delete(self, run: _Run) -> None:
-        """Delete an empty leaf run, and its ancestors that become empty leaves."""
-        while True:
-            self._unlink(run)
-            self._runs.discard(run)
-            deque(map(self._where.__delitem__, run.keys), maxlen=0)  # del each key, in C
-            parent = run.parent
-            if parent is None:
-                return
-            parent.children -= 1
-            if parent.children:
-                return
-            if parent.mask:
-                self._link_oldest(parent)  # a leaf again; its recency went with its children
-                return
-            run = parent
-
-    def _release(self, run: _Run, bit: int) -> None:
+    def _release(self, run: Run, bit: int) -> None:
         """The resident no longer holds any block of `run`."""
         run.mask &= ~(1 << bit)
         self._held[bit] -= len(run.keys)
@@ -329,7 +234,7 @@ class UnifiedIndex:
         else:
             expiry = now + self.approx_ttl_s
         confirmed = 0
-        prev: _Run | None = None  # the run that ends with the parent of keys[i]
+        prev: Run | None = None  # the run that ends with the parent of keys[i]
         if parent is not None and (prev := where.get(parent)) is not None:
             at = len(prev.keys) if prev.keys[-1] == parent else prev.keys.index(parent) + 1
             if at < len(prev.keys):
@@ -613,30 +518,13 @@ class UnifiedIndex:
         return key in self._where
 
     def check(self) -> None:
-        """Integrity check (tests): keys, runs, parent links, counts and the leaf list agree."""
-        children: dict[int, int] = {}
+        """Integrity check (tests): the tree (router/run_tree.py), held counts, approximate
+        and pending residency agree."""
+        self._check_tree()
         held = [0] * len(self._held)
-        blocks = 0
         for run in self._runs:
-            assert run.keys, "empty run"
-            blocks += len(run.keys)
-            assert all(self._where[k] is run for k in run.keys), "key map"
-            if run.parent is not None:
-                assert run.parent in self._runs, "dangling parent"
-                children[id(run.parent)] = children.get(id(run.parent), 0) + 1
             for bit in _bits(run.mask):
                 held[bit] += len(run.keys)
-        assert blocks == len(self._where), "stray keys"
-        listed = set()
-        cur = self._lru.next
-        while cur is not self._lru:
-            assert cur is not None and cur.children == 0 and id(cur) not in listed
-            listed.add(id(cur))
-            cur = cur.next
-        for run in self._runs:
-            assert run.children == children.get(id(run), 0), "child count"
-            assert (run.children == 0) == (id(run) in listed), "leaf list"
-            assert run.mask or run.children, "empty leaf kept"
         assert held == self._held, "held counts"
         for key, times in self._approx.items():
             assert times and all(self._where[key].mask >> b & 1 for b in times)
