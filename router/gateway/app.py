@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import signal
 import time
 from collections.abc import Coroutine, Mapping
@@ -67,6 +68,9 @@ class Gateway:
             self.metrics.registry.register(ParityCollector(self.parity))
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
+        # when the last admin invalidation began (monotonic): a response to a request routed
+        # before it must not bring back approximate residency that the invalidation dropped
+        self.invalidated_at = -math.inf
         self._tasks: list[asyncio.Task[None]] = []
         # errors become JSON per handler (json_errors), not in a middleware: a middleware
         # costs every request a wrapper object
@@ -191,7 +195,7 @@ class Gateway:
         """After a success: workers without KV events get approximate residency; the request
         goes to the recording."""
         group = worker.models.get(plan.model.name, plan.model.kv_group)
-        if plan.keys and not worker.exact(group):
+        if plan.keys and not worker.exact(group) and plan.arrived > self.invalidated_at:
             self.index.insert(plan.keys, worker.name, group, time.monotonic(), approximate=True)
         if self.recorder is not None:
             self.recorder.record(plan, worker, tenant, usage)

@@ -19,6 +19,7 @@ the workers answered: events stored before the call and consumed meanwhile are g
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
@@ -101,6 +102,7 @@ class Invalidator:
 
     async def run(self, body: Any) -> dict[str, Any]:
         scope, named, test, kv_group, fields = self.resolve(body)
+        self.gateway.invalidated_at = time.monotonic()  # responses under way: see Gateway._served
         index = self.gateway.index
         dropped = invalidate(index, test, kv_group)
         workers = list(self.gateway.fleet.workers.values())

@@ -1,0 +1,29 @@
+"""A response to a request routed before an admin invalidation does not bring back the
+approximate residency that the invalidation dropped (workers without KV events)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+from router.gateway.app import Gateway
+from router.gateway.config import GatewayConfig
+
+KEYS = [11, 12, 13]
+
+
+def served(gateway: Gateway, arrived: float) -> None:
+    model = SimpleNamespace(name="m", kv_group="m")
+    plan = SimpleNamespace(model=model, keys=KEYS, arrived=arrived)
+    worker = SimpleNamespace(name="w", models={"m": "m"}, exact=lambda _group: False)
+    gateway._served(plan, worker, None, "default")  # type: ignore[arg-type]
+
+
+async def test_a_response_in_flight_during_an_invalidation_records_nothing():
+    gateway = Gateway(GatewayConfig())
+    routed = time.monotonic()
+    gateway.invalidated_at = time.monotonic()  # an invalidation began while it was under way
+    served(gateway, routed)
+    assert gateway.index.match(KEYS, "m") == {}
+    served(gateway, time.monotonic())  # routed after it: recorded as usual
+    assert gateway.index.match(KEYS, "m") == {"w": 3}
