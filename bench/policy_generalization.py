@@ -17,7 +17,8 @@ small caches. Every cache is far smaller than its scenario's working set.
 `--seeds`: seed 0 is the default set; others draw other synthetic traces and workloads of the
 same shapes and name the workers differently (the rendezvous hashes names), and the summary
 counts over all of them. `--variant` adds a row per scenario for `cache_aware` with other
-parameters (for ablations). `--quick` halves the synthetic scenarios (about 20 s per seed).
+parameters (for ablations; `fleet.NAME=VALUE` sets the replay's FleetConfig instead, e.g.
+`fleet.pending_ttl_s=10`). `--quick` halves the synthetic scenarios (about 20 s per seed).
 """
 
 from __future__ import annotations
@@ -227,6 +228,9 @@ def run(
         block_size=scenario.block_size,
         capacity_tokens=scenario.capacity_tokens,
     )
+    for key in [k for k in params if k.startswith("fleet.")]:  # e.g. fleet.pending_ttl_s=10
+        setattr(fleet, key[6:], float(params[key]))
+    params = {k: v for k, v in params.items() if not k.startswith("fleet.")}
     policy = make_policy(name, **build_params(name, params, fleet, 0))
     return summarize(Replay(requests, policy, fleet).run(), requests)
 
