@@ -285,7 +285,7 @@ async def latency_rows(
     targets: list[Target], prompts: list[Prompt], concurrency: int, requests: int
 ) -> list[LatencyRow]:
     direct, routers = targets[0], targets[1:]
-    size = max(8, concurrency * 8)
+    size = max(8, concurrency * 2)  # short blocks, many rounds: slow noise hits all alike
     rounds = max(1, math.ceil(requests / size))
     rows = []
     async with session_for(concurrency, len(targets)) as session:
