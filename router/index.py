@@ -160,17 +160,21 @@ class UnifiedIndex(RunTree):
         """Release the resident's hold on these keys, splitting runs at the range edges."""
         flag = 1 << bit
         keys = keys if type(keys) is list else list(keys)
-        runs = list(map(self._where.get, keys))
+        ids = list(map(self._where.get, keys))
+        by_id = self._runs
+        # each run once, in order of first appearance; held here, so that no run made by a
+        # split below can take the id of one deleted on the way
+        runs = [(rid, by_id[rid]) for rid in dict.fromkeys(ids) if rid is not None]
         released = 0
-        for run in dict.fromkeys(runs):  # each run once, in order of first appearance
-            if run is None or not run.mask & flag:
+        for rid, run in runs:
+            if not run.mask & flag:
                 continue
             # its keys, in order: mostly one contiguous stretch (found in C, not key by key)
-            first, count = runs.index(run), runs.count(run)
-            if count == 1 or runs[first : first + count].count(run) == count:
+            first, count = ids.index(rid), ids.count(rid)
+            if count == 1 or ids[first : first + count].count(rid) == count:
                 run_keys = keys[first : first + count]
             else:
-                run_keys = [key for key, r in zip(keys, runs, strict=True) if r is run]
+                run_keys = [key for key, r in zip(keys, ids, strict=True) if r == rid]
             if len(run_keys) == len(run.keys) and len(set(run_keys)) == len(run_keys):
                 released += len(run_keys)  # the whole run: no positions, no splits
                 self._release(run, bit)
@@ -228,6 +232,7 @@ class UnifiedIndex(RunTree):
         bit = self._bit(worker, kv_group)
         flag = 1 << bit
         where = self._where
+        by_id = self._runs
         if pending:
             approximate = True
             expiry = now + self.pending_ttl_s
@@ -235,14 +240,14 @@ class UnifiedIndex(RunTree):
             expiry = now + self.approx_ttl_s
         confirmed = 0
         prev: Run | None = None  # the run that ends with the parent of keys[i]
-        if parent is not None and (prev := where.get(parent)) is not None:
+        if parent is not None and (prev := by_id.get(where.get(parent, 0))) is not None:
             at = len(prev.keys) if prev.keys[-1] == parent else prev.keys.index(parent) + 1
             if at < len(prev.keys):
                 prev = self._split(prev, at)
         added = 0
         i = 0
         while i < n:
-            run = where.get(keys[i])
+            run = by_id.get(where.get(keys[i], 0))
             if run is None:  # new blocks up to the next known key
                 fresh = keys[i:] if i else keys
                 if where.keys().isdisjoint(fresh):  # the common case: all of the rest is new
@@ -254,7 +259,7 @@ class UnifiedIndex(RunTree):
                 fresh = list(keys[i:j])
                 if prev is not None and prev.children == 0 and prev.mask == flag:
                     prev.keys.extend(fresh)  # a leaf only this resident holds grows in place
-                    where.update(dict.fromkeys(fresh, prev))
+                    where.update(dict.fromkeys(fresh, id(prev)))
                     prev.ts = now
                     run = prev
                 else:
@@ -361,7 +366,7 @@ class UnifiedIndex(RunTree):
             return 0
         mask = sum(1 << b for b in bits)
         removed = 0
-        for run in list(self._runs):
+        for run in list(self._runs.values()):
             if run.mask & mask:  # a run deleted on the way has an empty mask
                 for bit in _bits(run.mask & mask):
                     removed += len(run.keys)
@@ -424,11 +429,12 @@ class UnifiedIndex(RunTree):
         if not active or not n:
             return {}
         where = self._where
+        by_id = self._runs
         resident_of = self._resident_of
         matched: dict[str, int] = {}
         depth = 0
         last = None
-        run = where.get(keys[0])
+        run = by_id.get(where.get(keys[0], 0))  # 0: no object's id
         while run is not None:
             run_keys = run.keys
             if run_keys[0] != keys[depth]:
@@ -453,7 +459,7 @@ class UnifiedIndex(RunTree):
             depth += m
             if m < size or depth >= n:
                 break
-            run = where.get(keys[depth])
+            run = by_id.get(where.get(keys[depth], 0))
         if depth:
             for bit in _bits(active):
                 matched[resident_of[bit].worker] = depth  # type: ignore[union-attr]
@@ -465,7 +471,7 @@ class UnifiedIndex(RunTree):
 
     def holds(self, key: int, worker: str, kv_group: str) -> bool:
         bit = self._bit_of.get((worker, kv_group))
-        run = self._where.get(key)
+        run = self.run_of(key)
         return bit is not None and run is not None and bool(run.mask >> bit & 1)
 
     def residency(self, worker: str, kv_group: str) -> set[int]:
@@ -473,7 +479,7 @@ class UnifiedIndex(RunTree):
         bit = self._bit_of.get((worker, kv_group))
         if bit is None:
             return set()
-        return {key for run in self._runs if run.mask >> bit & 1 for key in run.keys}
+        return {key for run in self._runs.values() if run.mask >> bit & 1 for key in run.keys}
 
     def is_approximate(self, key: int, worker: str, kv_group: str) -> bool:
         bit = self._bit_of.get((worker, kv_group))
@@ -497,7 +503,7 @@ class UnifiedIndex(RunTree):
         return bit is not None and bool(self._pending.get(key, 0) >> bit & 1)
 
     def last_confirmed(self, key: int) -> float | None:
-        run = self._where.get(key)
+        run = self.run_of(key)
         return None if run is None else run.ts
 
     def stats(self) -> IndexStats:
@@ -522,11 +528,11 @@ class UnifiedIndex(RunTree):
         and pending residency agree."""
         self._check_tree()
         held = [0] * len(self._held)
-        for run in self._runs:
+        for run in self._runs.values():
             for bit in _bits(run.mask):
                 held[bit] += len(run.keys)
         assert held == self._held, "held counts"
         for key, times in self._approx.items():
-            assert times and all(self._where[key].mask >> b & 1 for b in times)
+            assert times and all(self._runs[self._where[key]].mask >> b & 1 for b in times)
         for key, mask in self._pending.items():
             assert mask and all(b in self._approx.get(key, ()) for b in _bits(mask)), "pending"

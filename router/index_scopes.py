@@ -26,9 +26,11 @@ def invalidate(index: UnifiedIndex, scope: SaltTest | None, kv_group: str | None
     else:
         mask = index._group_mask.get(kv_group, 0)
     if scope is None:
-        doomed = list(index._runs)
+        doomed = list(index._runs.values())
     else:
-        doomed = runs_in_scope(index._where, index.namespaces, index._split, index._runs, scope)
+        doomed = runs_in_scope(
+            index.run_of, index.namespaces, index._split, index._runs.values(), scope
+        )
         if kv_group is None:
             for key in [k for k, s in index.namespaces.items() if scope(s)]:
                 del index.namespaces[key]

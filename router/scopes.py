@@ -22,18 +22,19 @@ R = TypeVar("R", bound=_Run)
 
 
 def runs_in_scope(
-    where: dict[int, R],
+    find: Callable[[int], R | None],
     namespaces: dict[int, str],
     split: Callable[[R, int], object],
     runs: Iterable[R],
     scope: Callable[[str], bool],
     root: R | None = None,
 ) -> list[R]:
-    """Every run in a namespace whose salt passes `scope`. `split(run, at)` cuts `run` so that
-    it keeps its keys from `at` on; `root`, a sentinel run that is never in a scope."""
+    """Every run in a namespace whose salt passes `scope`. `find(key)` is the run holding
+    `key`; `split(run, at)` cuts `run` so that it keeps its keys from `at` on; `root`, a
+    sentinel run that is never in a scope."""
     tops: set[R] = set()
     for key, salt in namespaces.items():
-        run = where.get(key)
+        run = find(key)
         if run is None or not scope(salt):
             continue
         if run.keys[0] != key:

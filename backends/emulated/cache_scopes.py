@@ -35,7 +35,7 @@ def invalidate(cache: RadixCache, scope: SaltTest | None) -> Invalidated:
         cache.namespaces.clear()
     else:
         doomed = runs_in_scope(
-            cache._where, cache.namespaces, cache._split, cache._runs, scope, cache.root
+            cache._where.get, cache.namespaces, cache._split, cache._runs, scope, cache.root
         )
         for key in [k for k, s in cache.namespaces.items() if scope(s)]:
             del cache.namespaces[key]
