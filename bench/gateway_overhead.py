@@ -259,6 +259,7 @@ class LatencyRow:
     direct_p99_ms: float
     added_p50_ms: dict[str, float]  # router -> p50 of (router - direct)
     added_p99_ms: dict[str, float]
+    added_mean_ms: dict[str, float]  # at equal throughput, Little's law fixes the mean
     failed: dict[str, int]
 
 
@@ -299,7 +300,7 @@ async def latency_rows(
             metrics = [("streamed TTFB", "ttfb_s"), ("streamed total", "total_s")]
             for metric, attr in metrics if stream else [("non-streamed total", "total_s")]:
                 base = got[direct.name]
-                row = LatencyRow(metric, concurrency, 0, math.nan, math.nan, {}, {}, {})
+                row = LatencyRow(metric, concurrency, 0, math.nan, math.nan, {}, {}, {}, {})
                 ok_direct = [getattr(s, attr) for s in base if s.ok]
                 row.direct_p50_ms = percentile(ok_direct, 0.5) * 1e3
                 row.direct_p99_ms = percentile(ok_direct, 0.99) * 1e3
@@ -314,6 +315,9 @@ async def latency_rows(
                     row.pairs = len(diffs)
                     row.added_p50_ms[router.name] = percentile(diffs, 0.5) * 1e3
                     row.added_p99_ms[router.name] = percentile(diffs, 0.99) * 1e3
+                    row.added_mean_ms[router.name] = (
+                        sum(diffs) / len(diffs) * 1e3 if diffs else math.nan
+                    )
                     row.failed[router.name] = sum(not s.ok for s in through)
                 rows.append(row)
     return rows
@@ -424,9 +428,9 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
     out.append("added latency = through router - direct, paired per request, in ms")
     cols = f"{'row':<20} {'c':>3} {'pairs':>6} {'direct p50':>10} {'p99':>7}"
     for name in routers:
-        cols += f" {name + ' +p50':>{len(name) + 6}} {'+p99':>7}"
+        cols += f" {name + ' +p50':>{len(name) + 6}} {'+p99':>7} {'+mean':>7}"
     if sgl:
-        cols += f" {'urc/sgl p50':>11} {'p99':>6}"
+        cols += f" {'urc/sgl p50':>11} {'p99':>6} {'mean':>6}"
     out.append(cols)
     for row in result["latency"]:
         line = (
@@ -436,11 +440,13 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
         for name in routers:
             line += (
                 f" {fmt(row.added_p50_ms[name]):>{len(name) + 6}} {fmt(row.added_p99_ms[name]):>7}"
+                f" {fmt(row.added_mean_ms[name]):>7}"
             )
         if sgl:
             line += (
                 f" {ratio(row.added_p50_ms['urc'], row.added_p50_ms['sglang-router']):>11}"
                 f" {ratio(row.added_p99_ms['urc'], row.added_p99_ms['sglang-router']):>6}"
+                f" {ratio(row.added_mean_ms['urc'], row.added_mean_ms['sglang-router']):>6}"
             )
         failed = {k: v for k, v in row.failed.items() if v}
         if failed:
