@@ -3,7 +3,7 @@
 Keys are chained (router/blocks.py), so a key names its whole prefix and the token path of a
 prompt is stored once however many workers and models hold it. The tree is compressed, as
 SGLang's radix cache is: a node is a *run* of consecutive blocks with the same residency, and
-`_where` maps every key to its run (router/run_tree.py keeps that shape). Matching a prompt
+`_where` maps every key to its run's id (router/run_tree.py keeps that shape). Matching a prompt
 costs one dict lookup per run plus a list comparison of the run's keys, not a lookup per block.
 
 Residency is a bitmask per run: each `(worker, kv_group)` pair (a *resident*) owns one bit.
