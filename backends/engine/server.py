@@ -40,7 +40,7 @@ from backends.engine.loader import LoadedModel, load_model
 from backends.engine.metrics import CONTENT_TYPE, WorkerMetrics
 from backends.engine.runner import EngineThread
 from backends.engine.scheduler import SchedulerConfig
-from backends.http.cli import add_serving_arguments, serve_until_signal
+from backends.http.cli import add_serving_arguments, listen, serve_until_signal
 from backends.http.errors import error_middleware, json_response, read_json
 from backends.http.invalidate import parse_invalidate
 from backends.http.kv_events_doc import KV_TOPIC, events_document
@@ -139,11 +139,7 @@ class TorchWorker:
         app.router.add_get("/urc/info", self.info)
         app.router.add_post("/urc/invalidate", self.invalidate)
         app.router.add_get("/metrics", self.metrics_handler)
-        self._web = web.AppRunner(app, access_log=None, handle_signals=False)
-        await self._web.setup()
-        site = web.TCPSite(self._web, cfg.host, cfg.port, shutdown_timeout=1.0)
-        await site.start()
-        self.port = self._web.addresses[0][1]
+        self._web, self.port = await listen(app, cfg.host, cfg.port)
         self.url = f"http://{cfg.host}:{self.port}"
 
     async def stop(self) -> None:

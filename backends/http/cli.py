@@ -1,4 +1,5 @@
-"""What every worker process shares: its serving flags, and serving until a signal."""
+"""What every worker process shares: its serving flags, its listening socket, and serving
+until a signal."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import argparse
 import asyncio
 import signal
 from typing import Protocol
+
+from aiohttp import web
 
 
 class Served(Protocol):
@@ -38,6 +41,14 @@ def add_serving_arguments(parser: argparse.ArgumentParser, kv_port_note: str = "
         "--max-body-mb", type=float, default=32.0, help="larger request bodies get 413"
     )
     parser.add_argument("--log-level", default="WARNING", help="logging level")
+
+
+async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve `app` on `host:port` (port 0: any free one); its runner and the port it got."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, shutdown_timeout=1.0).start()
+    return runner, runner.addresses[0][1]
 
 
 async def serve_until_signal(worker: Served) -> None:
