@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -29,6 +31,15 @@ async def _fake_worker() -> tuple[web.AppRunner, str, list[float]]:
     return runner, f"http://127.0.0.1:{port}", probes
 
 
+async def _until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
 async def test_requests_stand_in_for_probes_and_idle_workers_are_probed():
     busy_runner, busy_url, busy_probes = await _fake_worker()
     idle_runner, idle_url, idle_probes = await _fake_worker()
@@ -43,15 +54,12 @@ async def test_requests_stand_in_for_probes_and_idle_workers_are_probed():
         busy = fleet.workers[busy_url.split("//")[1]]
         idle = fleet.workers[idle_url.split("//")[1]]
         assert busy.up and idle.up
-        start = len(busy_probes)
-        deadline = time.monotonic() + 0.6
-        while time.monotonic() < deadline:  # a request answered every 10 ms, as the proxy marks it
-            busy.answered_at = time.monotonic()
-            await asyncio.sleep(0.01)
-        assert len(busy_probes) == start, "a worker answering requests was probed"
-        assert len(idle_probes) >= 5, "an idle worker was not probed"
-        await asyncio.sleep(0.3)  # no more answers: the probes resume
-        assert len(busy_probes) > start
+        busy.answered_at = math.inf  # answering all along (the proxy stamps each success)
+        seen_busy, seen_idle = len(busy_probes), len(idle_probes)
+        assert await _until(lambda: len(idle_probes) >= seen_idle + 3), "idle worker not probed"
+        assert len(busy_probes) == seen_busy, "a worker answering requests was probed"
+        busy.answered_at = 0.0  # no answer lately: the probes resume
+        assert await _until(lambda: len(busy_probes) > seen_busy)
     finally:
         loop_task.cancel()
         await fleet.close()

@@ -3,7 +3,6 @@ approximate residency that the invalidation dropped (workers without KV events).
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 from router.gateway.app import Gateway
@@ -21,9 +20,8 @@ def served(gateway: Gateway, arrived: float) -> None:
 
 async def test_a_response_in_flight_during_an_invalidation_records_nothing():
     gateway = Gateway(GatewayConfig())
-    routed = time.monotonic()
-    gateway.invalidated_at = time.monotonic()  # an invalidation began while it was under way
-    served(gateway, routed)
+    gateway.invalidated_at = 100.0  # an invalidation began at 100 s (monotonic)
+    served(gateway, 99.0)  # routed before it, answered after
     assert gateway.index.match(KEYS, "m") == {}
-    served(gateway, time.monotonic())  # routed after it: recorded as usual
+    served(gateway, 101.0)  # routed after it: recorded as usual
     assert gateway.index.match(KEYS, "m") == {"w": 3}
