@@ -10,7 +10,10 @@ TORCH_VERSION ?= 2.13.0
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py Makefile router/_blockkeys.c
+# the modules mypyc compiles (pyproject.toml [tool.urc]): an edit recompiles them
+COMPILED := $(shell $(PYTHON) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['tool']['urc']['compiled'])")
+
+$(STAMP): pyproject.toml setup.py Makefile router/_blockkeys.c $(COMPILED)
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	# the CPU build of torch, pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(PIP) install -q torch==$(TORCH_VERSION)
@@ -51,4 +54,5 @@ bench: $(STAMP)
 	$(PY) bench/index_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info router/*.so
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	find router backends simulation -name '*.so' -delete

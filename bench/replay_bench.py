@@ -8,12 +8,16 @@
 
 Speed: simulated requests per CPU second, per policy, on one core, on the shared Mooncake
 trace (best of --repeat runs; loading the trace and keying it once, shared by every
-policy, is timed apart). The target is 50,000; the ratio to it is printed. The in-run baseline
-(`per-step`, once per policy; --no-baseline skips it) is the same replay with one event per
-forward pass, as a real-time loop steps the engine, instead of a decode stretch in one event:
-the same outcome (asserted), and `x per-step` is what the segments buy. --breakdown times
-what each request costs in the unified index, the policy, the engines and the loop itself (the
-wrappers add their own few percent); --profile runs pyinstrument over one policy's replay.
+policy, is timed apart). The target is 50,000; the ratio to it is printed. Two in-run
+baselines (--no-baseline skips them):
+- `python`: the same replay from the Python source (URC_PURE_PYTHON=1, in a child process),
+  where the compiled modules are built (router/native.py); `x python` is what compiling buys;
+- `per-step`: the same replay with one event per forward pass, as a real-time loop steps the
+  engine, instead of a decode stretch in one event: the same outcome (asserted), and
+  `x per-step` is what the segments buy.
+--breakdown times what each request costs in the unified index, the policy, the engines and
+the loop itself (the wrappers add their own few percent); --profile runs pyinstrument over one
+policy's replay. Both wrap methods, which compiled classes do not allow: they run the source.
 
 Fidelity: the same seeded workload through `urc cluster` of emulated workers with `urc bench`,
 and offline through the replay with the same worker parameters and names; prints both and the
@@ -26,6 +30,9 @@ would dominate the comparison instead of the model.
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -34,6 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from router import native  # noqa: E402
 from router.policies import make_policy  # noqa: E402
 from simulation.compare import build_params, policy_names  # noqa: E402
 from simulation.replay import FleetConfig, Replay, RunResult  # noqa: E402
@@ -74,8 +82,8 @@ def speed(args: argparse.Namespace) -> None:
         f"{load_s * 1e3:.0f} ms ({n / load_s:,.0f} requests/s, once for every policy)"
     )
     print(
-        f"{'policy':16s}{'req/s':>10s}{'x target':>10s}{'per-step':>10s}{'x per-step':>12s}"
-        f"{'steps/req':>11s}{'events/req':>12s}"
+        f"{'policy':16s}{'req/s':>10s}{'x target':>10s}{'python':>10s}{'x python':>10s}"
+        f"{'per-step':>10s}{'x per-step':>12s}{'steps/req':>11s}{'events/req':>12s}"
     )
     for name in policy_names(args.policies):
         best, result = 0.0, None
@@ -83,21 +91,43 @@ def speed(args: argparse.Namespace) -> None:
             rate, result = _replay_speed(requests, name, fleet)
             best = max(best, rate)
         assert result is not None
-        if args.baseline:  # the in-run baseline (module doc): same outcome, one event per pass
+        if args.rate_only:  # the child of `_source_speed`
+            print(best)
+            return
+        python, per_step = f"{'-':>10s}{'-':>10s}", f"{'-':>10s}{'-':>12s}"
+        if args.baseline and native.compiled():
+            base = _source_speed(args, name)
+            python = f"{base:>10,.0f}{best / base:>10.2f}"
+        if args.baseline:  # same outcome, one event per forward pass
             base, stepped = _replay_speed(requests, name, fleet, per_step=True)
-            same = (stepped.worker, stepped.cached_tokens, stepped.ttft_s, stepped.latency_s)
-            assert same == (result.worker, result.cached_tokens, result.ttft_s, result.latency_s)
-            baseline = f"{base:>10,.0f}{best / base:>12.2f}"
-        else:
-            baseline = f"{'-':>10s}{'-':>12s}"
+            assert _outcome(stepped) == _outcome(result)
+            per_step = f"{base:>10,.0f}{best / base:>12.2f}"
         print(
-            f"{name:16s}{best:>10,.0f}{best / TARGET:>10.2f}{baseline}"
+            f"{name:16s}{best:>10,.0f}{best / TARGET:>10.2f}{python}{per_step}"
             f"{result.engine_steps / n:>11.2f}{result.events_applied / n:>12.2f}"
         )
         if args.breakdown:
             breakdown(requests, name, fleet)
     if args.profile:
         profile(requests, args.profile, fleet)
+
+
+def _outcome(r: RunResult) -> tuple:
+    """What a replay decided and measured, NaN (never answered) made comparable."""
+    times = [None if math.isnan(t) else t for t in r.ttft_s + r.latency_s]
+    return r.worker, r.cached_tokens, times
+
+
+def _source_speed(args: argparse.Namespace, policy: str) -> float:
+    """The same measurement from the Python source, in a child process (module doc)."""
+    argv = [sys.executable, __file__, "--trace", args.trace, "--policies", policy, "--rate-only"]
+    argv += ["--workers", str(args.workers), "--repeat", str(args.repeat)]
+    argv += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
+    if args.requests:
+        argv += ["--requests", str(args.requests)]
+    env = {**os.environ, "URC_PURE_PYTHON": "1"}
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+    return float(out.split()[-1])
 
 
 def _replay_speed(
@@ -182,6 +212,7 @@ def main() -> int:
         default=True,
         help="also time the per-step replay (the in-run baseline)",
     )
+    parser.add_argument("--rate-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--breakdown", action="store_true")
     parser.add_argument("--profile", metavar="POLICY")
     parser.add_argument("--fidelity", action="store_true", help="live vs offline instead")
@@ -194,6 +225,11 @@ def main() -> int:
     parser.add_argument("--fidelity-prefill-tps", type=float, default=5_000.0)
     parser.add_argument("--fidelity-concurrency", type=int, default=24)
     args = parser.parse_args()
+    if (args.breakdown or args.profile) and native.compiled():  # wrappers need the source
+        print("--breakdown/--profile: running the Python source (URC_PURE_PYTHON=1)", flush=True)
+        os.execve(
+            sys.executable, [sys.executable, *sys.argv], {**os.environ, "URC_PURE_PYTHON": "1"}
+        )
     if args.fidelity:
         fidelity(args)
     else:

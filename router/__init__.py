@@ -1,0 +1,3 @@
+from router import native
+
+native.install()

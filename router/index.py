@@ -359,8 +359,8 @@ class UnifiedIndex(RunTree):
         """Drop everything a worker holds (in one kv_group, or in all). Walks the runs."""
         bits = [
             bit
-            for resident, bit in self._bit_of.items()
-            if resident.worker == worker and kv_group in (None, resident.kv_group)
+            for (name, group), bit in self._bit_of.items()
+            if name == worker and kv_group in (None, group)
         ]
         if not bits:
             return 0

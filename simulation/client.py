@@ -36,7 +36,8 @@ class Client:
         if not self.open_loop:
             assert concurrency is not None and concurrency >= 1
         self.requests = requests
-        self.slots = max_in_flight if self.open_loop else concurrency  # type: ignore[assignment]
+        self.slots: int = max_in_flight if concurrency is None else concurrency
+        self._arrival = [r.arrival_s or 0.0 for r in requests] if self.open_loop else []
         self.lookahead = max(64, 4 * self.slots)
         self.active = 0
         self.dropped = 0  # turns never sent: an earlier turn of their session failed
@@ -59,7 +60,8 @@ class Client:
         requests = self.requests
         n = len(requests)
         if self.open_loop:
-            while self._next < n and requests[self._next].arrival_s <= now:  # type: ignore[operator]
+            arrival = self._arrival
+            while self._next < n and arrival[self._next] <= now:
                 self._add(self._next)
                 self._next += 1
         out: list[SimRequest] = []
@@ -73,7 +75,7 @@ class Client:
             self._add(self._next)
             self._next += 1
         if self.open_loop and self._next < n:
-            self.next_at = requests[self._next].arrival_s  # type: ignore[assignment]
+            self.next_at = self._arrival[self._next]
         else:
             self.next_at = INF
         return out

@@ -29,6 +29,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from backends.emulated.engine import EngineConfig, Request
 from router.index import UnifiedIndex
@@ -336,12 +337,13 @@ class Replay:
             due, w, events = kv.popleft()
             name, group = w.name, w.kv_group
             for ev in events:
-                if type(ev) is BlockStored:
-                    added = insert(ev.block_hashes, name, group, due, parent=ev.parent_block_hash)
+                if type(ev) is BlockStored:  # our engine's keys are ints
+                    keys, parent = cast(list[int], ev.block_hashes), ev.parent_block_hash
+                    added = insert(keys, name, group, due, parent=cast(int | None, parent))
                     w.cached_blocks += added
                     w.stored_blocks += added  # as UnifiedIndex.blocks_stored counts
                 elif type(ev) is BlockRemoved:
-                    w.cached_blocks -= remove(ev.block_hashes, name, group)
+                    w.cached_blocks -= remove(cast(list[int], ev.block_hashes), name, group)
                 applied += 1
         self._events += applied
         if self._pending:  # a confirmed pending block was held already: count from the index

@@ -31,11 +31,11 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from backends.emulated.radix_cache import RadixCache, Run
 from router.blocks import block_keys, chain_keys, continue_after, namespace, parent_prefix
-from router.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
+from router.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
 _EPS = 1e-9  # float slack when counting steps between two times
@@ -229,12 +229,17 @@ class EmulatedEngine:
             tokens = []
         self._events.append(
             BlockStored(
-                keys, parent, tokens, self.config.block_size, medium=MEDIUM_GPU, cache_salt=salt
+                cast(list[BlockHash], keys),
+                parent,
+                tokens,
+                self.config.block_size,
+                medium=MEDIUM_GPU,
+                cache_salt=salt,
             )
         )
 
     def _on_removed(self, keys: list[int]) -> None:
-        self._events.append(BlockRemoved(keys, MEDIUM_GPU))
+        self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_GPU))
 
     def drain_events(self) -> list[KVEvent]:
         """Events not yet handed out by a step (an invalidation's, and any before it), in order."""
@@ -535,9 +540,9 @@ class EmulatedEngine:
         for req in running:
             node = req.node
             assert node is not None
-            while node is not self.cache.root:
+            while node is not None and node is not self.cache.root:
                 expected[id(node)] = expected.get(id(node), 0) + 1
-                node = node.parent  # type: ignore[assignment]
+                node = node.parent
         for run in self.cache.runs():
             assert run.lock_ref == expected.get(id(run), 0), "lock counts != running paths"
         assert len(running) <= self.config.max_batch, "batch over max_batch"

@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 import xxhash
 
@@ -154,7 +154,7 @@ class CacheAwarePolicy:
     it reads no clock: time is what it routed.
     """
 
-    name = "cache_aware"
+    name: ClassVar[str] = "cache_aware"
 
     def __init__(
         self,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from typing import ClassVar
 
 import xxhash
 
@@ -25,7 +26,7 @@ _new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: ho
 class ConsistentHashPolicy:
     """Ring placement by prompt prefix. Score cost: clockwise ring distance to the worker."""
 
-    name = "consistent_hash"
+    name: ClassVar[str] = "consistent_hash"
 
     def __init__(self, prefix_blocks: int = 4, virtual_nodes: int = 160) -> None:
         if prefix_blocks < 1 or virtual_nodes < 1:

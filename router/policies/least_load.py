@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import ClassVar
 
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
@@ -25,7 +26,7 @@ def _load_scores(request: RouteRequest, candidates: Sequence[Candidate]) -> tupl
 class LeastLoadPolicy:
     """Fewest requests in flight; ties by fewer queued prefill tokens, then by name."""
 
-    name = "least_load"
+    name: ClassVar[str] = "least_load"
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         best = candidates[0]
@@ -50,7 +51,7 @@ class PowerOfTwoPolicy:
     On equal load the first sample wins (SGLang's `power_of_two`: `load1 <= load2`).
     """
 
-    name = "power_of_two"
+    name: ClassVar[str] = "power_of_two"
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed

@@ -33,10 +33,12 @@ _FALSE = {"0", "false", "no", "off"}
 def policy_params(name: str) -> dict[str, Any]:
     """The parameters a policy takes, with their defaults."""
     cls = _policy_class(name)
+    # the class's signature, not __init__'s: a compiled class (router/native.py) tells only that
+    # one, its parameters marked positional-only although it takes them by keyword too
     return {
         p.name: p.default
-        for p in inspect.signature(cls.__init__).parameters.values()
-        if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD
+        for p in inspect.signature(cls).parameters.values()
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.POSITIONAL_ONLY)
     }
 
 

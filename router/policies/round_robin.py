@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from typing import ClassVar
 
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
@@ -18,7 +19,7 @@ _new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: ho
 class RoundRobinPolicy:
     """Cycle through the candidates by name. Score cost: turns until that worker's."""
 
-    name = "round_robin"
+    name: ClassVar[str] = "round_robin"
 
     def __init__(self) -> None:
         self._last: str | None = None

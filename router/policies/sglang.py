@@ -40,6 +40,7 @@ comparisons are in f32, ours in f64; they differ only within f32 rounding of a t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
@@ -48,7 +49,7 @@ class SGLangCacheAwarePolicy:
     """SGLang's cache_aware. Score cost: load if imbalanced, uncached tokens if a cache hit,
     tree size (routed tokens, or cached blocks) otherwise."""
 
-    name = "sglang"
+    name: ClassVar[str] = "sglang"
 
     def __init__(
         self,
