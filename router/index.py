@@ -159,22 +159,23 @@ class UnifiedIndex(RunTree):
     def _release_keys(self, keys: Iterable[int], bit: int) -> int:
         """Release the resident's hold on these keys, splitting runs at the range edges."""
         flag = 1 << bit
-        keys = keys if type(keys) is list else list(keys)
-        ids = list(map(self._where.get, keys))
-        by_id = self._runs
-        # each run once, in order of first appearance; held here, so that no run made by a
-        # split below can take the id of one deleted on the way
-        runs = [(rid, by_id[rid]) for rid in dict.fromkeys(ids) if rid is not None]
+        where, by_id = self._where, self._runs
+        # each run's keys, runs in order of first appearance; the runs are held here, so that
+        # no run made by a split below can take the id of one deleted on the way
+        found: dict[int, list[int]] = {}
+        for key in keys:
+            rid = where.get(key, 0)
+            if rid:
+                listed = found.get(rid)
+                if listed is None:
+                    found[rid] = [key]
+                else:
+                    listed.append(key)
+        runs = [(by_id[rid], run_keys) for rid, run_keys in found.items()]
         released = 0
-        for rid, run in runs:
+        for run, run_keys in runs:
             if not run.mask & flag:
                 continue
-            # its keys, in order: mostly one contiguous stretch (found in C, not key by key)
-            first, count = ids.index(rid), ids.count(rid)
-            if count == 1 or ids[first : first + count].count(rid) == count:
-                run_keys = keys[first : first + count]
-            else:
-                run_keys = [key for key, r in zip(keys, ids, strict=True) if r == rid]
             if len(run_keys) == len(run.keys) and len(set(run_keys)) == len(run_keys):
                 released += len(run_keys)  # the whole run: no positions, no splits
                 self._release(run, bit)
@@ -259,7 +260,9 @@ class UnifiedIndex(RunTree):
                 fresh = list(keys[i:j])
                 if prev is not None and prev.children == 0 and prev.mask == flag:
                     prev.keys.extend(fresh)  # a leaf only this resident holds grows in place
-                    where.update(dict.fromkeys(fresh, id(prev)))
+                    rid = id(prev)
+                    for key in fresh:
+                        where[key] = rid
                     prev.ts = now
                     run = prev
                 else:

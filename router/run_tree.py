@@ -9,8 +9,6 @@ hold it) is the index's business; this module only keeps the shape.
 
 from __future__ import annotations
 
-from collections import deque
-
 
 class Run:
     __slots__ = ("keys", "parent", "mask", "children", "ts", "prev", "next")
@@ -65,7 +63,9 @@ class RunTree:
 
     def _new_run(self, keys: list[int], parent: Run | None, mask: int, now: float) -> Run:
         run = Run(keys, parent, mask, now)
-        self._where.update(dict.fromkeys(keys, id(run)))
+        where, rid = self._where, id(run)
+        for key in keys:
+            where[key] = rid
         self._runs[id(run)] = run
         if parent is not None:
             self._adopt(parent)
@@ -81,7 +81,9 @@ class RunTree:
         so the children's parent links stay valid. Returns the head."""
         head = Run(run.keys[:at], run.parent, run.mask, run.ts)
         del run.keys[:at]
-        self._where.update(dict.fromkeys(head.keys, id(head)))
+        where, rid = self._where, id(head)
+        for key in head.keys:
+            where[key] = rid
         self._runs[id(head)] = head
         head.children = 1
         run.parent = head
@@ -96,7 +98,9 @@ class RunTree:
             return run
         tail = Run(run.keys[at:], run, run.mask, run.ts)
         del run.keys[at:]
-        self._where.update(dict.fromkeys(tail.keys, id(tail)))
+        where, rid = self._where, id(tail)
+        for key in tail.keys:
+            where[key] = rid
         self._runs[id(tail)] = tail
         tail.prev, tail.next = run.prev, run.next
         tail.prev.next = tail.next.prev = tail  # type: ignore[union-attr]
@@ -109,7 +113,9 @@ class RunTree:
         while True:
             self._unlink(run)
             del self._runs[id(run)]
-            deque(map(self._where.__delitem__, run.keys), maxlen=0)  # del each key, in C
+            where = self._where
+            for key in run.keys:
+                del where[key]
             parent = run.parent
             if parent is None:
                 return

@@ -180,18 +180,16 @@ class Replay:
         heap = self._heap
         client = self.client
         heappop = heapq.heappop
-        route = self._route
-        step = self._step
         sent = 0
         while True:
             t_send = client.next_at
             if heap and heap[0][0] < t_send:
                 t, seq, w = heappop(heap)
                 if seq == w.wake_seq:
-                    step(w, t)
+                    self._step(w, t)
             elif t_send < INF:
                 for req in client.poll(t_send):
-                    route(req, t_send)
+                    self._route(req, t_send)
                     sent += 1
                     if progress is not None and not sent & 1023:
                         progress(sent)
@@ -331,7 +329,6 @@ class Replay:
         for workers that hash as the gateway does)."""
         kv = self._kv
         index = self.index
-        insert, remove = index.insert, index.remove
         applied = 0
         while kv and kv[0][0] <= now:
             due, w, events = kv.popleft()
@@ -339,11 +336,11 @@ class Replay:
             for ev in events:
                 if type(ev) is BlockStored:  # our engine's keys are ints
                     keys, parent = cast(list[int], ev.block_hashes), ev.parent_block_hash
-                    added = insert(keys, name, group, due, parent=cast(int | None, parent))
+                    added = index.insert(keys, name, group, due, parent=cast(int | None, parent))
                     w.cached_blocks += added
                     w.stored_blocks += added  # as UnifiedIndex.blocks_stored counts
                 elif type(ev) is BlockRemoved:
-                    w.cached_blocks -= remove(cast(list[int], ev.block_hashes), name, group)
+                    w.cached_blocks -= index.remove(cast(list[int], ev.block_hashes), name, group)
                 applied += 1
         self._events += applied
         if self._pending:  # a confirmed pending block was held already: count from the index

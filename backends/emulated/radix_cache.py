@@ -25,7 +25,6 @@ scanning the tree. Recency is a logical tick, bumped by `match`, `insert` and `u
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -200,7 +199,9 @@ class RadixCache:
         `run` (requests holding it still end there) and its heap entry."""
         head = Run(run.keys[:at], run.parent, run.lock_ref, run.stamp)
         head.children = 1
-        self._where.update(dict.fromkeys(head.keys, head))
+        where = self._where
+        for key in head.keys:
+            where[key] = head
         del run.keys[:at]
         run.parent = head
         self._runs.add(head)
@@ -324,7 +325,8 @@ class RadixCache:
             run = Run(fresh[:], node, 0, self._tick)  # the run's list changes; events' must not
             where = self._where
             size = len(where)
-            where.update(dict.fromkeys(fresh, run))
+            for key in fresh:
+                where[key] = run
             assert len(where) == size + len(fresh), "block key collision"
             node.children += 1
             self._runs.add(run)
@@ -392,7 +394,8 @@ class RadixCache:
             take = min(blocks, len(run_keys))
             gone = run_keys[: -take - 1 : -1]  # deepest first
             removed.extend(gone)
-            deque(map(where.__delitem__, gone), maxlen=0)  # del where[key] for each, in C
+            for key in gone:
+                del where[key]
             if take == len(run_keys):
                 heapq.heappop(heap)
                 run.alive = False
