@@ -51,14 +51,12 @@ def stale() -> list[str]:
     installed wheel's files carry no build order)."""
     if not (ROOT / "pyproject.toml").exists():
         return []
-    # a module's own extension is a stub, rewritten only when it changes; the code is in the
-    # group's shared library (mypyc's `*__mypyc` module), rewritten by every build
-    shared = [p.stat().st_mtime for pkg in PACKAGES for p in (ROOT / pkg).rglob("*__mypyc.*")]
-    built = max(shared, default=0.0)
+    # setup.py stamps every extension at the end of a build (an unchanged rebuild would leave
+    # their old times)
     return sorted(
         name
         for name, (ext, src) in extensions().items()
-        if src.stat().st_mtime > max(built, ext.stat().st_mtime)
+        if src.stat().st_mtime > ext.stat().st_mtime
     )
 
 
