@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import select
 import signal
@@ -14,6 +15,9 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+_started: list[Proc] = []  # stopped when the test run ends: a test that failed before its own
+# cleanup (a gateway that did not start, say) must not leave its workers running
 
 
 def free_port() -> int:
@@ -35,6 +39,7 @@ class Proc:
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+        _started.append(self)
         ready = threading.Event()
         self.url = ""
 
@@ -65,6 +70,12 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(10)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for proc in _started:
+        proc.stop()
 
 
 def start_worker(*extra: str, port: int | None = None) -> Proc:
