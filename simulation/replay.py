@@ -40,7 +40,6 @@ from simulation.requests import SimRequest
 from simulation.worker import SimWorker, max_model_len
 
 EXPIRE_EVERY_S = 0.5
-_new = tuple.__new__  # Candidate(...) without NamedTuple's Python-level __new__: hot path
 
 
 _ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change them
@@ -226,17 +225,14 @@ class Replay:
         matched = index.match(route.block_keys, route.kv_group, now)
         get = matched.get
         candidates = [
-            _new(
-                Candidate,
-                (
-                    w.name,
-                    get(w.name, 0),
-                    w.in_flight,
-                    w.queued_prefill_tokens,
-                    w.running_decode,
-                    w.cached_blocks,
-                    w.stored_blocks,
-                ),
+            Candidate(
+                w.name,
+                get(w.name, 0),
+                w.in_flight,
+                w.queued_prefill_tokens,
+                w.running_decode,
+                w.cached_blocks,
+                w.stored_blocks,
             )
             for w in workers
         ]

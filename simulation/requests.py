@@ -17,8 +17,6 @@ from dataclasses import dataclass
 
 from router.policies import RouteRequest
 
-_new = tuple.__new__  # RouteRequest(...) without NamedTuple's Python-level __new__
-
 
 class KeyedPrompt(Sequence[int]):
     """A prompt known by its length and block keys only (a trace's hash ids). The engine never
@@ -74,7 +72,7 @@ class SimRequest:
 def route_request(
     keys: list[int], prompt_tokens: int, block_size: int, kv_group: str, model: str
 ) -> RouteRequest:
-    return _new(RouteRequest, (keys, prompt_tokens, block_size, kv_group, model))
+    return RouteRequest(keys, prompt_tokens, block_size, kv_group, model)
 
 
 def cache_salt(tenant: str | None, kv_group: str, one_group: bool) -> str | None:

@@ -6,6 +6,7 @@ import math
 import random
 from bisect import bisect_right
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -117,7 +118,7 @@ def test_a_busy_fleet_keeps_the_prefix_where_it_is() -> None:
     # own TTFT: holder 0.205 s, other 0.135 s; recomputing 960 tokens costs each waiting
     # request 64 ms, so it pays while the fleet is quiet and not once requests queue up
     assert CacheAwarePolicy().choose(req, [holder, other]).worker == "other"
-    busy = [holder._replace(in_flight=4), other._replace(in_flight=4)]
+    busy = [replace(holder, in_flight=4), replace(other, in_flight=4)]
     decision = CacheAwarePolicy().choose(req, busy)
     assert (decision.worker, decision.reason) == ("holder", "cache_hit")
     assert CacheAwarePolicy(externality=0).choose(req, busy).worker == "other"  # selfish
@@ -131,7 +132,7 @@ def test_cache_aware_sends_to_an_idle_worker_when_the_holders_queue_is_slower() 
     assert decision.worker == "idle"
     assert decision.reason == "load"
     # the same holder with a short queue keeps the request: recomputing is slower
-    short = busy._replace(queued_prefill_tokens=500)
+    short = replace(busy, queued_prefill_tokens=500)
     decision = policy.choose(req, [short, Candidate("idle", 0)])
     assert decision.worker == "holder"
     assert decision.reason == "cache_hit"
@@ -224,7 +225,7 @@ def test_cold_miss_home_depends_on_the_first_block_only() -> None:
     home = policy.choose(base, cands).worker
     for tail in range(20):
         keys = [base.block_keys[0], *request(3, seed=100 + tail).block_keys]
-        assert policy.choose(base._replace(block_keys=keys), cands).worker == home
+        assert policy.choose(replace(base, block_keys=keys), cands).worker == home
 
 
 def test_cold_miss_fills_the_cache_that_took_least_lately_among_the_fast_enough() -> None:
@@ -232,20 +233,20 @@ def test_cold_miss_fills_the_cache_that_took_least_lately_among_the_fast_enough(
     req = request(64)  # 1029 tokens: ~69 ms of prefill on an idle worker
     start = [Candidate(n, 0, stored_blocks=1000, cached_blocks=800) for n in "abcd"]
     policy.choose(req, start)  # first sight: nothing stored lately, the rendezvous decides
-    cands = [c._replace(stored_blocks=1100) for c in start]
-    cands[2] = cands[2]._replace(stored_blocks=1020)  # c took 20 blocks since, the rest 100
+    cands = [replace(c, stored_blocks=1100) for c in start]
+    cands[2] = replace(cands[2], stored_blocks=1020)  # c took 20 blocks since, the rest 100
     decision = policy.choose(req, cands)
     assert (decision.worker, decision.reason) == ("c", "cold_miss")
     # blocks routed and not yet prefilled count as taken: 200 queued blocks outweigh 80 stored
-    queued = [c._replace(queued_prefill_tokens=200 * BS) if c.worker == "c" else c for c in cands]
+    queued = [replace(c, queued_prefill_tokens=200 * BS) if c.worker == "c" else c for c in cands]
     assert policy.choose(req, queued).worker != "c"
     # the emptiest cache loses once its queue puts it past the bound on the fastest wait
     best = policy.ttft(req, cands[0])
     bound = best + max(policy.rendezvous_slack_s, policy.rendezvous_factor * best)
     inside = int((bound - best) * policy.prefill_tokens_per_s) - 1
-    cands[2] = cands[2]._replace(queued_prefill_tokens=inside)
+    cands[2] = replace(cands[2], queued_prefill_tokens=inside)
     assert policy.choose(req, cands).worker == "c"
-    cands[2] = cands[2]._replace(queued_prefill_tokens=inside + 50)
+    cands[2] = replace(cands[2], queued_prefill_tokens=inside + 50)
     decision = policy.choose(req, cands)
     assert decision.worker != "c" and decision.reason == "cold_miss"
 
@@ -255,11 +256,11 @@ def test_a_worker_that_joins_late_fills_up_then_takes_its_share() -> None:
     req = request(8)
     old = [Candidate(n, 0, stored_blocks=10**6, cached_blocks=800) for n in "ab"]
     policy.choose(req, old)
-    fleet = [c._replace(stored_blocks=10**6 + 100) for c in old] + [Candidate("new", 0)]
+    fleet = [replace(c, stored_blocks=10**6 + 100) for c in old] + [Candidate("new", 0)]
     assert policy.choose(req, fleet).worker == "new"  # an empty cache: storing evicts nothing
     # it stored a cache's worth while the others took 100 blocks each: its turn is over,
     # though its count is a thousandth of theirs
-    fleet = [c._replace(stored_blocks=10**6 + 200) for c in old]
+    fleet = [replace(c, stored_blocks=10**6 + 200) for c in old]
     fleet.append(Candidate("new", 0, stored_blocks=800, cached_blocks=800))
     assert policy.choose(req, fleet).worker != "new"
 
@@ -272,7 +273,7 @@ def test_a_shared_prefix_held_everywhere_rendezvouses_on_the_first_new_block() -
     assert decision.reason == "cache_hit"
     # another conversation after the same two blocks lands by its own third block
     homes = {
-        policy.choose(req._replace(block_keys=[*req.block_keys[:2], k, 1, 2]), cands).worker
+        policy.choose(replace(req, block_keys=[*req.block_keys[:2], k, 1, 2]), cands).worker
         for k in range(200)
     }
     assert len(homes) == len(cands)
@@ -291,7 +292,7 @@ def test_a_prompt_without_a_full_block_takes_the_lowest_estimate() -> None:
     cands = [Candidate("c", 0, 2), Candidate("b", 0, 1), Candidate("a", 0, 1)]
     assert CacheAwarePolicy().choose(req, cands).worker == "a"  # equal estimates: fewer, name
     cands.append(Candidate("d", 0, 9, running_decode=0, queued_prefill_tokens=0))
-    cands[2] = cands[2]._replace(queued_prefill_tokens=1)
+    cands[2] = replace(cands[2], queued_prefill_tokens=1)
     assert CacheAwarePolicy().choose(req, cands).worker == "b"
 
 
@@ -316,7 +317,7 @@ def test_least_load_breaks_ties_by_queue_then_name() -> None:
     assert policy.choose(req, cands).worker == "b"
     cands = [Candidate("b", 0, 3, 100), Candidate("a", 0, 3, 100), Candidate("c", 0, 3, 10)]
     assert policy.choose(req, cands).worker == "c"
-    cands[2] = cands[2]._replace(queued_prefill_tokens=100)
+    cands[2] = replace(cands[2], queued_prefill_tokens=100)
     assert policy.choose(req, cands).worker == "a"
 
 
@@ -366,9 +367,9 @@ def test_consistent_hash_keys_on_the_first_prefix_blocks() -> None:
     home = policy.choose(base, cands).worker
     for s in range(30):  # same first two blocks, different rest
         keys = [*base.block_keys[:2], *request(3, seed=50 + s).block_keys]
-        assert policy.choose(base._replace(block_keys=keys), cands).worker == home
+        assert policy.choose(replace(base, block_keys=keys), cands).worker == home
     second = {
-        policy.choose(base._replace(block_keys=[base.block_keys[0], k]), cands).worker
+        policy.choose(replace(base, block_keys=[base.block_keys[0], k]), cands).worker
         for k in request(100, seed=9).block_keys
     }
     assert second == {"a", "b", "c", "d"}  # the second block is part of the key
@@ -435,7 +436,7 @@ def test_sglang_routed_trees_grow_with_what_was_sent() -> None:
     decision = policy.choose(cold, cands)
     assert (decision.worker, decision.reason) == ("a", "smallest_tree")
     assert [s.cost for s in decision.scores] == [160.0, 320.0, 160.0]
-    other_group = cold._replace(kv_group="qwen")
+    other_group = replace(cold, kv_group="qwen")
     assert policy.choose(other_group, cands[::-1]).worker == "c"  # one tree per kv_group
 
 

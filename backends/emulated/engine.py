@@ -39,7 +39,6 @@ from router.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, K
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
 _EPS = 1e-9  # float slack when counting steps between two times
-_new = tuple.__new__  # a NamedTuple without its Python-level __new__: once per step
 
 
 def output_bytes(start: int, end: int) -> bytes:
@@ -140,42 +139,72 @@ _WAITING, _PREFILL, _DECODE = State.WAITING, State.PREFILL, State.DECODE
 _FINISHED, _ABORTED = State.FINISHED, State.ABORTED
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(init=False, eq=False, slots=True)
 class Request:
     """One generation. The caller fills the first fields (`rid` unique among the requests in
-    flight); the engine fills the rest."""
+    flight); the engine fills the rest. The `__init__` is written out: compiled, it is native."""
 
     rid: Any
     prompt: Sequence[int]  # token ids (read only where keys, tail_keys or event tokens need them)
     max_tokens: int
-    cache_salt: str | None = None
-    arrival: float = 0.0
-    keys: list[int] | None = None  # the prompt's block keys; computed on submit when None
-    tail_keys: list[int] | None = None  # `tail_keys(...)` of the request; on finish when None
-    state: State = State.WAITING
-    cached_tokens: int = 0  # prompt tokens found in the cache on admission
-    computed: int = 0  # prompt tokens whose KV exists (cached ones included)
-    generated: int = 0  # current at first token and finish; `engine.generated(req)` meanwhile
-    admitted_time: float | None = None
-    first_token_time: float | None = None
-    finish_time: float | None = None
+    cache_salt: str | None
+    arrival: float
+    keys: list[int] | None  # the prompt's block keys; computed on submit when None
+    tail_keys: list[int] | None  # `tail_keys(...)` of the request; on finish when None
+    # shared isolation: leading prompt blocks keyed in the shared namespace (router/blocks.py)
+    public_blocks: int
+    state: State
+    cached_tokens: int  # prompt tokens found in the cache on admission
+    computed: int  # prompt tokens whose KV exists (cached ones included)
+    generated: int  # current at first token and finish; `engine.generated(req)` meanwhile
+    admitted_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
     # engine bookkeeping: the locked run the request's cached path ends at, its length in
     # blocks, private room still held, and the step number its decoding started at
-    node: Run | None = field(default=None, repr=False)
-    prompt_len: int = 0  # len(prompt), taken on submit
-    node_blocks: int = 0
-    reserved: int = 0
-    decode_from: int = 0
-    # shared isolation: leading prompt blocks keyed in the shared namespace (router/blocks.py)
-    public_blocks: int = 0
+    node: Run | None = field(repr=False)
+    prompt_len: int  # len(prompt), taken on submit
+    node_blocks: int
+    reserved: int
+    decode_from: int
+
+    def __init__(
+        self,
+        rid: Any,
+        prompt: Sequence[int],
+        max_tokens: int,
+        cache_salt: str | None = None,
+        arrival: float = 0.0,
+        keys: list[int] | None = None,
+        tail_keys: list[int] | None = None,
+        public_blocks: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.cache_salt = cache_salt
+        self.arrival = arrival
+        self.keys = keys
+        self.tail_keys = tail_keys
+        self.public_blocks = public_blocks
+        self.state = State.WAITING
+        self.cached_tokens = self.computed = self.generated = 0
+        self.admitted_time = self.first_token_time = self.finish_time = None
+        self.node = None
+        self.prompt_len = self.node_blocks = self.reserved = self.decode_from = 0
 
 
-class StepResult(NamedTuple):
-    admitted: list[Request]  # left the queue this call: cached_tokens is known
-    first_token: list[Request]  # prefill done: first token at first_token_time
-    finished: list[Request]  # every token emitted (finish_time set)
-    emitted: dict[Any, int]  # rid -> tokens emitted this call, first included (report_tokens)
-    events: list[KVEvent]  # the cache's changes, in order
+class StepResult:
+    """What one `step` call did (a plain class: compiled, it is built natively)."""
+
+    __slots__ = ("admitted", "first_token", "finished", "emitted", "events")
+
+    def __init__(self) -> None:
+        self.admitted: list[Request] = []  # left the queue this call: cached_tokens is known
+        self.first_token: list[Request] = []  # prefill done: first token at first_token_time
+        self.finished: list[Request] = []  # every token emitted (finish_time set)
+        self.emitted: dict[Any, int] = {}  # rid -> tokens emitted this call, first included
+        self.events: list[KVEvent] = []  # the cache's changes, in order
 
 
 class EngineLoad(NamedTuple):
@@ -344,7 +373,7 @@ class EmulatedEngine:
     def step(self, now: float) -> StepResult:
         """Account the steps completed by `now`; at the end of the segment, finish what it
         finished and plan the next one, starting `now`."""
-        result = _new(StepResult, ([], [], [], {}, []))
+        result = StepResult()
         if self._active:
             done = min(self._seg_k, int((now - self._seg_start) / self._seg_d + _EPS))
             if done > self._seg_done:

@@ -28,8 +28,6 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-_new = tuple.__new__  # a NamedTuple without its Python-level __new__: results on hot paths
-
 # (parent key or None for a root block, keys, token ids of exactly those blocks or None, salt)
 StoredCallback = Callable[[int | None, list[int], list[int] | None, str | None], None]
 RemovedCallback = Callable[[list[int]], None]
@@ -54,15 +52,22 @@ class Run:
         return self.keys[-1] if self.keys else None
 
 
-class MatchResult(NamedTuple):
-    node: Run  # the run that ends exactly at the match (the root when nothing matched)
-    blocks: int  # matched blocks; safe to use only while `node` is locked
+# results are plain classes, not NamedTuples: compiled, they are built and read natively
+class MatchResult:
+    __slots__ = ("node", "blocks")
+
+    def __init__(self, node: Run, blocks: int) -> None:
+        self.node = node  # the run that ends exactly at the match (the root when nothing matched)
+        self.blocks = blocks  # matched blocks; safe to use only while `node` is locked
 
 
-class InsertResult(NamedTuple):
-    node: Run  # the run that ends exactly at the last inserted key
-    cached_blocks: int  # offered blocks that were cached already (their private copy is freed)
-    new_blocks: int  # blocks added to the tree
+class InsertResult:
+    __slots__ = ("node", "cached_blocks", "new_blocks")
+
+    def __init__(self, node: Run, cached_blocks: int, new_blocks: int) -> None:
+        self.node = node  # the run that ends exactly at the last inserted key
+        self.cached_blocks = cached_blocks  # offered blocks cached already (their copy is freed)
+        self.new_blocks = new_blocks  # blocks added to the tree
 
 
 class CacheStats(NamedTuple):
@@ -160,7 +165,7 @@ class RadixCache:
         node, matched = self._descend(self.root, keys, 0, limit)
         if node.children == 0 and node.lock_ref == 0:
             self._push(node)  # its stamp changed: re-queue it
-        return _new(MatchResult, (node, matched))
+        return MatchResult(node, matched)
 
     def _descend(self, node: Run, keys: Sequence[int], i: int, limit: int) -> tuple[Run, int]:
         """Follow keys[i:limit] down from `node` (whose last key is the parent of keys[i]).
@@ -351,7 +356,7 @@ class RadixCache:
             node = run
         elif node.children == 0 and node.lock_ref == 0 and node is not self.root:
             self._push(node)  # used again: re-queue it under its new stamp
-        return _new(InsertResult, (node, i, n - i))
+        return InsertResult(node, i, n - i)
 
     def _note_namespace(self, key: int, salt: str) -> None:
         """`key` starts the namespace of `salt`; notes of evicted keys are pruned now and then."""

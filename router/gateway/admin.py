@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hmac
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -150,7 +151,7 @@ class _Admin:
                 "prompt_tokens": plan.prompt_tokens,
                 "blocks": len(plan.keys),
                 "decision_us": round(plan.decision_s * 1e6, 1),
-                "candidates": [s._asdict() for s in plan.decision.scores],
+                "candidates": [asdict(s) for s in plan.decision.scores],
             }
         )
 

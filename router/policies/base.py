@@ -2,37 +2,77 @@
 
 A policy is a synchronous object with no I/O and no clock reads: the gateway and the
 simulator hand it the same `RouteRequest` and `Candidate`s and get the same `Decision`.
+
+These are dataclasses with a written-out `__init__`: compiled (router/native.py), such a class
+is built and read natively, where a NamedTuple or a generated `__init__` would run Python code
+on every request. `dataclasses.replace` and `dataclasses.asdict` work on them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 
-class RouteRequest(NamedTuple):
+@dataclass(init=False, slots=True)
+class RouteRequest:
     """The request as routing sees it: its block keys in the tenant's namespace."""
 
     block_keys: Sequence[int]  # chained keys of the prompt's full blocks
     prompt_tokens: int  # all prompt tokens, the partial last block included
     block_size: int
     kv_group: str
-    model: str = ""
+    model: str
+
+    def __init__(
+        self,
+        block_keys: Sequence[int],
+        prompt_tokens: int,
+        block_size: int,
+        kv_group: str,
+        model: str = "",
+    ) -> None:
+        self.block_keys = block_keys
+        self.prompt_tokens = prompt_tokens
+        self.block_size = block_size
+        self.kv_group = kv_group
+        self.model = model
 
 
-class Candidate(NamedTuple):
+@dataclass(init=False, slots=True)
+class Candidate:
     """One worker that serves the request's kv_group, with what it holds and its load."""
 
     worker: str
     matched_blocks: int  # leading blocks of the request this worker holds (unified index)
-    in_flight: int = 0  # requests sent and not finished
-    queued_prefill_tokens: int = 0  # uncached prompt tokens routed to it and not yet prefilled
-    running_decode: int = 0  # requests past their first token, still decoding
-    cached_blocks: int = 0  # all blocks this worker holds for the kv_group (its tree size)
-    stored_blocks: int = 0  # blocks it has stored so far (its cache's inflow, from KV events)
+    in_flight: int  # requests sent and not finished
+    queued_prefill_tokens: int  # uncached prompt tokens routed to it and not yet prefilled
+    running_decode: int  # requests past their first token, still decoding
+    cached_blocks: int  # all blocks this worker holds for the kv_group (its tree size)
+    stored_blocks: int  # blocks it has stored so far (its cache's inflow, from KV events)
+
+    def __init__(
+        self,
+        worker: str,
+        matched_blocks: int,
+        in_flight: int = 0,
+        queued_prefill_tokens: int = 0,
+        running_decode: int = 0,
+        cached_blocks: int = 0,
+        stored_blocks: int = 0,
+    ) -> None:
+        self.worker = worker
+        self.matched_blocks = matched_blocks
+        self.in_flight = in_flight
+        self.queued_prefill_tokens = queued_prefill_tokens
+        self.running_decode = running_decode
+        self.cached_blocks = cached_blocks
+        self.stored_blocks = stored_blocks
 
 
-class Score(NamedTuple):
+@dataclass(init=False, slots=True)
+class Score:
     """How a policy saw one candidate: the explanation's row."""
 
     worker: str
@@ -40,11 +80,23 @@ class Score(NamedTuple):
     load: int  # in-flight requests
     cost: float  # what the policy minimised (lower is better); meaning is per policy
 
+    def __init__(self, worker: str, matched_tokens: int, load: int, cost: float) -> None:
+        self.worker = worker
+        self.matched_tokens = matched_tokens
+        self.load = load
+        self.cost = cost
 
-class Decision(NamedTuple):
+
+@dataclass(init=False, slots=True)
+class Decision:
     worker: str
     reason: str  # short machine-friendly word: "cache_hit", "cold_miss", "imbalanced", ...
     scores: tuple[Score, ...]  # every candidate, in the order given
+
+    def __init__(self, worker: str, reason: str, scores: tuple[Score, ...]) -> None:
+        self.worker = worker
+        self.reason = reason
+        self.scores = scores
 
     @property
     def matched_tokens(self) -> int:

@@ -67,7 +67,6 @@ import xxhash
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
 _U64 = (1 << 64) - 1
 
 
@@ -256,7 +255,7 @@ class CacheAwarePolicy:
             )
             if c.running_decode:
                 cost += (-(-work // chunk) or 1) * c.running_decode * decode_token_s
-            scores.append(_new(Score, (c.worker, matched, c.in_flight, cost)))
+            scores.append(Score(c.worker, matched, c.in_flight, cost))
             if cost < best_cost:
                 best, best_cost, n_best = i, cost, 1
             elif cost == best_cost:

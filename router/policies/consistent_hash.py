@@ -20,7 +20,6 @@ from router.policies.base import Candidate, Decision, RouteRequest, Score
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _U64 = (1 << 64) - 1
-_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
 
 
 class ConsistentHashPolicy:
@@ -61,5 +60,5 @@ class ConsistentHashPolicy:
             if distance < nearest:
                 chosen, nearest = c.worker, distance
             matched = min(c.matched_blocks * block_size, prompt)
-            scores.append(_new(Score, (c.worker, matched, c.in_flight, float(distance))))
+            scores.append(Score(c.worker, matched, c.in_flight, float(distance)))
         return Decision(chosen, "consistent_hash", tuple(scores))

@@ -11,15 +11,13 @@ from typing import ClassVar
 
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
-_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
-
 
 def _load_scores(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple[Score, ...]:
     block_size, prompt = request.block_size, request.prompt_tokens
     scores = []
     for c in candidates:
         matched = min(c.matched_blocks * block_size, prompt)
-        scores.append(_new(Score, (c.worker, matched, c.in_flight, float(c.in_flight))))
+        scores.append(Score(c.worker, matched, c.in_flight, float(c.in_flight)))
     return tuple(scores)
 
 

@@ -13,7 +13,6 @@ from typing import ClassVar
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
 _MAX_CACHED_SETS = 256
-_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
 
 
 class RoundRobinPolicy:
@@ -43,5 +42,5 @@ class RoundRobinPolicy:
         for c in candidates:
             matched = min(c.matched_blocks * block_size, prompt)
             turns = float((position[c.worker] - start) % n)
-            scores.append(_new(Score, (c.worker, matched, c.in_flight, turns)))
+            scores.append(Score(c.worker, matched, c.in_flight, turns))
         return Decision(ring[start], "round_robin", tuple(scores))

@@ -112,7 +112,6 @@ class SGLangCacheAwarePolicy:
 
 
 _LOAD, _UNCACHED, _TREE = range(3)
-_new = tuple.__new__  # Score(...) without NamedTuple's Python-level __new__: hot path
 
 
 def _scores(
@@ -129,5 +128,5 @@ def _scores(
             value = float(prompt - matched)
         else:
             value = float(size)
-        scores.append(_new(Score, (c.worker, matched, c.in_flight, value)))
+        scores.append(Score(c.worker, matched, c.in_flight, value))
     return tuple(scores)
