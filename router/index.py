@@ -145,19 +145,60 @@ class UnifiedIndex(RunTree):
         run.mask &= ~(1 << bit)
         self._held[bit] -= len(run.keys)
         if self._approx:
-            approx, pending = self._approx, self._pending
-            for key in run.keys:
-                times = approx.get(key)
-                if times is not None and times.pop(bit, None) is not None:
-                    if not times:
-                        del approx[key]
-                    if pending and pending.get(key, 0) >> bit & 1:
-                        self._unpend(key, bit)
+            self._drop_approx(run.keys, bit)
         if run.mask == 0 and run.children == 0:
             self._delete(run)
 
-    def _release_keys(self, keys: Iterable[int], bit: int) -> int:
+    def _drop_approx(self, keys: list[int], bit: int) -> None:
+        approx, pending = self._approx, self._pending
+        for key in keys:
+            times = approx.get(key)
+            if times is not None and times.pop(bit, None) is not None:
+                if not times:
+                    del approx[key]
+                if pending and pending.get(key, 0) >> bit & 1:
+                    self._unpend(key, bit)
+
+    def _release_tails(self, keys: list[int], bit: int) -> int:
+        """Release the leading keys that are tails of leaf runs the resident holds, deepest key
+        first: what an LRU cache evicts, so what most BlockRemoved events say. One lookup per
+        run, and a leaf only this resident holds is trimmed in place. Returns how many keys
+        it released (the rest takes `_release_keys`'s general path)."""
+        flag = 1 << bit
+        where, by_id = self._where, self._runs
+        n = len(keys)
+        i = 0
+        while i < n:
+            run = by_id.get(where.get(keys[i], 0))
+            if run is None or run.children or not run.mask & flag:
+                break
+            run_keys = run.keys
+            last = len(run_keys) - 1
+            if run_keys[last] != keys[i]:
+                break
+            m = 1
+            while m <= last and i + m < n and keys[i + m] == run_keys[last - m]:
+                m += 1
+            if m > last or run.mask != flag:  # the whole run, or a tail others hold too
+                self._release(run if m > last else self._cut_tail(run, m), bit)
+            else:
+                gone = run_keys[last + 1 - m :]
+                del run_keys[last + 1 - m :]
+                for key in gone:
+                    del where[key]
+                self._held[bit] -= m
+                if self._approx:
+                    self._drop_approx(gone, bit)
+            i += m
+        return i
+
+    def _release_keys(self, keys: list[int], bit: int) -> int:
         """Release the resident's hold on these keys, splitting runs at the range edges."""
+        done = self._release_tails(keys, bit)
+        if done == len(keys):
+            return done
+        if done:
+            keys = keys[done:]
         flag = 1 << bit
         where, by_id = self._where, self._runs
         # each run's keys, runs in order of first appearance; the runs are held here, so that
@@ -172,7 +213,7 @@ class UnifiedIndex(RunTree):
                 else:
                     listed.append(key)
         runs = [(by_id[rid], run_keys) for rid, run_keys in found.items()]
-        released = 0
+        released = done
         for run, run_keys in runs:
             if not run.mask & flag:
                 continue
@@ -353,7 +394,7 @@ class UnifiedIndex(RunTree):
         bit = self._bit_of.get((worker, kv_group))
         if bit is None:
             return 0
-        removed = self._release_keys(keys, bit)
+        removed = self._release_keys(keys if type(keys) is list else list(keys), bit)
         if self._held[bit] == 0:
             self._forget(bit)
         return removed

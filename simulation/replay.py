@@ -24,7 +24,6 @@ is sent, as the gateway marks them at dispatch, until its events confirm them or
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from backends.emulated.engine import EngineConfig, Request
+from router.heap import Heap
 from router.index import UnifiedIndex
 from router.kv_events import BlockRemoved, BlockStored
 from router.policies import Candidate, Policy
@@ -163,8 +163,7 @@ class Replay:
         self._started = [False] * n
         self._engine_req: list[Request | None] = [None] * n
         self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
-        self._heap: list[tuple[float, int, SimWorker]] = []
-        self._seq = 0
+        self._heap: Heap[SimWorker] = Heap()  # workers by the time of their next step call
         self._kv: deque[tuple[float, SimWorker, list]] = deque()
         self._reasons: Counter[str] = Counter()
         self._peak = 0
@@ -178,14 +177,14 @@ class Replay:
         """Replay every request; `progress(sent)` is called every 1024 sends."""
         heap = self._heap
         client = self.client
-        heappop = heapq.heappop
         sent = 0
         while True:
             t_send = client.next_at
-            if heap and heap[0][0] < t_send:
-                t, seq, w = heappop(heap)
-                if seq == w.wake_seq:
-                    self._step(w, t)
+            if len(heap) and heap.peek().key < t_send:
+                entry = heap.pop()
+                w = entry.item
+                if entry.seq == w.wake_seq:
+                    self._step(w, entry.key)
             elif t_send < INF:
                 for req in client.poll(t_send):
                     self._route(req, t_send)
@@ -203,9 +202,7 @@ class Replay:
         if t is None:
             w.wake_seq = -1
         elif t != w.wake or w.wake_seq < 0:
-            self._seq += 1
-            w.wake, w.wake_seq = t, self._seq
-            heapq.heappush(self._heap, (t, self._seq, w))
+            w.wake, w.wake_seq = t, self._heap.push(t, w)
 
     # -- routing (router/gateway/routing.py, in virtual time) -------------------------------
 
@@ -310,12 +307,10 @@ class Replay:
             if t is None:
                 w.wake_seq = -1
                 return
-            if t < client.next_at and (not heap or t < heap[0][0]):
+            if t < client.next_at and (not len(heap) or t < heap.peek().key):
                 now = t  # it would be the next event: no heap round trip
                 continue
-            self._seq = seq = self._seq + 1
-            w.wake, w.wake_seq = t, seq
-            heapq.heappush(heap, (t, seq, w))
+            w.wake, w.wake_seq = t, heap.push(t, w)
             return
 
     # -- KV events ---------------------------------------------------------------------------

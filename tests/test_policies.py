@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import random
 from bisect import bisect_right
@@ -529,3 +530,15 @@ def test_every_policy_returns_a_candidate_and_explains_all(
     policy = make_policy(variant[0], **variant[1])
     for _ in range(3):  # stateful policies too
         assert_explains(policy.choose(req, cands), req, cands)
+
+
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_a_used_policy_deep_copies_into_an_equal_twin(name: str) -> None:
+    """The admin dry run routes with a deep copy; compiled policy state must copy too."""
+    policy = make_policy(name)
+    fleet = [Candidate(f"w{i}", i % 2, in_flight=i, stored_blocks=10 * i) for i in range(4)]
+    for seed in range(5):
+        policy.choose(request(8, seed), fleet)
+    twin = copy.deepcopy(policy)
+    for seed in range(5, 10):
+        assert twin.choose(request(8, seed), fleet) == policy.choose(request(8, seed), fleet)

@@ -26,7 +26,6 @@ A submission (or an abort) cuts the segment at the first step boundary after it.
 from __future__ import annotations
 
 import enum
-import heapq
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ from typing import Any, NamedTuple, cast
 
 from backends.emulated.radix_cache import RadixCache, Run
 from router.blocks import block_keys, chain_keys, continue_after, namespace, parent_prefix
+from router.heap import Heap
 from router.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
@@ -230,8 +230,7 @@ class EmulatedEngine:
         self._queue: deque[Request] = deque()
         self._prefilling: list[Request] = []  # admission order
         self._decoding: dict[Any, Request] = {}
-        self._finishing: list[tuple[int, int, Request]] = []  # (finish step, seq, request)
-        self._seq = 0
+        self._finishing: Heap[Request] = Heap()  # decoding requests by their last step
         self._steps = 0  # forward passes completed
         # the segment in flight: `seg_k` equal steps of `seg_d` seconds from `seg_start`,
         # `seg_done` of them already accounted; `seg_chunks` is the prefill of its one step
@@ -418,15 +417,12 @@ class EmulatedEngine:
                 else:
                     req.decode_from = self._steps
                     self._decoding[req.rid] = req
-                    self._seq += 1
-                    heapq.heappush(
-                        self._finishing, (self._steps + req.max_tokens - 1, self._seq, req)
-                    )
+                    self._finishing.push(self._steps + req.max_tokens - 1, req)
             self._seg_chunks = []
             self._prefilling = [r for r in self._prefilling if r.state is _PREFILL]
         finishing = self._finishing
-        while finishing and finishing[0][0] <= self._steps:
-            req = heapq.heappop(finishing)[2]
+        while len(finishing) and finishing.peek().key <= self._steps:
+            req = finishing.pop().item
             if req.state is _DECODE:
                 del self._decoding[req.rid]
                 self._finish(req, t, result)
@@ -548,9 +544,9 @@ class EmulatedEngine:
             k = 1
         else:
             finishing = self._finishing
-            while finishing[0][2].state is not _DECODE:
-                heapq.heappop(finishing)  # aborted
-            k = finishing[0][0] - self._steps
+            while finishing.peek().item.state is not _DECODE:
+                finishing.pop()  # aborted
+            k = int(finishing.peek().key) - self._steps
             if queue and not self._blocked:  # a request submitted ahead of its arrival
                 k = min(k, max(1, math.ceil((queue[0].arrival - now) / d - _EPS)))
         self._active = True

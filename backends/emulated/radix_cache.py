@@ -24,9 +24,10 @@ scanning the tree. Recency is a logical tick, bumped by `match`, `insert` and `u
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
+
+from router.heap import Heap
 
 # (parent key or None for a root block, keys, token ids of exactly those blocks or None, salt)
 StoredCallback = Callable[[int | None, list[int], list[int] | None, str | None], None]
@@ -112,8 +113,7 @@ class RadixCache:
         self.root = Run([], None, 1, 0)  # never evicted: lock_ref stays >= 1
         self._where: dict[int, Run] = {}
         self._runs: set[Run] = set()
-        self._heap: list[tuple[int, int, Run]] = []  # (stamp, seq, run): unlocked leaves
-        self._seq = 0
+        self._heap: Heap[Run] = Heap()  # unlocked leaves by stamp (entries may be stale)
         self._tick = 0
         self.free_tokens = self.capacity_tokens
         self.evictable_tokens = 0
@@ -369,15 +369,9 @@ class RadixCache:
     # -- eviction ----------------------------------------------------------------------------
 
     def _push(self, run: Run) -> None:
-        self._seq += 1
-        run.heap_seq = self._seq
-        heapq.heappush(self._heap, (run.stamp, self._seq, run))
+        run.heap_seq = self._heap.push(run.stamp, run)
         if len(self._heap) > 2 * len(self._runs) + 1024:
-            self._compact()
-
-    def _compact(self) -> None:
-        self._heap = [entry for entry in self._heap if self._valid(entry[2], entry[1])]
-        heapq.heapify(self._heap)
+            self._heap.retain(lambda entry: self._valid(entry.item, entry.seq))
 
     @staticmethod
     def _valid(run: Run, seq: int) -> bool:
@@ -390,10 +384,13 @@ class RadixCache:
         bs = self.block_size
         removed: list[int] = []
         while blocks > 0:
-            assert heap, "evictable count out of step with the leaves"
-            _, seq, run = heap[0]
-            if not (run.heap_seq == seq and run.alive and run.children == 0 and not run.lock_ref):
-                heapq.heappop(heap)
+            assert len(heap), "evictable count out of step with the leaves"
+            entry = heap.peek()
+            run = entry.item
+            if not (
+                run.heap_seq == entry.seq and run.alive and not run.children and not run.lock_ref
+            ):
+                heap.pop()
                 continue
             run_keys = run.keys
             take = min(blocks, len(run_keys))
@@ -402,7 +399,7 @@ class RadixCache:
             for key in gone:
                 del where[key]
             if take == len(run_keys):
-                heapq.heappop(heap)
+                heap.pop()
                 run.alive = False
                 run.keys = []
                 self._runs.discard(run)
@@ -452,9 +449,10 @@ class RadixCache:
         assert evictable == self.evictable_tokens, "evictable count"
         assert protected == self.protected_tokens, "protected count"
         queued = set()
-        for stamp, seq, run in self._heap:
-            if self._valid(run, seq):
-                assert stamp == run.stamp, "a leaf queued under a stale stamp"
+        for entry in self._heap.entries():
+            run = entry.item
+            if self._valid(run, entry.seq):
+                assert entry.key == run.stamp, "a leaf queued under a stale stamp"
                 queued.add(id(run))
         for run in self._runs:
             assert run.children == children.get(run, 0), "children count"

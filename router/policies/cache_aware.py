@@ -70,6 +70,16 @@ _xxh3 = xxhash.xxh3_64_intdigest
 _U64 = (1 << 64) - 1
 
 
+class Inflow:
+    """One worker's recent cache inflow (a plain class: compiled, its numbers stay native)."""
+
+    __slots__ = ("seen_stored", "blocks")
+
+    def __init__(self, seen_stored: int = 0) -> None:  # the default: for copy.deepcopy
+        self.seen_stored = seen_stored  # its stored_blocks when last seen
+        self.blocks = 0.0  # blocks stored lately, decayed over one turnover of the caches
+
+
 @dataclass(slots=True)
 class RoutingHistory:
     """One kv_group's recent routing outcomes (decisions are its only clock).
@@ -82,8 +92,7 @@ class RoutingHistory:
     miss_tokens: float = 0.0  # uncached tokens routed, on the same clock as hit_tokens
     inflow_tokens: float = 0.0  # uncached tokens routed: what the caches stored
     free_tokens: float = 0.0  # of those, tokens of requests every candidate held equally
-    inflow: dict[str, float] = field(default_factory=dict)  # worker -> recent blocks stored
-    seen_stored: dict[str, int] = field(default_factory=dict)  # worker -> stored_blocks seen
+    inflow: dict[str, Inflow] = field(default_factory=dict)  # worker -> its recent inflow
 
     def record(self, hit: int, miss: int, free: bool, cache_tokens: int) -> None:
         """One decision: `hit` tokens matched and `miss` tokens to store where it went; `free`
@@ -98,20 +107,24 @@ class RoutingHistory:
     def observe(self, candidates: Sequence[Candidate]) -> None:
         """Add the blocks each worker stored since last seen to its recent inflow. A count
         that went down is a worker the index forgot and met again: it starts over."""
-        seen = self.seen_stored
+        workers = self.inflow
+        seen: list[Inflow] = []
         added: list[int] = []
+        total = held = 0
         for c in candidates:
-            last = seen.get(c.worker)
-            added.append(
-                c.stored_blocks - last if last is not None and c.stored_blocks >= last else 0
-            )
-            seen[c.worker] = c.stored_blocks
-        total = sum(added)
-        held = sum(c.cached_blocks for c in candidates)
+            stored = c.stored_blocks
+            w = workers.get(c.worker)
+            if w is None:
+                w = workers[c.worker] = Inflow(stored)
+            n = stored - w.seen_stored if stored >= w.seen_stored else 0
+            w.seen_stored = stored
+            seen.append(w)
+            added.append(n)
+            total += n
+            held += c.cached_blocks
         decay = math.exp(-total / (held + total + 1))
-        inflow = self.inflow
-        for c, n in zip(candidates, added, strict=True):
-            inflow[c.worker] = inflow.get(c.worker, 0.0) * decay + n
+        for i, w in enumerate(seen):
+            w.blocks = w.blocks * decay + added[i]
 
     def reuse(self, block_size: int) -> float:
         """Recent hit tokens per miss token: how often what was stored got used again."""
@@ -184,10 +197,10 @@ class CacheAwarePolicy:
 
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
         """Estimated seconds to this request's first token on `candidate` (its own queue)."""
-        matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
-        return self._wait(
-            candidate.queued_prefill_tokens + request.prompt_tokens - matched, candidate
-        )
+        uncached = request.prompt_tokens - candidate.matched_blocks * request.block_size
+        if uncached < 0:  # defensive: a match is never longer than the prompt
+            uncached = 0
+        return self._wait(candidate.queued_prefill_tokens + uncached, candidate)
 
     def history(self, kv_group: str) -> RoutingHistory:
         """What the policy has learnt of `kv_group` from its own decisions (made on first use)."""
@@ -218,7 +231,9 @@ class CacheAwarePolicy:
         return self._wait(backlog + uncached, candidate) + uncached * self._s_per_token * others
 
     def _wait(self, work: float, candidate: Candidate) -> float:
-        steps = -(-work // self.chunk_tokens) or 1
+        steps = -(-work // self.chunk_tokens)  # chunks; at least one step (no builtins: hot)
+        if steps < 1.0:
+            steps = 1.0
         return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
@@ -254,7 +269,10 @@ class CacheAwarePolicy:
                 s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay
             )
             if c.running_decode:
-                cost += (-(-work // chunk) or 1) * c.running_decode * decode_token_s
+                steps = -(-work // chunk)
+                if steps < 1.0:
+                    steps = 1.0
+                cost += steps * c.running_decode * decode_token_s
             scores.append(Score(c.worker, matched, c.in_flight, cost))
             if cost < best_cost:
                 best, best_cost, n_best = i, cost, 1
@@ -310,13 +328,18 @@ class CacheAwarePolicy:
         history.observe(candidates)
         recent = history.inflow
         block_size = request.block_size
-        inflow = {
-            i: recent[c.worker] + c.queued_prefill_tokens / block_size
-            for i, c in enumerate(candidates)
-            if waits[i] <= bound
-        }
-        least = min(inflow.values())
-        return self._rendezvous_among(scores, [i for i, v in inflow.items() if v == least], key)
+        least = math.inf
+        emptiest: list[int] = []
+        for i, c in enumerate(candidates):
+            if waits[i] > bound:
+                continue
+            inflow = recent[c.worker].blocks + c.queued_prefill_tokens / block_size
+            if inflow < least:
+                least = inflow
+                emptiest = [i]
+            elif inflow == least:
+                emptiest.append(i)
+        return self._rendezvous_among(scores, emptiest, key)
 
     def _weight(self, worker: str, key: int) -> int:
         """Rendezvous weight: xxh3_64(worker name, seed=block key); same in every process."""
@@ -326,4 +349,12 @@ class CacheAwarePolicy:
         return _xxh3(raw, key & _U64)
 
     def _rendezvous_among(self, scores: list[Score], among: list[int], key: int) -> int:
-        return max(among, key=lambda i: self._weight(scores[i].worker, key))
+        """The one of `among` with the highest rendezvous weight for `key` (first on a tie)."""
+        best = among[0]
+        if len(among) > 1:
+            top = self._weight(scores[best].worker, key)
+            for i in among[1:]:
+                weight = self._weight(scores[i].worker, key)
+                if weight > top:
+                    best, top = i, weight
+        return best

@@ -53,15 +53,15 @@ class PowerOfTwoPolicy:
 
     def __init__(self, seed: int = 0) -> None:
         self.seed = seed
-        self._random = random.Random(seed).random
+        self._rng = random.Random(seed)  # the object, not its bound method: deepcopy copies it
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         n = len(candidates)
         if n == 1:
             chosen = candidates[0]
         else:
-            first = int(self._random() * n)
-            second = int(self._random() * (n - 1))
+            first = int(self._rng.random() * n)
+            second = int(self._rng.random() * (n - 1))
             if second >= first:  # distinct from the first sample, uniform over the rest
                 second += 1
             a, b = candidates[first], candidates[second]
