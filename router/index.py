@@ -291,23 +291,14 @@ class UnifiedIndex(RunTree):
         while i < n:
             run = by_id.get(where.get(keys[i], 0))
             if run is None:  # new blocks up to the next known key
-                fresh = keys[i:] if i else keys
-                if where.keys().isdisjoint(fresh):  # the common case: all of the rest is new
-                    j = n
-                else:
-                    j = i + 1
-                    while j < n and keys[j] not in where:
-                        j += 1
-                fresh = list(keys[i:j])
                 if prev is not None and prev.children == 0 and prev.mask == flag:
-                    prev.keys.extend(fresh)  # a leaf only this resident holds grows in place
-                    rid = id(prev)
-                    for key in fresh:
-                        where[key] = rid
-                    prev.ts = now
-                    run = prev
+                    run = prev  # a leaf only this resident holds grows in place
+                    run.ts = now
                 else:
-                    run = self._new_run(fresh, prev, flag, now)
+                    run = self._new_run([], prev, flag, now)
+                j = self._claim(keys, i, run)
+                fresh = list(keys[i:j])
+                run.keys.extend(fresh)
                 if approximate:
                     for key in fresh:
                         self._approx[key] = {bit: expiry}
@@ -328,9 +319,9 @@ class UnifiedIndex(RunTree):
                     m += 1
                 if m < size:
                     run = self._split(run, m)
-            if run.parent is None and prev is not None:
-                run.parent = prev  # an orphan whose parent arrived later
-                self._adopt(prev)
+            if run.parent is None and prev is not None and not self._descends(prev, run):
+                run.parent = prev  # an orphan whose parent arrived later (not a malformed
+                self._adopt(prev)  # chain that loops back to one of its own ancestors)
             run.ts = now
             if not run.mask & flag:
                 run.mask |= flag

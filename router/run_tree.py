@@ -9,6 +9,8 @@ hold it) is the index's business; this module only keeps the shape.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class Run:
     __slots__ = ("keys", "parent", "mask", "children", "ts", "prev", "next")
@@ -70,6 +72,30 @@ class RunTree:
         if parent is not None:
             self._adopt(parent)
         return run
+
+    def _claim(self, keys: Sequence[int], i: int, run: Run) -> int:
+        """Map keys[i:] to `run` up to the first key mapped already, to any run or twice in
+        `keys` (one dict operation per key); returns where it stopped. The caller appends
+        keys[i:stop] to `run.keys`."""
+        where, rid = self._where, id(run)
+        n = len(keys)
+        size = len(where)
+        while i < n:
+            where.setdefault(keys[i], rid)
+            if len(where) == size:
+                break
+            size += 1
+            i += 1
+        return i
+
+    @staticmethod
+    def _descends(run: Run | None, ancestor: Run) -> bool:
+        """Whether `run` is `ancestor` or below it (walks up: for rare repairs only)."""
+        while run is not None:
+            if run is ancestor:
+                return True
+            run = run.parent
+        return False
 
     def _adopt(self, parent: Run) -> None:
         if parent.children == 0:

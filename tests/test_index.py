@@ -269,3 +269,18 @@ def test_pending_blocks_go_with_clear_remove_and_scoped_invalidation():
     index.expire(100.0)
     assert index.insert(keys, "w2", "g", 101.0) == 4 and index.blocks_stored("w2", "g") == 4
     index.check()
+
+
+def test_a_chain_repeating_a_key_leaves_the_tree_whole() -> None:
+    """A malformed BlockStored that names a block twice, or names one it already holds further
+    on, must not map a key twice."""
+    index = UnifiedIndex()
+    index.insert([1, 2, 2, 3], "w", "g", 0.0)
+    index.check()
+    assert index.residency("w", "g") == {1, 2, 3}
+    index.insert([4, 5, 1, 6], "w", "g", 0.0, parent=3)
+    index.check()
+    assert index.residency("w", "g") == {1, 2, 3, 4, 5, 6}
+    assert index.remove([6, 5, 4, 3, 2, 1], "w", "g") == 6
+    index.check()
+    assert len(index) == 0

@@ -255,7 +255,7 @@ class CacheAwarePolicy:
         s_evict = self.cache_value * history.reuse(block_size) * s_per_token  # on a full cache
 
         scores: list[Score] = []
-        best, best_cost, n_best = 0, float("inf"), 0
+        best, best_cost, n_best = 0, math.inf, 0
         most_blocks = -1
         fewest_blocks = 1 << 62
         for i, c in enumerate(candidates):  # `cost`, inlined: this loop is the hot path
@@ -297,9 +297,14 @@ class CacheAwarePolicy:
             # among the workers fast enough, by the first new block where that ties.
             best = self._place_new(request, candidates, scores, keys[most_blocks])
         elif n_best > 1:  # exact tie: hash the first block the tied workers do not all hold
-            tied = [i for i, s in enumerate(scores) if s.cost == best_cost]
-            shared = min(candidates[i].matched_blocks for i in tied)
-            best = self._rendezvous_among(scores, tied, keys[min(shared, n_keys - 1)])
+            tied: list[int] = []
+            shared = n_keys - 1
+            for i, s in enumerate(scores):
+                if s.cost == best_cost:
+                    tied.append(i)
+                    if candidates[i].matched_blocks < shared:
+                        shared = candidates[i].matched_blocks
+            best = self._rendezvous_among(scores, tied, keys[shared])
 
         if most_blocks <= 0:
             reason = "cold_miss"
