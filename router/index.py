@@ -160,7 +160,7 @@ class UnifiedIndex(RunTree):
                     self._unpend(key, bit)
 
     def _release_tails(self, keys: list[int], bit: int) -> int:
-        """Release the leading keys that are tails of leaf runs the resident holds, deepest key
+        """Release the leading keys that are tails of runs the resident holds, deepest key
         first: what an LRU cache evicts, so what most BlockRemoved events say. One lookup per
         run, and a leaf only this resident holds is trimmed in place. Returns how many keys
         it released (the rest takes `_release_keys`'s general path)."""
@@ -170,7 +170,7 @@ class UnifiedIndex(RunTree):
         i = 0
         while i < n:
             run = by_id.get(where.get(keys[i], 0))
-            if run is None or run.children or not run.mask & flag:
+            if run is None or not run.mask & flag:
                 break
             run_keys = run.keys
             last = len(run_keys) - 1
@@ -179,7 +179,7 @@ class UnifiedIndex(RunTree):
             m = 1
             while m <= last and i + m < n and keys[i + m] == run_keys[last - m]:
                 m += 1
-            if m > last or run.mask != flag:  # the whole run, or a tail others hold too
+            if m > last or run.mask != flag or run.children:  # not a leaf of its own
                 self._release(run if m > last else self._cut_tail(run, m), bit)
             else:
                 gone = run_keys[last + 1 - m :]
@@ -268,7 +268,8 @@ class UnifiedIndex(RunTree):
         was just sent to a worker whose KV events will confirm them; new holds are approximate
         for `pending_ttl_s` and count as stored only once an exact insert confirms them.
         Returns blocks newly held, plus (exact) pending blocks this insert confirmed."""
-        n = len(keys)
+        chain = keys if isinstance(keys, list) else list(keys)  # native indexing below
+        n = len(chain)
         if n == 0 or pending and not self.pending_ttl_s:
             return 0
         bit = self._bit(worker, kv_group)
@@ -281,7 +282,7 @@ class UnifiedIndex(RunTree):
         else:
             expiry = now + self.approx_ttl_s
         confirmed = 0
-        prev: Run | None = None  # the run that ends with the parent of keys[i]
+        prev: Run | None = None  # the run that ends with the parent of chain[i]
         if parent is not None and (prev := by_id.get(where.get(parent, 0))) is not None:
             at = len(prev.keys) if prev.keys[-1] == parent else prev.keys.index(parent) + 1
             if at < len(prev.keys):
@@ -289,15 +290,15 @@ class UnifiedIndex(RunTree):
         added = 0
         i = 0
         while i < n:
-            run = by_id.get(where.get(keys[i], 0))
+            run = by_id.get(where.get(chain[i], 0))
             if run is None:  # new blocks up to the next known key
                 if prev is not None and prev.children == 0 and prev.mask == flag:
                     run = prev  # a leaf only this resident holds grows in place
                     run.ts = now
                 else:
                     run = self._new_run([], prev, flag, now)
-                j = self._claim(keys, i, run)
-                fresh = list(keys[i:j])
+                j = self._claim(chain, i, run)
+                fresh = list(chain[i:j])
                 run.keys.extend(fresh)
                 if approximate:
                     for key in fresh:
@@ -308,14 +309,14 @@ class UnifiedIndex(RunTree):
                 i = j
                 prev = run
                 continue
-            if run.keys[0] != keys[i]:  # entering mid-run (its parent was unknown to us)
-                self._split(run, run.keys.index(keys[i]))
+            if run.keys[0] != chain[i]:  # entering mid-run (its parent was unknown to us)
+                self._split(run, run.keys.index(chain[i]))
             size = len(run.keys)
-            if keys[i : i + size] == run.keys:
+            if chain[i : i + size] == run.keys:
                 m = size
             else:
                 m = 1
-                while m < size and i + m < n and keys[i + m] == run.keys[m]:
+                while m < size and i + m < n and chain[i + m] == run.keys[m]:
                     m += 1
                 if m < size:
                     run = self._split(run, m)
@@ -342,11 +343,11 @@ class UnifiedIndex(RunTree):
             self._link_newest(prev)
         self._held[bit] += added
         if pending:
-            self._pending_queue.append((expiry, bit, tuple(keys)))
+            self._pending_queue.append((expiry, bit, tuple(chain)))
         else:
             self._stored[bit] += added + confirmed
             if approximate:
-                self._approx_queue.append((expiry, bit, tuple(keys)))
+                self._approx_queue.append((expiry, bit, tuple(chain)))
         if self.max_blocks and len(where) > self.max_blocks:
             self._evict(len(where) - self.max_blocks)
         return added + confirmed

@@ -9,8 +9,6 @@ hold it) is the index's business; this module only keeps the shape.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 
 class Run:
     __slots__ = ("keys", "parent", "mask", "children", "ts", "prev", "next")
@@ -73,7 +71,7 @@ class RunTree:
             self._adopt(parent)
         return run
 
-    def _claim(self, keys: Sequence[int], i: int, run: Run) -> int:
+    def _claim(self, keys: list[int], i: int, run: Run) -> int:
         """Map keys[i:] to `run` up to the first key mapped already, to any run or twice in
         `keys` (one dict operation per key); returns where it stopped. The caller appends
         keys[i:stop] to `run.keys`."""

@@ -220,11 +220,10 @@ class Replay:
                 w.cached_blocks = index.blocks_held(w.name, w.kv_group)
                 w.stored_blocks = index.blocks_stored(w.name, w.kv_group)
         matched = index.match(route.block_keys, route.kv_group, now)
-        get = matched.get
         candidates = [
             Candidate(
                 w.name,
-                get(w.name, 0),
+                matched.get(w.name, 0),
                 w.in_flight,
                 w.queued_prefill_tokens,
                 w.running_decode,
@@ -238,9 +237,10 @@ class Replay:
         self._reasons[decision.reason] += 1
         i = req.index
         prompt = route.prompt_tokens
-        predicted = min(get(w.name, 0) * route.block_size, prompt)
+        depth = matched.get(w.name, 0)
+        predicted = min(depth * route.block_size, prompt)
         if self._pending:  # the load counts pending blocks as work: the worker may redo them
-            held = index.confirmed_depth(route.block_keys, w.name, w.kv_group, get(w.name, 0))
+            held = index.confirmed_depth(route.block_keys, w.name, w.kv_group, depth)
             uncached = prompt - min(held * route.block_size, prompt)
         else:
             uncached = prompt - predicted
