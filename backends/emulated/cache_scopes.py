@@ -34,27 +34,27 @@ def invalidate(cache: RadixCache, scope: SaltTest | None) -> Invalidated:
         doomed = list(cache._runs)
         cache.namespaces.clear()
     else:
-        doomed = runs_in_scope(
-            cache._where.get, cache.namespaces, cache._split, cache._runs, scope, cache.root
+        doomed = runs_in_scope(  # a namespace's key starts a run (radix_cache.py)
+            cache._heads.get, cache.namespaces, cache._split, cache._runs, scope, cache.root
         )
         for key in [k for k, s in cache.namespaces.items() if scope(s)]:
             del cache.namespaces[key]
-    where = cache._where
+    heads = cache._heads
     bs = cache.block_size
     removed: list[int] = []
     freed = locked = 0
     for run in doomed:
         removed.extend(run.keys)
-        for key in run.keys:
-            del where[key]
+        del heads[run.keys[0]]
         if run.lock_ref:
             locked += len(run.keys)
             tombstones = list(range(cache.next_tombstone, cache.next_tombstone - len(run.keys), -1))
             cache.next_tombstone -= len(run.keys)
             run.keys = tombstones
-            where.update(dict.fromkeys(tombstones, run))
+            heads[tombstones[0]] = run
             continue
         freed += len(run.keys)
+        cache._blocks -= len(run.keys)
         cache.evictable_tokens -= len(run.keys) * bs
         cache.free_tokens += len(run.keys) * bs
         run.alive = False

@@ -489,7 +489,7 @@ class EmulatedEngine:
             stuck is not None
             and stuck[0] is req
             and cache.free_tokens + cache.evictable_tokens < stuck[1]
-            and (stuck[2] >= cap or keys[stuck[2]] not in cache)
+            and (stuck[2] >= cap or not cache.starts_run(keys[stuck[2]]))
         ):
             return False  # still no room, and its cached prefix cannot have grown
         match = cache.match(keys, cap)

@@ -5,8 +5,12 @@ As in SGLang's radix cache, but block-granular and keyed by the gateway's own bl
 publishes, so the gateway's mirror maps it by identity. Keys are chained, so a key names its
 whole prefix and the cached keys of a prompt always form a prefix of its chain.
 
-The tree is compressed: a node (`Run`) is a run of consecutive blocks; `_where` maps every key
-to its run, so matching costs one dict lookup and one list comparison per run.
+The tree is compressed: a node (`Run`) is a run of consecutive blocks; `_heads` maps the first
+key of every run to the run, so matching costs one dict lookup and one list comparison per run,
+and storing or evicting a run one dict operation, whatever its length. Chained keys make that
+enough: a lookup always starts right after a run's last key, so it finds a run's first key or
+nothing. A namespace that starts inside new blocks starts a run of its own, so that scoped
+invalidation finds it by its first key too.
 
 Every token of the pool is in exactly one of four states (`check` asserts it):
 
@@ -111,7 +115,8 @@ class RadixCache:
         self.on_stored = on_stored
         self.on_removed = on_removed
         self.root = Run([], None, 1, 0)  # never evicted: lock_ref stays >= 1
-        self._where: dict[int, Run] = {}
+        self._heads: dict[int, Run] = {}  # first key of a run -> the run
+        self._blocks = 0  # blocks in the tree
         self._runs: set[Run] = set()
         self._heap: Heap[Run] = Heap()  # unlocked leaves by stamp (entries may be stale)
         self._tick = 0
@@ -128,13 +133,16 @@ class RadixCache:
     # -- reading -----------------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return len(self._where)
+        return self._blocks
 
-    def __contains__(self, key: int) -> bool:
-        return key in self._where
+    def starts_run(self, key: int) -> bool:
+        """Whether a cached run starts at `key`: where a cached prefix that ends right before
+        `key` goes on, if it does (chained keys)."""
+        return key in self._heads
 
     def keys(self) -> set[int]:
-        return set(self._where)
+        """Every cached key (walks the runs)."""
+        return {key for run in self._runs for key in run.keys}
 
     def runs(self) -> list[Run]:
         return list(self._runs)
@@ -146,7 +154,7 @@ class RadixCache:
             self.evictable_tokens,
             self.protected_tokens,
             self.allocated_tokens,
-            len(self._where),
+            self._blocks,
             len(self._runs),
             self.stored_blocks,
             self.evicted_blocks,
@@ -170,10 +178,10 @@ class RadixCache:
     def _descend(self, node: Run, keys: Sequence[int], i: int, limit: int) -> tuple[Run, int]:
         """Follow keys[i:limit] down from `node` (whose last key is the parent of keys[i]).
         Returns the run that ends exactly at the match and the index past it."""
-        where = self._where
+        heads = self._heads
         tick = self._tick
         while i < limit:
-            run = where.get(keys[i])
+            run = heads.get(keys[i])
             if run is None:
                 break
             run_keys = run.keys
@@ -204,10 +212,9 @@ class RadixCache:
         `run` (requests holding it still end there) and its heap entry."""
         head = Run(run.keys[:at], run.parent, run.lock_ref, run.stamp)
         head.children = 1
-        where = self._where
-        for key in head.keys:
-            where[key] = head
         del run.keys[:at]
+        self._heads[head.keys[0]] = head
+        self._heads[run.keys[0]] = run
         run.parent = head
         self._runs.add(head)
         return head
@@ -319,7 +326,7 @@ class RadixCache:
             self.allocated_tokens -= n * bs
             self.free_tokens += n * bs
             return InsertResult(parent, n, 0)
-        if n and keys[0] not in self._where:  # all new (the common case): nothing to follow
+        if n and keys[0] not in self._heads:  # all new (the common case): nothing to follow
             node, i = parent, 0
         else:
             node, i = self._descend(parent, keys, 0, n)
@@ -327,19 +334,15 @@ class RadixCache:
         self.free_tokens += i * bs  # our copy of blocks cached meanwhile
         if i < n:
             fresh = list(keys[i:])
-            run = Run(fresh[:], node, 0, self._tick)  # the run's list changes; events' must not
-            where = self._where
-            size = len(where)
-            for key in fresh:
-                where[key] = run
-            assert len(where) == size + len(fresh), "block key collision"
-            node.children += 1
-            self._runs.add(run)
-            self.evictable_tokens += len(fresh) * bs
-            self.stored_blocks += len(fresh)
-            self._push(run)
             # where in `fresh` the salt's namespace starts, if it does (None: at the root)
             at = (0 if node is self.root else -1) if salt_at is None else salt_at - i
+            public = salt is not None and 0 < at < len(fresh)  # a public prefix, then the rest
+            parent_key = node.last_key
+            if public:  # the namespace starts a run of its own (the module doc)
+                run = self._add_run(self._add_run(node, fresh[:at]), fresh[at:])
+            else:
+                run = self._add_run(node, fresh[:])  # the run's list changes; events' must not
+            self._push(run)
             if salt and 0 <= at < len(fresh):
                 self._note_namespace(fresh[at], salt)
             if self.on_stored is not None:
@@ -347,24 +350,36 @@ class RadixCache:
                 if tokens is not None:  # handed on, not copied, when all of it is new
                     part = tokens[i * bs : n * bs] if i else tokens
                     block_tokens = part if type(part) is list else list(part)
-                if not salt or at <= 0 or at >= len(fresh):
-                    self.on_stored(node.last_key, fresh, block_tokens, salt if at == 0 else None)
-                else:  # a public prefix, then the salted rest: two events, as keyed
+                if not public:
+                    self.on_stored(parent_key, fresh, block_tokens, salt if at == 0 else None)
+                else:  # two events, as keyed
                     cut = None if block_tokens is None else at * bs
-                    self.on_stored(node.last_key, fresh[:at], _head(block_tokens, cut), None)
+                    self.on_stored(parent_key, fresh[:at], _head(block_tokens, cut), None)
                     self.on_stored(fresh[at - 1], fresh[at:], _tail(block_tokens, cut), salt)
             node = run
         elif node.children == 0 and node.lock_ref == 0 and node is not self.root:
             self._push(node)  # used again: re-queue it under its new stamp
         return InsertResult(node, i, n - i)
 
+    def _add_run(self, parent: Run, keys: list[int]) -> Run:
+        """A new run of blocks under `parent`, computed in allocated room: now evictable."""
+        assert keys[0] not in self._heads, "block key collision"
+        run = Run(keys, parent, 0, self._tick)
+        self._heads[keys[0]] = run
+        parent.children += 1
+        self._runs.add(run)
+        self._blocks += len(keys)
+        self.evictable_tokens += len(keys) * self.block_size
+        self.stored_blocks += len(keys)
+        return run
+
     def _note_namespace(self, key: int, salt: str) -> None:
         """`key` starts the namespace of `salt`; notes of evicted keys are pruned now and then."""
         namespaces = self.namespaces
         namespaces[key] = salt
-        if len(namespaces) > 2 * len(self._where) + 8192:
-            where = self._where
-            self.namespaces = {k: s for k, s in namespaces.items() if k in where}
+        if len(namespaces) > 2 * self._blocks + 8192:
+            heads = self._heads
+            self.namespaces = {k: s for k, s in namespaces.items() if k in heads}
 
     # -- eviction ----------------------------------------------------------------------------
 
@@ -380,7 +395,6 @@ class RadixCache:
     def _evict(self, blocks: int) -> None:
         """Drop `blocks` blocks from the tails of the least recently used unlocked leaves."""
         heap = self._heap
-        where = self._where
         bs = self.block_size
         removed: list[int] = []
         while blocks > 0:
@@ -396,9 +410,8 @@ class RadixCache:
             take = min(blocks, len(run_keys))
             gone = run_keys[: -take - 1 : -1]  # deepest first
             removed.extend(gone)
-            for key in gone:
-                del where[key]
             if take == len(run_keys):
+                del self._heads[run_keys[0]]
                 heap.pop()
                 run.alive = False
                 run.keys = []
@@ -410,6 +423,7 @@ class RadixCache:
                     self._push(parent)
             else:
                 del run_keys[-take:]
+            self._blocks -= take
             self.evictable_tokens -= take * bs
             self.free_tokens += take * bs
             blocks -= take
@@ -435,7 +449,7 @@ class RadixCache:
         evictable = protected = blocks = 0
         for run in self._runs:
             assert run.alive and run.keys, "dead or empty run listed"
-            assert all(self._where[k] is run for k in run.keys), "key map out of step"
+            assert self._heads[run.keys[0]] is run, "head map out of step"
             parent = run.parent
             assert parent is not None and (parent is self.root or parent in self._runs)
             children[parent] = children.get(parent, 0) + 1
@@ -445,7 +459,7 @@ class RadixCache:
                 protected += len(run.keys) * bs
             else:
                 evictable += len(run.keys) * bs
-        assert blocks == len(self._where), "keys outside the runs"
+        assert blocks == self._blocks and len(self._heads) == len(self._runs), "stray heads"
         assert evictable == self.evictable_tokens, "evictable count"
         assert protected == self.protected_tokens, "protected count"
         queued = set()
