@@ -15,10 +15,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from typing import Final
 
 from simulation.requests import SimRequest
 
-INF = math.inf
+INF: Final = math.inf
 
 
 class Client:

@@ -28,7 +28,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Final, cast
 
 from backends.emulated.engine import EngineConfig, Request
 from router.heap import Heap
@@ -39,7 +39,7 @@ from simulation.client import INF, Client
 from simulation.requests import SimRequest
 from simulation.worker import SimWorker, max_model_len
 
-EXPIRE_EVERY_S = 0.5
+EXPIRE_EVERY_S: Final = 0.5
 
 
 _ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change them

@@ -30,7 +30,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, cast
+from typing import Any, Final, NamedTuple, cast
 
 from backends.emulated.radix_cache import RadixCache, Run
 from router.blocks import block_keys, chain_keys, continue_after, namespace, parent_prefix
@@ -38,7 +38,7 @@ from router.heap import Heap
 from router.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
-_EPS = 1e-9  # float slack when counting steps between two times
+_EPS: Final = 1e-9  # float slack when counting steps between two times
 
 
 def output_bytes(start: int, end: int) -> bytes:
@@ -134,9 +134,12 @@ class State(enum.Enum):
     ABORTED = "aborted"
 
 
-# the members as plain names: an enum attribute lookup costs ~20x a global in the hot paths
-_WAITING, _PREFILL, _DECODE = State.WAITING, State.PREFILL, State.DECODE
-_FINISHED, _ABORTED = State.FINISHED, State.ABORTED
+# the members as Final names: compiled, a constant instead of a lookup in the hot paths
+_WAITING: Final = State.WAITING
+_PREFILL: Final = State.PREFILL
+_DECODE: Final = State.DECODE
+_FINISHED: Final = State.FINISHED
+_ABORTED: Final = State.ABORTED
 
 
 @dataclass(init=False, eq=False, slots=True)

@@ -60,14 +60,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Final, NamedTuple
 
 import xxhash
 
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_U64 = (1 << 64) - 1
+_U64: Final = (1 << 64) - 1
 
 
 class Inflow:

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Final
 
 import xxhash
 
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
 _xxh3 = xxhash.xxh3_64_intdigest
-_U64 = (1 << 64) - 1
+_U64: Final = (1 << 64) - 1
 
 
 class ConsistentHashPolicy:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Final
 
 from router.policies.base import Candidate, Decision, RouteRequest, Score
 
-_MAX_CACHED_SETS = 256
+_MAX_CACHED_SETS: Final = 256
 
 
 class RoundRobinPolicy:
@@ -26,7 +26,7 @@ class RoundRobinPolicy:
         self._orders: dict[tuple[str, ...], tuple[list[str], dict[str, int]]] = {}
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        names = tuple(c.worker for c in candidates)
+        names = tuple([c.worker for c in candidates])
         order = self._orders.get(names)
         if order is None:
             if len(self._orders) >= _MAX_CACHED_SETS:
