@@ -56,7 +56,10 @@ def test_killed_worker_fails_over_and_comes_back():
             stop.set()
             statuses = [s for f in futures for s in f.result()]
         assert left_after <= 2.0, left_after
-        assert statuses and all(s == 200 for s in statuses), sorted(set(statuses))
+        assert statuses and all(s == 200 for s in statuses), (
+            sorted(set(statuses)),
+            gateway.lines[-40:],  # the gateway's log: what failed
+        )
 
         port = int(victim.url.rsplit(":", 1)[1])
         workers[0] = start_worker(port=port)  # the same address, a new incarnation

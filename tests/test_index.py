@@ -99,6 +99,7 @@ op_st = st.one_of(
         st.sampled_from(GROUPS),
         st.sampled_from(TENANTS),
         st.integers(0, 5),
+        st.booleans(),  # deepest key first, as an LRU cache evicts (the index's fast path)
     ),
     st.tuples(st.just("clear"), st.sampled_from(WORKERS), st.sampled_from([None, *GROUPS])),
     st.tuples(st.just("tick"), st.floats(0.5, 8.0)),
@@ -135,8 +136,10 @@ def test_index_agrees_with_brute_force(ops):
             )
             model.insert(keys[skip:], w, g, now, mode)
         elif op[0] == "remove":
-            _, tokens, w, g, tenant, start = op
+            _, tokens, w, g, tenant, start, deepest_first = op
             keys = block_keys(tokens, BS, tenant)[start:]
+            if deepest_first:
+                keys.reverse()
             index.remove(keys, w, g)
             model.remove(keys, w, g)
         elif op[0] == "clear":
