@@ -66,15 +66,20 @@ class Heap(Generic[T]):
         top = entries[0]
         n = len(entries)
         i = 0
+        key, seq = last.key, last.seq
         while True:  # sift `last` down from the root
             child = 2 * i + 1
             if child >= n:
                 break
-            if child + 1 < n and _before(entries[child + 1], entries[child]):
-                child += 1
-            if not _before(entries[child], last):
+            below = entries[child]
+            if child + 1 < n:
+                right = entries[child + 1]
+                if right.key < below.key or (right.key == below.key and right.seq < below.seq):
+                    child += 1
+                    below = right
+            if key < below.key or (key == below.key and seq < below.seq):
                 break
-            entries[i] = entries[child]
+            entries[i] = below
             i = child
         entries[i] = last
         return top
