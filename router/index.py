@@ -296,9 +296,9 @@ class UnifiedIndex(RunTree):
                     run = prev  # a leaf only this resident holds grows in place
                     run.ts = now
                 else:
-                    run = self._new_run([], prev, flag, now)
+                    run = self._new_run(prev, flag, now)
                 j = self._claim(chain, i, run)
-                fresh = list(chain[i:j])
+                fresh = chain[i:j]
                 run.keys.extend(fresh)
                 if approximate:
                     for key in fresh:
@@ -386,7 +386,7 @@ class UnifiedIndex(RunTree):
         bit = self._bit_of.get((worker, kv_group))
         if bit is None:
             return 0
-        removed = self._release_keys(keys if type(keys) is list else list(keys), bit)
+        removed = self._release_keys(keys if isinstance(keys, list) else list(keys), bit)
         if self._held[bit] == 0:
             self._forget(bit)
         return removed

@@ -61,12 +61,17 @@ class RunTree:
 
     # -- structure ---------------------------------------------------------------------------
 
-    def _new_run(self, keys: list[int], parent: Run | None, mask: int, now: float) -> Run:
-        run = Run(keys, parent, mask, now)
+    def _register(self, run: Run) -> Run:
+        """List `run` and map its keys to it."""
         where, rid = self._where, id(run)
-        for key in keys:
+        for key in run.keys:
             where[key] = rid
-        self._runs[id(run)] = run
+        self._runs[rid] = run
+        return run
+
+    def _new_run(self, parent: Run | None, mask: int, now: float) -> Run:
+        """A new empty run under `parent`; `_claim` gives it its keys."""
+        run = self._register(Run([], parent, mask, now))
         if parent is not None:
             self._adopt(parent)
         return run
@@ -103,12 +108,8 @@ class RunTree:
     def _split(self, run: Run, at: int) -> Run:
         """Cut `run` before keys[at]: a new head run takes keys[:at] and `run` keeps the rest,
         so the children's parent links stay valid. Returns the head."""
-        head = Run(run.keys[:at], run.parent, run.mask, run.ts)
+        head = self._register(Run(run.keys[:at], run.parent, run.mask, run.ts))
         del run.keys[:at]
-        where, rid = self._where, id(head)
-        for key in head.keys:
-            where[key] = rid
-        self._runs[id(head)] = head
         head.children = 1
         run.parent = head
         return head
@@ -120,12 +121,8 @@ class RunTree:
         if run.children or n >= at:
             self._split(run, at)
             return run
-        tail = Run(run.keys[at:], run, run.mask, run.ts)
+        tail = self._register(Run(run.keys[at:], run, run.mask, run.ts))
         del run.keys[at:]
-        where, rid = self._where, id(tail)
-        for key in tail.keys:
-            where[key] = rid
-        self._runs[id(tail)] = tail
         tail.prev, tail.next = run.prev, run.next
         tail.prev.next = tail.next.prev = tail  # type: ignore[union-attr]
         run.prev = run.next = None

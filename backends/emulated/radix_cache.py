@@ -336,7 +336,7 @@ class RadixCache:
             fresh = list(keys[i:])
             # where in `fresh` the salt's namespace starts, if it does (None: at the root)
             at = (0 if node is self.root else -1) if salt_at is None else salt_at - i
-            public = salt is not None and 0 < at < len(fresh)  # a public prefix, then the rest
+            public = bool(salt) and 0 < at < len(fresh)  # a public prefix, then the rest
             parent_key = node.last_key
             if public:  # the namespace starts a run of its own (the module doc)
                 run = self._add_run(self._add_run(node, fresh[:at]), fresh[at:])
@@ -401,9 +401,7 @@ class RadixCache:
             assert len(heap), "evictable count out of step with the leaves"
             entry = heap.peek()
             run = entry.item
-            if not (
-                run.heap_seq == entry.seq and run.alive and not run.children and not run.lock_ref
-            ):
+            if not self._valid(run, entry.seq):
                 heap.pop()
                 continue
             run_keys = run.keys

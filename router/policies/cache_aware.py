@@ -197,10 +197,10 @@ class CacheAwarePolicy:
 
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
         """Estimated seconds to this request's first token on `candidate` (its own queue)."""
-        uncached = request.prompt_tokens - candidate.matched_blocks * request.block_size
-        if uncached < 0:  # defensive: a match is never longer than the prompt
-            uncached = 0
-        return self._wait(candidate.queued_prefill_tokens + uncached, candidate)
+        matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
+        return self._wait(
+            candidate.queued_prefill_tokens + request.prompt_tokens - matched, candidate
+        )
 
     def history(self, kv_group: str) -> RoutingHistory:
         """What the policy has learnt of `kv_group` from its own decisions (made on first use)."""
