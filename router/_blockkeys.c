@@ -3,6 +3,9 @@
  * key_0 = xxh3_64(first ‖ tokens_0), key_i = xxh3_64(le64(key_{i-1}) ‖ tokens_i),
  * tokens as little-endian int32. `first` is the length-prefixed namespace, or the
  * 8-byte key of the parent block when a chain continues an existing one.
+ *
+ * `tokens` is a sequence of ints, or `bytes` whose every byte is a token id (the byte
+ * tokenizer's ids of text without special tokens): the same keys, no int objects read.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -33,13 +36,23 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
-    if (seq == NULL) {
-        PyBuffer_Release(&first);
-        return NULL;
+    const unsigned char *octets = NULL;  /* bytes: one token id per byte */
+    PyObject *seq;
+    Py_ssize_t n_tokens;
+    if (PyBytes_CheckExact(tokens)) {
+        seq = Py_NewRef(tokens);
+        octets = (const unsigned char *)PyBytes_AS_STRING(tokens);
+        n_tokens = PyBytes_GET_SIZE(tokens);
+    } else {
+        seq = PySequence_Fast(tokens, "tokens must be a sequence of ints");
+        if (seq == NULL) {
+            PyBuffer_Release(&first);
+            return NULL;
+        }
+        n_tokens = PySequence_Fast_GET_SIZE(seq);
     }
-    Py_ssize_t n_blocks = PySequence_Fast_GET_SIZE(seq) / block_size;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n_blocks = n_tokens / block_size;
+    PyObject **items = octets == NULL ? PySequence_Fast_ITEMS(seq) : NULL;
     Py_ssize_t head = first.len > 8 ? first.len : 8;
     unsigned char *buf = PyMem_Malloc((size_t)(head + 4 * block_size));
     PyObject *out = PyList_New(n_blocks);
@@ -55,14 +68,19 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
             put_le64(buf, prev);
             off = 8;
         }
-        for (Py_ssize_t t = 0; t < block_size; t++) {
-            long v = PyLong_AsLong(items[b * block_size + t]);
-            if (v == -1 && PyErr_Occurred()) goto fail;
-            if (v < INT32_MIN || v > INT32_MAX) {
-                PyErr_SetString(PyExc_OverflowError, "token id does not fit in int32");
-                goto fail;
+        if (octets != NULL) {
+            const unsigned char *src = octets + b * block_size;
+            for (Py_ssize_t t = 0; t < block_size; t++) put_le32(buf + off + 4 * t, src[t]);
+        } else {
+            for (Py_ssize_t t = 0; t < block_size; t++) {
+                long v = PyLong_AsLong(items[b * block_size + t]);
+                if (v == -1 && PyErr_Occurred()) goto fail;
+                if (v < INT32_MIN || v > INT32_MAX) {
+                    PyErr_SetString(PyExc_OverflowError, "token id does not fit in int32");
+                    goto fail;
+                }
+                put_le32(buf + off + 4 * t, (uint32_t)(int32_t)v);
             }
-            put_le32(buf + off + 4 * t, (uint32_t)(int32_t)v);
         }
         prev = XXH3_64bits(buf, (size_t)(off + 4 * block_size));
         PyObject *key = PyLong_FromUnsignedLongLong(prev);

@@ -37,6 +37,11 @@ class Tokenizer(Protocol):
         """Completion prompt -> ids, special tokens added (BOS if the tokenizer has one)."""
         ...
 
+    def prompt_ids(self, text: str) -> Sequence[int]:
+        """`encode`'s ids as the cheapest read-only sequence the tokenizer has: the gateway
+        only counts and hashes a prompt's ids."""
+        ...
+
     def render_chat(
         self,
         messages: Sequence[Message],
@@ -97,8 +102,14 @@ class ByteTokenizer:
         )
 
     def encode(self, text: str) -> list[int]:
+        ids = self.prompt_ids(text)
+        return ids if isinstance(ids, list) else list(ids)
+
+    def prompt_ids(self, text: str) -> Sequence[int]:
+        """Text without special tokens: its UTF-8 `bytes`, which are its ids (block keys hash
+        them without a Python int per token); a list otherwise."""
         if "<|" not in text:
-            return list(text.encode())
+            return text.encode()
         ids: list[int] = []
         for i, piece in enumerate(self._SPECIAL_RE.split(text)):
             if i % 2:  # odd pieces are the captured special tokens
@@ -263,6 +274,8 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=True).ids
+
+    prompt_ids = encode
 
     def render_chat(
         self,

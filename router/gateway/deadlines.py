@@ -18,12 +18,21 @@ class Deadlines:
         self._due: dict[asyncio.Task[object], float] = {}
         self._expired: set[asyncio.Task[object]] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, asked once: `asyncio.get_running_loop()` and a `current_task()`
+        without a loop cost a getpid() system call each (CPython 3.11)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def enter(self, seconds: float) -> asyncio.Task[object]:
         """The current task must finish within `seconds` or be cancelled."""
-        task = asyncio.current_task()
+        loop = self.loop()
+        task = asyncio.current_task(loop)
         assert task is not None
-        loop = task.get_loop()
         self._due[task] = loop.time() + seconds
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = loop.create_task(self._sweep())

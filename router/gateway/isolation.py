@@ -17,7 +17,7 @@ and SGLang ignore the field and salt the whole prompt: isolation first, no shari
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -77,7 +77,7 @@ def request_scope(
     return Scope(session_salt(tenant_salt, session) if session else tenant_salt, False)
 
 
-def public_tokens(tokens: list[int], system_tokens: list[int], block_size: int) -> int:
+def public_tokens(tokens: Sequence[int], system_tokens: Sequence[int], block_size: int) -> int:
     """The tokens of the public prefix: what the render of the leading system messages alone
     has in common with the full render, cut down to whole blocks."""
     n = 0

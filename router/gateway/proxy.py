@@ -126,7 +126,7 @@ class Proxy:
             load = _Load(worker, plan.prompt_tokens - plan.load_matched(worker.name, self.index))
             if not stream:
                 delay = worker.queued_prefill_tokens * self.s_per_token
-                load.timer = asyncio.get_running_loop().call_later(delay, load.start)
+                load.timer = self.deadlines.loop().call_later(delay, load.start)
             try:
                 status, usage = await self._attempt(
                     reply, path, payload, plan, worker, load, stream, t0

@@ -6,7 +6,7 @@ Synchronous and free of I/O: the HTTP handler calls `Router.plan` and then forwa
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import msgspec
@@ -112,18 +112,18 @@ class Router:
         self.policy = policy
         # (tokenizer, the system messages and tools as JSON) -> their render alone: in shared
         # mode the same few system prompts come back on every request (oldest dropped first)
-        self._system_renders: dict[tuple[object, bytes], list[int]] = {}
+        self._system_renders: dict[tuple[object, bytes], Sequence[int]] = {}
 
-    def tokens(self, model: Model, body: dict[str, Any], chat: bool) -> list[int]:
+    def tokens(self, model: Model, body: dict[str, Any], chat: bool) -> Sequence[int]:
         try:
             if chat:
                 return model.tokenizer.encode_chat(body["messages"], body.get("tools"))
             prompt = body["prompt"]
-            return model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+            return model.tokenizer.prompt_ids(prompt) if isinstance(prompt, str) else prompt
         except ValueError as exc:
             raise bad_request(str(exc), "messages" if chat else "prompt") from None
 
-    def public_tokens(self, model: Model, body: dict[str, Any], tokens: list[int]) -> int:
+    def public_tokens(self, model: Model, body: dict[str, Any], tokens: Sequence[int]) -> int:
         """Shared isolation: the whole blocks of the leading system prompt."""
         system = leading_system(body["messages"])
         if not system:

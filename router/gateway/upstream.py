@@ -34,9 +34,11 @@ class _Connection(asyncio.Protocol):
         "keep_alive",
         "_wake",
         "_paused",
+        "_loop",
     )
 
     def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()  # made by create_connection, on its loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
@@ -104,7 +106,7 @@ class _Connection(asyncio.Protocol):
 
     async def wait(self) -> None:
         """Until more has arrived (or the connection is gone)."""
-        self._wake = asyncio.get_running_loop().create_future()
+        self._wake = self._loop.create_future()
         await self._wake
         self._wake = None
 
