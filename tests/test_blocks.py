@@ -47,6 +47,18 @@ def test_a_chain_continues_from_its_parent_key(tokens, split):
     assert tail == keys[split:]
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.sampled_from([1, 3, 16, 64]), st.sampled_from([None, "t"]))
+def test_bytes_are_keyed_as_their_byte_values(raw, block_size, salt):
+    """The byte tokenizer hands the gateway a prompt's UTF-8 bytes as its ids."""
+    expected = reference_keys(list(raw), block_size, salt)
+    assert block_keys(raw, block_size, salt) == expected
+    assert _python_chain_keys(raw, block_size, namespace(salt)) == expected
+    assert block_keys(raw, block_size, salt, public_blocks=1) == block_keys(
+        list(raw), block_size, salt, public_blocks=1
+    )
+
+
 def test_only_full_blocks_get_keys_and_namespaces_are_length_prefixed():
     assert block_keys(list(range(31)), 16) == block_keys(list(range(16)), 16)
     assert namespace(None) == namespace("") == b"\0\0\0\0"

@@ -132,6 +132,7 @@ def test_completion_encode_adds_bos_and_round_trips(hf: HFTokenizer) -> None:
     assert hf.eos_token_id == hf.encode("<|eot_id|>")[1]
     assert hf.stop_token_ids == {hf.eos_token_id}
     assert max(ids) < hf.vocab_size <= 500
+    assert hf.prompt_ids(text) == ids  # the gateway's view of a prompt
 
 
 def test_list_of_text_parts_is_joined_with_newlines(hf: HFTokenizer) -> None:
@@ -258,6 +259,9 @@ def test_byte_tokenizer_round_trips_text_and_special_tokens() -> None:
     ids = tok.encode(marked)
     assert ids == [258, *b"user\nx", 259, 257, 256, *b" <|not_special|>"]
     assert tok.decode(ids) == marked
+    for prompt in (text, marked):  # the gateway's view: the same ids, bytes where it can
+        assert list(tok.prompt_ids(prompt)) == tok.encode(prompt)
+    assert isinstance(tok.prompt_ids(text), bytes)
     assert tok.decode([0xC3]) == "\ufffd"
     with pytest.raises(ValueError):
         tok.decode([260])
