@@ -3,8 +3,13 @@
 `pip install -e .` compiles the modules listed under `[tool.urc] compiled` in pyproject.toml
 with mypyc (setup.py): the same source, as C extensions next to it, which Python imports in
 place of the .py. They are the replay's hot path (the unified index, the engine model, the
-policies, the event loop), so the gateway gets them too. Where they are not built (no C
-compiler) the source runs, with the same results.
+policies, the event loop), which the gateway shares, and the gateway's request path (its HTTP
+server and client, routing, forwarding). Where they are not built (no C compiler) the source
+runs, with the same results.
+
+Compiled code checks declared types at run time: an annotation that is wrong (typeshed's
+`asyncio.Server.sockets` is a tuple, uvloop's a list) or a duck-typed stand-in passed where a
+class is declared raises TypeError where the source would run on. Type such values `Any`.
 
 The source runs instead, for every compiled module at once (calls between them are direct C
 calls, so a mix would run stale code):
@@ -22,6 +27,9 @@ What keeps compiled code fast (each measured with callgrind on the replay):
 - no builtins (`min`, `max`, `sum`, `zip`) or lambdas on a few items in inner loops: plain loops
   and comparisons compile to C, the builtins are calls through the C API;
 - heapq over tuples compares tuples through the C API: router/heap.py compares two fields.
+
+mypyc compiles neither async generators nor `continue` inside `try ... finally`: the gateway's
+modules do without them.
 """
 
 from __future__ import annotations

@@ -3,19 +3,25 @@ approximate residency that the invalidation dropped (workers without KV events).
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from router.gateway.app import Gateway
-from router.gateway.config import GatewayConfig
+from router.gateway.config import GatewayConfig, WorkerConfig
+from router.gateway.fleet import Model, Worker
+from router.gateway.proxy import Usage
+from router.gateway.routing import Plan
+from router.policies import Decision, RouteRequest
+from router.tokenizer import ByteTokenizer
 
 KEYS = [11, 12, 13]
 
 
 def served(gateway: Gateway, arrived: float) -> None:
-    model = SimpleNamespace(name="m", kv_group="m")
-    plan = SimpleNamespace(model=model, keys=KEYS, arrived=arrived)
-    worker = SimpleNamespace(name="w", models={"m": "m"}, exact=lambda _group: False)
-    gateway._served(plan, worker, None, "default")  # type: ignore[arg-type]
+    model = Model("m", "m", ByteTokenizer(), 16)
+    url = "http://127.0.0.1:1"
+    worker = Worker("w", url, WorkerConfig(url=url), models={"m": "m"})  # no KV events
+    request = RouteRequest(KEYS, 48, 16, "m", "m")
+    decision = Decision("w", "cache_hit", ())
+    plan = Plan(model, KEYS, 48, decision, [worker], {}, 0.0, arrived, request, [], "test")
+    gateway._served(plan, worker, Usage(None, None), "default")
 
 
 async def test_a_response_in_flight_during_an_invalidation_records_nothing():

@@ -58,7 +58,10 @@ class Worker:
 
     def exact(self, kv_group: str) -> bool:
         """Whether this worker's residency in `kv_group` comes from its KV events."""
-        return any(s.kv_group == kv_group and s.subscriber is not None for s in self.streams)
+        for stream in self.streams:  # a loop, not any(): on every request
+            if stream.kv_group == kv_group and stream.subscriber is not None:
+                return True
+        return False
 
     @property
     def mode(self) -> str:

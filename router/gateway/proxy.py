@@ -127,17 +127,20 @@ class Proxy:
             if not stream:
                 delay = worker.queued_prefill_tokens * self.s_per_token
                 load.timer = self.deadlines.loop().call_later(delay, load.start)
+            failed: _Failover | None = None
             try:
                 status, usage = await self._attempt(
                     reply, path, payload, plan, worker, load, stream, t0
                 )
             except _Failover as exc:
-                last_error = f"{worker.name}: {exc}"
+                failed = exc
+            finally:
+                load.finish()
+            if failed is not None:
+                last_error = f"{worker.name}: {failed}"
                 self.fleet.failed(worker)
                 self.metrics.failover(worker.name).inc()
                 continue
-            finally:
-                load.finish()
             now = time.monotonic()
             worker.failures = 0
             if status < 500:  # it answered for itself: as good as a health check
@@ -246,7 +249,7 @@ class Proxy:
         events = 0
         first = True
         try:
-            async for chunk in upstream.chunks():
+            while (chunk := await upstream.next_chunk()) is not None:
                 if first:
                     if not chunk.lstrip().startswith((b"data:", b":", b"event:")):
                         raise _Failover("answered 200 with a stream that is not SSE")

@@ -18,6 +18,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import Any
 
 import httptools
 
@@ -345,7 +346,8 @@ class FrontServer:
             lambda: FrontProtocol(self), host, port, backlog=1024
         )
         self._reaper = loop.create_task(self._close_idle())
-        return int(self.server.sockets[0].getsockname()[1])
+        server: Any = self.server  # its sockets are a list on uvloop, a tuple on asyncio
+        return int(server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting; let requests under way finish (up to `grace_s`); close the rest."""

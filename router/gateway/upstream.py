@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
 
 import httptools
 
@@ -133,14 +132,15 @@ class UpstreamResponse:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), None)
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def next_chunk(self) -> bytes | None:
+        """The body that arrived since the last call, as soon as there is some; None at its
+        end."""
         conn = self._conn
         while True:
             if conn.chunks:
-                yield conn.take()
-                continue
+                return conn.take()
             if conn.complete:
-                return
+                return None
             if conn.lost:
                 raise UpstreamError("the worker closed the connection mid-response")
             await conn.wait()
