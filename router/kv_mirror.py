@@ -276,7 +276,7 @@ class WorkerMirror:
         extra = ev.extra_keys
         if not extra:
             return len(ev.block_hashes)
-        ours: set[Hashable] = {ev.lora_name, salt} - {None}
+        ours: set[Hashable] = {h for h in (ev.lora_name, salt) if h is not None}
         for i, keys in enumerate(extra[: len(ev.block_hashes)]):
             if not keys:
                 continue

@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 
 import zmq
 import zmq.asyncio
+import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from router.kv_events import KVEventDecodeError, decode_batch
@@ -33,6 +34,23 @@ from router.kv_mirror import Apply, Outcome, WorkerMirror
 log = logging.getLogger(__name__)
 
 _END = -1
+
+
+# the backend's getsockopt: an int, where the socket's own wraps it in an enum (~1 µs more)
+_get = zmq.backend.Socket.get
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+
+
+def _waiting(sock: zmq.Socket) -> list[bytes] | None:
+    """The message waiting on `sock`, None when there is none: never blocks, and asks the
+    socket's events first (a failed non-blocking recv raises, which costs more)."""
+    if not _get(sock, _EVENTS) & _POLLIN:
+        return None
+    try:
+        return sock.recv_multipart(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
 
 
 class KVEventSubscriber:
@@ -86,30 +104,37 @@ class KVEventSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poll_ms = max(1, int(self.poll_interval_s * 1000))
+        # what is waiting is read through plain views of the same sockets, without awaiting:
+        # one C call a message, where an asyncio socket's costs a future and loop callbacks
+        # (on a busy fleet a message comes with nearly every request); the poller is awaited
+        # only once both are drained
+        live = zmq.Socket.shadow(sub.underlying)
+        changes = zmq.Socket.shadow(monitor.underlying)
         try:
             self.mirror.reset()  # whatever the index held for this worker may be stale
             await self._guarded(self._catch_up())
             self.synced.set()
             while not self._stopping:
-                ready = dict(await poller.poll(poll_ms))
-                frames = await sub.recv_multipart() if sub in ready else None
+                frames = _waiting(live)
                 # a connection is reported before any message it brings: looking after the
                 # recv, a new incarnation's first message is never taken for a continuation
-                if await self._reconnected(monitor):
+                if self._reconnected(changes):
                     await self._guarded(self._catch_up())
                 if frames is not None:
                     await self._guarded(self._on_message(frames))
+                elif not self._stopping:
+                    await poller.poll(poll_ms)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def _reconnected(self, monitor: zmq.asyncio.Socket) -> bool:
+    def _reconnected(self, monitor: zmq.Socket) -> bool:
         """Drain the SUB socket's monitor: did it (re)connect? Then messages may have been
         lost, or the worker restarted."""
         connected = False
-        while await monitor.poll(0):
-            event = parse_monitor_message(await monitor.recv_multipart())
+        while (frames := _waiting(monitor)) is not None:
+            event = parse_monitor_message(frames)
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.reconnects += 1
                 self.connected = connected = True
