@@ -34,6 +34,7 @@ from router.kv_mirror import Apply, Outcome, WorkerMirror
 log = logging.getLogger(__name__)
 
 _END = -1
+YIELD_EVERY = 32  # messages applied in a row before the event loop gets a turn
 
 
 # the backend's getsockopt: an int, where the socket's own wraps it in an enum (~1 µs more)
@@ -107,9 +108,11 @@ class KVEventSubscriber:
         # what is waiting is read through plain views of the same sockets, without awaiting:
         # one C call a message, where an asyncio socket's costs a future and loop callbacks
         # (on a busy fleet a message comes with nearly every request); the poller is awaited
-        # only once both are drained
+        # only once both are drained, and the loop is given a turn every YIELD_EVERY messages
+        # (applying one takes no await: a backlog would otherwise hold the requests up)
         live = zmq.Socket.shadow(sub.underlying)
         changes = zmq.Socket.shadow(monitor.underlying)
+        in_a_row = 0
         try:
             self.mirror.reset()  # whatever the index held for this worker may be stale
             await self._guarded(self._catch_up())
@@ -122,7 +125,12 @@ class KVEventSubscriber:
                     await self._guarded(self._catch_up())
                 if frames is not None:
                     await self._guarded(self._on_message(frames))
+                    in_a_row += 1
+                    if in_a_row == YIELD_EVERY:
+                        in_a_row = 0
+                        await asyncio.sleep(0)
                 elif not self._stopping:
+                    in_a_row = 0
                     await poller.poll(poll_ms)
         finally:
             sub.disable_monitor()
