@@ -328,12 +328,19 @@ class Worker:
         return self.pub.publish(self.engine.step(self.rng, [None]), live=live)
 
 
-async def test_subscriber_recovers_lost_messages_and_restarts() -> None:
-    worker = Worker(15, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+def subscribed(
+    seed: int,
+) -> tuple[Worker, UnifiedIndex, WorkerMirror, KVEventSubscriber, asyncio.Task[None]]:
+    """A worker with a replay socket, and a subscriber following it into a fresh index."""
+    worker = Worker(seed, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
     index = UnifiedIndex()
     mirror = WorkerMirror(index, W, G, BS)
     sub = KVEventSubscriber(mirror, worker.pub.endpoint, worker.pub.replay_endpoint)
-    task = asyncio.create_task(sub.run())
+    return worker, index, mirror, sub, asyncio.create_task(sub.run())
+
+
+async def test_subscriber_recovers_lost_messages_and_restarts() -> None:
+    worker, index, mirror, sub, task = subscribed(15)
 
     def caught_up(w: Worker) -> bool:
         return mirror.last_seq == w.pub.next_seq - 1 and residency(index) == w.engine.truth()
@@ -422,11 +429,7 @@ async def test_subscriber_without_replay_resets_on_a_gap() -> None:
 
 async def test_subscriber_drains_a_burst_in_order() -> None:
     """Messages that pile up while the loop is busy are all applied, in order, on one wake."""
-    worker = Worker(19, "tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-    index = UnifiedIndex()
-    mirror = WorkerMirror(index, W, G, BS)
-    sub = KVEventSubscriber(mirror, worker.pub.endpoint, worker.pub.replay_endpoint)
-    task = asyncio.create_task(sub.run())
+    worker, index, mirror, sub, task = subscribed(19)
     try:
         await asyncio.wait_for(sub.synced.wait(), 5)
         while sub.messages == 0:  # live once a message comes through (replay fills the rest)
