@@ -69,12 +69,6 @@ class SimRequest:
         return self.route.model
 
 
-def route_request(
-    keys: list[int], prompt_tokens: int, block_size: int, kv_group: str, model: str
-) -> RouteRequest:
-    return RouteRequest(keys, prompt_tokens, block_size, kv_group, model)
-
-
 def cache_salt(tenant: str | None, kv_group: str, one_group: bool) -> str | None:
     """The namespace of a request's keys: the tenant's salt (None: shared), plus the kv_group
     when the fleet serves several (one process keys them all)."""

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from loadgen.mooncake import BLOCK_TOKENS, TraceFormatError, TraceRecord, parse_record
 from router.blocks import chain_keys, namespace, parent_prefix
-from simulation.requests import KeyedPrompt, SimRequest, cache_salt, route_request
+from router.policies import RouteRequest
+from simulation.requests import KeyedPrompt, SimRequest, cache_salt
 
 _INT32 = range(-(2**31), 2**31)
 _NO_PARTIAL = -2  # the first tail "token" of a request whose trace lists no partial block
@@ -168,7 +169,7 @@ def trace_requests(
                 max_tokens=max_tokens,
                 keys=keys,
                 tail_keys=tail,
-                route=route_request(keys, rec.input_length, bs, group, group),
+                route=RouteRequest(keys, rec.input_length, bs, group, group),
                 salt=salt,
                 tenant=rec.tenant,
                 chat=chat,

@@ -16,8 +16,9 @@ from backends.emulated.engine import output_bytes, tail_keys
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import RequestSpec, iter_requests, with_poisson_arrivals
 from router.blocks import block_keys
+from router.policies import RouteRequest
 from router.tokenizer import ByteTokenizer
-from simulation.requests import SimRequest, cache_salt, route_request
+from simulation.requests import SimRequest, cache_salt
 
 DEFAULT_MODELS: tuple[str, ...] = ("emulated",)
 
@@ -77,7 +78,7 @@ def requests_from_specs(
                 max_tokens=spec.max_tokens,
                 keys=keys,
                 tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt),
-                route=route_request(keys, len(tokens), block_size, spec.model, spec.model),
+                route=RouteRequest(keys, len(tokens), block_size, spec.model, spec.model),
                 salt=salt,
                 tenant=tenant,
                 chat=spec.kind == "chat",

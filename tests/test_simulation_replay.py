@@ -16,7 +16,7 @@ from simulation.bound import infinite_cache_hit_rate
 from simulation.compare import compare
 from simulation.metrics import summarize
 from simulation.replay import FleetConfig, Replay
-from simulation.requests import SimRequest, route_request
+from simulation.requests import SimRequest
 from simulation.workloads import workload_requests
 
 
@@ -76,7 +76,7 @@ def keyed(i: int, t: float, tokens: int, chat: bool) -> SimRequest:
     prompt = [(i * 7 + j) % 251 for j in range(tokens)]
     keys = block_keys(prompt, 16)
     tail = tail_keys(prompt, keys, 4, 16, None)
-    route = route_request(keys, tokens, 16, "g", "g")
+    route = RouteRequest(keys, tokens, 16, "g", "g")
     return SimRequest(i, t, prompt, 4, keys, tail, route, None, chat=chat)
 
 
