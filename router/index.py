@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from router.run_tree import Run, RunTree
 
@@ -166,25 +166,27 @@ class UnifiedIndex(RunTree):
         it released (the rest takes `_release_keys`'s general path)."""
         flag = 1 << bit
         where, by_id = self._where, self._runs
+        boxed = cast(list[object], keys)
         n = len(keys)
         i = 0
         while i < n:
-            run = by_id.get(where.get(keys[i], 0))
+            run = by_id.get(where.get(boxed[i], 0))
             if run is None or not run.mask & flag:
                 break
             run_keys = run.keys
+            boxed_run = cast(list[object], run_keys)
             last = len(run_keys) - 1
-            if run_keys[last] != keys[i]:
+            if boxed_run[last] != boxed[i]:
                 break
             m = 1
-            while m <= last and i + m < n and keys[i + m] == run_keys[last - m]:
+            while m <= last and i + m < n and boxed[i + m] == boxed_run[last - m]:
                 m += 1
             if m > last or run.mask != flag or run.children:  # not a leaf of its own
                 self._release(run if m > last else self._cut_tail(run, m), bit)
             else:
                 gone = run_keys[last + 1 - m :]
                 del run_keys[last + 1 - m :]
-                for key in gone:
+                for key in cast(list[object], gone):
                     del where[key]
                 self._held[bit] -= m
                 if self._approx:
@@ -203,7 +205,7 @@ class UnifiedIndex(RunTree):
         where, by_id = self._where, self._runs
         # each run's keys, runs in order of first appearance; the runs are held here, so that
         # no run made by a split below can take the id of one deleted on the way
-        found: dict[int, list[int]] = {}
+        found: dict[object, list[int]] = {}
         for key in keys:
             rid = where.get(key, 0)
             if rid:
@@ -288,9 +290,10 @@ class UnifiedIndex(RunTree):
             if at < len(prev.keys):
                 prev = self._split(prev, at)
         added = 0
+        boxed = cast(list[object], chain)  # keys stay objects (router/native.py)
         i = 0
         while i < n:
-            run = by_id.get(where.get(chain[i], 0))
+            run = by_id.get(where.get(boxed[i], 0))
             if run is None:  # new blocks up to the next known key
                 if prev is not None and prev.children == 0 and prev.mask == flag:
                     run = prev  # a leaf only this resident holds grows in place
@@ -309,14 +312,15 @@ class UnifiedIndex(RunTree):
                 i = j
                 prev = run
                 continue
-            if run.keys[0] != chain[i]:  # entering mid-run (its parent was unknown to us)
-                self._split(run, run.keys.index(chain[i]))
+            if run.keys[0] != boxed[i]:  # entering mid-run (its parent was unknown to us)
+                self._split(run, cast(list[object], run.keys).index(boxed[i]))
             size = len(run.keys)
+            boxed_run = cast(list[object], run.keys)
             if chain[i : i + size] == run.keys:
                 m = size
             else:
                 m = 1
-                while m < size and i + m < n and chain[i + m] == run.keys[m]:
+                while m < size and i + m < n and boxed[i + m] == boxed_run[m]:
                     m += 1
                 if m < size:
                     run = self._split(run, m)
@@ -469,18 +473,19 @@ class UnifiedIndex(RunTree):
         resident_of = self._resident_of
         matched: dict[str, int] = {}
         depth = 0
+        boxed = cast(Sequence[object], keys)  # keys stay objects (router/native.py)
         last = None
-        run = by_id.get(where.get(keys[0], 0))  # 0: no object's id
+        run = by_id.get(where.get(boxed[0], 0))  # 0: no object's id
         while run is not None:
-            run_keys = run.keys
-            if run_keys[0] != keys[depth]:
+            run_keys = cast(list[object], run.keys)
+            if run_keys[0] != boxed[depth]:
                 break  # the key sits mid-run on another path (an orphan's parent was missing)
             size = len(run_keys)
             if keys[depth : depth + size] == run_keys:
                 m = size
             else:
                 m = 1
-                while m < size and depth + m < n and keys[depth + m] == run_keys[m]:
+                while m < size and depth + m < n and boxed[depth + m] == run_keys[m]:
                     m += 1
             held = active & run.mask
             if held != active:
@@ -495,7 +500,7 @@ class UnifiedIndex(RunTree):
             depth += m
             if m < size or depth >= n:
                 break
-            run = by_id.get(where.get(keys[depth], 0))
+            run = by_id.get(where.get(boxed[depth], 0))
         if depth:
             for bit in _bits(active):
                 matched[resident_of[bit].worker] = depth  # type: ignore[union-attr]

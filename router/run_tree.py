@@ -9,6 +9,8 @@ hold it) is the index's business; this module only keeps the shape.
 
 from __future__ import annotations
 
+from typing import cast
+
 
 class Run:
     __slots__ = ("keys", "parent", "mask", "children", "ts", "prev", "next")
@@ -28,9 +30,11 @@ class RunTree:
 
     def __init__(self) -> None:
         # every key -> id() of the run holding it: ints only, so the garbage collector never
-        # walks it (a dict of a million entries made each full collection ~20 ms longer)
-        self._where: dict[int, int] = {}
-        self._runs: dict[int, Run] = {}  # id(run) -> run
+        # walks it (a dict of a million entries made each full collection ~20 ms longer).
+        # Typed `object`, keys and ids stay boxed: compiled, an `int` read from a list or a
+        # dict is unboxed, and boxed again (a new object below 2**62) for every dict operation
+        self._where: dict[object, object] = {}
+        self._runs: dict[object, Run] = {}  # id(run) -> run
         self._lru = Run([], None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
         self._lru.prev = self._lru.next = self._lru
 
@@ -63,8 +67,9 @@ class RunTree:
 
     def _register(self, run: Run) -> Run:
         """List `run` and map its keys to it."""
-        where, rid = self._where, id(run)
-        for key in run.keys:
+        where = self._where
+        rid: object = id(run)
+        for key in cast(list[object], run.keys):
             where[key] = rid
         self._runs[rid] = run
         return run
@@ -80,11 +85,13 @@ class RunTree:
         """Map keys[i:] to `run` up to the first key mapped already, to any run or twice in
         `keys` (one dict operation per key); returns where it stopped. The caller appends
         keys[i:stop] to `run.keys`."""
-        where, rid = self._where, id(run)
+        where = self._where
+        rid: object = id(run)
+        boxed = cast(list[object], keys)
         n = len(keys)
         size = len(where)
         while i < n:
-            where.setdefault(keys[i], rid)
+            where.setdefault(boxed[i], rid)
             if len(where) == size:
                 break
             size += 1
@@ -135,7 +142,7 @@ class RunTree:
             self._unlink(run)
             del self._runs[id(run)]
             where = self._where
-            for key in run.keys:
+            for key in cast(list[object], run.keys):
                 del where[key]
             parent = run.parent
             if parent is None:

@@ -29,7 +29,7 @@ scanning the tree. Recency is a logical tick, bumped by `match`, `insert` and `u
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from router.heap import Heap
 
@@ -115,7 +115,8 @@ class RadixCache:
         self.on_stored = on_stored
         self.on_removed = on_removed
         self.root = Run([], None, 1, 0)  # never evicted: lock_ref stays >= 1
-        self._heads: dict[int, Run] = {}  # first key of a run -> the run
+        # first key of a run -> the run; keys read as `object`s stay boxed (router/run_tree.py)
+        self._heads: dict[object, Run] = {}
         self._blocks = 0  # blocks in the tree
         self._runs: set[Run] = set()
         self._heap: Heap[Run] = Heap()  # unlocked leaves by stamp (entries may be stale)
@@ -180,20 +181,21 @@ class RadixCache:
         Returns the run that ends exactly at the match and the index past it."""
         heads = self._heads
         tick = self._tick
+        boxed = cast(Sequence[object], keys)
         while i < limit:
-            run = heads.get(keys[i])
+            run = heads.get(boxed[i])
             if run is None:
                 break
-            run_keys = run.keys
+            run_keys = cast(list[object], run.keys)
             size = len(run_keys)
-            if i + size <= limit and keys[i + size - 1] == run_keys[-1]:
+            if i + size <= limit and boxed[i + size - 1] == run_keys[-1]:
                 m = size
             else:
                 # chained keys: equal at depth m means equal up to m, so bisect the match
                 lo, hi = 1, min(size, limit - i)  # keys[i] == run_keys[0] holds
                 while lo < hi:
                     mid = (lo + hi + 1) // 2
-                    if keys[i + mid - 1] == run_keys[mid - 1]:
+                    if boxed[i + mid - 1] == run_keys[mid - 1]:
                         lo = mid
                     else:
                         hi = mid - 1
@@ -213,8 +215,8 @@ class RadixCache:
         head = Run(run.keys[:at], run.parent, run.lock_ref, run.stamp)
         head.children = 1
         del run.keys[:at]
-        self._heads[head.keys[0]] = head
-        self._heads[run.keys[0]] = run
+        self._heads[cast(list[object], head.keys)[0]] = head
+        self._heads[cast(list[object], run.keys)[0]] = run
         run.parent = head
         self._runs.add(head)
         return head
@@ -326,7 +328,7 @@ class RadixCache:
             self.allocated_tokens -= n * bs
             self.free_tokens += n * bs
             return InsertResult(parent, n, 0)
-        if n and keys[0] not in self._heads:  # all new (the common case): nothing to follow
+        if n and cast(Sequence[object], keys)[0] not in self._heads:  # all new (the common case): nothing to follow
             node, i = parent, 0
         else:
             node, i = self._descend(parent, keys, 0, n)
@@ -363,9 +365,10 @@ class RadixCache:
 
     def _add_run(self, parent: Run, keys: list[int]) -> Run:
         """A new run of blocks under `parent`, computed in allocated room: now evictable."""
-        assert keys[0] not in self._heads, "block key collision"
+        first = cast(list[object], keys)[0]
+        assert first not in self._heads, "block key collision"
         run = Run(keys, parent, 0, self._tick)
-        self._heads[keys[0]] = run
+        self._heads[first] = run
         parent.children += 1
         self._runs.add(run)
         self._blocks += len(keys)
@@ -409,7 +412,7 @@ class RadixCache:
             gone = run_keys[: -take - 1 : -1]  # deepest first
             removed.extend(gone)
             if take == len(run_keys):
-                del self._heads[run_keys[0]]
+                del self._heads[cast(list[object], run_keys)[0]]
                 heap.pop()
                 run.alive = False
                 run.keys = []
