@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadgen.mooncake import TraceRecord
-from router.policies import Candidate, Decision, RouteRequest, Score
+from router.policies import Candidate, Decision, RouteRequest
 from router.shadow import ShadowPolicies, ShadowStats
 from simulation.metrics import series, summarize
 from simulation.replay import FleetConfig, Replay, RunResult
@@ -52,10 +52,6 @@ class RecordedChoice:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         worker = self._chosen[id(request)]
         bs, prompt = request.block_size, request.prompt_tokens
-        scores = tuple(
-            Score(c.worker, min(c.matched_blocks * bs, prompt), c.in_flight, 0.0)
-            for c in candidates
-        )
         chosen = next((c for c in candidates if c.worker == worker), None)
         if chosen is None:
             names = ", ".join(c.worker for c in candidates)
@@ -66,7 +62,7 @@ class RecordedChoice:
         live.prompt_tokens += prompt
         live.predicted_hit_tokens += min(chosen.matched_blocks * bs, prompt)
         live.predicted_ttft_s += self.shadows.estimator.ttft(request, chosen)
-        return Decision(worker, "recorded", scores)
+        return Decision(worker, "recorded", request, candidates, [0.0] * len(candidates))
 
 
 @dataclass(slots=True)

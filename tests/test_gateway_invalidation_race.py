@@ -19,7 +19,7 @@ def served(gateway: Gateway, arrived: float) -> None:
     url = "http://127.0.0.1:1"
     worker = Worker("w", url, WorkerConfig(url=url), models={"m": "m"})  # no KV events
     request = RouteRequest(KEYS, 48, 16, "m", "m")
-    decision = Decision("w", "cache_hit", ())
+    decision = Decision("w", "cache_hit", request, [], [])
     plan = Plan(model, KEYS, 48, decision, [worker], {}, 0.0, arrived, request, [], "test")
     gateway._served(plan, worker, Usage(None, None), "default")
 

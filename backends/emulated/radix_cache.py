@@ -328,7 +328,8 @@ class RadixCache:
             self.allocated_tokens -= n * bs
             self.free_tokens += n * bs
             return InsertResult(parent, n, 0)
-        if n and cast(Sequence[object], keys)[0] not in self._heads:  # all new (the common case): nothing to follow
+        # all new (the common case): nothing to follow
+        if n and cast(Sequence[object], keys)[0] not in self._heads:
             node, i = parent, 0
         else:
             node, i = self._descend(parent, keys, 0, n)

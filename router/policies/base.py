@@ -89,14 +89,39 @@ class Score:
 
 @dataclass(init=False, slots=True)
 class Decision:
+    """A policy's choice, and what it minimised over the candidates (`costs`). The explanation
+    (`scores`) is built from them when read: routing reads only `worker` and `reason`."""
+
     worker: str
     reason: str  # short machine-friendly word: "cache_hit", "cold_miss", "imbalanced", ...
-    scores: tuple[Score, ...]  # every candidate, in the order given
+    request: RouteRequest
+    candidates: Sequence[Candidate]
+    costs: list[float]  # per candidate, in the order given (lower is better; meaning per policy)
 
-    def __init__(self, worker: str, reason: str, scores: tuple[Score, ...]) -> None:
+    def __init__(
+        self,
+        worker: str,
+        reason: str,
+        request: RouteRequest,
+        candidates: Sequence[Candidate],
+        costs: list[float],
+    ) -> None:
         self.worker = worker
         self.reason = reason
-        self.scores = scores
+        self.request = request
+        self.candidates = candidates
+        self.costs = costs
+
+    @property
+    def scores(self) -> tuple[Score, ...]:
+        """How the policy saw every candidate, in the order given: the explanation's rows."""
+        bs, prompt = self.request.block_size, self.request.prompt_tokens
+        return tuple(
+            [
+                Score(c.worker, min(c.matched_blocks * bs, prompt), c.in_flight, cost)
+                for c, cost in zip(self.candidates, self.costs, strict=True)
+            ]
+        )
 
     @property
     def matched_tokens(self) -> int:

@@ -64,7 +64,7 @@ from typing import ClassVar, Final, NamedTuple
 
 import xxhash
 
-from router.policies.base import Candidate, Decision, RouteRequest, Score
+from router.policies.base import Candidate, Decision, RouteRequest
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _U64: Final = (1 << 64) - 1
@@ -254,7 +254,7 @@ class CacheAwarePolicy:
         s_delay = self.externality * waiting / n * s_per_token  # per uncached token
         s_evict = self.cache_value * history.reuse(block_size) * s_per_token  # on a full cache
 
-        scores: list[Score] = []
+        costs: list[float] = []
         best, best_cost, n_best = 0, math.inf, 0
         most_blocks = -1
         fewest_blocks = 1 << 62
@@ -273,7 +273,7 @@ class CacheAwarePolicy:
                 if steps < 1.0:
                     steps = 1.0
                 cost += steps * c.running_decode * decode_token_s
-            scores.append(Score(c.worker, matched, c.in_flight, cost))
+            costs.append(cost)
             if cost < best_cost:
                 best, best_cost, n_best = i, cost, 1
             elif cost == best_cost:
@@ -287,24 +287,25 @@ class CacheAwarePolicy:
         n_keys = len(keys)
         if n_keys == 0:  # no full block, nothing to hash: lowest cost, then fewest in flight
             best = min(
-                range(len(scores)), key=lambda i: (scores[i].cost, scores[i].load, scores[i].worker)
+                range(n),
+                key=lambda i: (costs[i], candidates[i].in_flight, candidates[i].worker),
             )
-            return Decision(scores[best].worker, "cold_miss", tuple(scores))
+            return Decision(candidates[best].worker, "cold_miss", request, candidates, costs)
 
         free = fewest_blocks == most_blocks
         if free and most_blocks < n_keys:
             # Everyone holds the same prefix and the rest is new: fill the emptiest cache
             # among the workers fast enough, by the first new block where that ties.
-            best = self._place_new(request, candidates, scores, keys[most_blocks])
+            best = self._place_new(request, candidates, keys[most_blocks])
         elif n_best > 1:  # exact tie: hash the first block the tied workers do not all hold
             tied: list[int] = []
             shared = n_keys - 1
-            for i, s in enumerate(scores):
-                if s.cost == best_cost:
+            for i, cost in enumerate(costs):
+                if cost == best_cost:
                     tied.append(i)
                     if candidates[i].matched_blocks < shared:
                         shared = candidates[i].matched_blocks
-            best = self._rendezvous_among(scores, tied, keys[shared])
+            best = self._rendezvous_among(candidates, tied, keys[shared])
 
         if most_blocks <= 0:
             reason = "cold_miss"
@@ -312,15 +313,14 @@ class CacheAwarePolicy:
             reason = "cache_hit"
         else:
             reason = "load"
-        hit = scores[best].matched_tokens
+        hit = min(candidates[best].matched_blocks * block_size, prompt)
         history.record(hit, prompt - hit, free, held * block_size)
-        return Decision(scores[best].worker, reason, tuple(scores))
+        return Decision(candidates[best].worker, reason, request, candidates, costs)
 
     def _place_new(
         self,
         request: RouteRequest,
         candidates: Sequence[Candidate],
-        scores: list[Score],
         key: int,
     ) -> int:
         """The worker within the wait bound whose cache took the least new content lately:
@@ -344,7 +344,7 @@ class CacheAwarePolicy:
                 emptiest = [i]
             elif inflow == least:
                 emptiest.append(i)
-        return self._rendezvous_among(scores, emptiest, key)
+        return self._rendezvous_among(candidates, emptiest, key)
 
     def _weight(self, worker: str, key: int) -> int:
         """Rendezvous weight: xxh3_64(worker name, seed=block key); same in every process."""
@@ -353,13 +353,13 @@ class CacheAwarePolicy:
             raw = self._name_bytes[worker] = worker.encode()
         return _xxh3(raw, key & _U64)
 
-    def _rendezvous_among(self, scores: list[Score], among: list[int], key: int) -> int:
+    def _rendezvous_among(self, candidates: Sequence[Candidate], among: list[int], key: int) -> int:
         """The one of `among` with the highest rendezvous weight for `key` (first on a tie)."""
         best = among[0]
         if len(among) > 1:
-            top = self._weight(scores[best].worker, key)
+            top = self._weight(candidates[best].worker, key)
             for i in among[1:]:
-                weight = self._weight(scores[i].worker, key)
+                weight = self._weight(candidates[i].worker, key)
                 if weight > top:
                     best, top = i, weight
         return best

@@ -16,7 +16,7 @@ from typing import ClassVar, Final
 
 import xxhash
 
-from router.policies.base import Candidate, Decision, RouteRequest, Score
+from router.policies.base import Candidate, Decision, RouteRequest
 
 _xxh3 = xxhash.xxh3_64_intdigest
 _U64: Final = (1 << 64) - 1
@@ -48,10 +48,9 @@ class ConsistentHashPolicy:
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         point = self.request_point(request)
-        block_size, prompt = request.block_size, request.prompt_tokens
         chosen, nearest = "", _U64 + 1
         known = self._points
-        scores = []
+        costs: list[float] = []
         for c in candidates:
             points = known.get(c.worker) or self.worker_points(c.worker)
             j = bisect_right(points, point)
@@ -59,6 +58,5 @@ class ConsistentHashPolicy:
             distance = (points[j] - point) if j < len(points) else (points[0] - point) & _U64
             if distance < nearest:
                 chosen, nearest = c.worker, distance
-            matched = min(c.matched_blocks * block_size, prompt)
-            scores.append(Score(c.worker, matched, c.in_flight, float(distance)))
-        return Decision(chosen, "consistent_hash", tuple(scores))
+            costs.append(float(distance))
+        return Decision(chosen, "consistent_hash", request, candidates, costs)

@@ -9,16 +9,11 @@ import random
 from collections.abc import Sequence
 from typing import ClassVar
 
-from router.policies.base import Candidate, Decision, RouteRequest, Score
+from router.policies.base import Candidate, Decision, RouteRequest
 
 
-def _load_scores(request: RouteRequest, candidates: Sequence[Candidate]) -> tuple[Score, ...]:
-    block_size, prompt = request.block_size, request.prompt_tokens
-    scores = []
-    for c in candidates:
-        matched = min(c.matched_blocks * block_size, prompt)
-        scores.append(Score(c.worker, matched, c.in_flight, float(c.in_flight)))
-    return tuple(scores)
+def _loads(candidates: Sequence[Candidate]) -> list[float]:
+    return [float(c.in_flight) for c in candidates]
 
 
 class LeastLoadPolicy:
@@ -40,7 +35,7 @@ class LeastLoadPolicy:
                 )
             ):
                 best = c
-        return Decision(best.worker, "least_load", _load_scores(request, candidates))
+        return Decision(best.worker, "least_load", request, candidates, _loads(candidates))
 
 
 class PowerOfTwoPolicy:
@@ -66,4 +61,4 @@ class PowerOfTwoPolicy:
                 second += 1
             a, b = candidates[first], candidates[second]
             chosen = a if a.in_flight <= b.in_flight else b
-        return Decision(chosen.worker, "power_of_two", _load_scores(request, candidates))
+        return Decision(chosen.worker, "power_of_two", request, candidates, _loads(candidates))

@@ -10,7 +10,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from typing import ClassVar, Final
 
-from router.policies.base import Candidate, Decision, RouteRequest, Score
+from router.policies.base import Candidate, Decision, RouteRequest
 
 _MAX_CACHED_SETS: Final = 256
 
@@ -22,8 +22,8 @@ class RoundRobinPolicy:
 
     def __init__(self) -> None:
         self._last: str | None = None
-        # candidate names as given -> (names sorted, name -> position in the sorted list)
-        self._orders: dict[tuple[str, ...], tuple[list[str], dict[str, int]]] = {}
+        # candidate names as given -> (names sorted, each candidate's position in that order)
+        self._orders: dict[tuple[str, ...], tuple[list[str], list[int]]] = {}
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         names = tuple([c.worker for c in candidates])
@@ -32,15 +32,11 @@ class RoundRobinPolicy:
             if len(self._orders) >= _MAX_CACHED_SETS:
                 self._orders.clear()
             ring = sorted(names)
-            order = self._orders[names] = (ring, {w: i for i, w in enumerate(ring)})
-        ring, position = order
+            position = {w: i for i, w in enumerate(ring)}
+            order = self._orders[names] = (ring, [position[w] for w in names])
+        ring, positions = order
         n = len(ring)
         start = 0 if self._last is None else bisect_right(ring, self._last) % n
         self._last = ring[start]
-        block_size, prompt = request.block_size, request.prompt_tokens
-        scores = []
-        for c in candidates:
-            matched = min(c.matched_blocks * block_size, prompt)
-            turns = float((position[c.worker] - start) % n)
-            scores.append(Score(c.worker, matched, c.in_flight, turns))
-        return Decision(ring[start], "round_robin", tuple(scores))
+        costs = [float((p - start) % n) for p in positions]
+        return Decision(ring[start], "round_robin", request, candidates, costs)

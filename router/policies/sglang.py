@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from router.policies.base import Candidate, Decision, RouteRequest, Score
+from router.policies.base import Candidate, Decision, RouteRequest
 
 
 class SGLangCacheAwarePolicy:
@@ -108,25 +108,20 @@ class SGLangCacheAwarePolicy:
         worker = candidates[chosen]
         uncached = prompt - min(worker.matched_blocks * block_size, prompt)
         routed[worker.worker] = routed.get(worker.worker, 0) + uncached  # SGLang's tree.insert
-        return Decision(worker.worker, reason, _scores(request, candidates, sizes, cost))
+        costs = _costs(request, candidates, sizes, cost)
+        return Decision(worker.worker, reason, request, candidates, costs)
 
 
 _LOAD, _UNCACHED, _TREE = range(3)
 
 
-def _scores(
+def _costs(
     request: RouteRequest, candidates: Sequence[Candidate], sizes: list[int], cost: int
-) -> tuple[Score, ...]:
+) -> list[float]:
     """The explanation; `cost` says which quantity the branch taken minimised."""
     block_size, prompt = request.block_size, request.prompt_tokens
-    scores = []
-    for c, size in zip(candidates, sizes, strict=True):
-        matched = min(c.matched_blocks * block_size, prompt)
-        if cost == _LOAD:
-            value = float(c.in_flight)
-        elif cost == _UNCACHED:
-            value = float(prompt - matched)
-        else:
-            value = float(size)
-        scores.append(Score(c.worker, matched, c.in_flight, value))
-    return tuple(scores)
+    if cost == _LOAD:
+        return [float(c.in_flight) for c in candidates]
+    if cost == _UNCACHED:
+        return [float(prompt - min(c.matched_blocks * block_size, prompt)) for c in candidates]
+    return [float(size) for size in sizes]
