@@ -21,9 +21,13 @@ Every token of the pool is in exactly one of four states (`check` asserts it):
 
 Locks walk to the root, so every ancestor of a locked run is locked and all evictable tokens
 can be reached by evicting leaves. Eviction runs only inside `allocate`, only for the shortfall,
-oldest unlocked leaf first, from the tail of that leaf's run; the leaves sit in a lazy heap
-(stale entries are skipped on pop, and the heap is compacted when they pile up), never found by
-scanning the tree. Recency is a logical tick, bumped by `match`, `insert` and `unlock`.
+oldest unlocked leaf first, from the tail of that leaf's run; the leaves sit in a lazy heap,
+never found by scanning the tree. Recency is a logical tick, bumped by `match`, `insert` and
+`unlock`; using a run only moves its stamp. A run is queued once, when it becomes an unlocked
+leaf, under its stamp then; an entry that reaches the top under an older stamp than its run's
+is queued again under the new one, and one whose run is no longer an unlocked leaf is dropped.
+Stamps only grow, so the top entry whose stamp is current is the least recently used leaf
+(no two leaves share a stamp: one tick stamps one path).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
 
-from router.heap import Heap
+from router.heap import Entry, Heap
 
 # (parent key or None for a root block, keys, token ids of exactly those blocks or None, salt)
 StoredCallback = Callable[[int | None, list[int], list[int] | None, str | None], None]
@@ -41,7 +45,7 @@ RemovedCallback = Callable[[list[int]], None]
 class Run:
     """A node of the tree: consecutive blocks that share a parent chain and a lock count."""
 
-    __slots__ = ("keys", "parent", "children", "lock_ref", "stamp", "heap_seq", "alive")
+    __slots__ = ("keys", "parent", "children", "lock_ref", "stamp", "queued", "alive")
 
     def __init__(self, keys: list[int], parent: Run | None, lock_ref: int, stamp: int) -> None:
         self.keys = keys  # keys[i] is the parent block of keys[i + 1]
@@ -49,7 +53,7 @@ class Run:
         self.children = 0
         self.lock_ref = lock_ref
         self.stamp = stamp  # the tick of the last use: LRU order of leaves
-        self.heap_seq = -1  # the seq of this run's one valid heap entry, if any
+        self.queued = False  # in the LRU heap (under its stamp then, maybe an older one)
         self.alive = True
 
     @property
@@ -119,7 +123,7 @@ class RadixCache:
         self._heads: dict[object, Run] = {}
         self._blocks = 0  # blocks in the tree
         self._runs: set[Run] = set()
-        self._heap: Heap[Run] = Heap()  # unlocked leaves by stamp (entries may be stale)
+        self._heap: Heap[Run] = Heap()  # unlocked leaves, by their stamp when queued
         self._tick = 0
         self.free_tokens = self.capacity_tokens
         self.evictable_tokens = 0
@@ -172,8 +176,6 @@ class RadixCache:
         limit = len(keys) if max_blocks is None else min(max_blocks, len(keys))
         self._tick += 1
         node, matched = self._descend(self.root, keys, 0, limit)
-        if node.children == 0 and node.lock_ref == 0:
-            self._push(node)  # its stamp changed: re-queue it
         return MatchResult(node, matched)
 
     def _descend(self, node: Run, keys: Sequence[int], i: int, limit: int) -> tuple[Run, int]:
@@ -360,8 +362,6 @@ class RadixCache:
                     self.on_stored(parent_key, fresh[:at], _head(block_tokens, cut), None)
                     self.on_stored(fresh[at - 1], fresh[at:], _tail(block_tokens, cut), salt)
             node = run
-        elif node.children == 0 and node.lock_ref == 0 and node is not self.root:
-            self._push(node)  # used again: re-queue it under its new stamp
         return InsertResult(node, i, n - i)
 
     def _add_run(self, parent: Run, keys: list[int]) -> Run:
@@ -388,13 +388,19 @@ class RadixCache:
     # -- eviction ----------------------------------------------------------------------------
 
     def _push(self, run: Run) -> None:
-        run.heap_seq = self._heap.push(run.stamp, run)
-        if len(self._heap) > 2 * len(self._runs) + 1024:
-            self._heap.retain(lambda entry: self._valid(entry.item, entry.seq))
+        """Queue a run that became an unlocked leaf (once: a queued one is there already)."""
+        if run.queued:
+            return
+        run.queued = True
+        self._heap.push(run.stamp, run)
+        if len(self._heap) > 2 * len(self._runs) + 1024:  # invalidated runs pile up
+            self._heap.retain(self._keep)
 
     @staticmethod
-    def _valid(run: Run, seq: int) -> bool:
-        return run.heap_seq == seq and run.alive and run.children == 0 and run.lock_ref == 0
+    def _keep(entry: Entry[Run]) -> bool:
+        run = entry.item
+        run.queued = run.alive and run.children == 0 and run.lock_ref == 0
+        return run.queued
 
     def _evict(self, blocks: int) -> None:
         """Drop `blocks` blocks from the tails of the least recently used unlocked leaves."""
@@ -405,8 +411,13 @@ class RadixCache:
             assert len(heap), "evictable count out of step with the leaves"
             entry = heap.peek()
             run = entry.item
-            if not self._valid(run, entry.seq):
+            if not run.alive or run.children or run.lock_ref:  # no longer an unlocked leaf
                 heap.pop()
+                run.queued = False
+                continue
+            if entry.key != run.stamp:  # used since it was queued: queue it under its stamp
+                heap.pop()
+                heap.push(run.stamp, run)
                 continue
             run_keys = run.keys
             take = min(blocks, len(run_keys))
@@ -415,7 +426,7 @@ class RadixCache:
             if take == len(run_keys):
                 del self._heads[cast(list[object], run_keys)[0]]
                 heap.pop()
-                run.alive = False
+                run.queued = run.alive = False
                 run.keys = []
                 self._runs.discard(run)
                 parent = run.parent
@@ -464,15 +475,16 @@ class RadixCache:
         assert blocks == self._blocks and len(self._heads) == len(self._runs), "stray heads"
         assert evictable == self.evictable_tokens, "evictable count"
         assert protected == self.protected_tokens, "protected count"
-        queued = set()
+        queued: dict[int, float] = {}
         for entry in self._heap.entries():
             run = entry.item
-            if self._valid(run, entry.seq):
-                assert entry.key == run.stamp, "a leaf queued under a stale stamp"
-                queued.add(id(run))
+            assert run.queued and id(run) not in queued, "a run queued twice or unmarked"
+            assert entry.key <= run.stamp, "a run queued under a stamp it never had"
+            queued[id(run)] = entry.key
         for run in self._runs:
             assert run.children == children.get(run, 0), "children count"
             assert run.lock_ref >= locks.get(run, 0), "a locked run under an unlocked one"
+            assert run.queued == (id(run) in queued), "queued flag out of step with the heap"
             if run.children == 0 and run.lock_ref == 0:
-                assert id(run) in queued, "an evictable leaf is not in the heap"
+                assert run.queued, "an evictable leaf is not in the heap"
         assert self.root.children == children.get(self.root, 0), "root children count"
