@@ -28,16 +28,15 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final, cast
+from typing import Final
 
 from backends.emulated.engine import EngineConfig, Request
 from router.heap import Heap
 from router.index import UnifiedIndex
-from router.kv_events import BlockRemoved, BlockStored
 from router.policies import Candidate, Policy
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
-from simulation.worker import SimWorker, max_model_len
+from simulation.worker import Change, SimWorker, max_model_len
 
 EXPIRE_EVERY_S: Final = 0.5
 
@@ -84,7 +83,7 @@ class FleetConfig:
             max_batch=self.max_batch,
             chunk_tokens=self.chunk_tokens,
             report_tokens=False,
-            emit_events=self.kv_events,
+            emit_events=False,  # the simulated workers listen to their caches (worker.py)
             event_tokens=False,
         )
 
@@ -140,7 +139,8 @@ class Replay:
             raise ValueError(f"{len(groups)} kv_groups need at least as many workers")
         # one kv_group per worker (its event stream carries no model): groups take turns
         self.workers = [
-            SimWorker(name, groups[i % len(groups)], config, limit) for i, name in enumerate(names)
+            SimWorker(name, groups[i % len(groups)], config, limit, fleet.kv_events)
+            for i, name in enumerate(names)
         ]
         self.by_group: dict[str, list[SimWorker]] = {}
         for w in self.workers:
@@ -164,7 +164,7 @@ class Replay:
         self._engine_req: list[Request | None] = [None] * n
         self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
         self._heap: Heap[SimWorker] = Heap()  # workers by the time of their next step call
-        self._kv: deque[tuple[float, SimWorker, list]] = deque()
+        self._kv: deque[tuple[float, SimWorker, list[Change]]] = deque()
         self._reasons: Counter[str] = Counter()
         self._peak = 0
         self._events = 0
@@ -300,8 +300,9 @@ class Replay:
                     if not self.fleet.kv_events and req.keys:  # the gateway's routing history
                         self.index.insert(req.keys, w.name, w.kv_group, now, approximate=True)
                     client.complete(req, True, now)
-            if result.events:
-                self._kv.append((now + self.fleet.event_delay_s, w, result.events))
+            if w.changes:
+                self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
+                w.changes = []
             # this call consumed the worker's heap entry
             t = engine.next_step_time() if per_step else engine.next_time()
             if t is None:
@@ -322,16 +323,15 @@ class Replay:
         index = self.index
         applied = 0
         while kv and kv[0][0] <= now:
-            due, w, events = kv.popleft()
+            due, w, changes = kv.popleft()
             name, group = w.name, w.kv_group
-            for ev in events:
-                if type(ev) is BlockStored:  # our engine's keys are ints
-                    keys, parent = cast(list[int], ev.block_hashes), ev.parent_block_hash
-                    added = index.insert(keys, name, group, due, parent=cast(int | None, parent))
+            for change in changes:
+                if change.stored:
+                    added = index.insert(change.keys, name, group, due, parent=change.parent)
                     w.cached_blocks += added
                     w.stored_blocks += added  # as UnifiedIndex.blocks_stored counts
-                elif type(ev) is BlockRemoved:
-                    w.cached_blocks -= index.remove(cast(list[int], ev.block_hashes), name, group)
+                else:
+                    w.cached_blocks -= index.remove(change.keys, name, group)
                 applied += 1
         self._events += applied
         if self._pending:  # a confirmed pending block was held already: count from the index

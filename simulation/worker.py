@@ -9,11 +9,27 @@ The load fields are the gateway's own (router/gateway/proxy.py), moved at the sa
 The first byte of a streamed response is its first token (a chat's role chunk rides on it, as
 vLLM sends it). `cached_blocks` counts the blocks the unified
 index holds for the worker (what `UnifiedIndex.blocks_held` returns), kept from the KV events.
+
+With KV events, the worker listens to its engine's cache itself: `changes` are the cache's
+stores and removals since the replay last took them, what the engine's BlockStored and
+BlockRemoved would say (keys and parent; the simulator needs no token ids), without building
+wire events that the replay would only take apart again.
 """
 
 from __future__ import annotations
 
 from backends.emulated.engine import EmulatedEngine, EngineConfig
+
+
+class Change:
+    """Blocks stored (under `parent`, None: root blocks) or removed: one KV event's content."""
+
+    __slots__ = ("keys", "parent", "stored")
+
+    def __init__(self, keys: list[int], parent: int | None, stored: bool) -> None:
+        self.keys = keys
+        self.parent = parent
+        self.stored = stored
 
 
 class SimWorker:
@@ -29,12 +45,24 @@ class SimWorker:
         "stored_blocks",
         "wake",
         "wake_seq",
+        "changes",
     )
 
-    def __init__(self, name: str, kv_group: str, config: EngineConfig, max_model_len: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        kv_group: str,
+        config: EngineConfig,
+        max_model_len: int,
+        kv_events: bool = True,
+    ) -> None:
         self.name = name
         self.kv_group = kv_group
         self.engine = EmulatedEngine(config)
+        self.changes: list[Change] = []
+        if kv_events:
+            self.engine.cache.on_stored = self._stored
+            self.engine.cache.on_removed = self._removed
         self.max_model_len = max_model_len  # longer prompt + max_tokens: 400, as the worker says
         self.in_flight = 0
         self.queued_prefill_tokens = 0
@@ -43,6 +71,14 @@ class SimWorker:
         self.stored_blocks = 0
         self.wake: float | None = None  # when the engine wants its next step call
         self.wake_seq = -1  # the one valid heap entry of this worker
+
+    def _stored(
+        self, parent: int | None, keys: list[int], tokens: list[int] | None, salt: str | None
+    ) -> None:
+        self.changes.append(Change(keys, parent, True))
+
+    def _removed(self, keys: list[int]) -> None:
+        self.changes.append(Change(keys, None, False))
 
 
 def max_model_len(capacity_tokens: int) -> int:
