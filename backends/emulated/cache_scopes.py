@@ -54,6 +54,8 @@ def invalidate(cache: RadixCache, scope: SaltTest | None) -> Invalidated:
             heads[tombstones[0]] = run
             continue
         freed += len(run.keys)
+        if run.prev is not None:  # an unlocked leaf
+            cache._unlink(run)
         cache._blocks -= len(run.keys)
         cache.evictable_tokens -= len(run.keys) * bs
         cache.free_tokens += len(run.keys) * bs
@@ -71,8 +73,9 @@ def invalidate(cache: RadixCache, scope: SaltTest | None) -> Invalidated:
             and parent.alive
             and parent.children == 0
             and parent.lock_ref == 0
+            and parent.prev is None
         ):
-            cache._push(parent)
+            cache._link_by_stamp(parent)
     cache.evicted_blocks += freed
     if cache.on_removed is not None and removed:
         cache.on_removed(removed)

@@ -21,21 +21,19 @@ Every token of the pool is in exactly one of four states (`check` asserts it):
 
 Locks walk to the root, so every ancestor of a locked run is locked and all evictable tokens
 can be reached by evicting leaves. Eviction runs only inside `allocate`, only for the shortfall,
-oldest unlocked leaf first, from the tail of that leaf's run; the leaves sit in a lazy heap,
-never found by scanning the tree. Recency is a logical tick, bumped by `match`, `insert` and
-`unlock`; using a run only moves its stamp. A run is queued once, when it becomes an unlocked
-leaf, under its stamp then; an entry that reaches the top under an older stamp than its run's
-is queued again under the new one, and one whose run is no longer an unlocked leaf is dropped.
-Stamps only grow, so the top entry whose stamp is current is the least recently used leaf
-(no two leaves share a stamp: one tick stamps one path).
+oldest unlocked leaf first, from the tail of that leaf's run. Recency is a logical tick,
+bumped by `match`, `insert` and `unlock`, that stamps the path used. The unlocked leaves sit in
+an intrusive doubly linked list in stamp order, never found by scanning the tree: a leaf used
+or unlocked takes the newest tick, so it moves to the newest end; only a parent left a leaf
+by an eviction keeps an older stamp, and it goes in before the first newer leaf (at the
+oldest end, unless it was used after its last child). No two leaves share a stamp (one tick
+stamps one path), so the order is exact.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, cast
-
-from router.heap import Entry, Heap
 
 # (parent key or None for a root block, keys, token ids of exactly those blocks or None, salt)
 StoredCallback = Callable[[int | None, list[int], list[int] | None, str | None], None]
@@ -45,7 +43,7 @@ RemovedCallback = Callable[[list[int]], None]
 class Run:
     """A node of the tree: consecutive blocks that share a parent chain and a lock count."""
 
-    __slots__ = ("keys", "parent", "children", "lock_ref", "stamp", "queued", "alive")
+    __slots__ = ("keys", "parent", "children", "lock_ref", "stamp", "alive", "prev", "next")
 
     def __init__(self, keys: list[int], parent: Run | None, lock_ref: int, stamp: int) -> None:
         self.keys = keys  # keys[i] is the parent block of keys[i + 1]
@@ -53,8 +51,9 @@ class Run:
         self.children = 0
         self.lock_ref = lock_ref
         self.stamp = stamp  # the tick of the last use: LRU order of leaves
-        self.queued = False  # in the LRU heap (under its stamp then, maybe an older one)
         self.alive = True
+        self.prev: Run | None = None  # LRU list links; None when not a listed leaf
+        self.next: Run | None = None
 
     @property
     def last_key(self) -> int | None:
@@ -123,7 +122,8 @@ class RadixCache:
         self._heads: dict[object, Run] = {}
         self._blocks = 0  # blocks in the tree
         self._runs: set[Run] = set()
-        self._heap: Heap[Run] = Heap()  # unlocked leaves, by their stamp when queued
+        self._lru = Run([], None, 0, -1)  # sentinel: .next is the oldest unlocked leaf
+        self._lru.prev = self._lru.next = self._lru
         self._tick = 0
         self.free_tokens = self.capacity_tokens
         self.evictable_tokens = 0
@@ -209,11 +209,14 @@ class RadixCache:
             i += m
             if m < size:
                 break
+        if node.prev is not None:  # an unlocked leaf used: now the newest
+            self._unlink(node)
+            self._link_newest(node)
         return node, i
 
     def _split(self, run: Run, at: int) -> Run:
         """Cut `run` after `at` blocks; returns the new head. The tail keeps the identity of
-        `run` (requests holding it still end there) and its heap entry."""
+        `run` (requests holding it still end there) and its place in the LRU list."""
         head = Run(run.keys[:at], run.parent, run.lock_ref, run.stamp)
         head.children = 1
         del run.keys[:at]
@@ -234,6 +237,8 @@ class RadixCache:
                 tokens = len(node.keys) * bs
                 self.evictable_tokens -= tokens
                 self.protected_tokens += tokens
+                if node.prev is not None:
+                    self._unlink(node)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -252,7 +257,7 @@ class RadixCache:
                 self.evictable_tokens += tokens
                 self.protected_tokens -= tokens
                 if node.children == 0:
-                    self._push(node)
+                    self._link_newest(node)
             node = node.parent  # type: ignore[assignment]
 
     def move_lock(self, node: Run, down_to: Run) -> None:
@@ -264,6 +269,8 @@ class RadixCache:
                 tokens = len(down_to.keys) * bs
                 self.evictable_tokens -= tokens
                 self.protected_tokens += tokens
+                if down_to.prev is not None:
+                    self._unlink(down_to)
             down_to.lock_ref += 1
             down_to = down_to.parent  # type: ignore[assignment]
         root = self.root
@@ -347,7 +354,7 @@ class RadixCache:
                 run = self._add_run(self._add_run(node, fresh[:at]), fresh[at:])
             else:
                 run = self._add_run(node, fresh[:])  # the run's list changes; events' must not
-            self._push(run)
+            self._link_newest(run)
             if salt and 0 <= at < len(fresh):
                 self._note_namespace(fresh[at], salt)
             if self.on_stored is not None:
@@ -370,6 +377,8 @@ class RadixCache:
         assert first not in self._heads, "block key collision"
         run = Run(keys, parent, 0, self._tick)
         self._heads[first] = run
+        if parent.prev is not None:  # an unlocked leaf (cached meanwhile) is one no longer
+            self._unlink(parent)
         parent.children += 1
         self._runs.add(run)
         self._blocks += len(keys)
@@ -387,53 +396,54 @@ class RadixCache:
 
     # -- eviction ----------------------------------------------------------------------------
 
-    def _push(self, run: Run) -> None:
-        """Queue a run that became an unlocked leaf (once: a queued one is there already)."""
-        if run.queued:
-            return
-        run.queued = True
-        self._heap.push(run.stamp, run)
-        if len(self._heap) > 2 * len(self._runs) + 1024:  # invalidated runs pile up
-            self._heap.retain(self._keep)
+    def _unlink(self, run: Run) -> None:
+        run.prev.next = run.next  # type: ignore[union-attr]
+        run.next.prev = run.prev  # type: ignore[union-attr]
+        run.prev = run.next = None
 
-    @staticmethod
-    def _keep(entry: Entry[Run]) -> bool:
-        run = entry.item
-        run.queued = run.alive and run.children == 0 and run.lock_ref == 0
-        return run.queued
+    def _link_newest(self, run: Run) -> None:
+        """List an unlocked leaf that holds the newest tick."""
+        head = self._lru
+        run.prev, run.next = head.prev, head
+        head.prev.next = run  # type: ignore[union-attr]
+        head.prev = run
+
+    def _link_by_stamp(self, run: Run) -> None:
+        """List a run that became an unlocked leaf under an older stamp, in stamp order."""
+        head = self._lru
+        if run.stamp > head.prev.stamp:  # type: ignore[union-attr]
+            self._link_newest(run)
+            return
+        after = head
+        while after.next is not head and after.next.stamp < run.stamp:  # type: ignore[union-attr]
+            after = after.next  # type: ignore[assignment]
+        run.prev, run.next = after, after.next
+        after.next.prev = run  # type: ignore[union-attr]
+        after.next = run
 
     def _evict(self, blocks: int) -> None:
         """Drop `blocks` blocks from the tails of the least recently used unlocked leaves."""
-        heap = self._heap
+        lru = self._lru
         bs = self.block_size
         removed: list[int] = []
         while blocks > 0:
-            assert len(heap), "evictable count out of step with the leaves"
-            entry = heap.peek()
-            run = entry.item
-            if not run.alive or run.children or run.lock_ref:  # no longer an unlocked leaf
-                heap.pop()
-                run.queued = False
-                continue
-            if entry.key != run.stamp:  # used since it was queued: queue it under its stamp
-                heap.pop()
-                heap.push(run.stamp, run)
-                continue
+            run = lru.next
+            assert run is not None and run is not lru, "evictable count out of step with leaves"
             run_keys = run.keys
             take = min(blocks, len(run_keys))
             gone = run_keys[: -take - 1 : -1]  # deepest first
             removed.extend(gone)
             if take == len(run_keys):
                 del self._heads[cast(list[object], run_keys)[0]]
-                heap.pop()
-                run.queued = run.alive = False
+                self._unlink(run)
+                run.alive = False
                 run.keys = []
                 self._runs.discard(run)
                 parent = run.parent
                 assert parent is not None
                 parent.children -= 1
                 if parent is not self.root and parent.children == 0 and parent.lock_ref == 0:
-                    self._push(parent)
+                    self._link_by_stamp(parent)
             else:
                 del run_keys[-take:]
             self._blocks -= take
@@ -475,16 +485,20 @@ class RadixCache:
         assert blocks == self._blocks and len(self._heads) == len(self._runs), "stray heads"
         assert evictable == self.evictable_tokens, "evictable count"
         assert protected == self.protected_tokens, "protected count"
-        queued: dict[int, float] = {}
-        for entry in self._heap.entries():
-            run = entry.item
-            assert run.queued and id(run) not in queued, "a run queued twice or unmarked"
-            assert entry.key <= run.stamp, "a run queued under a stamp it never had"
-            queued[id(run)] = entry.key
+        listed: set[int] = set()
+        at = self._lru.next
+        stamp = -1
+        while at is not self._lru:
+            assert at is not None and id(at) not in listed, "LRU list loops"
+            assert at.stamp > stamp, "LRU list out of stamp order"
+            assert at.alive and at.children == 0 and at.lock_ref == 0, "listed, not a leaf"
+            assert at.next is not None and at.next.prev is at, "LRU links"
+            listed.add(id(at))
+            stamp = at.stamp
+            at = at.next
         for run in self._runs:
             assert run.children == children.get(run, 0), "children count"
             assert run.lock_ref >= locks.get(run, 0), "a locked run under an unlocked one"
-            assert run.queued == (id(run) in queued), "queued flag out of step with the heap"
-            if run.children == 0 and run.lock_ref == 0:
-                assert run.queued, "an evictable leaf is not in the heap"
+            evictable_leaf = run.children == 0 and run.lock_ref == 0
+            assert evictable_leaf == (id(run) in listed), "LRU list != unlocked leaves"
         assert self.root.children == children.get(self.root, 0), "root children count"
