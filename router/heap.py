@@ -1,5 +1,5 @@
 """A min-heap of items by (key, push order): the event queues of the replay and the emulated
-engine, and the radix cache's LRU queue.
+engine.
 
 heapq's algorithm over native entries. Compiled (router/native.py), ordering two entries reads
 two fields; heapq over `(key, seq, item)` tuples compares tuples through the C API, which cost
@@ -9,7 +9,6 @@ heap pops them in the same sequence as heapq did.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -83,13 +82,3 @@ class Heap(Generic[T]):
             i = child
         entries[i] = last
         return top
-
-    def retain(self, keep: Callable[[Entry[T]], bool]) -> None:
-        """Drop the entries `keep` refuses (a sorted list is a heap)."""
-        kept = [e for e in self._entries if keep(e)]
-        kept.sort(key=lambda e: (e.key, e.seq))
-        self._entries = kept
-
-    def entries(self) -> list[Entry[T]]:
-        """Every entry, in no particular order (for checks)."""
-        return list(self._entries)

@@ -30,13 +30,3 @@ def test_pops_in_the_order_heapq_gives(ops):
         assert len(heap) == len(reference)
         if reference:
             assert heap.peek().seq == reference[0][1]
-
-
-def test_retain_drops_what_it_refuses_and_keeps_the_order():
-    heap: Heap[int] = Heap()
-    for i in range(50):
-        heap.push(float(i % 7), i)
-    heap.retain(lambda entry: entry.item % 3 != 0)
-    popped = [heap.pop().item for _ in range(len(heap))]
-    kept = [i for i in range(50) if i % 3]
-    assert popped == sorted(kept, key=lambda i: (i % 7, i))
