@@ -67,7 +67,7 @@ class UnifiedIndex(RunTree):
         self.max_blocks = max_blocks  # 0: unbounded
         self.approx_ttl_s = approx_ttl_s
         self.pending_ttl_s = pending_ttl_s  # 0: pending residency off (such inserts do nothing)
-        self._bit_of: dict[tuple[str, str], int] = {}  # Resident -> bit
+        self._bit_of: dict[str, dict[str, int]] = {}  # worker -> kv_group -> bit
         self._resident_of: list[Resident | None] = []  # bit -> resident
         self._free_bits: list[int] = []
         self._held: list[int] = []  # bit -> blocks held
@@ -99,8 +99,15 @@ class UnifiedIndex(RunTree):
 
     # -- residents ---------------------------------------------------------------------------
 
+    def _find(self, worker: str, kv_group: str) -> int | None:
+        """The resident's bit; None while it holds nothing."""
+        groups = self._bit_of.get(worker)
+        return None if groups is None else groups.get(kv_group)
+
     def _bit(self, worker: str, kv_group: str) -> int:
-        bit = self._bit_of.get((worker, kv_group))  # a plain tuple finds the Resident key
+        """The resident's bit, given one if it has none."""
+        groups = self._bit_of.get(worker)
+        bit = None if groups is None else groups.get(kv_group)
         if bit is None:
             resident = Resident(worker, kv_group)
             if self._free_bits:
@@ -112,14 +119,17 @@ class UnifiedIndex(RunTree):
                 self._resident_of.append(resident)
                 self._held.append(0)
                 self._stored.append(0)
-            self._bit_of[resident] = bit
+            self._bit_of.setdefault(worker, {})[kv_group] = bit
             self._group_mask[kv_group] = self._group_mask.get(kv_group, 0) | (1 << bit)
         return bit
 
     def _forget(self, bit: int) -> None:
         resident = self._resident_of[bit]
         assert resident is not None and self._held[bit] == 0
-        del self._bit_of[resident]
+        groups = self._bit_of[resident.worker]
+        del groups[resident.kv_group]
+        if not groups:
+            del self._bit_of[resident.worker]
         self._resident_of[bit] = None
         self._free_bits.append(bit)
         group_mask = self._group_mask[resident.kv_group] & ~(1 << bit)
@@ -132,12 +142,12 @@ class UnifiedIndex(RunTree):
         return [r for r in self._resident_of if r is not None]
 
     def blocks_held(self, worker: str, kv_group: str) -> int:
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         return 0 if bit is None else self._held[bit]
 
     def blocks_stored(self, worker: str, kv_group: str) -> int:
         """Blocks the resident came to hold so far: the inflow of its cache."""
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         return 0 if bit is None else self._stored[bit]
 
     def _release(self, run: Run, bit: int) -> None:
@@ -387,7 +397,7 @@ class UnifiedIndex(RunTree):
 
     def remove(self, keys: Iterable[int], worker: str, kv_group: str) -> int:
         """The resident no longer holds these keys. Returns how many it held."""
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         if bit is None:
             return 0
         removed = self._release_keys(keys if isinstance(keys, list) else list(keys), bit)
@@ -397,11 +407,8 @@ class UnifiedIndex(RunTree):
 
     def clear(self, worker: str, kv_group: str | None = None) -> int:
         """Drop everything a worker holds (in one kv_group, or in all). Walks the runs."""
-        bits = [
-            bit
-            for (name, group), bit in self._bit_of.items()
-            if name == worker and kv_group in (None, group)
-        ]
+        groups = self._bit_of.get(worker, {})
+        bits = [bit for group, bit in groups.items() if kv_group in (None, group)]
         if not bits:
             return 0
         mask = sum(1 << b for b in bits)
@@ -511,26 +518,26 @@ class UnifiedIndex(RunTree):
         return matched
 
     def holds(self, key: int, worker: str, kv_group: str) -> bool:
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         run = self.run_of(key)
         return bit is not None and run is not None and bool(run.mask >> bit & 1)
 
     def residency(self, worker: str, kv_group: str) -> set[int]:
         """Every key the resident holds. Walks the runs: for tests and debugging."""
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         if bit is None:
             return set()
         return {key for run in self._runs.values() if run.mask >> bit & 1 for key in run.keys}
 
     def is_approximate(self, key: int, worker: str, kv_group: str) -> bool:
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         times = self._approx.get(key)
         return bit is not None and times is not None and bit in times
 
     def confirmed_depth(self, keys: Sequence[int], worker: str, kv_group: str, depth: int) -> int:
         """Of the first `depth` keys (a match), how many lead before the first one the resident
         holds only pending: what it will find even if the request it awaits is not done."""
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         pending = self._pending
         if not pending or bit is None:
             return depth
@@ -540,7 +547,7 @@ class UnifiedIndex(RunTree):
         return depth
 
     def is_pending(self, key: int, worker: str, kv_group: str) -> bool:
-        bit = self._bit_of.get((worker, kv_group))
+        bit = self._find(worker, kv_group)
         return bit is not None and bool(self._pending.get(key, 0) >> bit & 1)
 
     def last_confirmed(self, key: int) -> float | None:
@@ -553,7 +560,7 @@ class UnifiedIndex(RunTree):
             runs=len(self._runs),
             residencies=sum(self._held),
             approximate=sum(len(t) for t in self._approx.values()),
-            residents=len(self._bit_of),
+            residents=sum(len(groups) for groups in self._bit_of.values()),
             evicted=self._evicted,
             pending=sum(m.bit_count() for m in self._pending.values()),
         )

@@ -22,7 +22,7 @@ def invalidate(index: UnifiedIndex, scope: SaltTest | None, kv_group: str | None
     """Drop every resident's hold on the blocks of the namespaces `scope` matches (None: every
     block) in `kv_group` (None: every group). Returns the block residencies dropped."""
     if kv_group is None:
-        mask = sum(1 << bit for bit in index._bit_of.values())
+        mask = sum(1 << bit for groups in index._bit_of.values() for bit in groups.values())
     else:
         mask = index._group_mask.get(kv_group, 0)
     if scope is None:
