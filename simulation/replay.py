@@ -166,7 +166,7 @@ class Replay:
         self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
         self._heap: Heap[SimWorker] = Heap()  # workers by the time of their next step call
         self._kv: deque[tuple[float, SimWorker, list[Change]]] = deque()
-        self._reasons: Counter[str] = Counter()
+        self._reasons: dict[str, int] = {}  # a plain dict: a Counter's += runs Python code
         self._peak = 0
         self._events = 0
         self._steps = 0
@@ -248,7 +248,8 @@ class Replay:
         ]
         decision = self.policy.choose(route, candidates)
         w = self.by_name[decision.worker]
-        self._reasons[decision.reason] += 1
+        reasons = self._reasons
+        reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
         i = req.index
         prompt = route.prompt_tokens
         depth = matched.get(w.name, 0)
@@ -387,7 +388,7 @@ class Replay:
             ttft_s=ttft,
             latency_s=latency,
             ok=ok,
-            reasons=self._reasons,
+            reasons=Counter(self._reasons),
             dropped=self.client.dropped,
             index_peak_blocks=self._peak,
             index_blocks=stats.blocks,
