@@ -169,7 +169,7 @@ class RadixCache:
     def used_tokens(self) -> int:
         return self.capacity_tokens - self.free_tokens
 
-    def match(self, keys: Sequence[int], max_blocks: int | None = None) -> MatchResult:
+    def match(self, keys: list[int], max_blocks: int | None = None) -> MatchResult:
         """The longest cached prefix of `keys` (at most `max_blocks` blocks), as a run that ends
         exactly there (a run is split if the match ends inside it). Marks the path used; the
         blocks are safe to use only once `lock(result.node)` is held."""
@@ -178,12 +178,12 @@ class RadixCache:
         node, matched = self._descend(self.root, keys, 0, limit)
         return MatchResult(node, matched)
 
-    def _descend(self, node: Run, keys: Sequence[int], i: int, limit: int) -> tuple[Run, int]:
+    def _descend(self, node: Run, keys: list[int], i: int, limit: int) -> tuple[Run, int]:
         """Follow keys[i:limit] down from `node` (whose last key is the parent of keys[i]).
         Returns the run that ends exactly at the match and the index past it."""
         heads = self._heads
         tick = self._tick
-        boxed = cast(Sequence[object], keys)
+        boxed = cast(list[object], keys)
         while i < limit:
             run = heads.get(boxed[i])
             if run is None:
@@ -312,7 +312,7 @@ class RadixCache:
     def insert(
         self,
         parent: Run,
-        keys: Sequence[int],
+        keys: list[int],
         tokens: Sequence[int] | None = None,
         salt: str | None = None,
         salt_at: int | None = None,
@@ -338,14 +338,14 @@ class RadixCache:
             self.free_tokens += n * bs
             return InsertResult(parent, n, 0)
         # all new (the common case): nothing to follow
-        if n and cast(Sequence[object], keys)[0] not in self._heads:
+        if n and cast(list[object], keys)[0] not in self._heads:
             node, i = parent, 0
         else:
             node, i = self._descend(parent, keys, 0, n)
         self.allocated_tokens -= n * bs
         self.free_tokens += i * bs  # our copy of blocks cached meanwhile
         if i < n:
-            fresh = list(keys[i:])
+            fresh = keys[i:]
             # where in `fresh` the salt's namespace starts, if it does (None: at the root)
             at = (0 if node is self.root else -1) if salt_at is None else salt_at - i
             public = bool(salt) and 0 < at < len(fresh)  # a public prefix, then the rest
@@ -431,7 +431,8 @@ class RadixCache:
             assert run is not None and run is not lru, "evictable count out of step with leaves"
             run_keys = run.keys
             take = min(blocks, len(run_keys))
-            gone = run_keys[: -take - 1 : -1]  # deepest first
+            gone = run_keys[len(run_keys) - take :]
+            gone.reverse()  # deepest first
             removed.extend(gone)
             if take == len(run_keys):
                 del self._heads[cast(list[object], run_keys)[0]]
