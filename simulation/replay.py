@@ -179,7 +179,7 @@ class Replay:
 
         The garbage collector is off meanwhile: the replay makes no reference cycles per
         request (what it drops, reference counting frees), only the fleet's trees, which live
-        as long as the run, so the collector's passes over them free nothing and cost ~5 %."""
+        as long as the run, so the collector's passes over them free nothing and cost ~3 %."""
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -23,7 +23,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._last: str | None = None
         # candidate names as given -> (names sorted, each candidate's position in that order,
-        # name -> the position after it)
+        # name -> its position)
         self._orders: dict[tuple[str, ...], tuple[list[str], list[int], dict[str, int]]] = {}
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
@@ -34,15 +34,14 @@ class RoundRobinPolicy:
                 self._orders.clear()
             ring = sorted(names)
             position = {w: i for i, w in enumerate(ring)}
-            after = {w: (i + 1) % len(ring) for i, w in enumerate(ring)}
-            order = self._orders[names] = (ring, [position[w] for w in names], after)
-        ring, positions, after = order
+            order = self._orders[names] = (ring, [position[w] for w in names], position)
+        ring, positions, position = order
         n = len(ring)
         if self._last is None:
             start = 0
         else:  # the next name after the last one chosen (which may have left the ring)
-            nxt = after.get(self._last)
-            start = bisect_right(ring, self._last) % n if nxt is None else nxt
+            at = position.get(self._last)
+            start = bisect_right(ring, self._last) % n if at is None else (at + 1) % n
         self._last = ring[start]
         costs = [float((p - start) % n) for p in positions]
         return Decision(ring[start], "round_robin", request, candidates, costs)
