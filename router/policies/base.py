@@ -125,7 +125,9 @@ class Decision:
 
     @property
     def matched_tokens(self) -> int:
-        return next(s.matched_tokens for s in self.scores if s.worker == self.worker)
+        """Prompt tokens the chosen worker holds (shadow policies read it on every request)."""
+        chosen = next(c for c in self.candidates if c.worker == self.worker)
+        return min(chosen.matched_blocks * self.request.block_size, self.request.prompt_tokens)
 
     def ranked(self) -> list[str]:
         """Workers by the policy's preference, best first (the failover order)."""
