@@ -24,6 +24,8 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from router.strict_json import BodyError, decode_object
+
 ContentFormat = Literal["string", "openai"]
 Message = Mapping[str, Any]
 
@@ -190,9 +192,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             call["function"]["arguments"] = {}
         elif isinstance(arguments, str):
             try:
-                call["function"]["arguments"] = json.loads(arguments)
-            except json.JSONDecodeError as e:
+                parsed = decode_object(arguments.encode())
+            except (BodyError, UnicodeEncodeError) as e:
                 raise ValueError(f"{where}.tool_calls[{j}].function.arguments: {e}") from e
+            call["function"]["arguments"] = parsed
     return out
 
 

@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.gateway.server import FrontServer, LeanReply
+from router.gateway.server import FrontServer, LeanReply, Limits
 
 JSON = [("Content-Type", "application/json")]
 
@@ -44,7 +44,7 @@ async def front() -> AsyncIterator[int]:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     assert runner.server is not None
-    server = FrontServer(fake_serve, runner.server, max_body_bytes=1 << 16)
+    server = FrontServer(fake_serve, runner.server, Limits(max_body_bytes=1 << 16))
     port = await server.start("127.0.0.1", 0)
     try:
         yield port

@@ -66,7 +66,7 @@ def test_invalidating_a_tenant_drops_its_cache_everywhere_and_nothing_else():
         assert cached(url, "beta", bodies["beta"]) == before_beta  # beta's hits untouched
         assert max(matched(url, "beta", bodies["beta"])) > 0
 
-        metrics = httpx.get(f"{url}/metrics").text
+        metrics = httpx.get(f"{url}/metrics", headers=ADMIN).text
         assert 'urc_invalidations_total{scope="tenant"} 1.0' in metrics
         assert "urc_invalidated_blocks_total" in metrics
 
@@ -102,7 +102,7 @@ def test_shared_tenants_reuse_a_public_system_prompt_and_nothing_else():
             "bank": "shared",
             "solo": "tenant",
         }
-        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        metrics = httpx.get(f"{url}/metrics", headers=ADMIN, timeout=10).text
         assert 'urc_tenant_isolation{isolation="shared",tenant="bank"} 1.0' in metrics
         shop = chat("shop's private question about order 1234. " * 6, SYSTEM)
         bank = chat("bank's private question about account 9. " * 6, SYSTEM)

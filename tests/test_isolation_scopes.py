@@ -22,8 +22,8 @@ from router.gateway.isolation import (
     request_scope,
     session_salt,
     user_salt,
-    with_public,
 )
+from router.gateway.request_body import forwarded, parse_body
 from router.gateway.routing import Router
 from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
@@ -80,8 +80,11 @@ def test_public_prefix_of_a_chat() -> None:
     assert leading_system(msgs) == msgs[:1]
     assert leading_system(msgs[:1]) == []  # only a system prompt: nothing private to follow
     assert public_tokens(list(range(50)), list(range(40)) + [7], BS) == 32
-    assert with_public(b'{"a":1}', 32) == b'{"urc_public_tokens":32,"a":1}'
-    assert with_public(b'{"a":1,"urc_public_tokens":999}', 0) == b'{"a":1}'  # never the client's
+    assert forwarded({"a": 1}, "T", 32) == b'{"cache_salt":"T","urc_public_tokens":32,"a":1}'
+    # never the client's, under any spelling: the names compared are the decoded ones
+    client = parse_body(b'{"a":1,"urc\\u005fpublic_tokens":999,"cache_salt":"x","urc_x":1}')
+    assert forwarded(client, "T", 0) == b'{"cache_salt":"T","a":1}'
+    assert forwarded(client, None, 0) == b'{"a":1}'
 
 
 class CountingTokenizer(ByteTokenizer):

@@ -44,8 +44,9 @@ def add_serving_arguments(parser: argparse.ArgumentParser, kv_port_note: str = "
 
 
 async def listen(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve `app` on `host:port` (port 0: any free one); its runner and the port it got."""
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    """Serve `app` on `host:port` (port 0: any free one); its runner and the port it got.
+    A request whose client goes away is cancelled (its generation aborted)."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, host, port, shutdown_timeout=1.0).start()
     return runner, runner.addresses[0][1]

@@ -6,13 +6,14 @@ route, wrong method, body too large), into that JSON. Bad input is never a 500.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
+
+from router.strict_json import BodyError, decode_object
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +92,9 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     except web.HTTPRequestEntityTooLarge as exc:
         raise ApiError(413, exc.text or "request body too large", code="request_too_large") from exc
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", code="invalid_json")
-    return body
+        return decode_object(raw)
+    except BodyError as exc:
+        raise ApiError(400, str(exc), code="invalid_json") from exc
 
 
 def int_param(body: dict[str, Any], name: str, minimum: int) -> int | None:

@@ -22,7 +22,7 @@ from router.gateway.config import WorkerConfig
 from router.gateway.errors import APIError, bad_request, json_errors
 from router.gateway.fleet import Worker
 from router.gateway.invalidation import Invalidator
-from router.gateway.routing import parse_body, validate
+from router.gateway.request_body import parse_body, validate
 from router.index import UnifiedIndex
 
 if TYPE_CHECKING:
@@ -42,6 +42,17 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
             web.post("/admin/invalidate", json_errors(admin.invalidate)),
             web.get("/admin/tenants", json_errors(admin.list_tenants)),
         ]
+    )
+
+
+def bearer_matches(authorization: str | None, key: str) -> bool:
+    """`Authorization: Bearer KEY` names `key` (compared in constant time, as bytes: a header
+    may hold any character)."""
+    scheme, _, given = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    return hmac.compare_digest(
+        given.strip().encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")
     )
 
 
@@ -79,8 +90,7 @@ class _Admin:
                 type="permission_error",
                 code="admin_disabled",
             )
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(), key):
+        if not bearer_matches(request.headers.get("Authorization"), key):
             raise APIError(
                 401,
                 "wrong or missing admin key",

@@ -13,6 +13,7 @@ import contextlib
 import gc
 import logging
 import math
+import secrets
 import signal
 import time
 from collections.abc import Coroutine, Mapping
@@ -21,19 +22,20 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.gateway.admin import add_admin_routes
+from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.errors import APIError, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
-from router.gateway.isolation import export_levels, with_public
+from router.gateway.isolation import export_levels
 from router.gateway.metrics import GatewayMetrics, ModesCollector
 from router.gateway.modes import RoutingModes
 from router.gateway.parity import ParityCollector, ParityProbe
-from router.gateway.proxy import Proxy, Usage, with_salt
+from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
 from router.gateway.reply import AiohttpReply, Reply
-from router.gateway.routing import Plan, Router, parse_body, validate
-from router.gateway.server import FrontServer
+from router.gateway.request_body import forwarded, parse_body, validate
+from router.gateway.routing import Plan, Router
+from router.gateway.server import FrontServer, Limits
 from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.policies import make_policy
@@ -58,7 +60,13 @@ class Gateway:
         self.modes = RoutingModes(
             self.policy, config.shadow_policies, config.prefill_tokens_per_s, config.degraded
         )
-        self.tenants = Tenants(config.tenants, config.salt_secret)
+        if not config.salt_secret and config.tenants:
+            log.warning(
+                "no salt_secret set: tenants' cache salts are keyed with a random secret of "
+                "this process (replicas in front of one fleet must share one: --salt-secret)"
+            )
+        self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
+        self.draining = False  # SIGTERM: /health says so, and the front server drains
         self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
         self.metrics.registry.register(ModesCollector(self.modes))
         export_levels(self.metrics.registry, [(t.name, t.isolation) for t in self.tenants.all()])
@@ -120,6 +128,17 @@ class Gateway:
         self.modes.manual = fresh.degraded
         log.warning("config reloaded: routing %s", "degraded" if fresh.degraded else "live")
 
+    def metrics_app(self) -> web.Application:
+        """The listener of `--metrics-port`: /metrics with no key, and /health."""
+
+        async def scrape(request: web.Request) -> web.Response:
+            return self.scrape(request)
+
+        app = web.Application()
+        app.add_routes([web.get("/metrics", scrape), web.get("/health", self.health)])
+        add_fallback_route(app)
+        return app
+
     async def _stop(self, _app: web.Application) -> None:
         for task in self._tasks:
             task.cancel()
@@ -170,7 +189,7 @@ class Gateway:
         self.metrics.reason(plan.decision.reason).inc()
         if plan.keys and self.config.pending_ttl_s > 0:
             self._mark_pending(plan)
-        payload = with_public(with_salt(raw, body, scope.salt), plan.public_tokens)
+        payload = forwarded(body, scope.salt, plan.public_tokens)
         stream = body.get("stream") is True
         await self.proxy.forward(
             reply,
@@ -218,17 +237,32 @@ class Gateway:
 
     async def health(self, _request: web.Request) -> web.Response:
         up = sum(w.up for w in self.fleet.workers.values())
-        status = 200 if up else 503
+        status = 200 if up and not self.draining else 503
+        word = "draining" if self.draining else "ok" if up else "no healthy worker"
         return web.json_response(
             {
-                "status": "ok" if up else "no healthy worker",
+                "status": word,
                 "workers_up": up,
                 "workers": len(self.fleet.workers),
             },
             status=status,
         )
 
-    async def metrics_endpoint(self, _request: web.Request) -> web.Response:
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        """On the API port: behind the metrics key when one is set, and when tenants are
+        configured (its counters show every tenant's traffic) behind that or the admin key."""
+        keys = [k for k in (self.config.metrics_key, self.config.admin_key) if k]
+        if self.config.metrics_key or self.tenants.auth:
+            authorization = request.headers.get("Authorization")
+            if not keys:
+                message = "metrics are off on the API port: set --metrics-key or --metrics-port"
+                return APIError(403, message, type="permission_error").response()
+            if not any(bearer_matches(authorization, k) for k in keys):
+                message = "wrong or missing metrics key"
+                return APIError(401, message, type="authentication_error").response()
+        return self.scrape()
+
+    def scrape(self, _request: web.Request | None = None) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -236,26 +270,55 @@ class Gateway:
 async def serve_gateway(
     config: GatewayConfig, stop: asyncio.Event, config_path: str | None = None
 ) -> None:
-    """Serve until `stop` is set; print `gateway: URL` once the socket accepts connections.
+    """Serve until `stop` is set, then drain (readiness false, in-flight requests finish
+    within the drain timeout); print `gateway: URL` once the socket accepts connections.
     With `config_path`, SIGHUP reloads it."""
     gateway = Gateway(config)
     if config_path:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)
-    runner = web.AppRunner(gateway.app, access_log=None, handle_signals=False)
+    runner = web.AppRunner(
+        gateway.app,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
+        shutdown_timeout=config.drain_timeout_s,
+        max_line_size=config.max_request_line_bytes,
+        max_field_size=config.max_header_bytes,
+    )
     await runner.setup()
     assert runner.server is not None
-    front = FrontServer(gateway.serve, runner.server, config.max_body_bytes)
+    limits = Limits(
+        config.max_body_bytes,
+        config.max_request_line_bytes,
+        config.max_header_bytes,
+        config.header_timeout_s,
+        config.body_timeout_s,
+        config.keepalive_s,
+    )
+    front = FrontServer(gateway.serve, runner.server, limits)
+    metrics_runner: web.AppRunner | None = None
     try:
         port = await front.start(config.host, config.port)
+        if config.metrics_port is not None:
+            metrics_runner = web.AppRunner(gateway.metrics_app(), access_log=None)
+            await metrics_runner.setup()
+            site = web.TCPSite(metrics_runner, config.host, config.metrics_port)
+            await site.start()
+            metrics_port = metrics_runner.addresses[0][1]
+            print(f"metrics: http://{config.host}:{metrics_port}/metrics", flush=True)
         # what startup made lives as long as the process: out of the collector's sight, so
         # full collections under load walk only what requests and the index made since
         gc.collect()
         gc.freeze()
         print(f"gateway: http://{config.host}:{port}", flush=True)
         await stop.wait()
+        gateway.draining = True
+        log.warning("draining: up to %s s for the requests under way", config.drain_timeout_s)
     finally:
-        await front.stop()
+        await front.stop(config.drain_timeout_s)
         await runner.cleanup()
+        if metrics_runner is not None:
+            await metrics_runner.cleanup()
 
 
 def run_gateway(config: GatewayConfig, config_path: str | None = None) -> None:

@@ -83,9 +83,22 @@ class GatewayConfig:
     policy: str = "cache_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
     admin_key: str | None = None
-    salt_secret: str = ""  # keys the tenants' cache salts; the same on every replica
+    # keys the tenants' cache salts; "" (unset): random per process. Replicas must share one
+    salt_secret: str = ""
+    metrics_port: int | None = None  # /metrics (and /health) on a listener of their own
+    metrics_key: str | None = None  # /metrics on the API port needs this key (or the admin's)
+    # limits of the front door (README, "Limits and timeouts")
     max_body_bytes: int = 16 * 2**20
+    max_request_line_bytes: int = 8192
+    max_header_bytes: int = 65536
+    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
+    body_timeout_s: float = 60.0  # from the end of the headers to the end of the body
+    keepalive_s: float = 75.0  # an idle kept-alive connection is closed after this
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests finish within this, then exit
     connect_timeout_s: float = 2.0
+    # no first byte from a worker within this: fail over (a non-streamed answer, sent whole,
+    # may take longer while its worker answers health checks)
+    ttfb_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     health_interval_s: float = 0.5
     unhealthy_after: int = 2  # consecutive failed health checks or requests
@@ -223,9 +236,64 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL=SPEC",
         help="tokenizer of a model: 'byte' or a model directory; repeatable",
     )
+    add_limit_arguments(parser)
+
+
+# flag -> (setting, type, help): the limits, timeouts and secrets, each also a [gateway] key
+_SETTINGS: dict[str, tuple[str, type, str]] = {
+    "--salt-secret": (
+        "salt_secret",
+        str,
+        "keys the tenants' cache salts (default: random per "
+        "process; gateway replicas in front of one fleet must share one)",
+    ),
+    "--metrics-port": ("metrics_port", int, "serve /metrics and /health on this port too"),
+    "--metrics-key": (
+        "metrics_key",
+        str,
+        "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
+    ),
+    "--max-body-bytes": ("max_body_bytes", int, "larger request bodies get 413 (16 MiB)"),
+    "--max-request-line-bytes": ("max_request_line_bytes", int, "longer URLs get 414 (8192)"),
+    "--max-header-bytes": ("max_header_bytes", int, "larger request headers get 431 (65536)"),
+    "--header-timeout": (
+        "header_timeout_s",
+        float,
+        "seconds from a request's first byte to the end of its headers, else 408 (10)",
+    ),
+    "--body-timeout": (
+        "body_timeout_s",
+        float,
+        "seconds from the end of the headers to the end of the body, else 408 (60)",
+    ),
+    "--keepalive-timeout": ("keepalive_s", float, "idle kept-alive connections close (75)"),
+    "--drain-timeout": (
+        "drain_timeout_s",
+        float,
+        "on SIGTERM, seconds in-flight requests have to finish before the gateway exits (30)",
+    ),
+    "--connect-timeout": ("connect_timeout_s", float, "to a worker, seconds (2)"),
+    "--ttfb-timeout": (
+        "ttfb_timeout_s",
+        float,
+        "seconds to a worker's first byte before the "
+        "request fails over; a non-streamed one waits on while its worker "
+        "answers health checks (30)",
+    ),
+    "--request-timeout": ("request_timeout_s", float, "seconds a request may take in all (600)"),
+}
+
+
+def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, (name, kind, help) in _SETTINGS.items():
+        parser.add_argument(flag, dest=name, type=kind, help=help)
 
 
 def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
+    for name, _kind, _help in _SETTINGS.values():
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(config, name, value)
     if args.host:
         config.host = args.host
     if args.port is not None:
@@ -314,6 +382,21 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(
                 f"tenant {tenant.name!r}: isolation must be one of {', '.join(ISOLATION_LEVELS)}"
             )
+    for name in (
+        "max_body_bytes",
+        "max_request_line_bytes",
+        "max_header_bytes",
+        "header_timeout_s",
+        "body_timeout_s",
+        "keepalive_s",
+        "drain_timeout_s",
+        "connect_timeout_s",
+        "ttfb_timeout_s",
+        "request_timeout_s",
+    ):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{name} must be a number > 0, got {value!r}")
     if config.pending_ttl_s < 0:
         raise ConfigError(f"pending_ttl_s must be >= 0 (0: off), got {config.pending_ttl_s}")
     for worker in config.workers:

@@ -4,18 +4,27 @@ A request to a worker may take minutes (long generations), so its deadline needs
 sub-second precision: each running attempt is one dict entry, and a sweep once a second cancels
 the tasks that are past due. That is a dict insert and pop on the hot path where
 `asyncio.timeout` costs a timer, a context object and a task lookup every time.
+
+A deadline may come with `renew`: asked when the deadline passes, it gives a later one (the
+proxy's time to first byte of a non-streamed request moves on while its worker shows signs of
+life), or one not later than now to let it expire. `expire` ends a task's wait at once (its
+worker was taken out of the fleet).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
+
+Renew = Callable[[float], float]  # loop time now -> the next deadline
 
 
 class Deadlines:
-    def __init__(self, period_s: float = 1.0) -> None:
+    def __init__(self, period_s: float = 0.25) -> None:
         self.period_s = period_s
         self._due: dict[asyncio.Task[object], float] = {}
+        self._renew: dict[asyncio.Task[object], Renew] = {}
         self._expired: set[asyncio.Task[object]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -28,18 +37,35 @@ class Deadlines:
             loop = self._loop = asyncio.get_running_loop()
         return loop
 
-    def enter(self, seconds: float) -> asyncio.Task[object]:
-        """The current task must finish within `seconds` or be cancelled."""
+    def enter(self, seconds: float, renew: Renew | None = None) -> asyncio.Task[object]:
+        """The current task must finish within `seconds` (or what `renew` then gives) or be
+        cancelled."""
         loop = self.loop()
         task = asyncio.current_task(loop)
         assert task is not None
         self._due[task] = loop.time() + seconds
+        if renew is not None:
+            self._renew[task] = renew
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = loop.create_task(self._sweep())
         return task
 
+    def rearm(self, task: asyncio.Task[object], seconds: float) -> None:
+        """A new deadline `seconds` from now, with no renewal."""
+        if task in self._due:
+            self._due[task] = self.loop().time() + seconds
+            self._renew.pop(task, None)
+
+    def expire(self, task: asyncio.Task[object]) -> None:
+        """Now: the task is cancelled as if its deadline had passed."""
+        if self._due.pop(task, None) is not None:
+            self._renew.pop(task, None)
+            self._expired.add(task)
+            task.cancel()
+
     def leave(self, task: asyncio.Task[object]) -> None:
         self._due.pop(task, None)
+        self._renew.pop(task, None)
         self._expired.discard(task)
 
     def expired(self, task: asyncio.Task[object]) -> bool:
@@ -56,10 +82,14 @@ class Deadlines:
             await asyncio.sleep(self.period_s)
             now = loop.time()
             for task, due in list(self._due.items()):
-                if due <= now:
-                    del self._due[task]
-                    self._expired.add(task)
-                    task.cancel()
+                if due > now:
+                    continue
+                renew = self._renew.get(task)
+                later = renew(now) if renew is not None else now
+                if later > now:
+                    self._due[task] = later
+                else:
+                    self.expire(task)
 
     async def close(self) -> None:
         if self._sweeper is not None:

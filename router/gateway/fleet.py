@@ -47,14 +47,16 @@ class Worker:
     failures: int = 0  # consecutive failed checks or requests
     down_until: float = 0.0  # circuit breaker: no re-admission before this (monotonic)
     answered_at: float = 0.0  # its last successful answer (monotonic): alive, no probe needed
+    alive_at: float = 0.0  # its last answer of any kind, or passed health check (monotonic)
     incarnation: str | None = None
-    # load as the gateway sees it
+    # load as the gateway sees it: changed only by its requests' own lifecycle (proxy._Load)
     in_flight: int = 0
     queued_prefill_tokens: int = 0
     running_decode: int = 0
     # KV events, one stream per kv_group (a group without one: approximate residency)
     streams: list[EventStream] = field(default_factory=list)
     pool: UpstreamPool | None = None  # keep-alive connections for requests
+    waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
 
     def exact(self, kv_group: str) -> bool:
         """Whether this worker's residency in `kv_group` comes from its KV events."""
@@ -92,6 +94,7 @@ class Fleet:
             self._declare(model.name, model, model.kv_group or model.name, model.block_size or 16)
         self.session: aiohttp.ClientSession | None = None
         self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
+        self.on_down: list[Callable[[Worker], None]] = []  # called when a worker is taken out
 
     # -- models ------------------------------------------------------------------------------
 
@@ -184,6 +187,7 @@ class Fleet:
             healthy = False
         if healthy:
             worker.failures = 0
+            worker.alive_at = time.monotonic()
             if not worker.up:
                 await self._mark_up(worker)
         else:
@@ -284,11 +288,12 @@ class Fleet:
             return
         worker.up = False
         self._regroup()
+        for hook in self.on_down:
+            hook(worker)
         await self._stop_events(worker)
         self.index.clear(worker.name)
         if worker.pool is not None:
             worker.pool.close()
-        worker.in_flight = worker.queued_prefill_tokens = worker.running_decode = 0
         log.warning("worker %s down (%s): its residency left the index", worker.name, why)
 
     async def _stop_events(self, worker: Worker) -> None:

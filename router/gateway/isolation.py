@@ -20,14 +20,11 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import msgspec
 from prometheus_client import CollectorRegistry, Gauge
 
 from router.gateway.errors import bad_request
 
 SESSION_HEADERS = ("x-urc-session", "x-session-id")
-PUBLIC_FIELD = "urc_public_tokens"
-_PUBLIC_BYTES = f'"{PUBLIC_FIELD}"'.encode()
 _PUBLIC_ROLES = frozenset({"system", "developer"})
 
 
@@ -96,19 +93,3 @@ def leading_system(messages: list[Any]) -> list[Any]:
             break
         n += 1
     return messages[:n] if n < len(messages) else []
-
-
-def with_public(payload: bytes, public: int) -> bytes:
-    """The forwarded body with `urc_public_tokens` (0: none). A client's own value never
-    goes through: it would move its prompt out of its tenant's namespace."""
-    if _PUBLIC_BYTES in payload:
-        body = msgspec.json.decode(payload)
-        if isinstance(body, dict):
-            body.pop(PUBLIC_FIELD, None)
-            if public:
-                body[PUBLIC_FIELD] = public
-            return msgspec.json.encode(body)
-    if not public:
-        return payload
-    start = payload.index(b"{") + 1
-    return b'{"' + PUBLIC_FIELD.encode() + b'":' + str(public).encode() + b"," + payload[start:]

@@ -15,15 +15,13 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
-import msgspec
-
-from router.gateway.deadlines import Deadlines
+from router.gateway.deadlines import Deadlines, Renew
 from router.gateway.errors import bad_gateway
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
-from router.gateway.reply import Reply
+from router.gateway.reply import Headers, Reply
 from router.gateway.routing import Plan
 from router.gateway.upstream import UpstreamError, UpstreamResponse
 
@@ -40,7 +38,12 @@ class Usage(NamedTuple):
 
 
 class _Failover(Exception):
-    """The worker failed before the first byte reached the client."""
+    """The worker failed before the first byte reached the client. `answer`: it answered
+    (status, headers, body) with a 5xx; None: it could not be reached or broke the exchange."""
+
+    def __init__(self, message: str, answer: tuple[int, Headers, bytes] | None = None) -> None:
+        super().__init__(message)
+        self.answer = answer
 
 
 class _Load:
@@ -75,22 +78,6 @@ class _Load:
         self.worker.in_flight -= 1
 
 
-def with_salt(raw: bytes, body: dict[str, Any], salt: str | None) -> bytes:
-    """The client's bytes with the tenant's `cache_salt`, re-encoded only when the client sent
-    a salt of its own (which must not win)."""
-    if "cache_salt" in body:
-        body = dict(body)
-        if salt is None:
-            del body["cache_salt"]
-        else:
-            body["cache_salt"] = salt
-        return msgspec.json.encode(body)
-    if salt is None:
-        return raw
-    start = raw.index(b"{") + 1
-    return b'{"cache_salt":' + msgspec.json.encode(salt) + b"," + raw[start:]
-
-
 def route_header(plan: Plan, worker: Worker) -> str:
     return (
         f"worker={worker.name}; matched_tokens={plan.matched(worker.name)}; "
@@ -105,7 +92,15 @@ class Proxy:
         self.metrics = metrics
         self.s_per_token = 1.0 / prefill_tokens_per_s
         self.request_timeout_s = fleet.config.request_timeout_s
+        self.ttfb_timeout_s = fleet.config.ttfb_timeout_s
         self.deadlines = Deadlines()
+        fleet.on_down.append(self.abandon)
+
+    def abandon(self, worker: Worker) -> None:
+        """`worker` left the fleet: its attempts that have sent nothing to their clients fail
+        over now instead of waiting for it."""
+        for task in list(worker.waiting):
+            self.deadlines.expire(task)
 
     async def forward(
         self,
@@ -116,10 +111,16 @@ class Proxy:
         stream: bool,
         on_success: Callable[[Plan, Worker, Usage], None],
     ) -> None:
-        """Send the request on; the answer (or the last worker's error) goes to `reply`."""
+        """Send the request on; the answer (or the last worker's error) goes to `reply`.
+
+        A worker that cannot be reached, breaks the exchange or sends nothing in time counts
+        against its health and the next one is tried. A worker that answers 5xx is alive (the
+        request itself may be the cause): it is not counted, and one other worker is tried
+        before that answer goes back to the client."""
         t0 = time.monotonic()
         model = plan.model.name
         last_error = "no worker was up"
+        answered: _Failover | None = None  # the first 5xx a worker answered
         for worker in plan.ranked():
             if not worker.up:
                 continue
@@ -138,8 +139,13 @@ class Proxy:
                 load.finish()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
-                self.fleet.failed(worker)
                 self.metrics.failover(worker.name).inc()
+                if failed.answer is None:
+                    self.fleet.failed(worker)
+                elif answered is None:
+                    answered = failed
+                else:  # a second worker answered 5xx too: the answer is the request's
+                    break
                 continue
             now = time.monotonic()
             worker.failures = 0
@@ -151,7 +157,24 @@ class Proxy:
                 self._account(plan, worker, usage.cached_tokens)
                 on_success(plan, worker, usage)
             return
+        if answered is not None and answered.answer is not None:
+            status, headers, body = answered.answer
+            reply.whole(status, headers, body)
+            return
         raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
+
+    def _first_byte_deadline(self, worker: Worker, stream: bool) -> Renew | None:
+        """A stream's first byte is due within the time to first byte. A non-streamed answer
+        comes whole, after the generation: it may wait longer while its worker shows signs of
+        life (answers, health checks) within that time."""
+        if stream:
+            return None
+        ttfb = self.ttfb_timeout_s
+
+        def renew(now: float) -> float:
+            return now + worker.alive_at + ttfb - time.monotonic()
+
+        return renew
 
     async def _attempt(
         self,
@@ -166,15 +189,21 @@ class Proxy:
     ) -> tuple[int, Usage | None]:
         """One try on one worker, answered to `reply`: its status and, on success, usage."""
         assert worker.pool is not None
-        task = self.deadlines.enter(self.request_timeout_s)
+        total = self.request_timeout_s - (time.monotonic() - t0)
+        ttfb = self.ttfb_timeout_s
+        task = self.deadlines.enter(
+            ttfb if ttfb < total else total, self._first_byte_deadline(worker, stream)
+        )
+        worker.waiting.add(task)
         try:
             try:
                 upstream = await worker.pool.post(path, payload)
             except UpstreamError as exc:
                 raise _Failover(str(exc)) from None
+            worker.alive_at = time.monotonic()
             try:
                 if stream and upstream.status == 200:
-                    usage = await self._stream(reply, upstream, plan, worker, load, t0)
+                    usage = await self._stream(reply, upstream, plan, worker, load, t0, task)
                     return 200, usage
                 return await self._whole(reply, upstream, plan, worker, load, t0)
             finally:
@@ -184,9 +213,17 @@ class Proxy:
                 raise
             if reply.started:  # the client has part of a stream: it ends here, cut
                 return 200, None
-            raise _Failover(f"no complete answer within {self.request_timeout_s} s") from None
+            if not worker.up:
+                raise _Failover("taken out of the fleet while the request waited") from None
+            raise _Failover(f"nothing came within {ttfb} s") from None
         finally:
+            worker.waiting.discard(task)
             self.deadlines.leave(task)
+
+    def _started(self, worker: Worker, task: asyncio.Task[object], t0: float) -> None:
+        """The first byte goes to the client: no failover from here, only the total time."""
+        worker.waiting.discard(task)
+        self.deadlines.rearm(task, self.request_timeout_s - (time.monotonic() - t0))
 
     async def _whole(
         self,
@@ -205,7 +242,9 @@ class Proxy:
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
             self.metrics.status(plan.model.name, worker.name, status).inc()
-            raise _Failover(f"answered {status}")
+            headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
+            headers.append(("x-urc-route", route_header(plan, worker)))
+            raise _Failover(f"answered {status}", (status, headers, body))
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
         load.start()
@@ -240,6 +279,7 @@ class Proxy:
         worker: Worker,
         load: _Load,
         t0: float,
+        task: asyncio.Task[object],
     ) -> Usage | None:
         """Pass the SSE stream through as it comes; usage (None: the client left early)."""
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
@@ -254,6 +294,7 @@ class Proxy:
                     if not chunk.lstrip().startswith((b"data:", b":", b"event:")):
                         raise _Failover("answered 200 with a stream that is not SSE")
                     first = False
+                    self._started(worker, task, t0)
                     load.start()
                     self.metrics.series(plan.model.name, worker.name).ttft.observe(
                         time.monotonic() - t0

@@ -57,50 +57,6 @@ class Plan(NamedTuple):
             yield by_name[name]
 
 
-_decode = msgspec.json.Decoder().decode
-
-
-def parse_body(raw: bytes) -> Any:
-    if not raw:
-        raise bad_request("the request body is empty")
-    try:
-        return _decode(raw)
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
-
-def _check_int(body: dict[str, Any], field: str, low: int = 0) -> None:
-    value = body.get(field)
-    if value is not None and (type(value) is not int or value < low):
-        raise bad_request(f"'{field}' must be an integer >= {low}", field)
-
-
-def validate(body: Any, chat: bool) -> None:
-    """The fields routing needs, with OpenAI's wording for what is wrong. The rest is the
-    worker's to check (its 4xx goes back to the client as is)."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise bad_request("'model' is required and must be a string", "model")
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad_request("'messages' must be a non-empty array", "messages")
-    else:
-        prompt = body.get("prompt")
-        ok = isinstance(prompt, str) or (
-            isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
-        )
-        if not ok:
-            raise bad_request("'prompt' must be a string or an array of token ids", "prompt")
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise bad_request("'stream' must be a boolean", "stream")
-    _check_int(body, "max_tokens")
-    _check_int(body, "max_completion_tokens")
-    _check_int(body, "n", 1)
-
-
 SYSTEM_RENDERS = 1024  # shared isolation: distinct system prompts whose render is kept
 _json = msgspec.json.Encoder(order="sorted")
 

@@ -8,6 +8,15 @@ bytes received so far, and stays with aiohttp from then on (aiohttp serves the i
 endpoints too, through the same handler). A request pipelined behind another one in the same
 packet cannot be handed over (its first byte is not known): it gets a JSON 400 and the
 connection is closed; clients do not pipeline in practice.
+
+Every request's head is read here, whichever server answers it, under the limits an operator
+sets (`Limits`): request line and header size (414, 431), one `Authorization` header (400),
+time from the first byte to the end of the headers and from there to the end of the body (408).
+A request for aiohttp is buffered whole here under the same limits and handed over complete.
+`Upgrade` (`curl --http2` asks for h2c) is not taken: the request is answered over HTTP/1.1 and
+the connection closed. A client that disconnects has its request cancelled (the worker's too).
+On `drain`, readiness is the caller's; every answer says `Connection: close`, idle connections
+close, and the requests under way get until the drain timeout.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NamedTuple
 
 import httptools
 
@@ -52,15 +61,43 @@ def _head(status: int, headers: Headers, extra: bytes) -> bytes:
     return b"".join(lines)
 
 
+class Limits(NamedTuple):
+    max_body_bytes: int = 16 * 2**20
+    max_request_line_bytes: int = 8192
+    max_header_bytes: int = 65536
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keepalive_s: float = 75.0
+
+
 class _HandOver(Exception):
     """Raised from a parser callback: this request is aiohttp's."""
 
 
-class _Request:
-    __slots__ = ("path", "headers", "body", "size", "keep_alive", "chunked", "too_large", "refusal")
+class _Refusal(Exception):
+    """Raised from a parser callback: answer this error, then close."""
 
-    def __init__(self, path: str, refusal: APIError | None = None) -> None:
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _Request:
+    __slots__ = (
+        "path",
+        "hot",
+        "headers",
+        "body",
+        "size",
+        "keep_alive",
+        "chunked",
+        "too_large",
+        "refusal",
+    )
+
+    def __init__(self, path: str, refusal: APIError | None = None, hot: bool = True) -> None:
         self.path = path
+        self.hot = hot  # an inference request, served here (else buffered for aiohttp)
         self.refusal = refusal  # not served: this error is the answer, then the connection ends
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
@@ -132,6 +169,10 @@ class FrontProtocol(asyncio.Protocol):
         self.writable: asyncio.Future[None] | None = None  # set while the transport is full
         self.refused = False  # an error ends the connection: nothing more is parsed
         self.last_active = 0.0  # loop time of the last bytes received
+        self.began = 0.0  # loop time the message being received began (0: none is)
+        self.headers_at = 0.0  # loop time its headers ended (0: not yet)
+        self.header_bytes = 0
+        self.closing = False  # answer what came, then close (a half-close, an Upgrade)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -145,6 +186,15 @@ class FrontProtocol(asyncio.Protocol):
         self.front.connections.discard(self)
         self.queue.clear()
         self._wake_writer()
+        if self.task is not None:  # the client left: its request (and the worker's) stops
+            self.task.cancel()
+
+    def eof_received(self) -> bool | None:
+        """A half-close: answer the requests received, then close (None: close now)."""
+        if self.task is None and not self.queue:
+            return None
+        self.closing = True
+        return True
 
     def pause_writing(self) -> None:
         if self.writable is None:
@@ -164,11 +214,20 @@ class FrontProtocol(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as exc:
-            if isinstance(exc.__context__, _HandOver):
+            cause = exc.__context__
+            if isinstance(cause, _HandOver):
                 self._hand_over()
+                return
+            if isinstance(cause, _Refusal):
+                self._refuse(cause.error.status, cause.error.message, cause.error.code)
                 return
             log.exception("front server: parser callback failed")
             self._refuse(500, "internal error in the gateway")
+        except httptools.HttpParserUpgrade:
+            # the request was complete: answered over HTTP/1.1, then the connection closes
+            self.refused = self.closing = True
+            if self.task is None:
+                self.close()
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
 
@@ -178,28 +237,46 @@ class FrontProtocol(asyncio.Protocol):
         # the message's first byte is the chunk's first byte unless another one ended before it
         self.head = None if self.ended_in_chunk else [self.data]
         self.url = b""
+        self.began = self.front.now()
+        self.headers_at = 0.0
+        self.header_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        if len(self.url) > self.front.limits.max_request_line_bytes:
+            limit = self.front.limits.max_request_line_bytes
+            raise _Refusal(
+                APIError(414, f"URL too long (limit {limit} bytes)", code="uri_too_long")
+            )
 
     def on_header(self, name: bytes, value: bytes) -> None:
         request = self.request or self._start_request()
-        request.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self.header_bytes += len(name) + len(value) + 4
+        if self.header_bytes > self.front.limits.max_header_bytes:
+            limit = self.front.limits.max_header_bytes
+            message = f"request headers too large (limit {limit} bytes)"
+            raise _Refusal(APIError(431, message, code="headers_too_large"))
+        key = name.decode("latin-1").lower()
+        if key == "authorization" and key in request.headers:
+            message = "more than one Authorization header"
+            raise _Refusal(APIError(400, message, param="authorization", code="duplicate_header"))
+        request.headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         request = self.request or self._start_request()  # a request with no header at all
-        self.head = None
+        self.headers_at = self.front.now()
+        if request.hot:
+            self.head = None
         request.keep_alive = self.parser.should_keep_alive()
         request.chunked = self.parser.get_http_version() != "1.0"
-        if request.headers.get("expect", "").lower() == "100-continue":
+        if request.hot and request.headers.get("expect", "").lower() == "100-continue":
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def _start_request(self) -> _Request:
-        """The URL is complete: an inference request begins, or the connection is aiohttp's."""
+        """The URL is complete: an inference request begins, or one buffered for aiohttp."""
         path = HOT_PATHS.get(self.url.partition(b"?")[0])
-        if path is None or self.parser.get_method() != b"POST":
-            raise _HandOver  # stops the parser: data_received hands the connection over
-        self.request = _Request(path)
+        hot = path is not None and self.parser.get_method() == b"POST"
+        self.request = _Request(path or "", hot=hot)
         return self.request
 
     def on_body(self, body: bytes) -> None:
@@ -207,16 +284,21 @@ class FrontProtocol(asyncio.Protocol):
         assert request is not None
         if request.too_large:
             return
-        request.body.append(body)
         request.size += len(body)
-        if request.size > self.front.max_body_bytes:
-            request.too_large = True
+        if request.hot:
+            request.body.append(body)
+        if request.size > self.front.limits.max_body_bytes:
+            request.too_large = True  # read to its end and dropped: then a 413, and close
             request.body.clear()
+            self.head = None
 
     def on_message_complete(self) -> None:
         self.ended_in_chunk = True
+        self.began = 0.0
         request, self.request = self.request, None
         assert request is not None
+        if not request.hot and not request.too_large:
+            raise _HandOver  # stops the parser: data_received hands the connection over
         self._enqueue(request)
 
     def _enqueue(self, request: _Request) -> None:
@@ -250,6 +332,7 @@ class FrontProtocol(asyncio.Protocol):
         """Answer `status` after the requests already received, then close."""
         self.refused = True
         self.request = None
+        self.began = 0.0
         refusal = _Request("", APIError(status, message, code=code))
         refusal.keep_alive = False
         self._enqueue(refusal)
@@ -265,17 +348,20 @@ class FrontProtocol(asyncio.Protocol):
                 if not await self._serve_one(request):
                     self.close()
                     return
+            if self.closing:
+                self.close()
         finally:
             self.task = None
 
     async def _serve_one(self, request: _Request) -> bool:
         """Answer one request; whether the connection may serve another."""
-        reply = LeanReply(self, request.keep_alive, request.chunked)
+        keep_alive = request.keep_alive and not self.front.draining and not self.closing
+        reply = LeanReply(self, keep_alive, request.chunked)
         if request.refusal is not None:
             reply.whole(request.refusal.status, JSON_HEADERS, request.refusal.body())
             return False
         if request.too_large:
-            limit = self.front.max_body_bytes
+            limit = self.front.limits.max_body_bytes
             error = APIError(413, f"request body too large (limit {limit} bytes)", code="too_large")
             reply.keep_alive = False
             reply.whole(413, JSON_HEADERS, error.body())
@@ -314,25 +400,36 @@ class FrontProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return self.task is None and self.request is None
+        """Between requests: nothing being received, answered or waiting."""
+        return self.task is None and self.began == 0.0 and not self.queue
+
+    def check_timeouts(self, now: float, limits: Limits) -> None:
+        """The reaper's look at this connection (once a second)."""
+        if self.refused or self.began == 0.0:
+            return
+        if self.headers_at == 0.0 and now - self.began > limits.header_timeout_s:
+            message = f"request headers not received within {limits.header_timeout_s} s"
+        elif self.headers_at and now - self.headers_at > limits.body_timeout_s:
+            message = f"request body not received within {limits.body_timeout_s} s"
+        else:
+            return
+        self.began = 0.0
+        self.head = None
+        self._refuse(408, message, "timeout")
 
 
 class FrontServer:
     """The listening socket, its connections, and where to send what is not ours."""
 
     def __init__(
-        self,
-        serve: Serve,
-        fallback: Callable[[], asyncio.Protocol],
-        max_body_bytes: int,
-        keepalive_s: float = 75.0,
+        self, serve: Serve, fallback: Callable[[], asyncio.Protocol], limits: Limits
     ) -> None:
         self.serve = serve
         self.fallback = fallback
-        self.max_body_bytes = max_body_bytes
-        self.keepalive_s = keepalive_s
+        self.limits = limits
         self.connections: set[FrontProtocol] = set()
         self.server: asyncio.Server | None = None
+        self.draining = False
         self._reaper: asyncio.Task[None] | None = None
         # asyncio.get_running_loop() costs a getpid() system call (CPython 3.11): the hot
         # path asks this once
@@ -345,31 +442,43 @@ class FrontServer:
         self.server = await loop.create_server(
             lambda: FrontProtocol(self), host, port, backlog=1024
         )
-        self._reaper = loop.create_task(self._close_idle())
+        self._reaper = loop.create_task(self._reap())
         server: Any = self.server  # its sockets are a list on uvloop, a tuple on asyncio
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop accepting; let requests under way finish (up to `grace_s`); close the rest."""
+        """Drain: stop accepting; answer the requests under way (and any that arrive on open
+        connections) with `Connection: close`, close idle connections, for up to `grace_s`;
+        then close the rest."""
+        self.draining = True
         if self.server is not None:
             self.server.close()
-        if self._reaper is not None:
-            self._reaper.cancel()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace_s
-        while any(not c.idle for c in self.connections) and loop.time() < deadline:
+        while self.connections and loop.time() < deadline:
+            for conn in list(self.connections):
+                if conn.idle:
+                    conn.close()
             await asyncio.sleep(0.05)
+        if self._reaper is not None:
+            self._reaper.cancel()
         for conn in list(self.connections):
             conn.close()
         if self.server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
 
-    async def _close_idle(self) -> None:
-        """Close kept-alive connections silent for longer than `keepalive_s`."""
+    async def _reap(self) -> None:
+        """Once a second: requests past their header or body timeout get 408; kept-alive
+        connections silent for longer than `keepalive_s` close."""
+        limits = self.limits
         while True:
-            await asyncio.sleep(min(self.keepalive_s, 10.0))
-            stale = self.now() - self.keepalive_s
+            await asyncio.sleep(1.0)
+            now = self.now()
+            stale = now - limits.keepalive_s
             for conn in list(self.connections):
-                if conn.idle and not conn.queue and conn.last_active < stale:
-                    conn.close()
+                if conn.idle:
+                    if conn.last_active < stale:
+                        conn.close()
+                else:
+                    conn.check_timeouts(now, limits)

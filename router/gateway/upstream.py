@@ -231,8 +231,12 @@ class UpstreamPool:
                 conn = await self._connect()
             assert conn.transport is not None
             conn.transport.write(request)
-            while not conn.headers_done and not conn.lost:
-                await conn.wait()
+            try:
+                while not conn.headers_done and not conn.lost:
+                    await conn.wait()
+            except BaseException:  # cancelled (the client left, a deadline): the worker stops
+                conn.transport.close()
+                raise
             if conn.headers_done:
                 return UpstreamResponse(self, conn)
             if conn.transport is not None:

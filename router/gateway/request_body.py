@@ -1,0 +1,79 @@
+"""An inference request's body: parsed strictly once, checked, and rebuilt for the worker.
+
+The body the worker receives is the gateway's own encoding of what it parsed and checked
+(router/strict_json.py), with the fields only the gateway may set put there by the gateway:
+`cache_salt` (the request's isolation salt) and `urc_public_tokens` (shared isolation). A
+client's `cache_salt`, and every field whose name starts with `urc_`, are dropped whatever
+their spelling in the client's bytes: the comparison is on the decoded name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from router.gateway.errors import bad_request
+from router.strict_json import BodyError, decode_object, encode
+
+SALT_FIELD: Final = "cache_salt"
+PUBLIC_FIELD: Final = "urc_public_tokens"
+RESERVED_PREFIX: Final = "urc_"
+TOKEN_ID_MAX: Final = 2**31 - 1  # block keys hash token ids as int32
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    try:
+        return decode_object(raw)
+    except BodyError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def _check_int(body: dict[str, Any], field: str, low: int = 0) -> None:
+    value = body.get(field)
+    if value is not None and (type(value) is not int or value < low):
+        raise bad_request(f"'{field}' must be an integer >= {low}", field)
+
+
+def _token_ids(prompt: list[Any]) -> bool:
+    if not prompt:
+        return False
+    for token in prompt:
+        if type(token) is not int or token < 0 or token > TOKEN_ID_MAX:
+            return False
+    return True
+
+
+def validate(body: dict[str, Any], chat: bool) -> None:
+    """The fields routing needs, with OpenAI's wording for what is wrong. The rest is the
+    worker's to check (its 4xx goes back to the client as is)."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array", "messages")
+    else:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and _token_ids(prompt))):
+            raise bad_request(
+                f"'prompt' must be a string or an array of token ids in [0, {TOKEN_ID_MAX}]",
+                "prompt",
+            )
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    _check_int(body, "max_tokens")
+    _check_int(body, "max_completion_tokens")
+    _check_int(body, "n", 1)
+
+
+def forwarded(body: dict[str, Any], salt: str | None, public_tokens: int) -> bytes:
+    """The worker's body: the gateway's fields first, then the client's, none reserved."""
+    out: dict[str, Any] = {}
+    if salt is not None:
+        out[SALT_FIELD] = salt
+        if public_tokens:
+            out[PUBLIC_FIELD] = public_tokens
+    for key, value in body.items():
+        if key != SALT_FIELD and not key.startswith(RESERVED_PREFIX):
+            out[key] = value
+    return encode(out)

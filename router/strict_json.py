@@ -1,0 +1,66 @@
+"""Strict JSON for request bodies: the one parse both the gateway and our workers run.
+
+A body is accepted only when every engine behind the gateway can take it as it is: a JSON
+object, nested at most `MAX_DEPTH` deep, every integer within int64, every string valid UTF-8
+(no lone surrogates), every number finite. What passes is a plain `dict`; the gateway forwards
+its own re-encoding of it, never the client's bytes, so a field is forwarded under exactly the
+name the gateway read it by (`"urc\\u005fpublic_tokens"` is `urc_public_tokens` here too).
+
+The walk looks only at containers and integers: a chat of a few messages is a handful of
+steps, a prompt of token ids one type test per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+
+MAX_DEPTH: Final = 64  # objects and arrays inside each other, the body itself counted
+INT64_MIN: Final = -(2**63)
+INT64_MAX: Final = 2**63 - 1
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+
+
+class BodyError(ValueError):
+    """The body is not one the gateway or a worker takes; the message says why."""
+
+
+def decode_object(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
+    """`raw` as a JSON object within the limits above; BodyError otherwise."""
+    if not raw:
+        raise BodyError("the request body is empty")
+    try:
+        body = _decode(raw)
+    except RecursionError:
+        raise BodyError(f"the request body is nested deeper than {max_depth} levels") from None
+    except msgspec.DecodeError as exc:
+        raise BodyError(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BodyError("the request body must be a JSON object")
+    check_limits(body, max_depth)
+    return body
+
+
+def check_limits(root: dict[str, Any], max_depth: int = MAX_DEPTH) -> None:
+    """Nesting depth and integer range of a decoded body (BodyError when over)."""
+    stack: list[tuple[Any, int]] = [(root, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if type(value) is dict else value
+        for child in children:
+            kind = type(child)
+            if kind is int:
+                if child < INT64_MIN or child > INT64_MAX:
+                    raise BodyError(f"an integer in the request body is outside int64: {child}")
+            elif kind is dict or kind is list:
+                if depth >= max_depth:
+                    raise BodyError(f"the request body is nested deeper than {max_depth} levels")
+                stack.append((child, depth + 1))
+
+
+def encode(body: Any) -> bytes:
+    """The JSON of a body that `decode_object` accepted (and the gateway then added to)."""
+    return _encode(body)
