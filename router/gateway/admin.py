@@ -62,6 +62,7 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
         "name": worker.name,
         "url": worker.url,
         "up": worker.up,
+        "failures": worker.failures,  # failed checks or requests in a row (not 5xx answers)
         "mode": worker.mode,
         "models": worker.models,
         "block_size": worker.block_size,

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -41,6 +43,7 @@ HOT_PATHS = {b"/v1/completions": "/v1/completions", b"/v1/chat/completions": "/v
 Serve = Callable[["LeanReply", str, dict[str, str], bytes], Awaitable[None]]
 JSON_HEADERS = [("Content-Type", "application/json")]
 _MAX_QUEUED = 8  # pipelined requests waiting on one connection before reading pauses
+_TRIM_AFTER_BYTES = 64 * 2**20  # request bodies dropped between two returns of free memory
 
 
 def _status_line(status: int) -> bytes:
@@ -172,7 +175,8 @@ class FrontProtocol(asyncio.Protocol):
         self.began = 0.0  # loop time the message being received began (0: none is)
         self.headers_at = 0.0  # loop time its headers ended (0: not yet)
         self.header_bytes = 0
-        self.closing = False  # answer what came, then close (a half-close, an Upgrade)
+        self.head_bytes = 0  # raw bytes of the head so far
+        self.closing = False  # answer what came, then close (after an Upgrade)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -181,20 +185,17 @@ class FrontProtocol(asyncio.Protocol):
         self.last_active = self.front.now()
         self.front.connections.add(self)
 
+    # EOF from the client (asyncio's default eof_received) closes the connection: a client
+    # that stops sending has given up (as nginx takes it), and its request is cancelled
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.front.connections.discard(self)
-        self.queue.clear()
+        self._drop()
+        self.head = None
         self._wake_writer()
         if self.task is not None:  # the client left: its request (and the worker's) stops
             self.task.cancel()
-
-    def eof_received(self) -> bool | None:
-        """A half-close: answer the requests received, then close (None: close now)."""
-        if self.task is None and not self.queue:
-            return None
-        self.closing = True
-        return True
 
     def pause_writing(self) -> None:
         if self.writable is None:
@@ -209,10 +210,15 @@ class FrontProtocol(asyncio.Protocol):
         self.last_active = self.front.now()
         if self.head is not None:  # a message began in an earlier chunk, its head unparsed
             self.head.append(data)
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         self.data = data
         self.ended_in_chunk = False
         try:
             self.parser.feed_data(data)
+            if self.began and not self.headers_at:  # all of it went into an unfinished head
+                self._head_grew(len(data))
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__
             if isinstance(cause, _HandOver):
@@ -224,12 +230,38 @@ class FrontProtocol(asyncio.Protocol):
             log.exception("front server: parser callback failed")
             self._refuse(500, "internal error in the gateway")
         except httptools.HttpParserUpgrade:
-            # the request was complete: answered over HTTP/1.1, then the connection closes
-            self.refused = self.closing = True
-            if self.task is None:
-                self.close()
+            self._without_upgrade()
         except httptools.HttpParserError as exc:
             self._refuse(400, f"malformed HTTP request: {exc}")
+
+    def _head_grew(self, size: int) -> None:
+        """httptools holds a header until its end: its bytes are counted as they come."""
+        self.head_bytes += size
+        limits = self.front.limits
+        if self.head_bytes > limits.max_request_line_bytes + limits.max_header_bytes:
+            message = f"request headers too large (limit {limits.max_header_bytes} bytes)"
+            self._refuse(431, message, "headers_too_large")
+
+    def _without_upgrade(self) -> None:
+        """llhttp stops at an `Upgrade` (h2c, from `curl --http2`), before the body: we take
+        none, so the message is parsed again without its upgrade headers, answered over
+        HTTP/1.1, and the connection closes after it."""
+        head = self.head
+        if head is None or not self.queue:  # it began behind another message in its chunk
+            self._refuse(400, "Upgrade is not supported here", "upgrade")
+            return
+        self.queue.pop()  # the message as llhttp cut it (not yet served: the task runs later)
+        raw = b"".join(head)
+        end = raw.find(b"\r\n\r\n")
+        lines = [
+            line
+            for line in raw[:end].split(b"\r\n")
+            if not line.lower().startswith((b"upgrade:", b"connection:", b"http2-settings:"))
+        ]
+        self.closing = True
+        self.parser = httptools.HttpRequestParser(self)
+        self.head = None
+        self._feed(b"\r\n".join(lines) + b"\r\nConnection: close" + raw[end:])
 
     # -- httptools callbacks -----------------------------------------------------------------
 
@@ -240,6 +272,7 @@ class FrontProtocol(asyncio.Protocol):
         self.began = self.front.now()
         self.headers_at = 0.0
         self.header_bytes = 0
+        self.head_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -265,8 +298,8 @@ class FrontProtocol(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         request = self.request or self._start_request()  # a request with no header at all
         self.headers_at = self.front.now()
-        if request.hot:
-            self.head = None
+        if request.hot and "upgrade" not in request.headers:
+            self.head = None  # kept for an upgrade only: llhttp stops there (_without_upgrade)
         request.keep_alive = self.parser.should_keep_alive()
         request.chunked = self.parser.get_http_version() != "1.0"
         if request.hot and request.headers.get("expect", "").lower() == "100-continue":
@@ -328,10 +361,22 @@ class FrontProtocol(asyncio.Protocol):
         protocol.connection_made(self.transport)
         protocol.data_received(b"".join(self.head))
 
+    def _drop(self) -> None:
+        """Forget the requests received and not answered (the front server counts their
+        bytes, to give the memory back)."""
+        if self.request is not None:
+            self.front.released_bytes += self.request.size
+            self.request = None
+        for request in self.queue:
+            self.front.released_bytes += request.size
+        self.queue.clear()
+
     def _refuse(self, status: int, message: str, code: str | None = None) -> None:
         """Answer `status` after the requests already received, then close."""
         self.refused = True
-        self.request = None
+        if self.request is not None:
+            self.front.released_bytes += self.request.size
+            self.request = None
         self.began = 0.0
         refusal = _Request("", APIError(status, message, code=code))
         refusal.keep_alive = False
@@ -367,6 +412,7 @@ class FrontProtocol(asyncio.Protocol):
             reply.whole(413, JSON_HEADERS, error.body())
             return False
         body = request.body[0] if len(request.body) == 1 else b"".join(request.body)
+        self.front.released_bytes += request.size
         try:
             await self.front.serve(reply, request.path, request.headers, body)
         except Exception:
@@ -430,6 +476,8 @@ class FrontServer:
         self.connections: set[FrontProtocol] = set()
         self.server: asyncio.Server | None = None
         self.draining = False
+        self.released_bytes = 0  # request bodies dropped since memory was last given back
+        self._trim = _malloc_trim()
         self._reaper: asyncio.Task[None] | None = None
         # asyncio.get_running_loop() costs a getpid() system call (CPython 3.11): the hot
         # path asks this once
@@ -482,3 +530,18 @@ class FrontServer:
                         conn.close()
                 else:
                     conn.check_timeouts(now, limits)
+            if self.released_bytes > _TRIM_AFTER_BYTES:
+                # glibc keeps the heap that large bodies came through (its mmap threshold
+                # grows after each big free): hand the free pages back to the system
+                self.released_bytes = 0
+                self._trim()
+
+
+def _malloc_trim() -> Callable[[], None]:
+    """glibc's malloc_trim(0), or nothing where there is none."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: None if trim(0) is None else None

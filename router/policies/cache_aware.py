@@ -106,7 +106,8 @@ class RoutingHistory:
 
     def observe(self, candidates: Sequence[Candidate]) -> None:
         """Add the blocks each worker stored since last seen to its recent inflow. A count
-        that went down is a worker the index forgot and met again: it starts over."""
+        that went down is a worker the index forgot and met again: it starts over, from no
+        inflow at all."""
         workers = self.inflow
         seen: list[Inflow] = []
         added: list[int] = []
@@ -116,7 +117,11 @@ class RoutingHistory:
             w = workers.get(c.worker)
             if w is None:
                 w = workers[c.worker] = Inflow(stored)
-            n = stored - w.seen_stored if stored >= w.seen_stored else 0
+            if stored >= w.seen_stored:
+                n = stored - w.seen_stored
+            else:  # forgotten (down, restarted) and met again: as cold as a worker that joins
+                n = 0
+                w.blocks = 0.0
             w.seen_stored = stored
             seen.append(w)
             added.append(n)
