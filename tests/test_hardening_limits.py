@@ -89,7 +89,10 @@ def test_trickled_and_stalled_requests_are_reaped_and_their_memory_returned() ->
         url = gateway.url
         assert wait_for(lambda: all_exact(url, 1), 20)
         for _ in range(20):
-            httpx.post(f"{url}/v1/completions", json={"model": "emulated", "prompt": "warm", "max_tokens": 1})
+            httpx.post(
+                f"{url}/v1/completions",
+                json={"model": "emulated", "prompt": "warm", "max_tokens": 1},
+            )
         before = rss_kib(gateway.popen.pid)
         trickled = connect(url)
         for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n"[:4]:  # a byte a second

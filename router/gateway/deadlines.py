@@ -1,8 +1,8 @@
 """Request deadlines without a timer per request.
 
-A request to a worker may take minutes (long generations), so its deadline needs no
-sub-second precision: each running attempt is one dict entry, and a sweep once a second cancels
-the tasks that are past due. That is a dict insert and pop on the hot path where
+A request to a worker may take minutes (long generations), so its deadline needs no finer
+precision than a quarter second: each running attempt is one dict entry, and a sweep four times
+a second cancels the tasks that are past due. That is a dict insert and pop on the hot path where
 `asyncio.timeout` costs a timer, a context object and a task lookup every time.
 
 A deadline may come with `renew`: asked when the deadline passes, it gives a later one (the

@@ -1,6 +1,7 @@
-"""The routing step of a request: validate -> tokenize -> block keys -> match -> policy.
+"""The routing step of a request: tokenize -> block keys -> match -> policy.
 
-Synchronous and free of I/O: the HTTP handler calls `Router.plan` and then forwards.
+Synchronous and free of I/O: the HTTP handler parses and checks the body (request_body.py),
+calls `Router.plan` and then forwards.
 """
 
 from __future__ import annotations
