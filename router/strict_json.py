@@ -19,6 +19,8 @@ import msgspec
 MAX_DEPTH: Final = 64  # objects and arrays inside each other, the body itself counted
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
+_SMALL_MIN: Final = -(2**62)  # what a compiled int holds unboxed
+_SMALL_MAX: Final = 2**62 - 1
 
 _decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
@@ -28,8 +30,9 @@ class BodyError(ValueError):
     """The body is not one the gateway or a worker takes; the message says why."""
 
 
-def decode_object(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
-    """`raw` as a JSON object within the limits above; BodyError otherwise."""
+def decode_object(raw: bytes, max_depth: int = MAX_DEPTH, checked: str = "") -> dict[str, Any]:
+    """`raw` as a JSON object within the limits above; BodyError otherwise. A top-level field
+    named `checked` is not walked: the caller checks it itself (the gateway's token ids)."""
     if not raw:
         raise BodyError("the request body is empty")
     try:
@@ -40,22 +43,28 @@ def decode_object(raw: bytes, max_depth: int = MAX_DEPTH) -> dict[str, Any]:
         raise BodyError(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BodyError("the request body must be a JSON object")
-    check_limits(body, max_depth)
+    check_limits(body, max_depth, checked)
     return body
 
 
-def check_limits(root: dict[str, Any], max_depth: int = MAX_DEPTH) -> None:
-    """Nesting depth and integer range of a decoded body (BodyError when over)."""
+def check_limits(root: dict[str, Any], max_depth: int = MAX_DEPTH, checked: str = "") -> None:
+    """Nesting depth and integer range of a decoded body (BodyError when over); the top-level
+    field `checked` is left out."""
     stack: list[tuple[Any, int]] = [(root, 1)]
+    if checked in root:
+        stack = [({k: v for k, v in root.items() if k != checked}, 1)]
     while stack:
         value, depth = stack.pop()
         children = value.values() if type(value) is dict else value
         for child in children:
-            kind = type(child)
-            if kind is int:
-                if child < INT64_MIN or child > INT64_MAX:
-                    raise BodyError(f"an integer in the request body is outside int64: {child}")
-            elif kind is dict or kind is list:
+            if isinstance(child, int):
+                number: int = child
+                # compiled, small ints compare natively; the int64 bounds are boxed numbers
+                if (number > _SMALL_MAX or number < _SMALL_MIN) and not (
+                    INT64_MIN <= number <= INT64_MAX
+                ):
+                    raise BodyError(f"an integer in the request body is outside int64: {number}")
+            elif isinstance(child, dict | list):
                 if depth >= max_depth:
                     raise BodyError(f"the request body is nested deeper than {max_depth} levels")
                 stack.append((child, depth + 1))

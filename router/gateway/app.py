@@ -33,7 +33,7 @@ from router.gateway.parity import ParityCollector, ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
 from router.gateway.reply import AiohttpReply, Reply
-from router.gateway.request_body import forwarded, parse_body, validate
+from router.gateway.request_body import forwarded, parse_body
 from router.gateway.routing import Plan, Router
 from router.gateway.server import FrontServer, Limits
 from router.gateway.tenants import Tenants
@@ -178,8 +178,7 @@ class Gateway:
     async def _serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
         chat = path == "/v1/chat/completions"
         tenant = self.tenants.authenticate(headers.get("authorization"))
-        body = parse_body(raw)
-        validate(body, chat)
+        body = parse_body(raw, chat)
         modes = self.modes
         scope = tenant.scope(body, headers)
         plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)

@@ -20,11 +20,16 @@ RESERVED_PREFIX: Final = "urc_"
 TOKEN_ID_MAX: Final = 2**31 - 1  # block keys hash token ids as int32
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+def parse_body(raw: bytes, chat: bool | None = None) -> dict[str, Any]:
+    """The body, strictly parsed; with `chat` (True or False) an inference request's, its
+    routing fields checked too (a prompt of token ids is checked once, in `validate`)."""
     try:
-        return decode_object(raw)
+        body = decode_object(raw, checked="prompt" if chat is False else "")
     except BodyError as exc:
         raise bad_request(str(exc)) from None
+    if chat is not None:
+        validate(body, chat)
+    return body
 
 
 def _check_int(body: dict[str, Any], field: str, low: int = 0) -> None:
@@ -37,7 +42,10 @@ def _token_ids(prompt: list[Any]) -> bool:
     if not prompt:
         return False
     for token in prompt:
-        if type(token) is not int or token < 0 or token > TOKEN_ID_MAX:
+        if not isinstance(token, int) or isinstance(token, bool):
+            return False
+        value: int = token  # compiled: compared as a native int
+        if value < 0 or value > TOKEN_ID_MAX:
             return False
     return True
 

@@ -1,0 +1,154 @@
+"""What the strict parse costs: per request, and as a share of the gateway's CPU per request.
+
+    python bench/strict_parse.py [--requests 2000] [--repeat 2000]
+
+The parse an inference request goes through at the gateway, on three bodies (a completion with
+an 8k-token prompt, the same prompt as 8k token ids, a chat of 8 messages):
+- before: msgspec's decode, the routing fields checked (the same compiled checks as after),
+  and the tenant's `cache_salt` spliced into the client's bytes (what the gateway did before
+  it re-encoded bodies);
+- after: the strict decode (depth, int64; router/strict_json.py), the same checks plus token
+  ids in int32, and the worker's body re-encoded from what was parsed (request_body.py).
+Both are timed in this process, as the best of 5 runs of `--repeat` calls each. Then, in the
+same run, `urc gateway` in front of two emulated workers (negligible modelled GPU time) serves
+`--requests` of each body, and its CPU seconds per request give the share. Prints numbers;
+asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import sys
+import time
+import timeit
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness import JSON_HEADERS, Child, cpu_seconds, free_port  # noqa: E402
+
+from router.gateway.request_body import forwarded, parse_body, validate  # noqa: E402
+
+SALT = "urc-0123456789abcdef0123456789abcdef"
+_decode = msgspec.json.Decoder().decode
+
+
+def bodies() -> dict[str, tuple[str, dict[str, Any]]]:
+    text = "".join(f"word{i % 97} " for i in range(1400))[:8000]
+    chat = [{"role": "system", "content": text[:2000]}]
+    chat += [
+        {"role": ("user", "assistant")[i % 2], "content": text[i * 700 : (i + 1) * 700]}
+        for i in range(7)
+    ]
+    return {
+        "prompt 8k chars": ("/v1/completions", {"model": "emulated", "prompt": text}),
+        "prompt 8k ids": (
+            "/v1/completions",
+            {"model": "emulated", "prompt": [32 + i % 90 for i in range(8000)]},
+        ),
+        "chat 8 messages": ("/v1/chat/completions", {"model": "emulated", "messages": chat}),
+    }
+
+
+def before(raw: bytes, chat: bool) -> bytes:
+    body = _decode(raw)
+    validate(body, chat)
+    start = raw.index(b"{") + 1
+    return b'{"cache_salt":' + msgspec.json.encode(SALT) + b"," + raw[start:]
+
+
+def after(raw: bytes, chat: bool) -> bytes:
+    return forwarded(parse_body(raw, chat), SALT, 0)
+
+
+def per_call_us(fn: Any, raw: bytes, chat: bool, repeat: int) -> float:
+    return min(timeit.repeat(lambda: fn(raw, chat), number=repeat, repeat=5)) / repeat * 1e6
+
+
+def gateway_cpu_us(path: str, raw: bytes, requests: int) -> float:
+    """CPU microseconds per request of a live gateway serving `raw` (concurrency 8)."""
+    worker_args = [
+        "--prefill-tps",
+        "1e9",
+        "--decode-base-ms",
+        "0.01",
+        "--decode-per-request-ms",
+        "0",
+        "--default-max-tokens",
+        "8",
+    ]
+    workers = [
+        Child(
+            f"worker{i}",
+            [
+                sys.executable,
+                "-m",
+                "backends.emulated.server",
+                "--port",
+                str(free_port()),
+                *worker_args,
+            ],
+            "ready: ",
+        )
+        for i in range(2)
+    ]
+    try:
+        for w in workers:
+            w.wait_announced(60)
+        argv = [sys.executable, "-m", "router.cli", "gateway", "--port", str(free_port())]
+        for w in workers:
+            argv += ["--worker", w.url]
+        gateway = Child("gateway", argv, "gateway: ")
+        try:
+            gateway.wait_announced(60)
+            gateway.wait_serving(path, raw, 30)
+
+            def send(_: int) -> None:
+                req = urllib.request.Request(gateway.url + path, data=raw, headers=JSON_HEADERS)
+                with urllib.request.urlopen(req, timeout=30) as resp:
+                    resp.read()
+
+            cpu0 = cpu_seconds(gateway.pid)
+            with cf.ThreadPoolExecutor(8) as pool:
+                list(pool.map(send, range(requests)))
+            return (cpu_seconds(gateway.pid) - cpu0) / requests * 1e6
+        finally:
+            gateway.stop()
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=2000, help="through the live gateway")
+    parser.add_argument("--repeat", type=int, default=2000, help="calls per timing run")
+    args = parser.parse_args()
+    rows = []
+    for name, (path, body) in bodies().items():
+        raw = json.dumps({**body, "max_tokens": 8}).encode()
+        chat = path.endswith("chat/completions")
+        old = per_call_us(before, raw, chat, args.repeat)
+        new = per_call_us(after, raw, chat, args.repeat)
+        t0 = time.monotonic()
+        cpu = gateway_cpu_us(path, raw, args.requests)
+        rows.append((name, len(raw), old, new, cpu, time.monotonic() - t0))
+    print(
+        f"{'body':18} {'bytes':>7} {'before us':>10} {'after us':>9} {'added us':>9} "
+        f"{'gateway CPU us/req':>19} {'added share':>12}"
+    )
+    for name, size, old, new, cpu, _ in rows:
+        print(
+            f"{name:18} {size:7d} {old:10.1f} {new:9.1f} {new - old:9.1f} {cpu:19.0f} "
+            f"{(new - old) / cpu:12.1%}"
+        )
+
+
+if __name__ == "__main__":
+    main()
