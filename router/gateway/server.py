@@ -13,8 +13,9 @@ Every request's head is read here, whichever server answers it, under the limits
 sets (`Limits`): request line and header size (414, 431), one `Authorization` header (400),
 time from the first byte to the end of the headers and from there to the end of the body (408).
 A request for aiohttp is buffered whole here under the same limits and handed over complete.
-`Upgrade` (`curl --http2` asks for h2c) is not taken: the request is answered over HTTP/1.1 and
-the connection closed. A client that disconnects has its request cancelled (the worker's too).
+`Upgrade` (`curl --http2` asks for h2c) is not taken: an inference request is answered over
+HTTP/1.1 and the connection closed; aiohttp answers the others over HTTP/1.1. A client that
+disconnects (or half-closes) has its request cancelled (the worker's too).
 On `drain`, readiness is the caller's; every answer says `Connection: close`, idle connections
 close, and the requests under way get until the drain timeout.
 """
@@ -43,7 +44,7 @@ HOT_PATHS = {b"/v1/completions": "/v1/completions", b"/v1/chat/completions": "/v
 Serve = Callable[["LeanReply", str, dict[str, str], bytes], Awaitable[None]]
 JSON_HEADERS = [("Content-Type", "application/json")]
 _MAX_QUEUED = 8  # pipelined requests waiting on one connection before reading pauses
-_TRIM_AFTER_BYTES = 64 * 2**20  # request bodies dropped between two returns of free memory
+_TRIM_AFTER_BYTES = 8 * 2**20  # request bodies dropped between two returns of free memory
 
 
 def _status_line(status: int) -> bytes:
@@ -177,6 +178,7 @@ class FrontProtocol(asyncio.Protocol):
         self.header_bytes = 0
         self.head_bytes = 0  # raw bytes of the head so far
         self.closing = False  # answer what came, then close (after an Upgrade)
+        self.reparsed = False  # the message is parsed again (its 100 Continue already sent)
 
     # -- asyncio.Protocol --------------------------------------------------------------------
 
@@ -258,7 +260,7 @@ class FrontProtocol(asyncio.Protocol):
             for line in raw[:end].split(b"\r\n")
             if not line.lower().startswith((b"upgrade:", b"connection:", b"http2-settings:"))
         ]
-        self.closing = True
+        self.closing = self.reparsed = True
         self.parser = httptools.HttpRequestParser(self)
         self.head = None
         self._feed(b"\r\n".join(lines) + b"\r\nConnection: close" + raw[end:])
@@ -302,11 +304,17 @@ class FrontProtocol(asyncio.Protocol):
             self.head = None  # kept for an upgrade only: llhttp stops there (_without_upgrade)
         request.keep_alive = self.parser.should_keep_alive()
         request.chunked = self.parser.get_http_version() != "1.0"
-        if request.hot and request.headers.get("expect", "").lower() == "100-continue":
+        if request.headers.get("host") is None and request.chunked:
+            raise _Refusal(APIError(400, "an HTTP/1.1 request needs a Host header", code="host"))
+        continued = request.headers.get("expect", "").lower() == "100-continue"
+        if request.hot and continued and not self.reparsed:
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        self.reparsed = False
 
     def _start_request(self) -> _Request:
         """The URL is complete: an inference request begins, or one buffered for aiohttp."""
+        if not self.url.startswith(b"/"):  # `*`, an absolute URL: no endpoint of ours
+            raise _Refusal(APIError(400, "the request target must be a path", code="bad_target"))
         path = HOT_PATHS.get(self.url.partition(b"?")[0])
         hot = path is not None and self.parser.get_method() == b"POST"
         self.request = _Request(path or "", hot=hot)
@@ -393,7 +401,7 @@ class FrontProtocol(asyncio.Protocol):
                 if not await self._serve_one(request):
                     self.close()
                     return
-            if self.closing:
+            if self.closing and self.began == 0.0:  # (an upgraded message may still come)
                 self.close()
         finally:
             self.task = None
