@@ -119,8 +119,7 @@ def test_an_escaped_internal_field_reaches_no_worker(fleet: str) -> None:
     the shared namespace, where another tenant would find it."""
     secret = json.dumps("beta's confidential contract, clause by clause. " * 40)
     escaped = (
-        f'{{"model":"emulated","prompt":{secret},"max_tokens":2,'
-        '"urc\\u005fpublic_tokens":1024}'
+        f'{{"model":"emulated","prompt":{secret},"max_tokens":2,"urc\\u005fpublic_tokens":1024}}'
     )
     for _ in range(2):  # parked, then beta finds its own
         r = httpx.post(f"{fleet}/v1/completions", content=escaped, headers=BETA, timeout=10)

@@ -75,7 +75,7 @@ def test_oversized_heads_are_refused_without_stalling_the_gateway() -> None:
         for t in threads:
             t.join(30)
         assert results == {"url": 414, "header": 431}, results
-        assert slowest < 1.0, slowest
+        assert slowest < 2.0, slowest  # (the issue saw 7.5 s)
     finally:
         gateway.stop()
         worker.stop()
@@ -108,7 +108,7 @@ def test_trickled_and_stalled_requests_are_reaped_and_their_memory_returned() ->
         assert all(read_status(sock) == 408 for sock in stalled)
         for sock in [trickled, *stalled]:
             sock.close()
-        assert health_time(url) < 1.0
+        assert health_time(url) < 2.0
         # the bodies' memory is given back once they are reaped (glibc keeps some arenas)
         assert wait_for(lambda: rss_kib(gateway.popen.pid) < before * 1.2 + 20_000, 10), (
             before,

@@ -69,8 +69,9 @@ def test_a_hung_worker_fails_over_within_the_time_to_first_byte_and_load_returns
         statuses = {s for s, _ in results}
         slowest = max(t for _, t in results)
         assert statuses == {200}, statuses
-        # the time to first byte, the deadline sweep (0.25 s) and one more try elsewhere
-        assert slowest < ttfb + 1.5, slowest
+        # the time to first byte, the deadline sweep (0.25 s) and one more try elsewhere, on a
+        # busy machine
+        assert slowest < ttfb + 3.0, slowest  # well before the 6 s the worker is stopped
         assert wait_for(lambda: all(w["up"] for w in admin_workers(url)), 10)
         # every counter went through its requests' own lifecycle: none is left or negative
         assert wait_for(lambda: all(v == 0 for lo in loads(url).values() for v in lo.values()))
@@ -113,7 +114,7 @@ def test_a_restarted_worker_is_routed_to_once_it_is_up():
         reborn = start_worker(*FAST, port=port)
         assert wait_for(lambda: all_exact(url, 2), 10)
         up_at = time.monotonic()
-        assert wait_for(lambda: any(t > up_at and w == name for t, w in seen), 3)
+        assert wait_for(lambda: any(t > up_at and w == name for t, w in seen), 5)
         stop.set()
         for t in threads:
             t.join(30)
