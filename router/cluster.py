@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -33,12 +32,6 @@ from router.gateway.config import (
 ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.engine.server"}
 REAL_ENGINES = ("vllm", "sglang")  # backends/real_cluster.py, imported only when asked for
 READY_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,8 +135,9 @@ async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # port 0: each worker binds a port of its own and announces it (no race for a free one)
     results = await asyncio.gather(
-        *(start_worker(args.engine, free_port(), args.worker_arg) for _ in range(args.workers)),
+        *(start_worker(args.engine, 0, args.worker_arg) for _ in range(args.workers)),
         return_exceptions=True,
     )
     procs = [r[0] for r in results if not isinstance(r, BaseException)]

@@ -78,14 +78,13 @@ def _stop_all() -> None:
         proc.stop()
 
 
-def start_worker(*extra: str, port: int | None = None) -> Proc:
-    port = port or free_port()
+def start_worker(*extra: str, port: int = 0) -> Proc:
+    """Port 0: the worker binds one of its own and announces it (no race for a free one)."""
     args = ["-m", "backends.emulated.server", "--host", "127.0.0.1", "--port", str(port), *extra]
     return Proc(args, "ready: ")
 
 
-def start_gateway(workers: Sequence[str], *extra: str, port: int | None = None) -> Proc:
-    port = port or free_port()
+def start_gateway(workers: Sequence[str], *extra: str, port: int = 0) -> Proc:
     args = ["-m", "router.cli", "gateway", "--port", str(port)]
     for url in workers:
         args += ["--worker", url]
