@@ -50,24 +50,27 @@ def decode_object(raw: bytes, max_depth: int = MAX_DEPTH, checked: str = "") -> 
 def check_limits(root: dict[str, Any], max_depth: int = MAX_DEPTH, checked: str = "") -> None:
     """Nesting depth and integer range of a decoded body (BodyError when over); the top-level
     field `checked` is left out."""
-    stack: list[tuple[Any, int]] = [(root, 1)]
-    if checked in root:
-        stack = [({k: v for k, v in root.items() if k != checked}, 1)]
+    stack: list[tuple[Any, int]] = []
+    for key, child in root.items():
+        if key != checked:
+            _visit(child, 1, max_depth, stack)
     while stack:
         value, depth = stack.pop()
-        children = value.values() if type(value) is dict else value
-        for child in children:
-            if isinstance(child, int):
-                number: int = child
-                # compiled, small ints compare natively; the int64 bounds are boxed numbers
-                if (number > _SMALL_MAX or number < _SMALL_MIN) and not (
-                    INT64_MIN <= number <= INT64_MAX
-                ):
-                    raise BodyError(f"an integer in the request body is outside int64: {number}")
-            elif isinstance(child, dict | list):
-                if depth >= max_depth:
-                    raise BodyError(f"the request body is nested deeper than {max_depth} levels")
-                stack.append((child, depth + 1))
+        for child in value.values() if type(value) is dict else value:
+            _visit(child, depth, max_depth, stack)
+
+
+def _visit(child: Any, depth: int, max_depth: int, stack: list[tuple[Any, int]]) -> None:
+    """One value found at `depth`: an integer is checked, a container queued for the walk."""
+    if isinstance(child, int):
+        number: int = child
+        # compiled, small ints compare natively; the int64 bounds are boxed numbers
+        if (number > _SMALL_MAX or number < _SMALL_MIN) and not INT64_MIN <= number <= INT64_MAX:
+            raise BodyError(f"an integer in the request body is outside int64: {number}")
+    elif isinstance(child, dict | list):
+        if depth >= max_depth:
+            raise BodyError(f"the request body is nested deeper than {max_depth} levels")
+        stack.append((child, depth + 1))
 
 
 def encode(body: Any) -> bytes:

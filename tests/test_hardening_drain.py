@@ -69,9 +69,9 @@ def test_sigterm_finishes_the_requests_under_way_and_closes_kept_alive_connectio
         assert health.status_code == 503 and health.json()["status"] == "draining"
         for i, (status, tail) in enumerate(results):
             assert status == 200, (i, status, tail)
-            assert tail == "120" if i % 2 else "[DONE]" in tail, (i, tail)
+            assert (tail == "120") if i % 2 else ("[DONE]" in tail), (i, tail)
         assert quick_statuses and set(quick_statuses) == {200}
-        assert closes[-1] == "close" if closes else True
+        assert "close" in closes  # the kept-alive connections were told, not cut
         assert gateway.popen.wait(15) == 0
         assert time.monotonic() - sent < 15
     finally:

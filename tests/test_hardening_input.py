@@ -22,6 +22,7 @@ from tests.test_gateway_e2e import admin_workers, all_exact
 KEYS = ("--api-key", "acme:key-acme", "--api-key", "beta:key-beta", "--admin-key", "admin-secret")
 ACME = {"Authorization": "Bearer key-acme"}
 BETA = {"Authorization": "Bearer key-beta"}
+ACME_HEADER = "Authorization: Bearer key-acme"
 
 
 def raw_exchange(url: str, data: bytes, timeout: float = 10.0) -> bytes:
@@ -109,9 +110,6 @@ def test_odd_headers_get_an_answer(fleet: str) -> None:
     for request in (post("/v1/completions", body, *two), post("/admin/route", body, *two)):
         answer = raw_exchange(fleet, request)
         assert answer.startswith(b"HTTP/1.1 400") and b"Authorization" in answer, answer[:300]
-
-
-ACME_HEADER = "Authorization: Bearer key-acme"
 
 
 def test_an_escaped_internal_field_reaches_no_worker(fleet: str) -> None:

@@ -33,9 +33,9 @@ from router.gateway.parity import ParityCollector, ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
 from router.gateway.reply import AiohttpReply, Reply
-from router.gateway.request_body import forwarded, parse_body
+from router.gateway.request_body import forwarded, parse_request
 from router.gateway.routing import Plan, Router
-from router.gateway.server import FrontServer, Limits
+from router.gateway.server import FrontServer
 from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.policies import make_policy
@@ -67,6 +67,7 @@ class Gateway:
             )
         self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
         self.draining = False  # SIGTERM: /health says so, and the front server drains
+        self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
         self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
         self.metrics.registry.register(ModesCollector(self.modes))
         export_levels(self.metrics.registry, [(t.name, t.isolation) for t in self.tenants.all()])
@@ -130,12 +131,8 @@ class Gateway:
 
     def metrics_app(self) -> web.Application:
         """The listener of `--metrics-port`: /metrics with no key, and /health."""
-
-        async def scrape(request: web.Request) -> web.Response:
-            return self.scrape(request)
-
         app = web.Application()
-        app.add_routes([web.get("/metrics", scrape), web.get("/health", self.health)])
+        app.add_routes([web.get("/metrics", self.scrape), web.get("/health", self.health)])
         add_fallback_route(app)
         return app
 
@@ -178,7 +175,7 @@ class Gateway:
     async def _serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
         chat = path == "/v1/chat/completions"
         tenant = self.tenants.authenticate(headers.get("authorization"))
-        body = parse_body(raw, chat)
+        body = parse_request(raw, chat)
         modes = self.modes
         scope = tenant.scope(body, headers)
         plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
@@ -250,7 +247,7 @@ class Gateway:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics key when one is set, and when tenants are
         configured (its counters show every tenant's traffic) behind that or the admin key."""
-        keys = [k for k in (self.config.metrics_key, self.config.admin_key) if k]
+        keys = self.metrics_keys
         if self.config.metrics_key or self.tenants.auth:
             authorization = request.headers.get("Authorization")
             if not keys:
@@ -259,9 +256,9 @@ class Gateway:
             if not any(bearer_matches(authorization, k) for k in keys):
                 message = "wrong or missing metrics key"
                 return APIError(401, message, type="authentication_error").response()
-        return self.scrape()
+        return await self.scrape(request)
 
-    def scrape(self, _request: web.Request | None = None) -> web.Response:
+    async def scrape(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -286,15 +283,7 @@ async def serve_gateway(
     )
     await runner.setup()
     assert runner.server is not None
-    limits = Limits(
-        config.max_body_bytes,
-        config.max_request_line_bytes,
-        config.max_header_bytes,
-        config.header_timeout_s,
-        config.body_timeout_s,
-        config.keepalive_s,
-    )
-    front = FrontServer(gateway.serve, runner.server, limits)
+    front = FrontServer(gateway.serve, runner.server, config.limits())
     metrics_runner: web.AppRunner | None = None
     try:
         port = await front.start(config.host, config.port)

@@ -35,7 +35,7 @@ import argparse
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from router.policies import POLICY_NAMES
 
@@ -44,6 +44,20 @@ ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
 
 class ConfigError(ValueError):
     pass
+
+
+class Limits(NamedTuple):
+    """The front door's limits (router/gateway/server.py); each is a GatewayConfig field."""
+
+    max_body_bytes: int = 16 * 2**20
+    max_request_line_bytes: int = 8192
+    max_header_bytes: int = 65536
+    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
+    body_timeout_s: float = 60.0  # from the end of the headers to the end of the body
+    keepalive_s: float = 75.0  # an idle kept-alive connection is closed after this
+
+
+_FRONT = Limits()
 
 
 @dataclass(slots=True)
@@ -87,13 +101,13 @@ class GatewayConfig:
     salt_secret: str = ""
     metrics_port: int | None = None  # /metrics (and /health) on a listener of their own
     metrics_key: str | None = None  # /metrics on the API port needs this key (or the admin's)
-    # limits of the front door (README, "Limits and timeouts")
-    max_body_bytes: int = 16 * 2**20
-    max_request_line_bytes: int = 8192
-    max_header_bytes: int = 65536
-    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
-    body_timeout_s: float = 60.0  # from the end of the headers to the end of the body
-    keepalive_s: float = 75.0  # an idle kept-alive connection is closed after this
+    # limits of the front door (Limits; README, "Limits, timeouts and failure handling")
+    max_body_bytes: int = _FRONT.max_body_bytes
+    max_request_line_bytes: int = _FRONT.max_request_line_bytes
+    max_header_bytes: int = _FRONT.max_header_bytes
+    header_timeout_s: float = _FRONT.header_timeout_s
+    body_timeout_s: float = _FRONT.body_timeout_s
+    keepalive_s: float = _FRONT.keepalive_s
     drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests finish within this, then exit
     connect_timeout_s: float = 2.0
     # no first byte from a worker within this: fail over (a non-streamed answer, sent whole,
@@ -114,6 +128,9 @@ class GatewayConfig:
     degraded: bool = False  # route by plain least load (the degrade switch)
     shadow_policies: list[str] = field(default_factory=list)  # watch, never act
     parity_interval_s: float = 300.0  # token-parity probes of every worker (0: none at all)
+
+    def limits(self) -> Limits:
+        return Limits(*(getattr(self, name) for name in Limits._fields))
 
 
 def _table(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
@@ -239,13 +256,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     add_limit_arguments(parser)
 
 
-# flag -> (setting, type, help): the limits, timeouts and secrets, each also a [gateway] key
+# flag -> (setting, type, help): the limits, timeouts and secrets, each also a [gateway] key;
+# the help gets the setting's default
 _SETTINGS: dict[str, tuple[str, type, str]] = {
     "--salt-secret": (
         "salt_secret",
         str,
-        "keys the tenants' cache salts (default: random per "
-        "process; gateway replicas in front of one fleet must share one)",
+        "keys the tenants' cache salts (unset: random per process; gateway replicas in front "
+        "of one fleet must share one)",
     ),
     "--metrics-port": ("metrics_port", int, "serve /metrics and /health on this port too"),
     "--metrics-key": (
@@ -253,40 +271,48 @@ _SETTINGS: dict[str, tuple[str, type, str]] = {
         str,
         "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
     ),
-    "--max-body-bytes": ("max_body_bytes", int, "larger request bodies get 413 (16 MiB)"),
-    "--max-request-line-bytes": ("max_request_line_bytes", int, "longer URLs get 414 (8192)"),
-    "--max-header-bytes": ("max_header_bytes", int, "larger request headers get 431 (65536)"),
+    "--max-body-bytes": ("max_body_bytes", int, "larger request bodies get 413"),
+    "--max-request-line-bytes": ("max_request_line_bytes", int, "longer URLs get 414"),
+    "--max-header-bytes": ("max_header_bytes", int, "larger request headers get 431"),
     "--header-timeout": (
         "header_timeout_s",
         float,
-        "seconds from a request's first byte to the end of its headers, else 408 (10)",
+        "seconds from a request's first byte to the end of its headers, else 408",
     ),
     "--body-timeout": (
         "body_timeout_s",
         float,
-        "seconds from the end of the headers to the end of the body, else 408 (60)",
+        "seconds from the end of the headers to the end of the body, else 408",
     ),
-    "--keepalive-timeout": ("keepalive_s", float, "idle kept-alive connections close (75)"),
+    "--keepalive-timeout": (
+        "keepalive_s",
+        float,
+        "seconds before idle kept-alive connections close",
+    ),
     "--drain-timeout": (
         "drain_timeout_s",
         float,
-        "on SIGTERM, seconds in-flight requests have to finish before the gateway exits (30)",
+        "on SIGTERM, seconds in-flight requests have to finish before the gateway exits",
     ),
-    "--connect-timeout": ("connect_timeout_s", float, "to a worker, seconds (2)"),
+    "--connect-timeout": ("connect_timeout_s", float, "seconds to connect to a worker"),
     "--ttfb-timeout": (
         "ttfb_timeout_s",
         float,
-        "seconds to a worker's first byte before the "
-        "request fails over; a non-streamed one waits on while its worker "
-        "answers health checks (30)",
+        "seconds to a worker's first byte before the request fails over; a non-streamed one "
+        "waits on while its worker answers health checks",
     ),
-    "--request-timeout": ("request_timeout_s", float, "seconds a request may take in all (600)"),
+    "--request-timeout": ("request_timeout_s", float, "seconds a request may take in all"),
 }
+# the settings above that must be positive numbers (a port may be 0: any free one)
+_POSITIVE = [n for n, kind, _ in _SETTINGS.values() if kind is not str and n != "metrics_port"]
 
 
 def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = GatewayConfig()
     for flag, (name, kind, help) in _SETTINGS.items():
-        parser.add_argument(flag, dest=name, type=kind, help=help)
+        default = getattr(defaults, name)
+        shown = f"{help} (default {default})" if default else help
+        parser.add_argument(flag, dest=name, type=kind, help=shown)
 
 
 def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
@@ -382,18 +408,7 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(
                 f"tenant {tenant.name!r}: isolation must be one of {', '.join(ISOLATION_LEVELS)}"
             )
-    for name in (
-        "max_body_bytes",
-        "max_request_line_bytes",
-        "max_header_bytes",
-        "header_timeout_s",
-        "body_timeout_s",
-        "keepalive_s",
-        "drain_timeout_s",
-        "connect_timeout_s",
-        "ttfb_timeout_s",
-        "request_timeout_s",
-    ):
+    for name in _POSITIVE:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ConfigError(f"{name} must be a number > 0, got {value!r}")

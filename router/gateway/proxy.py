@@ -85,6 +85,13 @@ def route_header(plan: Plan, worker: Worker) -> str:
     )
 
 
+def reply_headers(upstream: UpstreamResponse, plan: Plan, worker: Worker) -> Headers:
+    """The worker's headers for the client: hop-by-hop ones out, `x-urc-route` in."""
+    headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
+    headers.append(("x-urc-route", route_header(plan, worker)))
+    return headers
+
+
 class Proxy:
     def __init__(self, fleet: Fleet, metrics: GatewayMetrics, prefill_tokens_per_s: float):
         self.fleet = fleet
@@ -120,7 +127,7 @@ class Proxy:
         t0 = time.monotonic()
         model = plan.model.name
         last_error = "no worker was up"
-        answered: _Failover | None = None  # the first 5xx a worker answered
+        answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
         for worker in plan.ranked():
             if not worker.up:
                 continue
@@ -143,7 +150,7 @@ class Proxy:
                 if failed.answer is None:
                     self.fleet.failed(worker)
                 elif answered is None:
-                    answered = failed
+                    answered = failed.answer
                 else:  # a second worker answered 5xx too: the answer is the request's
                     break
                 continue
@@ -157,8 +164,8 @@ class Proxy:
                 self._account(plan, worker, usage.cached_tokens)
                 on_success(plan, worker, usage)
             return
-        if answered is not None and answered.answer is not None:
-            status, headers, body = answered.answer
+        if answered is not None:
+            status, headers, body = answered
             reply.whole(status, headers, body)
             return
         raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
@@ -242,9 +249,8 @@ class Proxy:
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
             self.metrics.status(plan.model.name, worker.name, status).inc()
-            headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
-            headers.append(("x-urc-route", route_header(plan, worker)))
-            raise _Failover(f"answered {status}", (status, headers, body))
+            answer = (status, reply_headers(upstream, plan, worker), body)
+            raise _Failover(f"answered {status}", answer)
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
         load.start()
@@ -257,9 +263,7 @@ class Proxy:
                 int(cached.group(1)) if cached else _header_int(upstream),
                 int(output.group(1)) if output else None,
             )
-        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
-        headers.append(("x-urc-route", route_header(plan, worker)))
-        reply.whole(status, headers, body)
+        reply.whole(status, reply_headers(upstream, plan, worker), body)
         return status, usage
 
     def _account(self, plan: Plan, worker: Worker, cached: int | None) -> None:
@@ -282,8 +286,7 @@ class Proxy:
         task: asyncio.Task[object],
     ) -> Usage | None:
         """Pass the SSE stream through as it comes; usage (None: the client left early)."""
-        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
-        headers.append(("x-urc-route", route_header(plan, worker)))
+        headers = reply_headers(upstream, plan, worker)
         cached = _header_int(upstream)
         output: int | None = None
         events = 0

@@ -20,15 +20,19 @@ RESERVED_PREFIX: Final = "urc_"
 TOKEN_ID_MAX: Final = 2**31 - 1  # block keys hash token ids as int32
 
 
-def parse_body(raw: bytes, chat: bool | None = None) -> dict[str, Any]:
-    """The body, strictly parsed; with `chat` (True or False) an inference request's, its
-    routing fields checked too (a prompt of token ids is checked once, in `validate`)."""
+def parse_body(raw: bytes, checked: str = "") -> dict[str, Any]:
+    """A JSON object body, strictly parsed (400 otherwise)."""
     try:
-        body = decode_object(raw, checked="prompt" if chat is False else "")
+        return decode_object(raw, checked=checked)
     except BodyError as exc:
         raise bad_request(str(exc)) from None
-    if chat is not None:
-        validate(body, chat)
+
+
+def parse_request(raw: bytes, chat: bool) -> dict[str, Any]:
+    """An inference request's body with its routing fields checked; a completion's prompt is
+    checked once, by `validate` (token ids in int32 are within the parse's limits too)."""
+    body = parse_body(raw, "" if chat else "prompt")
+    validate(body, chat)
     return body
 
 

@@ -30,10 +30,11 @@ import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any, NamedTuple
+from typing import Any
 
 import httptools
 
+from router.gateway.config import Limits
 from router.gateway.errors import APIError
 from router.gateway.reply import Headers
 
@@ -63,15 +64,6 @@ def _head(status: int, headers: Headers, extra: bytes) -> bytes:
     lines += [f"{key}: {value}\r\n".encode("latin-1") for key, value in headers]
     lines.append(extra)
     return b"".join(lines)
-
-
-class Limits(NamedTuple):
-    max_body_bytes: int = 16 * 2**20
-    max_request_line_bytes: int = 8192
-    max_header_bytes: int = 65536
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 60.0
-    keepalive_s: float = 75.0
 
 
 class _HandOver(Exception):
@@ -369,12 +361,17 @@ class FrontProtocol(asyncio.Protocol):
         protocol.connection_made(self.transport)
         protocol.data_received(b"".join(self.head))
 
-    def _drop(self) -> None:
-        """Forget the requests received and not answered (the front server counts their
-        bytes, to give the memory back)."""
+    def _drop_receiving(self) -> None:
+        """Forget the request being received (the front server counts its bytes, to give the
+        memory back)."""
         if self.request is not None:
             self.front.released_bytes += self.request.size
             self.request = None
+        self.began = 0.0
+
+    def _drop(self) -> None:
+        """Forget every request received and not answered."""
+        self._drop_receiving()
         for request in self.queue:
             self.front.released_bytes += request.size
         self.queue.clear()
@@ -382,10 +379,7 @@ class FrontProtocol(asyncio.Protocol):
     def _refuse(self, status: int, message: str, code: str | None = None) -> None:
         """Answer `status` after the requests already received, then close."""
         self.refused = True
-        if self.request is not None:
-            self.front.released_bytes += self.request.size
-            self.request = None
-        self.began = 0.0
+        self._drop_receiving()
         refusal = _Request("", APIError(status, message, code=code))
         refusal.keep_alive = False
         self._enqueue(refusal)
@@ -467,7 +461,6 @@ class FrontProtocol(asyncio.Protocol):
             message = f"request body not received within {limits.body_timeout_s} s"
         else:
             return
-        self.began = 0.0
         self.head = None
         self._refuse(408, message, "timeout")
 
@@ -548,8 +541,15 @@ class FrontServer:
 def _malloc_trim() -> Callable[[], None]:
     """glibc's malloc_trim(0), or nothing where there is none."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return lambda: None
-    return lambda: None if trim(0) is None else None
+        return _no_trim
+
+    def trim_all() -> None:
+        trim(0)
+
+    return trim_all
+
+
+def _no_trim() -> None:
+    pass
