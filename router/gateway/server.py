@@ -115,9 +115,16 @@ class LeanReply:
         self.started = False
         self.complete = False  # the whole answer was written (a cut stream must close)
 
+    def _close(self) -> bytes:
+        """The head's `Connection: close`, decided when the head is written: a drain that
+        began while the request was under way still tells the client."""
+        if self.keep_alive and self.conn.front.draining:
+            self.keep_alive = False
+        return b"" if self.keep_alive else b"Connection: close\r\n"
+
     def whole(self, status: int, headers: Headers, body: bytes) -> None:
         self.started = self.complete = True
-        close = b"" if self.keep_alive else b"Connection: close\r\n"
+        close = self._close()
         extra = b"Content-Length: %d\r\n%s\r\n" % (len(body), close)
         self.conn.write(_head(status, headers, extra) + body)
 
@@ -127,7 +134,7 @@ class LeanReply:
             self.keep_alive = False
             self.conn.write(_head(status, headers, b"Connection: close\r\n\r\n"))
         else:
-            close = b"" if self.keep_alive else b"Connection: close\r\n"
+            close = self._close()
             extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % close
             self.conn.write(_head(status, headers, extra))
         await self.conn.drain()
