@@ -13,7 +13,7 @@ venv: $(STAMP)
 # the modules mypyc compiles (pyproject.toml [tool.urc]): an edit recompiles them
 COMPILED := $(shell $(PYTHON) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['tool']['urc']['compiled'])")
 
-$(STAMP): pyproject.toml setup.py Makefile router/_blockkeys.c $(COMPILED)
+$(STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c $(COMPILED)
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	# the CPU build of torch, pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(PIP) install -q torch==$(TORCH_VERSION)
@@ -40,6 +40,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 # The gateway (from .venv) in front of two real vLLM CPU engines (from .venv-vllm).
@@ -55,4 +56,4 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
-	find router backends simulation -name '*.so' -delete
+	find core router backends simulation -name '*.so' -delete

@@ -1,9 +1,9 @@
 """Build hook for the optional native parts; without a C compiler the Python source runs and
 gives the same results.
 
-- router/_blockkeys.c: block-key hashing, the C twin of router/blocks.py.
+- core/_blockkeys.c: block-key hashing, the C twin of core/blocks.py.
 - The modules listed under `[tool.urc] compiled` in pyproject.toml, compiled by mypyc from
-  their own source (router/native.py says how they are picked up). URC_PURE_PYTHON=1 at
+  their own source (core/native.py says how they are picked up). URC_PURE_PYTHON=1 at
   install time skips them.
 """
 
@@ -31,7 +31,7 @@ def compiled_modules() -> list[Extension]:
         extensions = mypycify(
             [*sources, "--ignore-missing-imports", "--follow-imports=silent"],
             opt_level="3",
-            group_name="router._compiled",
+            group_name="core._compiled",
         )
     except SystemExit as exc:  # a type error in the listed modules: mypyc refuses them
         print(f"mypyc failed ({exc}): the Python source runs", file=sys.stderr)
@@ -44,8 +44,8 @@ def compiled_modules() -> list[Extension]:
 def mark_built() -> None:
     """Stamp the compiled modules in the source tree with this build's time: a rebuild whose
     output did not change leaves the files (and their old times) as they were, and
-    router/native.py judges staleness by these times."""
-    for package in ("router", "backends", "simulation"):
+    core/native.py judges staleness by these times."""
+    for package in ("core", "router", "backends", "simulation"):
         for path in (HERE / package).rglob("*.so"):
             source = path.with_name(path.name.split(".", 1)[0] + ".py")
             if "__mypyc" in path.name or source.exists():
@@ -56,8 +56,8 @@ compiled = compiled_modules()
 setup(
     ext_modules=[
         Extension(
-            "router._blockkeys",
-            sources=["router/_blockkeys.c"],
+            "core._blockkeys",
+            sources=["core/_blockkeys.c"],
             include_dirs=["third_party/xxhash"],
             extra_compile_args=["-O3"],
             optional=True,

@@ -1,3 +1,3 @@
-from router import native
+from core import native
 
 native.install()

@@ -16,7 +16,7 @@ import json
 import random
 from pathlib import Path
 
-from loadgen.text import VOCAB
+from core.text import VOCAB
 
 BOS, EOS, START, END = "<|bos|>", "<|eos|>", "<|start|>", "<|end|>"
 SPECIAL_TOKENS = [BOS, EOS, START, END]

@@ -43,7 +43,7 @@ def start_cluster(policy: str, args: argparse.Namespace) -> tuple[subprocess.Pop
     cmd = [
         sys.executable,
         "-m",
-        "router.cli",
+        "urc.cli",
         "cluster",
         "--workers",
         str(args.workers),
@@ -91,7 +91,7 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
             [
                 sys.executable,
                 "-m",
-                "router.cli",
+                "urc.cli",
                 "bench",
                 "--target",
                 url,

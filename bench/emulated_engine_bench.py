@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from backends.emulated.engine import EmulatedEngine, EngineConfig, Request
-from router.blocks import block_keys
+from core.blocks import block_keys
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 _FILL = list(range(1000, 1510))  # a hash id's 512-token block: two tokens of id, then filler

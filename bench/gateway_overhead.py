@@ -586,7 +586,7 @@ def start_fleet(
         child.wait_announced(60)
     workers = [child.url for child in children]
     pids = {"workers": [child.pid for child in children]}
-    cmd = [py, "-m", "router.cli", "gateway", "--host", "127.0.0.1"]
+    cmd = [py, "-m", "urc.cli", "gateway", "--host", "127.0.0.1"]
     cmd += ["--port", str(free_port()), "--policy", args.policy]
     for url in workers:
         cmd += ["--worker", url]

@@ -17,7 +17,7 @@ import random
 import time
 import tracemalloc
 
-from router.blocks import (
+from core.blocks import (
     _python_chain_keys,
     block_keys,
     chain_keys,
@@ -25,8 +25,8 @@ from router.blocks import (
     namespace,
     parent_prefix,
 )
+from core.kv_events import BlockStored, EventBatch, decode_batch, encode_batch
 from router.index import UnifiedIndex
-from router.kv_events import BlockStored, EventBatch, decode_batch, encode_batch
 from router.kv_mirror import WorkerMirror
 
 BS = 16

@@ -11,7 +11,7 @@ trace (best of --repeat runs; loading the trace and keying it once, shared by ev
 policy, is timed apart). The target is 50,000; the ratio to it is printed. Two in-run
 baselines (--no-baseline skips them):
 - `python`: the same replay from the Python source (URC_PURE_PYTHON=1, in a child process),
-  where the compiled modules are built (router/native.py); `x python` is what compiling buys;
+  where the compiled modules are built (core/native.py); `x python` is what compiling buys;
 - `per-step`: the same replay with one event per forward pass, as a real-time loop steps the
   engine, instead of a decode stretch in one event: the same outcome (asserted), and
   `x per-step` is what the segments buy.
@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from router import native  # noqa: E402
+from core import native  # noqa: E402
 from router.policies import make_policy  # noqa: E402
 from simulation.compare import build_params, policy_names  # noqa: E402
 from simulation.replay import FleetConfig, Replay, RunResult  # noqa: E402

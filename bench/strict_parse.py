@@ -7,7 +7,7 @@ an 8k-token prompt, the same prompt as 8k token ids, a chat of 8 messages):
 - before: msgspec's decode, the routing fields checked (the same compiled checks as after),
   and the tenant's `cache_salt` spliced into the client's bytes (what the gateway did before
   it re-encoded bodies);
-- after: the strict decode (depth, int64; router/strict_json.py), the same checks plus token
+- after: the strict decode (depth, int64; core/strict_json.py), the same checks plus token
   ids in int32, and the worker's body re-encoded from what was parsed (request_body.py).
 Both are timed in this process, as the best of 5 runs of `--repeat` calls each. Then, in the
 same run, `urc gateway` in front of two emulated workers (negligible modelled GPU time) serves
@@ -100,7 +100,7 @@ def gateway_cpu_us(path: str, raw: bytes, requests: int) -> float:
     try:
         for w in workers:
             w.wait_announced(60)
-        argv = [sys.executable, "-m", "router.cli", "gateway", "--port", str(free_port())]
+        argv = [sys.executable, "-m", "urc.cli", "gateway", "--port", str(free_port())]
         for w in workers:
             argv += ["--worker", w.url]
         gateway = Child("gateway", argv, "gateway: ")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadgen.text import filler
+from core.text import filler
 from loadgen.workloads import Kind, RequestSpec
 
 BLOCK_TOKENS = 512

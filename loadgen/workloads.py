@@ -1,7 +1,7 @@
 """Built-in workloads: pure, seeded, endless streams of `RequestSpec`s (no I/O, no clock).
 
 The same `(name, seed, models, params)` always yields the same specs, so the load generator and
-the offline simulator replay identical traffic. Text comes from `loadgen.text.filler`: under the
+the offline simulator replay identical traffic. Text comes from `core.text.filler`: under the
 byte tokenizer a string of n ASCII bytes is n tokens, so prefix lengths are exact.
 
 A multi-turn session is a chain of specs with one `session_id`; spec `turn` k > 0 carries only the
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import count, islice
 from typing import Any, Literal, NamedTuple, Protocol
 
-from loadgen.text import filler
+from core.text import filler
 
 Kind = Literal["chat", "completion"]
 Message = dict[str, str]

@@ -1,6 +1,6 @@
 """The unified radix index (DESIGN §2): one tree of block keys for the whole fleet.
 
-Keys are chained (router/blocks.py), so a key names its whole prefix and the token path of a
+Keys are chained (core/blocks.py), so a key names its whole prefix and the token path of a
 prompt is stored once however many workers and models hold it. The tree is compressed, as
 SGLang's radix cache is: a node is a *run* of consecutive blocks with the same residency, and
 `_where` maps every key to its run's id (router/run_tree.py keeps that shape). Matching a prompt
@@ -300,7 +300,7 @@ class UnifiedIndex(RunTree):
             if at < len(prev.keys):
                 prev = self._split(prev, at)
         added = 0
-        boxed = cast(list[object], chain)  # keys stay objects (router/native.py)
+        boxed = cast(list[object], chain)  # keys stay objects (core/native.py)
         i = 0
         while i < n:
             run = by_id.get(where.get(boxed[i], 0))
@@ -480,7 +480,7 @@ class UnifiedIndex(RunTree):
         resident_of = self._resident_of
         matched: dict[str, int] = {}
         depth = 0
-        boxed = cast(Sequence[object], keys)  # keys stay objects (router/native.py)
+        boxed = cast(Sequence[object], keys)  # keys stay objects (core/native.py)
         last = None
         run = by_id.get(where.get(boxed[0], 0))  # 0: no object's id
         while run is not None:

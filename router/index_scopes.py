@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from core.scopes import runs_in_scope
 from router.index import UnifiedIndex, _bits
-from router.scopes import runs_in_scope
 
 SaltTest = Callable[[str], bool]
 

@@ -1,7 +1,7 @@
 """One worker's KV event stream mirrored into the unified index (DESIGN §3). Pure: no I/O.
 
 The engine's block hashes are never trusted as index keys: every BlockStored is re-keyed from
-its token ids with router/blocks.py, continuing the chain from our key of its parent. A
+its token ids with core/blocks.py, continuing the chain from our key of its parent. A
 per-worker map remembers engine hash -> our key so that later events (children, removals) can
 be translated. Our own workers hash exactly as we do; for them the map stays empty (a missing
 entry means "the engine hash is our key") and the index itself says whether a parent is held.
@@ -24,15 +24,15 @@ import enum
 from collections.abc import Callable, Collection, Hashable
 from typing import NamedTuple
 
-from router.blocks import chain_keys, namespace, parent_prefix, salted_after
-from router.index import UnifiedIndex
-from router.kv_events import (
+from core.blocks import chain_keys, namespace, parent_prefix, salted_after
+from core.kv_events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
 )
+from router.index import UnifiedIndex
 
 LoraId = int | str | None
 DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})

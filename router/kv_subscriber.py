@@ -28,7 +28,7 @@ import zmq.asyncio
 import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
-from router.kv_events import KVEventDecodeError, decode_batch
+from core.kv_events import KVEventDecodeError, decode_batch
 from router.kv_mirror import Apply, Outcome, WorkerMirror
 
 log = logging.getLogger(__name__)

@@ -2,6 +2,6 @@
 the gateway's own index and policies against emulated workers. Entry points: `simulation.cli`
 (`add_arguments`, `build_parser`, `run`, `main`) and `simulation.compare.compare`."""
 
-from router import native
+from core import native
 
 native.install()

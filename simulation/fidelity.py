@@ -1,7 +1,7 @@
 """Live against offline: one seeded workload through `urc cluster` and through the replay.
 
-The live side is real processes on 127.0.0.1: `python -m router.cli cluster` (the gateway and N
-emulated workers) and `python -m router.cli bench` against it. The offline side replays the
+The live side is real processes on 127.0.0.1: `python -m urc.cli cluster` (the gateway and N
+emulated workers) and `python -m urc.cli bench` against it. The offline side replays the
 same specs with the same worker parameters, worker names (rendezvous hashes them) and candidate
 order (the gateway's, read from its admin API), so the two differ only in what real time adds:
 HTTP hops, event-loop wake-ups and KV events in flight.
@@ -102,7 +102,7 @@ def _start_cluster(case: FidelityCase, port: int) -> tuple[subprocess.Popen[str]
     cmd = [
         sys.executable,
         "-m",
-        "router.cli",
+        "urc.cli",
         "cluster",
         "--workers",
         str(case.workers),
@@ -177,7 +177,7 @@ def run_live(case: FidelityCase) -> tuple[dict[str, Any], list[str]]:
             cmd = [
                 sys.executable,
                 "-m",
-                "router.cli",
+                "urc.cli",
                 "bench",
                 "--target",
                 url,

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from backends.emulated.engine import EngineConfig, Request
-from router.heap import Heap
+from core.heap import Heap
 from router.index import UnifiedIndex
 from router.policies import Candidate, Policy
 from simulation.client import INF, Client

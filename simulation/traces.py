@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.blocks import chain_keys, namespace, parent_prefix
 from loadgen.mooncake import BLOCK_TOKENS, TraceFormatError, TraceRecord, parse_record
-from router.blocks import chain_keys, namespace, parent_prefix
 from router.policies import RouteRequest
 from simulation.requests import KeyedPrompt, SimRequest, cache_salt
 

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from backends.emulated.engine import output_bytes, tail_keys
+from core.blocks import block_keys
+from core.tokenizer import ByteTokenizer
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import RequestSpec, iter_requests, with_poisson_arrivals
-from router.blocks import block_keys
 from router.policies import RouteRequest
-from router.tokenizer import ByteTokenizer
 from simulation.requests import SimRequest, cache_salt
 
 DEFAULT_MODELS: tuple[str, ...] = ("emulated",)

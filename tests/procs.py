@@ -85,7 +85,7 @@ def start_worker(*extra: str, port: int = 0) -> Proc:
 
 
 def start_gateway(workers: Sequence[str], *extra: str, port: int = 0) -> Proc:
-    args = ["-m", "router.cli", "gateway", "--port", str(port)]
+    args = ["-m", "urc.cli", "gateway", "--port", str(port)]
     for url in workers:
         args += ["--worker", url]
     return Proc([*args, *extra], "gateway: ")

@@ -9,8 +9,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router import blocks
-from router.blocks import _python_chain_keys, block_keys, chain_keys, namespace, parent_prefix
+from core import blocks
+from core.blocks import _python_chain_keys, block_keys, chain_keys, namespace, parent_prefix
 
 
 def reference_keys(tokens: list[int], block_size: int, salt: str | None) -> list[int]:
@@ -68,7 +68,7 @@ def test_only_full_blocks_get_keys_and_namespaces_are_length_prefixed():
 
 
 def test_the_native_path_is_built():
-    assert blocks.has_native(), "router/_blockkeys.c did not build: `pip install -e .` needs gcc"
+    assert blocks.has_native(), "core/_blockkeys.c did not build: `pip install -e .` needs gcc"
 
 
 def test_bad_input_is_rejected():

@@ -5,12 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from router.cli import SUBCOMMANDS, main
+from urc.cli import SUBCOMMANDS, main
 
 
 def test_help_lists_every_subcommand():
     out = subprocess.run(
-        [sys.executable, "-m", "router.cli", "--help"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "urc.cli", "--help"], capture_output=True, text=True, check=True
     ).stdout
     for name in ("gateway", "worker", "cluster", "replay", "bench"):
         assert name in out
@@ -25,7 +25,7 @@ def test_unbuilt_engines_say_which_issue_and_fail(capsys):
 def test_every_subcommand_has_help():
     for name in SUBCOMMANDS:
         out = subprocess.run(
-            [sys.executable, "-m", "router.cli", name, "--help"],
+            [sys.executable, "-m", "urc.cli", name, "--help"],
             capture_output=True,
             text=True,
             timeout=60,

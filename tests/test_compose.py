@@ -9,8 +9,8 @@ from urllib.parse import urlparse
 import yaml
 
 from backends.emulated.server import build_parser as worker_parser
-from router.cli import build_parser
 from router.gateway.config import load_config
+from urc.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -19,9 +19,9 @@ from backends.emulated.engine import (
     StepResult,
     output_tokens,
 )
-from router.blocks import block_keys
+from core.blocks import block_keys
+from core.kv_events import EventBatch
 from router.index import UnifiedIndex
-from router.kv_events import EventBatch
 from router.kv_mirror import WorkerMirror
 
 BS = 16

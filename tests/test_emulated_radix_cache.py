@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends.emulated.radix_cache import RadixCache, Run
-from router.blocks import block_keys
+from core.blocks import block_keys
 
 BS = 4
 

@@ -21,11 +21,11 @@ import openai
 import pytest
 
 from backends.emulated.engine import output_tokens
-from router.blocks import block_keys
+from core.blocks import block_keys
+from core.tokenizer import ByteTokenizer
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
-from router.tokenizer import ByteTokenizer
 from tests import procs
 from tests.procs import Worker
 

@@ -13,9 +13,9 @@ from backends.engine.engine import EngineConfig, TorchEngine
 from backends.engine.loader import load_model
 from backends.engine.request import SamplingParams
 from backends.engine.scheduler import SchedulerConfig
-from router.blocks import block_keys
+from core.blocks import block_keys
+from core.kv_events import EventBatch, decode_batch, encode_batch
 from router.index import UnifiedIndex
-from router.kv_events import EventBatch, decode_batch, encode_batch
 from router.kv_mirror import Outcome, WorkerMirror
 
 torch.set_num_threads(2)

@@ -11,7 +11,7 @@ import torch
 
 from backends.engine.page_pool import KVLayout, PagePool
 from backends.engine.radix_cache import PageRadixCache
-from router.blocks import block_keys
+from core.blocks import block_keys
 
 BS = 4
 LAYOUT = KVLayout(1, 1, 2, BS, torch.float32)

@@ -10,10 +10,10 @@ import torch
 from backends.engine.cache_scopes import invalidate
 from backends.engine.page_pool import KVLayout, PagePool
 from backends.engine.radix_cache import PageRadixCache
-from router.blocks import block_keys, salt_scope
+from core.blocks import block_keys, salt_scope
+from core.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from router.gateway.isolation import user_salt
 from router.index import UnifiedIndex
-from router.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent
 from router.kv_mirror import WorkerMirror
 
 BS = 4

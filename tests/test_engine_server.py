@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from router.blocks import block_keys
+from core.blocks import block_keys
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber

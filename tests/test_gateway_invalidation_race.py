@@ -3,13 +3,13 @@ approximate residency that the invalidation dropped (workers without KV events).
 
 from __future__ import annotations
 
+from core.tokenizer import ByteTokenizer
 from router.gateway.app import Gateway
 from router.gateway.config import GatewayConfig, WorkerConfig
 from router.gateway.fleet import Model, Worker
 from router.gateway.proxy import Usage
 from router.gateway.routing import Plan
 from router.policies import Decision, RouteRequest
-from router.tokenizer import ByteTokenizer
 
 KEYS = [11, 12, 13]
 

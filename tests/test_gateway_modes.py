@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from router.kv_publisher import KVEventPublisher
+from core.kv_publisher import KVEventPublisher
 from tests.procs import free_port, start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import ADMIN, all_exact, route
 

@@ -11,11 +11,11 @@ import httpx
 import pytest
 
 from backends.tiny_checkpoint import write_tokenizer
+from core.tokenizer import HFTokenizer
 from router.gateway.config import GatewayConfig, WorkerConfig
 from router.gateway.fleet import Fleet
 from router.gateway.parity import ParityProbe
 from router.index import UnifiedIndex
-from router.tokenizer import HFTokenizer
 from tests.procs import start_gateway, start_worker, wait_for
 
 ADMIN = {"Authorization": "Bearer k"}

@@ -1,4 +1,4 @@
-"""router/heap.py: entries pop in (key, push order), as heapq over (key, seq, item) does."""
+"""core/heap.py: entries pop in (key, push order), as heapq over (key, seq, item) does."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import heapq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.heap import Heap
+from core.heap import Heap
 
 ops_st = st.lists(
     st.one_of(st.tuples(st.just("push"), st.integers(0, 20)), st.just(("pop", 0))), max_size=200

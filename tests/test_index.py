@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.blocks import block_keys
+from core.blocks import block_keys
 from router.index import UnifiedIndex
 from router.index_scopes import invalidate
 

@@ -13,7 +13,9 @@ import pytest
 
 from backends.emulated.cache_scopes import invalidate as invalidate_cache
 from backends.emulated.engine import EmulatedEngine, EngineConfig, Request, State, StepResult
-from router.blocks import block_keys, chain_keys, continue_after, salt_scope
+from core.blocks import block_keys, chain_keys, continue_after, salt_scope
+from core.kv_events import BlockRemoved, EventBatch
+from core.tokenizer import ByteTokenizer
 from router.gateway.config import ConfigError, add_gateway_arguments, apply_flags, load_config
 from router.gateway.fleet import Model
 from router.gateway.isolation import (
@@ -28,9 +30,7 @@ from router.gateway.routing import Router
 from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.index_scopes import invalidate as invalidate_index
-from router.kv_events import BlockRemoved, EventBatch
 from router.kv_mirror import WorkerMirror
-from router.tokenizer import ByteTokenizer
 
 BS = 16
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.kv_events import (
+from core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

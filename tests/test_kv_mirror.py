@@ -10,9 +10,8 @@ from collections.abc import Callable
 
 import pytest
 
-from router.blocks import block_keys
-from router.index import UnifiedIndex
-from router.kv_events import (
+from core.blocks import block_keys
+from core.kv_events import (
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
@@ -22,8 +21,9 @@ from router.kv_events import (
     decode_batch,
     encode_batch,
 )
+from core.kv_publisher import KVEventPublisher
+from router.index import UnifiedIndex
 from router.kv_mirror import Outcome, WorkerMirror
-from router.kv_publisher import KVEventPublisher
 from router.kv_subscriber import KVEventSubscriber
 
 BS = 4

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.text import filler
+from core.tokenizer import ByteTokenizer
 from loadgen.mooncake import (
     TraceFormatError,
     block_text,
@@ -23,9 +25,7 @@ from loadgen.report import percentile, summarize
 from loadgen.results import RequestResult, Route, parse_route
 from loadgen.runner import KeyRing
 from loadgen.sessions import SessionQueue
-from loadgen.text import filler
 from loadgen.workloads import WORKLOADS, iter_requests, with_poisson_arrivals
-from router.tokenizer import ByteTokenizer
 
 TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 TOK = ByteTokenizer()

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from core.tokenizer import ByteTokenizer
 from loadgen.cli import main
 from loadgen.mooncake import parse_trace, trace_requests
 from loadgen.report import summarize
 from loadgen.runner import BenchConfig, run_bench
 from loadgen.workloads import iter_requests
-from router.tokenizer import ByteTokenizer
 
 TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
 TOK = ByteTokenizer()

@@ -1,4 +1,4 @@
-"""The modules mypyc compiles (router/native.py): built and current, switched off by
+"""The modules mypyc compiles (core/native.py): built and current, switched off by
 URC_PURE_PYTHON=1, and giving byte for byte the replay that their Python source gives."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from router import native
+from core import native
 from tests.test_simulation_cli import synthetic_trace
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,10 +16,10 @@ import zmq.asyncio
 from backends.real_cluster import free_ports
 from backends.sglang import SGLangSpec, sglang_launch
 from backends.vllm import VLLMSpec, vllm_launch
-from router.blocks import block_keys
+from core.blocks import block_keys
+from core.kv_events import decode_batch
 from router.gateway.config import ConfigError, parse_attach
 from router.index import UnifiedIndex
-from router.kv_events import decode_batch
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.blocks import block_keys
+from core.blocks import block_keys
 from simulation import cli
 from tests.procs import start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import ADMIN, admin_workers, all_exact
@@ -145,7 +145,7 @@ def test_gateway_shadow_predictions_match_the_replay_of_its_recording(tmp_path: 
             w.stop()
 
     out = tmp_path / "replay.json"
-    cmd = [sys.executable, "-m", "router.cli", "replay", str(rec), "--no-progress"]
+    cmd = [sys.executable, "-m", "urc.cli", "replay", str(rec), "--no-progress"]
     cmd += [arg for name in SHADOWS for arg in ("--shadow", name)]
     cmd += ["--worker-names", ",".join(names), "--json", str(out)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=120)

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from backends.emulated.engine import EmulatedEngine, Request, tail_keys
-from router.blocks import block_keys
+from core.blocks import block_keys
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from simulation.bound import infinite_cache_hit_rate
 from simulation.compare import compare

@@ -17,11 +17,11 @@ from backends.emulated.engine import (
     output_tokens,
     tail_keys,
 )
+from core.blocks import block_keys
+from core.kv_events import BlockStored
+from core.tokenizer import ByteTokenizer
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import iter_requests
-from router.blocks import block_keys
-from router.kv_events import BlockStored
-from router.tokenizer import ByteTokenizer
 from simulation.bound import infinite_cache_hit_rate
 from simulation.requests import KeyedPrompt
 from simulation.traces import parse_trace, trace_requests

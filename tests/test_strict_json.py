@@ -1,10 +1,10 @@
-"""The strict parse of request bodies (router/strict_json.py) against what it must refuse."""
+"""The strict parse of request bodies (core/strict_json.py) against what it must refuse."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.strict_json import MAX_DEPTH, BodyError, decode_object
+from core.strict_json import MAX_DEPTH, BodyError, decode_object
 
 
 @pytest.mark.parametrize(

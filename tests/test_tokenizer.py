@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from router.chat_template import ChatTemplateError, detect_content_format
-from router.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from core.chat_template import ChatTemplateError, detect_content_format
+from core.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 SPECIALS = ["<s>", "</s>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 CORPUS = [

@@ -14,7 +14,7 @@ import pytest
 
 from backends.engine_process import start_engine
 from backends.tiny_checkpoint import write_checkpoint, write_tokenizer
-from loadgen.text import filler
+from core.text import filler
 from tests.procs import start_gateway, wait_for
 from tests.vllm_fleet import (
     ADMIN,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from backends.emulated.radix_cache import RadixCache
-from router.scopes import runs_in_scope
+from core.scopes import runs_in_scope
 
 SaltTest = Callable[[str], bool]
 

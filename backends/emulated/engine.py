@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, cast
 
 from backends.emulated.radix_cache import RadixCache, Run
-from router.blocks import block_keys, chain_keys, continue_after, namespace, parent_prefix
-from router.heap import Heap
-from router.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
+from core.blocks import block_keys, chain_keys, continue_after, namespace, parent_prefix
+from core.heap import Heap
+from core.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
 _EPS: Final = 1e-9  # float slack when counting steps between two times
@@ -154,7 +154,7 @@ class Request:
     arrival: float
     keys: list[int] | None  # the prompt's block keys; computed on submit when None
     tail_keys: list[int] | None  # `tail_keys(...)` of the request; on finish when None
-    # shared isolation: leading prompt blocks keyed in the shared namespace (router/blocks.py)
+    # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
     public_blocks: int
     state: State
     cached_tokens: int  # prompt tokens found in the cache on admission

@@ -6,7 +6,7 @@ import hashlib
 import json
 
 from backends.http.served_model import ServedModel
-from router.tokenizer import ByteTokenizer
+from core.tokenizer import ByteTokenizer
 
 ENGINE = "emulated"
 

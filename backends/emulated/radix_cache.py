@@ -1,7 +1,7 @@
 """The emulated worker's KV cache: a radix tree of blocks in a pool of `capacity_tokens` tokens.
 
 As in SGLang's radix cache, but block-granular and keyed by the gateway's own block keys
-(router/blocks.py): a block's key IS its identity here and the hash in the KV events it
+(core/blocks.py): a block's key IS its identity here and the hash in the KV events it
 publishes, so the gateway's mirror maps it by identity. Keys are chained, so a key names its
 whole prefix and the cached keys of a prompt always form a prefix of its chain.
 
@@ -118,7 +118,7 @@ class RadixCache:
         self.on_stored = on_stored
         self.on_removed = on_removed
         self.root = Run([], None, 1, 0)  # never evicted: lock_ref stays >= 1
-        # first key of a run -> the run; keys read as `object`s stay boxed (router/native.py)
+        # first key of a run -> the run; keys read as `object`s stay boxed (core/native.py)
         self._heads: dict[object, Run] = {}
         self._blocks = 0  # blocks in the tree
         self._runs: set[Run] = set()
@@ -326,7 +326,7 @@ class RadixCache:
 
         `tokens` (exactly the blocks' token ids; not to be changed after) only travel to
         `on_stored`. `salt` is the namespace of the blocks: it travels with a root block, or
-        with keys[salt_at] when a public prefix ends before it (router/blocks.py; None: the salt
+        with keys[salt_at] when a public prefix ends before it (core/blocks.py; None: the salt
         starts at the root), and scoped
         invalidation finds the namespace by it. Under an invalidated run nothing is cached."""
         n = len(keys)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from backends.emulated.engine import EmulatedEngine, Request, output_bytes
 from backends.http.generation import Generation, WorkerLoad
-from router.kv_events import KVEvent
+from core.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 

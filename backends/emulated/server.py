@@ -10,7 +10,7 @@ OpenAI's API and SGLang's native API (backends/http/, shared with the torch work
                    "topic": "kv"},
      "capacity_tokens": N, "load": {"running", "waiting", "queued_prefill_tokens"}}
 
-The KV events of every step go out on a ZMQ publisher (router/kv_publisher.py, map encoding so
+The KV events of every step go out on a ZMQ publisher (core/kv_publisher.py, map encoding so
 that `cache_salt` travels), block hashes being our own block keys. The process prints
 `ready: http://HOST:PORT` once it serves, and exits cleanly on SIGINT or SIGTERM.
 """
@@ -42,8 +42,8 @@ from backends.http.kv_events_doc import KV_TOPIC, events_document
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
 from backends.http.sglang_api import SGLangApi
-from router.kv_events import KVEvent
-from router.kv_publisher import KVEventPublisher
+from core.kv_events import KVEvent
+from core.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 

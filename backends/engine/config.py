@@ -11,7 +11,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from router.tokenizer import BYTE_VOCAB_SIZE
+from core.tokenizer import BYTE_VOCAB_SIZE
 
 _ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 

@@ -28,7 +28,7 @@ from backends.engine.radix_cache import PageRadixCache
 from backends.engine.request import Request, SamplingParams, Status
 from backends.engine.sampler import sample
 from backends.engine.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
-from router.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
+from core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)

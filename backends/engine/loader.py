@@ -25,7 +25,7 @@ from backends.engine.fingerprint import (
 )
 from backends.engine.model import LlamaForCausalLM
 from backends.engine.page_pool import KVLayout
-from router.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_INIT_STD = 0.1  # larger than HF's 0.02: sharp attention, so a wrong page shows in logits

@@ -3,7 +3,7 @@
 One cache per page pool (page_pool.py), one tree per kv_group inside it: models of one
 kv_group produce identical K/V for identical tokens and share nodes; other groups never see
 them, even for equal tokens. A node is one page (`page_size` tokens) named by its block key
-(router/blocks.py: chained xxh3 in the cache_salt's namespace), so a key names its whole
+(core/blocks.py: chained xxh3 in the cache_salt's namespace), so a key names its whole
 prefix, tenants never share a node, and the keys are exactly what the KV events publish. A
 node also keeps its tokens: a match is confirmed token by token, never on the hash alone.
 
@@ -240,7 +240,7 @@ class PageRadixCache:
 
         New nodes are unlocked: lock the returned node before the next allocation. `salt`
         travels with a root block, or with keys[salt_at] when a public prefix ends before it
-        (router/blocks.py); under an invalidated node (cache_scopes.py) nothing is cached."""
+        (core/blocks.py); under an invalidated node (cache_scopes.py) nothing is cached."""
         bs = self.page_size
         self._tick += 1
         if parent.key < 0:  # invalidated while the caller held it: its pages stay private

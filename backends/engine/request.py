@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.engine.radix_cache import Node
-from router.blocks import block_keys, chain_keys, continue_after
+from core.blocks import block_keys, chain_keys, continue_after
 
 
 @dataclass(slots=True)
@@ -66,7 +66,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = field(default=None, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # when recorded
-    # shared isolation: leading prompt blocks keyed in the shared namespace (router/blocks.py)
+    # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
     public_blocks: int = 0
 
     @property

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from backends.engine.engine import EngineLoad, TorchEngine
 from backends.engine.request import Request, SamplingParams, Status
 from backends.http.generation import Generation, WorkerLoad
-from router.kv_events import KVEvent
+from core.kv_events import KVEvent
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ from backends.http.kv_events_doc import KV_TOPIC, events_document
 from backends.http.openai_api import OpenAIApi
 from backends.http.served_model import ServedModel
 from backends.http.sglang_api import SGLangApi
-from router.kv_events import KVEvent
-from router.kv_publisher import KVEventPublisher
+from core.kv_events import KVEvent
+from core.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from router.strict_json import BodyError, decode_object
+from core.strict_json import BodyError, decode_object
 
 log = logging.getLogger(__name__)
 

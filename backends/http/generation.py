@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 from backends.http.served_model import ServedModel
-from router.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from backends.http.errors import ApiError
-from router.blocks import salt_scope
+from core.blocks import salt_scope
 
 
 class InvalidateRequest(NamedTuple):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from router.kv_publisher import KVEventPublisher
+from core.kv_publisher import KVEventPublisher
 
 KV_TOPIC = "kv"
 _ANY_HOST = ("0.0.0.0", "::", "*", "")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.http.errors import ApiError
-from router.tokenizer import Tokenizer
+from core.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
@@ -16,7 +16,7 @@ class ServedModel:
     kv_group: str
     fingerprint: str
     tokenizer: Tokenizer
-    tokenizer_spec: str  # what router.tokenizer.load_tokenizer takes: "byte" or a directory
+    tokenizer_spec: str  # what core.tokenizer.load_tokenizer takes: "byte" or a directory
     max_model_len: int
     default_max_tokens: int  # when a chat request sets none
     vocab_size: int  # ids the model accepts (at least the tokenizer's)

@@ -17,11 +17,11 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from core.tokenizer import Tokenizer, load_tokenizer
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
 from router.gateway.events import EventStream, discovered_streams
 from router.gateway.upstream import UpstreamPool
 from router.index import UnifiedIndex
-from router.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import aiohttp
 from prometheus_client import Counter
 
-from router.blocks import salt_scope
+from core.blocks import salt_scope
 from router.gateway.errors import APIError, bad_request
 from router.gateway.fleet import Worker
 from router.gateway.isolation import session_salt, user_salt

@@ -10,7 +10,7 @@ structured, so every scope of invalidation is a test on the salt alone (no state
               `shared` mode reuse a common system prompt while the rest stays the tenant's
 
 A shared-mode request carries `urc_public_tokens` (a whole number of blocks): our workers key
-those tokens in the shared namespace and mix the salt in after them (router/blocks.py). vLLM
+those tokens in the shared namespace and mix the salt in after them (core/blocks.py). vLLM
 and SGLang ignore the field and salt the whole prompt: isolation first, no sharing there.
 """
 

@@ -1,7 +1,7 @@
 """An inference request's body: parsed strictly once, checked, and rebuilt for the worker.
 
 The body the worker receives is the gateway's own encoding of what it parsed and checked
-(router/strict_json.py), with the fields only the gateway may set put there by the gateway:
+(core/strict_json.py), with the fields only the gateway may set put there by the gateway:
 `cache_salt` (the request's isolation salt) and `urc_public_tokens` (shared isolation). A
 client's `cache_salt`, and every field whose name starts with `urc_`, are dropped whatever
 their spelling in the client's bytes: the comparison is on the decoded name.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from core.strict_json import BodyError, decode_object, encode
 from router.gateway.errors import bad_request
-from router.strict_json import BodyError, decode_object, encode
 
 SALT_FIELD: Final = "cache_salt"
 PUBLIC_FIELD: Final = "urc_public_tokens"

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from router.blocks import block_keys
+from core.blocks import block_keys
 from router.gateway.errors import APIError, bad_request, unavailable
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens

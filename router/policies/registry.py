@@ -33,7 +33,7 @@ _FALSE = {"0", "false", "no", "off"}
 def policy_params(name: str) -> dict[str, Any]:
     """The parameters a policy takes, with their defaults."""
     cls = _policy_class(name)
-    # the class's signature, not __init__'s: a compiled class (router/native.py) tells only that
+    # the class's signature, not __init__'s: a compiled class (core/native.py) tells only that
     # one, its parameters marked positional-only although it takes them by keyword too
     return {
         p.name: p.default

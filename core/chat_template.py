@@ -24,7 +24,7 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from router.strict_json import BodyError, decode_object
+from core.strict_json import BodyError, decode_object
 
 ContentFormat = Literal["string", "openai"]
 Message = Mapping[str, Any]

@@ -20,8 +20,8 @@ from functools import lru_cache
 
 import xxhash
 
-try:  # the C twin (router/_blockkeys.c): same keys, ~20x faster
-    from router._blockkeys import chain_keys as _native_chain_keys
+try:  # the C twin (core/_blockkeys.c): same keys, ~20x faster
+    from core._blockkeys import chain_keys as _native_chain_keys
 except ImportError:  # pragma: no cover - only without a compiler
     _native_chain_keys = None
 

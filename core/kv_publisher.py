@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import zmq
 
-from router.kv_events import EventBatch, KVEvent, encode_batch
+from core.kv_events import EventBatch, KVEvent, encode_batch
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    from router.cluster import cluster_main
+    from urc.cluster import cluster_main
 
     return cluster_main(args)
 
@@ -78,8 +78,8 @@ def _delegate(command: str, argv: list[str]) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from router.blocks import block_keys
-    from router.tokenizer import load_tokenizer
+    from core.blocks import block_keys
+    from core.tokenizer import load_tokenizer
 
     tokens = load_tokenizer(args.tokenizer).encode(args.text)
     for i, key in enumerate(block_keys(tokens, args.block_size, args.salt)):
@@ -98,8 +98,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     for name, (help_text, issue) in SUBCOMMANDS.items():
         suffix = f" [not built yet: issue {issue}]" if issue is not None else ""
         sub.add_parser(name, help=help_text + suffix, description=help_text + suffix)
-    from router.cluster import add_cluster_arguments
     from router.gateway.config import add_gateway_arguments
+    from urc.cluster import add_cluster_arguments
 
     add_gateway_arguments(sub.choices["gateway"])
     handlers["gateway"] = _gateway

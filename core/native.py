@@ -26,7 +26,7 @@ What keeps compiled code fast (each measured with callgrind on the replay):
   `__init__`: NamedTuples and generated `__init__`s run Python code on every construction;
 - no builtins (`min`, `max`, `sum`, `zip`) or lambdas on a few items in inner loops: plain loops
   and comparisons compile to C, the builtins are calls through the C API;
-- heapq over tuples compares tuples through the C API: router/heap.py compares two fields;
+- heapq over tuples compares tuples through the C API: core/heap.py compares two fields;
 - block keys are read as `object`s where they go into dicts (`cast(list[object], keys)`, dicts
   typed `dict[object, ...]`): an `int` read from a list is unboxed, and boxed again for each
   dict operation, a new object when it is below 2**62 (a quarter of 64-bit keys);
@@ -49,7 +49,7 @@ from pathlib import Path
 from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("router", "backends", "simulation")
+PACKAGES = ("core", "router", "backends", "simulation")
 _decided: bool | None = None  # True: take the source
 
 

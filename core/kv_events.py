@@ -9,7 +9,7 @@ are tolerated; events of unknown type are skipped and counted in `EventBatch.unk
 
 Our extension: `BlockStored.cache_salt`, the salt of the namespace the event's first block
 starts: a root block, or (shared isolation) the first private block after a public prefix,
-keyed `xxh3_64(le64(parent) ‖ ns ‖ tokens)` (router/blocks.py). It travels only in the map
+keyed `xxh3_64(le64(parent) ‖ ns ‖ tokens)` (core/blocks.py). It travels only in the map
 encoding (vLLM carries none; a root block without one is in the shared namespace).
 """
 

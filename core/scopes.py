@@ -1,7 +1,7 @@
 """The runs of a namespace scope in a tree of block runs (scoped invalidation).
 
 A namespace starts at a known key (`namespaces`: key -> salt; a root block, or the first private
-block after a public prefix, router/blocks.py), and everything below that key is in it. The
+block after a public prefix, core/blocks.py), and everything below that key is in it. The
 gateway's index and our workers' caches keep their blocks in runs with a parent; both find a
 scope's runs the same way: split runs where a matching namespace starts mid-run, then take every
 run below one of those starts.

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer as _HFBackend
 from tokenizers import processors
 
-from router.chat_template import ChatTemplate, Message
+from core.chat_template import ChatTemplate, Message
 
 Tools = Sequence[Mapping[str, Any]]
 
