@@ -5,10 +5,12 @@ RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
 WORKDIR /app
 COPY pyproject.toml setup.py README.md ./
 COPY third_party third_party
+COPY core core
 COPY router router
 COPY backends backends
 COPY simulation simulation
 COPY loadgen loadgen
+COPY urc urc
 RUN pip install --no-cache-dir .
 EXPOSE 8000 9000 5557 5558
 CMD ["urc", "--help"]
