@@ -21,12 +21,12 @@ from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
 from tests import procs
+from tests.backends.test_engine_models import write_model
 from tests.procs import Worker, start_gateway, wait_for
-from tests.test_engine_models import write_model
 
 pytestmark = pytest.mark.timeout(90)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BS = 16
 
 

@@ -14,8 +14,8 @@ import time
 
 import httpx
 
+from tests.gateway import ADMIN, admin_workers, all_exact
 from tests.procs import Proc, start_gateway, start_worker, wait_for
-from tests.test_gateway_e2e import ADMIN, admin_workers, all_exact
 
 FAST = ("--decode-base-ms", "2")
 

@@ -31,7 +31,7 @@ from tests.procs import Worker
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "emu-8b"
 GROUP = "emu-8b-bf16"
 BS = 16

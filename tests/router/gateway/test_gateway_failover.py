@@ -9,8 +9,8 @@ import time
 
 import httpx
 
+from tests.gateway import admin_workers, all_exact
 from tests.procs import start_gateway, start_worker, wait_for
-from tests.test_gateway_e2e import admin_workers, all_exact
 
 
 def by_name(gateway: str) -> dict[str, dict]:

@@ -15,8 +15,7 @@ import pytest
 from backends.engine_process import start_engine
 from backends.tiny_checkpoint import write_checkpoint, write_tokenizer
 from core.text import filler
-from tests.procs import start_gateway, wait_for
-from tests.vllm_fleet import (
+from tests.backends.vllm_fleet import (
     ADMIN,
     BLOCK,
     MODEL,
@@ -28,6 +27,7 @@ from tests.vllm_fleet import (
     settle,
     start_vllm_engines,
 )
+from tests.procs import start_gateway, wait_for
 
 pytestmark = [
     pytest.mark.skipif(not VLLM_PYTHON, reason="URC_VLLM_PYTHON unset (make test-vllm)"),

@@ -10,9 +10,9 @@ import tomllib
 from pathlib import Path
 
 from core import native
-from tests.test_simulation_cli import synthetic_trace
+from tests.simulation.test_simulation_cli import synthetic_trace
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(code: str, pure: bool) -> str:

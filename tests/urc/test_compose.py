@@ -12,7 +12,7 @@ from backends.emulated.server import build_parser as worker_parser
 from router.gateway.config import load_config
 from urc.cli import build_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def compose() -> dict:

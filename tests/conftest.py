@@ -1,0 +1,34 @@
+"""Fixtures every test package shares: a gateway in front of emulated workers, on real
+processes bound to 127.0.0.1, stopped when the test ends."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+import pytest
+
+from tests.gateway import all_exact
+from tests.procs import Proc, start_gateway, start_worker, wait_for
+
+Fleet = tuple[Proc, list[Proc]]
+
+
+@pytest.fixture
+def start_fleet() -> Iterator[Callable[..., Fleet]]:
+    """`start_fleet(n, *worker_args, gateway_args=...)`: n workers and a gateway over them,
+    returned once the gateway sees all n exact (it needs `--admin-key admin-secret` for that,
+    added unless `gateway_args` names an admin key)."""
+    started: list[Proc] = []
+
+    def start(n: int, *worker_args: str, gateway_args: Sequence[str] = ()) -> Fleet:
+        workers = [start_worker(*worker_args) for _ in range(n)]
+        started.extend(workers)
+        admin = () if "--admin-key" in gateway_args else ("--admin-key", "admin-secret")
+        gateway = start_gateway([w.url for w in workers], *admin, *gateway_args)
+        started.append(gateway)
+        assert wait_for(lambda: all_exact(gateway.url, n), 20), gateway.lines[-20:]
+        return gateway, workers
+
+    yield start
+    for proc in reversed(started):
+        proc.stop()
