@@ -2,7 +2,7 @@
 
 Engines cannot be asked what they serve the way our workers can (/urc/info), so a launcher
 hands the gateway an `EngineEndpoints`: the worker's URL, its served model names, its KV-event
-and replay endpoints and block size (the `[[workers]]` entry of a gateway config, DESIGN §6).
+and replay endpoints and block size (the `[[workers]]` entry of a gateway config, docs/cli.md).
 """
 
 from __future__ import annotations

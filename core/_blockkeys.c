@@ -1,4 +1,4 @@
-/* Chained block keys (DESIGN §1) in one pass: the C twin of core/blocks.py.
+/* Chained block keys (docs/block-keys.md) in one pass: the C twin of core/blocks.py.
  *
  * key_0 = xxh3_64(first ‖ tokens_0), key_i = xxh3_64(le64(key_{i-1}) ‖ tokens_i),
  * tokens as little-endian int32. `first` is the length-prefixed namespace, or the

@@ -1,4 +1,4 @@
-"""Block keys (DESIGN §1): token ids -> full blocks -> chained xxh3_64 keys.
+"""Block keys (docs/block-keys.md): token ids -> full blocks -> chained xxh3_64 keys.
 
     key_0 = xxh3_64(ns ‖ tokens_0)        ns = le32(len(salt)) ‖ salt, b"\\0\\0\\0\\0" when shared
     key_i = xxh3_64(le64(key_{i-1}) ‖ tokens_i)

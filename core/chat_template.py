@@ -1,4 +1,4 @@
-"""Chat templates rendered the way the serving engines render them (DESIGN §1).
+"""Chat templates rendered the way the serving engines render them (docs/block-keys.md).
 
 The jinja environment is transformers' `apply_chat_template` environment: an immutable sandbox
 with `trim_blocks`, `lstrip_blocks`, `loopcontrols`, the `{% generation %}` tag, a `tojson` that is

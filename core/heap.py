@@ -1,7 +1,7 @@
 """A min-heap of items by (key, push order): the event queues of the replay and the emulated
 engine.
 
-heapq's algorithm over native entries. Compiled (core/native.py), ordering two entries reads
+heapq's algorithm over native entries. Compiled (docs/compiled.md), ordering two entries reads
 two fields; heapq over `(key, seq, item)` tuples compares tuples through the C API, which cost
 the replay a tenth of its time. Entries pop in (key, seq) order, a total order, so any correct
 heap pops them in the same sequence as heapq did.

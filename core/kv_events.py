@@ -1,4 +1,4 @@
-"""KV events codec (DESIGN §3): vLLM's wire format, both of its msgpack encodings.
+"""KV events codec (docs/kv-events.md): vLLM's wire format, both of its msgpack encodings.
 
 A batch is `[ts, [events...], dp_rank]` (dp_rank optional) or the map
 `{"ts", "events", "data_parallel_rank"}`. Each event is a tagged union, either positional

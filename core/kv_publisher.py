@@ -1,4 +1,4 @@
-"""The worker side of KV events (DESIGN §3): a ZMQ PUB stream plus a ROUTER replay socket.
+"""The worker side of KV events (docs/kv-events.md): a ZMQ PUB stream plus a ROUTER replay socket.
 
 Wire protocol (vLLM's ZmqEventPublisher):
 

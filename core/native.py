@@ -1,40 +1,9 @@
-"""The compiled modules: which run, and the way back to their Python source.
+"""The compiled modules: which run, the extensions or their Python source.
 
-`pip install -e .` compiles the modules listed under `[tool.urc] compiled` in pyproject.toml
-with mypyc (setup.py): the same source, as C extensions next to it, which Python imports in
-place of the .py. They are the replay's hot path (the unified index, the engine model, the
-policies, the event loop), which the gateway shares, and the gateway's request path (its HTTP
-server and client, routing, forwarding). Where they are not built (no C compiler) the source
-runs, with the same results.
-
-Compiled code checks declared types at run time: an annotation that is wrong (typeshed's
-`asyncio.Server.sockets` is a tuple, uvloop's a list) or a duck-typed stand-in passed where a
-class is declared raises TypeError where the source would run on. Type such values `Any`.
-
-The source runs instead, for every compiled module at once (calls between them are direct C
-calls, so a mix would run stale code):
-
-- when `URC_PURE_PYTHON=1` is set: to debug or profile line by line, or to measure what
-  compiling buys (bench/replay_bench.py does, in a child process);
-- in a checkout, when any extension is older than its .py (an edit since the last build),
-  with a warning once; `pip install -e .` (or `make venv`) compiles them again.
-
-Each package's `__init__` calls `install()` before anything imports a compiled module.
-
-What keeps compiled code fast (each measured with callgrind on the replay):
-- classes on the hot path are plain classes, or dataclasses with `init=False` and a written-out
-  `__init__`: NamedTuples and generated `__init__`s run Python code on every construction;
-- no builtins (`min`, `max`, `sum`, `zip`) or lambdas on a few items in inner loops: plain loops
-  and comparisons compile to C, the builtins are calls through the C API;
-- heapq over tuples compares tuples through the C API: core/heap.py compares two fields;
-- block keys are read as `object`s where they go into dicts (`cast(list[object], keys)`, dicts
-  typed `dict[object, ...]`): an `int` read from a list is unboxed, and boxed again for each
-  dict operation, a new object when it is below 2**62 (a quarter of 64-bit keys);
-- the garbage collector is off while a replay loops (simulation/replay.py): it makes no cycles
-  per request, and the passes cost ~3 % and freed nothing.
-
-mypyc compiles neither async generators nor `continue` inside `try ... finally`: the gateway's
-modules do without them.
+The source runs instead of every extension at once when `URC_PURE_PYTHON=1` is set, or in a
+checkout when an extension is older than its .py (with a warning). Each package's `__init__`
+calls `install()` before anything imports a compiled module. How the modules are built and the
+rules that keep them fast: docs/compiled.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Prompt -> token ids, exactly as the serving engine tokenizes it (DESIGN §1).
+"""Prompt -> token ids, exactly as the serving engine tokenizes it (docs/block-keys.md).
 
 Two paths, as in vLLM's OpenAI server:
 - completion: `encode(prompt)` = the tokenizer with special tokens (BOS where the tokenizer's

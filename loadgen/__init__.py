@@ -1,4 +1,4 @@
-"""urc bench: a load generator for any OpenAI-compatible endpoint (DESIGN §6).
+"""urc bench: a load generator for any OpenAI-compatible endpoint (docs/cli.md).
 
 workloads.py  seeded RequestSpec streams (pure; the simulator reuses them)
 text.py       deterministic filler text of an exact byte-tokenizer length

@@ -1,4 +1,4 @@
-"""Mooncake traces (DESIGN §7) -> `RequestSpec`s with real text. Pure apart from reading the file.
+"""Mooncake traces (docs/traces.md) -> `RequestSpec`s with real text. Pure but for reading the file.
 
 A line is `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`, one hash
 id per `block_tokens` (512) tokens, chained so that equal ids mean an equal prefix. The gateway's

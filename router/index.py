@@ -1,4 +1,4 @@
-"""The unified radix index (DESIGN §2): one tree of block keys for the whole fleet.
+"""The unified radix index (docs/index.md): one tree of block keys for the whole fleet.
 
 Keys are chained (core/blocks.py), so a key names its whole prefix and the token path of a
 prompt is stored once however many workers and models hold it. The tree is compressed, as
@@ -300,7 +300,7 @@ class UnifiedIndex(RunTree):
             if at < len(prev.keys):
                 prev = self._split(prev, at)
         added = 0
-        boxed = cast(list[object], chain)  # keys stay objects (core/native.py)
+        boxed = cast(list[object], chain)  # keys stay objects (docs/compiled.md)
         i = 0
         while i < n:
             run = by_id.get(where.get(boxed[i], 0))
@@ -480,7 +480,7 @@ class UnifiedIndex(RunTree):
         resident_of = self._resident_of
         matched: dict[str, int] = {}
         depth = 0
-        boxed = cast(Sequence[object], keys)  # keys stay objects (core/native.py)
+        boxed = cast(Sequence[object], keys)  # keys stay objects (docs/compiled.md)
         last = None
         run = by_id.get(where.get(boxed[0], 0))  # 0: no object's id
         while run is not None:

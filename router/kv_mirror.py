@@ -1,4 +1,4 @@
-"""One worker's KV event stream mirrored into the unified index (DESIGN §3). Pure: no I/O.
+"""One worker's KV event stream mirrored into the unified index (docs/kv-events.md). Pure: no I/O.
 
 The engine's block hashes are never trusted as index keys: every BlockStored is re-keyed from
 its token ids with core/blocks.py, continuing the chain from our key of its parent. A

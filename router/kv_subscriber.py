@@ -1,4 +1,4 @@
-"""The gateway side of one worker's KV events (DESIGN §3): the asyncio shell of a WorkerMirror.
+"""The gateway side of a worker's KV events (docs/kv-events.md): a WorkerMirror's asyncio shell.
 
 A SUB socket follows the worker's stream; a DEALER (a fresh one per request, so that a late
 answer to a timed-out request is never taken for the next one) asks its replay socket for

@@ -1,6 +1,6 @@
 """Traces -> `SimRequest`s: Mooncake's published traces and the gateway's own recordings.
 
-Both are Mooncake's JSONL (DESIGN §7), one request a line:
+Both are Mooncake's JSONL (docs/traces.md), one request a line:
 `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`.
 
 - A published trace has one hash id per `block` tokens (512), chained so that equal ids mean

@@ -1,4 +1,4 @@
-"""`urc`: one entry point for the gateway, workers, local clusters, replay and load (DESIGN §6)."""
+"""`urc`: one entry point for the gateway, workers, local clusters, replay, load (docs/cli.md)."""
 
 from __future__ import annotations
 

@@ -118,7 +118,7 @@ class RadixCache:
         self.on_stored = on_stored
         self.on_removed = on_removed
         self.root = Run([], None, 1, 0)  # never evicted: lock_ref stays >= 1
-        # first key of a run -> the run; keys read as `object`s stay boxed (core/native.py)
+        # first key of a run -> the run; keys read as `object`s stay boxed (docs/compiled.md)
         self._heads: dict[object, Run] = {}
         self._blocks = 0  # blocks in the tree
         self._runs: set[Run] = set()

@@ -3,7 +3,7 @@
 A worker is *up* once it answers; it leaves the candidate set (and its residency leaves the
 index) after `unhealthy_after` failed health checks or requests in a row, and comes back, with
 a resynced mirror, when it answers again. Workers that publish KV events are mirrored exactly;
-the others get approximate residency from the gateway's own routing history (DESIGN §2).
+the others get approximate residency from the gateway's own routing history (docs/index.md).
 """
 
 from __future__ import annotations

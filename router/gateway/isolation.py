@@ -1,4 +1,4 @@
-"""Isolation levels (DESIGN §5): which requests of a tenant may reuse each other's KV.
+"""Isolation levels (docs/isolation.md): which requests of a tenant may reuse each other's KV.
 
 The level decides the `cache_salt` a request is keyed and forwarded with. Salts are
 structured, so every scope of invalidation is a test on the salt alone (no state to keep):

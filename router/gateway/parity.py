@@ -1,5 +1,5 @@
 """Token parity: the gateway keys prompts with its own tokenizer, so its keys are the engine's
-only if both turn a request into the same token ids (DESIGN §1).
+only if both turn a request into the same token ids (docs/block-keys.md).
 
 When a worker comes up, and then every `parity_interval_s`, a known chat and a known completion
 (one token of output each) go to each kv_group the worker serves, and the worker's

@@ -1,6 +1,6 @@
 """`urc gateway --record FILE`: live traffic as a trace `urc replay` can read.
 
-One JSON line per served request in Mooncake's format (DESIGN §7) — `timestamp` (ms from the
+One JSON line per served request in Mooncake's format (docs/traces.md) — `timestamp` (ms from the
 start of the recording to its arrival), `input_length`, `output_length`, `hash_ids` — where the
 hash ids are the request's block keys, `block_size` tokens each, plus what only the gateway
 knows: model, tenant, chosen worker, the policy, predicted and actual cached tokens. Lines are

@@ -1,4 +1,4 @@
-"""Request identity (DESIGN §5): the API key names the tenant, the tenant names the cache salt.
+"""Request identity (docs/isolation.md): the API key names the tenant, the tenant its cache salt.
 
 With no keys configured auth is off and every request belongs to one shared tenant whose
 prompts are keyed in the shared namespace. Salts are derived with a keyed hash, so a client

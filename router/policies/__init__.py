@@ -1,4 +1,4 @@
-"""Routing policies (DESIGN §4): pure objects from (request, candidates) to a Decision."""
+"""Routing policies (docs/policies.md): pure objects from (request, candidates) to a Decision."""
 
 from router.policies.base import Candidate, Decision, Policy, RouteRequest, Score
 from router.policies.cache_aware import CacheAwarePolicy

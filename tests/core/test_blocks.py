@@ -1,4 +1,4 @@
-"""Block keys follow DESIGN §1 exactly, in both the C and the pure-Python path."""
+"""Block keys follow docs/block-keys.md exactly, in both the C and the pure-Python path."""
 
 from __future__ import annotations
 

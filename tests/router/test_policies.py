@@ -1,4 +1,4 @@
-"""Routing policies (DESIGN §4): each one's defining behaviour, and the explanation contract."""
+"""Routing policies (docs/policies.md): each one's defining behaviour, the explanation contract."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `urc` entry point: every DESIGN §6 subcommand is listed; the built ones run."""
+"""The `urc` entry point: every docs/cli.md subcommand is listed; the built ones run."""
 
 from __future__ import annotations
 
