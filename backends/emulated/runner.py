@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import time
 from collections.abc import Callable
 
 from backends.emulated.engine import EmulatedEngine, Request, output_bytes
@@ -23,22 +24,20 @@ log = logging.getLogger(__name__)
 
 
 class EngineRunner:
-    """Drives `engine` in real time on the running event loop: `start()`, then `submit`."""
+    """Drives `engine` in real time on the running event loop: `start(publish)`, then
+    `submit`."""
 
-    def __init__(
-        self,
-        engine: EmulatedEngine,
-        publish: Callable[[list[KVEvent]], None] | None = None,
-    ) -> None:
+    def __init__(self, engine: EmulatedEngine) -> None:
         self.engine = engine
-        self.publish = publish
+        self.publish: Callable[[list[KVEvent]], None] | None = None
         self._live: dict[int, Generation] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._clock = asyncio.get_running_loop().time
+        self._clock = time.monotonic  # the clock asyncio's own loop keeps
 
-    def start(self) -> None:
+    def start(self, publish: Callable[[list[KVEvent]], None] | None = None) -> None:
+        self.publish = publish
         self._task = asyncio.get_running_loop().create_task(self._drive(), name="emulated-engine")
 
     async def stop(self) -> None:
@@ -99,10 +98,7 @@ class EngineRunner:
                 await asyncio.sleep(0.1)
                 continue
             if result.events and self.publish is not None:
-                try:
-                    self.publish(result.events)
-                except Exception:
-                    log.exception("publishing KV events failed")
+                self.publish(result.events)
             for req in result.admitted:
                 if (gen := live.get(req.rid)) is not None:
                     gen.cached_tokens = req.cached_tokens

@@ -48,11 +48,12 @@ class _Update(NamedTuple):
 
 
 class EngineThread:
-    """`start(loop)`, then use it as the HTTP layer's Backend; `await stop()` at the end."""
+    """`start(publish)` on the loop, then use it as the HTTP layer's Backend; `await stop()`
+    at the end."""
 
-    def __init__(self, engine: TorchEngine, publish: Publish | None = None) -> None:
+    def __init__(self, engine: TorchEngine) -> None:
         self.engine = engine
-        self.publish = publish
+        self.publish: Publish | None = None
         self._inbox: queue.SimpleQueue[_Message | _Call | None] = queue.SimpleQueue()
         self._live: dict[int, Generation] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -60,8 +61,9 @@ class EngineThread:
         self._load = WorkerLoad(0, 0, 0, self._capacity_tokens())
         self.engine_load = EngineLoad(0, 0, 0)  # a snapshot: the engine's lists are its thread's
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    def start(self, publish: Publish | None = None) -> None:
+        self.publish = publish
+        self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._main, name="torch-engine", daemon=True)
         self._thread.start()
 
@@ -169,10 +171,7 @@ class EngineThread:
         result = self.engine.step()
         if self.publish is not None:
             for group, events in result.events.items():
-                try:
-                    self.publish(group, events)
-                except Exception:
-                    log.exception("publishing KV events failed")
+                self.publish(group, events)
         touched: dict[int, Request] = {}
         for req in result.admitted + result.emitted + result.finished:
             touched[req.rid] = req
