@@ -1,5 +1,5 @@
 """`urc worker --engine emulated`: EmulatedEngine (engine.py) in the worker HTTP shell
-(backends/http/worker.py), stepped in real time by EngineRunner.
+(backends/http/worker.py), stepped in real time by its runner (backends/http/runner.py).
 
 One model on the byte tokenizer, so one kv_group and one KV-event stream (map encoding so
 that `cache_salt` travels).
@@ -8,46 +8,110 @@ that `cache_salt` travels).
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from prometheus_client.core import Metric
 
 from backends.emulated.cache_scopes import invalidate
-from backends.emulated.engine import EmulatedEngine, EngineConfig
+from backends.emulated.engine import (
+    EmulatedEngine,
+    EngineConfig,
+    EngineLoad,
+    Request,
+    StepResult,
+    output_bytes,
+)
 from backends.emulated.model import ENGINE, served_model
-from backends.emulated.runner import EngineRunner
+from backends.http.generation import Generation, WorkerLoad
 from backends.http.metrics import counter, gauge
+from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel
 from backends.http.worker import InvalidateRequest, Publish, run_worker, worker_parser
 
 
 class EmulatedSide:
-    """What the emulated engine gives the shell (backends/http/worker.py's `Engine`)."""
+    """What the emulated engine gives the shell (backends/http/worker.py's `Engine`) and its
+    runner (backends/http/runner.py's `Steps`): cheap steps, inline on the loop, each due at
+    the end of the modelled one, so tokens come out one step at a time as from a GPU."""
 
     name = ENGINE
     version = "urc-emulated-0.1"
+    blocking = False
 
     def __init__(self, config: EngineConfig, model: ServedModel) -> None:
         self.config = config
         self.model = model
         self.models = {model.name: model}
         self.engine = EmulatedEngine(config)
-        self.backend = EngineRunner(self.engine)
+        self.backend = EngineRunner(self, "emulated-engine")
+        self._clock = time.monotonic  # the clock asyncio's own loop keeps
+        self._ids = itertools.count()
         self._publish: Publish | None = None
 
     def start(self, publish: Publish) -> None:
         self._publish = publish
-        self.backend.start(lambda events: publish(self.model.kv_group, events))
+        self.backend.start()
 
     async def stop(self) -> None:
         await self.backend.stop()
 
+    # -- Steps ---------------------------------------------------------------------------------
+
+    def request(self, gen: Generation) -> Request:
+        """Sampling is ignored: the output is the engine's filler."""
+        req = Request(
+            next(self._ids), gen.prompt, gen.sampling.max_tokens, gen.cache_salt, self._clock()
+        )
+        req.public_blocks = gen.public_tokens // self.config.block_size
+        return req
+
+    def submit(self, req: Request) -> None:
+        self.engine.submit(req)
+
+    def abort(self, req: Request) -> None:
+        self.engine.abort(req, self._clock())
+
+    def due_in(self) -> float | None:
+        wake_at = self.engine.next_step_time()
+        return None if wake_at is None else max(0.0, wake_at - self._clock())
+
+    def step(self) -> StepResult:
+        return self.engine.step(self._clock())
+
+    def advance(self, result: StepResult, live: dict[Any, Generation]) -> None:
+        if result.events and self._publish is not None:
+            self._publish(self.model.kv_group, result.events)
+        for req in result.admitted:
+            if (gen := live.get(req.rid)) is not None:
+                gen.cached_tokens = req.cached_tokens
+                gen.admitted = True
+                gen.changed.set()
+        for rid in result.emitted:
+            if (gen := live.get(rid)) is not None:
+                _catch_up(gen, self.engine.generated(gen.handle))
+        for req in result.finished:
+            if (gen := live.pop(req.rid, None)) is not None:
+                # a limit the client set is hit ("length"); without one the answer just ends
+                # ("stop"), as a model's would
+                gen.finish_reason = "stop" if gen.chat and not gen.sampling.limit_set else "length"
+                _catch_up(gen, req.generated)
+
+    def loads(self) -> tuple[WorkerLoad, EngineLoad]:
+        load = self.engine.load()
+        stats = self.engine.cache.stats()
+        used = stats.capacity_tokens - stats.free_tokens
+        return WorkerLoad(load.running, load.waiting, used, stats.capacity_tokens), load
+
+    # -- the shell's ---------------------------------------------------------------------------
+
     async def invalidate(self, asked: InvalidateRequest) -> dict[str, int]:
         if asked.kv_group not in (None, self.model.kv_group):
             return {"freed_blocks": 0, "locked_blocks": 0}
-        done = invalidate(self.engine.cache, asked.scope)
+        done = await self.backend.call(lambda: invalidate(self.engine.cache, asked.scope))
         if (events := self.engine.drain_events()) and self._publish is not None:
             self._publish(self.model.kv_group, events)  # pending stores first, then removals
         return done._asdict()
@@ -56,7 +120,7 @@ class EmulatedSide:
         return {
             "block_size": self.config.block_size,
             "capacity_tokens": self.engine.cache.capacity_tokens,
-            "load": self.engine.load()._asdict(),
+            "load": self.backend.loads()[1]._asdict(),
         }
 
     def settings(self) -> dict[str, Any]:
@@ -107,6 +171,13 @@ class EmulatedSide:
             ("urc_worker_cached_blocks", "KV blocks in the cache", stats.cached_blocks),
         ):
             yield gauge(metric, doc, "model", [(name, value)])
+
+
+def _catch_up(gen: Generation, n: int) -> None:
+    have = len(gen.output)
+    if n > have:
+        gen.output.extend(output_bytes(have, n))
+    gen.changed.set()
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,6 @@
-"""`urc worker --engine torch`: TorchEngine (engine.py) on its own thread (EngineThread) in the
-worker HTTP shell (backends/http/worker.py).
+"""`urc worker --engine torch`: TorchEngine (engine.py) in the worker HTTP shell
+(backends/http/worker.py); its forward passes run on a thread of their own (backends/http/
+runner.py).
 
 One or more models on one device (`--model [NAME=]SPEC`, repeatable; SPEC a preset such as
 `tiny` or a Hugging Face directory), all drawing KV pages from one pool per KV layout; each
@@ -20,11 +21,19 @@ from typing import Any
 import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from backends.engine.engine import EngineConfig, TorchEngine, default_device
+from backends.engine.engine import (
+    EngineConfig,
+    EngineLoad,
+    StepResult,
+    TorchEngine,
+    default_device,
+)
 from backends.engine.loader import LoadedModel, load_model
-from backends.engine.runner import EngineThread
+from backends.engine.request import Request, SamplingParams, Status
 from backends.engine.scheduler import SchedulerConfig
+from backends.http.generation import Generation, WorkerLoad
 from backends.http.metrics import counter, gauge
+from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel
 from backends.http.worker import InvalidateRequest, Publish, run_worker, worker_parser
 
@@ -53,10 +62,13 @@ _PER_POOL = (  # (metric, doc, the PageCacheStats fields it sums)
 
 
 class TorchSide:
-    """What the torch engine gives the shell (backends/http/worker.py's `Engine`)."""
+    """What the torch engine gives the shell (backends/http/worker.py's `Engine`) and its
+    runner (backends/http/runner.py's `Steps`): a step is a forward pass per model, so it runs
+    on a thread of its own, due as soon as there is work."""
 
     name = ENGINE
     version = "urc-torch-0.1"
+    blocking = True
 
     def __init__(
         self, served: dict[str, LoadedModel], config: EngineConfig, default_max_tokens: int
@@ -76,27 +88,82 @@ class TorchSide:
             )
             for name, loaded in served.items()
         }
-        self.backend = EngineThread(self.engine)
+        self.backend = EngineRunner(self, "torch-engine")
+        self._publish: Publish | None = None
 
     def start(self, publish: Publish) -> None:
-        self.backend.start(publish)
+        self._publish = publish
+        self.backend.start()
 
     async def stop(self) -> None:
         await self.backend.stop()
 
     async def invalidate(self, asked: InvalidateRequest) -> dict[str, int]:
-        """On the engine thread, between steps."""
-        publish = self.backend.publish
+        done, events = await self.backend.call(
+            lambda: self.engine.invalidate(asked.scope, asked.kv_group)
+        )
+        for group, batch in events.items():  # pending stores first, then the removals
+            if self._publish is not None:
+                self._publish(group, batch)
+        return done._asdict()
 
-        def run() -> dict[str, int]:
-            done, events = self.engine.invalidate(asked.scope, asked.kv_group)
-            for group, batch in events.items():  # pending stores first, then the removals
-                if publish is not None:
-                    publish(group, batch)
-            return done._asdict()
+    # -- Steps ---------------------------------------------------------------------------------
 
-        result: dict[str, int] = await self.backend.call(run)
-        return result
+    def request(self, gen: Generation) -> Request:
+        """Checked on the loop: `validate` reads only what never changes."""
+        s = gen.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
+        )
+        req = self.engine.new_request(gen.model.name, gen.prompt, params, gen.cache_salt)
+        if gen.cache_salt:  # shared isolation: the public part, whole blocks of the prompt
+            page = self.config.page_size
+            req.public_blocks = min(gen.public_tokens // page, len(gen.prompt) // page)
+        self.engine.validate(req)
+        return req
+
+    def submit(self, req: Request) -> None:
+        self.engine.submit(req)
+
+    def abort(self, req: Request) -> None:
+        self.engine.abort(req)
+
+    def due_in(self) -> float | None:
+        return 0.0 if self.engine.has_work() else None
+
+    def step(self) -> StepResult:
+        return self.engine.step()
+
+    def advance(self, result: StepResult, live: dict[Any, Generation]) -> None:
+        for group, events in result.events.items():
+            if self._publish is not None:
+                self._publish(group, events)
+        touched = {r.rid: r for r in result.admitted + result.emitted + result.finished}
+        for rid, req in touched.items():
+            if (gen := live.get(rid)) is None:
+                continue
+            if req.status is Status.FINISHED:
+                del live[rid]
+            gen.output.extend(req.output[len(gen.output) :])
+            if req.admitted and not gen.admitted:
+                gen.cached_tokens = req.cached_tokens
+                gen.admitted = True
+            gen.finish_reason = req.finish_reason
+            gen.changed.set()
+
+    def loads(self) -> tuple[WorkerLoad, EngineLoad]:
+        pools = self.engine.pools.values()
+        capacity = sum(p.cache.pool.capacity for p in pools) * self.config.page_size
+        used = sum(p.cache.pool.capacity - p.cache.pool.free_pages for p in pools)
+        load = self.engine.load()
+        return WorkerLoad(load.running, load.waiting, used * self.config.page_size, capacity), load
+
+    # -- the shell's ---------------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
@@ -119,7 +186,7 @@ class TorchSide:
             "device": str(next(iter(engine.models.values())).loaded.device),
             "pools": pools,
             "capacity_tokens": self.backend.load().capacity_tokens,
-            "load": self.backend.engine_load._asdict(),
+            "load": self.backend.loads()[1]._asdict(),
         }
 
     def settings(self) -> dict[str, Any]:
@@ -145,7 +212,7 @@ class TorchSide:
         for metric, doc, attr in _PER_MODEL:
             counters = engine.counters.items()
             yield counter(metric, doc, "model", [(m, getattr(c, attr)) for m, c in counters])
-        load = self.backend.engine_load  # the engine's queues belong to its thread
+        load = self.backend.loads()[1]  # a snapshot while a step runs
         yield GaugeMetricFamily("urc_worker_running_requests", "Requests in a batch", load.running)
         yield GaugeMetricFamily("urc_worker_waiting_requests", "Requests queued", load.waiting)
         pools = list(engine.pools.values())
