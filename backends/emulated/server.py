@@ -26,17 +26,17 @@ from backends.emulated.engine import (
     output_bytes,
 )
 from backends.emulated.model import ENGINE, served_model
+from backends.http.engine import Events, InvalidateRequest
 from backends.http.generation import Generation, WorkerLoad
 from backends.http.metrics import counter, gauge
-from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel
-from backends.http.worker import InvalidateRequest, Publish, run_worker, worker_parser
+from backends.http.worker import run_worker, worker_parser
 
 
 class EmulatedSide:
-    """What the emulated engine gives the shell (backends/http/worker.py's `Engine`) and its
-    runner (backends/http/runner.py's `Steps`): cheap steps, inline on the loop, each due at
-    the end of the modelled one, so tokens come out one step at a time as from a GPU."""
+    """The emulated engine as the worker shell takes it (backends/http/engine.py): cheap steps,
+    inline on the loop, each due at the end of the modelled one, so tokens come out one step
+    at a time as from a GPU."""
 
     name = ENGINE
     version = "urc-emulated-0.1"
@@ -46,20 +46,10 @@ class EmulatedSide:
         self.config = config
         self.model = model
         self.models = {model.name: model}
+        self.block_size = config.block_size
         self.engine = EmulatedEngine(config)
-        self.backend = EngineRunner(self, "emulated-engine")
         self._clock = time.monotonic  # the clock asyncio's own loop keeps
         self._ids = itertools.count()
-        self._publish: Publish | None = None
-
-    def start(self, publish: Publish) -> None:
-        self._publish = publish
-        self.backend.start()
-
-    async def stop(self) -> None:
-        await self.backend.stop()
-
-    # -- Steps ---------------------------------------------------------------------------------
 
     def request(self, gen: Generation) -> Request:
         """Sampling is ignored: the output is the engine's filler."""
@@ -82,9 +72,7 @@ class EmulatedSide:
     def step(self) -> StepResult:
         return self.engine.step(self._clock())
 
-    def advance(self, result: StepResult, live: dict[Any, Generation]) -> None:
-        if result.events and self._publish is not None:
-            self._publish(self.model.kv_group, result.events)
+    def advance(self, result: StepResult, live: dict[Any, Generation]) -> Events:
         for req in result.admitted:
             if (gen := live.get(req.rid)) is not None:
                 gen.cached_tokens = req.cached_tokens
@@ -99,6 +87,7 @@ class EmulatedSide:
                 # ("stop"), as a model's would
                 gen.finish_reason = "stop" if gen.chat and not gen.sampling.limit_set else "length"
                 _catch_up(gen, req.generated)
+        return {self.model.kv_group: result.events} if result.events else {}
 
     def loads(self) -> tuple[WorkerLoad, EngineLoad]:
         load = self.engine.load()
@@ -106,27 +95,17 @@ class EmulatedSide:
         used = stats.capacity_tokens - stats.free_tokens
         return WorkerLoad(load.running, load.waiting, used, stats.capacity_tokens), load
 
-    # -- the shell's ---------------------------------------------------------------------------
-
-    async def invalidate(self, asked: InvalidateRequest) -> dict[str, int]:
+    def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         if asked.kv_group not in (None, self.model.kv_group):
-            return {"freed_blocks": 0, "locked_blocks": 0}
-        done = await self.backend.call(lambda: invalidate(self.engine.cache, asked.scope))
-        if (events := self.engine.drain_events()) and self._publish is not None:
-            self._publish(self.model.kv_group, events)  # pending stores first, then removals
-        return done._asdict()
+            return {"freed_blocks": 0, "locked_blocks": 0}, {}
+        done = invalidate(self.engine.cache, asked.scope)
+        return done._asdict(), {self.model.kv_group: self.engine.drain_events()}
 
     def info(self) -> dict[str, Any]:
-        return {
-            "block_size": self.config.block_size,
-            "capacity_tokens": self.engine.cache.capacity_tokens,
-            "load": self.backend.loads()[1]._asdict(),
-        }
+        return {}
 
     def settings(self) -> dict[str, Any]:
         return {
-            "page_size": self.config.block_size,
-            "max_total_num_tokens": self.engine.cache.capacity_tokens,
             "max_running_requests": self.config.max_batch,
             "chunked_prefill_size": self.config.chunk_tokens,
         }

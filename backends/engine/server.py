@@ -31,11 +31,11 @@ from backends.engine.engine import (
 from backends.engine.loader import LoadedModel, load_model
 from backends.engine.request import Request, SamplingParams, Status
 from backends.engine.scheduler import SchedulerConfig
+from backends.http.engine import Events, InvalidateRequest
 from backends.http.generation import Generation, WorkerLoad
 from backends.http.metrics import counter, gauge
-from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel
-from backends.http.worker import InvalidateRequest, Publish, run_worker, worker_parser
+from backends.http.worker import run_worker, worker_parser
 
 ENGINE = "torch"
 
@@ -62,9 +62,8 @@ _PER_POOL = (  # (metric, doc, the PageCacheStats fields it sums)
 
 
 class TorchSide:
-    """What the torch engine gives the shell (backends/http/worker.py's `Engine`) and its
-    runner (backends/http/runner.py's `Steps`): a step is a forward pass per model, so it runs
-    on a thread of its own, due as soon as there is work."""
+    """The torch engine as the worker shell takes it (backends/http/engine.py): a step is a
+    forward pass per model, so it runs on a thread of its own, due as soon as there is work."""
 
     name = ENGINE
     version = "urc-torch-0.1"
@@ -88,26 +87,7 @@ class TorchSide:
             )
             for name, loaded in served.items()
         }
-        self.backend = EngineRunner(self, "torch-engine")
-        self._publish: Publish | None = None
-
-    def start(self, publish: Publish) -> None:
-        self._publish = publish
-        self.backend.start()
-
-    async def stop(self) -> None:
-        await self.backend.stop()
-
-    async def invalidate(self, asked: InvalidateRequest) -> dict[str, int]:
-        done, events = await self.backend.call(
-            lambda: self.engine.invalidate(asked.scope, asked.kv_group)
-        )
-        for group, batch in events.items():  # pending stores first, then the removals
-            if self._publish is not None:
-                self._publish(group, batch)
-        return done._asdict()
-
-    # -- Steps ---------------------------------------------------------------------------------
+        self.block_size = config.page_size
 
     def request(self, gen: Generation) -> Request:
         """Checked on the loop: `validate` reads only what never changes."""
@@ -139,10 +119,7 @@ class TorchSide:
     def step(self) -> StepResult:
         return self.engine.step()
 
-    def advance(self, result: StepResult, live: dict[Any, Generation]) -> None:
-        for group, events in result.events.items():
-            if self._publish is not None:
-                self._publish(group, events)
+    def advance(self, result: StepResult, live: dict[Any, Generation]) -> Events:
         touched = {r.rid: r for r in result.admitted + result.emitted + result.finished}
         for rid, req in touched.items():
             if (gen := live.get(rid)) is None:
@@ -155,6 +132,7 @@ class TorchSide:
                 gen.admitted = True
             gen.finish_reason = req.finish_reason
             gen.changed.set()
+        return result.events
 
     def loads(self) -> tuple[WorkerLoad, EngineLoad]:
         pools = self.engine.pools.values()
@@ -163,7 +141,9 @@ class TorchSide:
         load = self.engine.load()
         return WorkerLoad(load.running, load.waiting, used * self.config.page_size, capacity), load
 
-    # -- the shell's ---------------------------------------------------------------------------
+    def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
+        done, events = self.engine.invalidate(asked.scope, asked.kv_group)
+        return done._asdict(), events
 
     def info(self) -> dict[str, Any]:
         engine = self.engine
@@ -181,19 +161,11 @@ class TorchSide:
                     "dtype": str(layout.dtype).removeprefix("torch."),
                 }
             )
-        return {
-            "block_size": engine.config.page_size,
-            "device": str(next(iter(engine.models.values())).loaded.device),
-            "pools": pools,
-            "capacity_tokens": self.backend.load().capacity_tokens,
-            "load": self.backend.loads()[1]._asdict(),
-        }
+        return {"device": str(next(iter(engine.models.values())).loaded.device), "pools": pools}
 
     def settings(self) -> dict[str, Any]:
         sched = self.config.scheduler
         return {
-            "page_size": self.config.page_size,
-            "max_total_num_tokens": self.backend.load().capacity_tokens,
             "max_running_requests": sched.max_running,
             "chunked_prefill_size": sched.chunk_size,
             "disable_radix_cache": not sched.prefix_cache,
@@ -212,7 +184,7 @@ class TorchSide:
         for metric, doc, attr in _PER_MODEL:
             counters = engine.counters.items()
             yield counter(metric, doc, "model", [(m, getattr(c, attr)) for m, c in counters])
-        load = self.backend.loads()[1]  # a snapshot while a step runs
+        load = self.engine.load()
         yield GaugeMetricFamily("urc_worker_running_requests", "Requests in a batch", load.running)
         yield GaugeMetricFamily("urc_worker_waiting_requests", "Requests queued", load.waiting)
         pools = list(engine.pools.values())

@@ -5,8 +5,8 @@ A task on the loop drives the engine one step at a time. It waits until a step i
 engine says when: the emulated one at the end of its modelled step, the torch one as soon as it
 has work; a submission or an abort wakes it early), runs the step, inline when it is cheap or
 on a thread of its own when it blocks (a forward pass takes milliseconds to seconds), and hands
-the result to the engine's side on the loop, which publishes its KV events and moves the
-generations. Submissions and aborts reach the engine at once when no step runs, else at the
+the result to the engine on the loop, which moves the generations; its KV events are
+published. Submissions and aborts reach the engine at once when no step runs, else at the
 step's end; operator calls (`call`) wait for it. So the engine is only ever touched by one
 thread at a time, and `loads()` during a blocking step is the snapshot taken after the last.
 """
@@ -18,8 +18,9 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
+from backends.http.engine import Engine, Events
 from backends.http.generation import Generation, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -27,55 +28,23 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class Steps(Protocol):
-    """What an engine gives its runner; everything but a blocking `step` runs on the loop."""
-
-    blocking: bool  # a step blocks the thread it runs on (it gets one of its own)
-
-    def request(self, gen: Generation) -> Any:
-        """The engine's record of `gen` (with a `rid`); ValueError when it can never run."""
-        ...
-
-    def submit(self, req: Any) -> None:
-        """Queue it; ValueError when it can never run."""
-        ...
-
-    def abort(self, req: Any) -> None:
-        """Drop it (it is in flight)."""
-        ...
-
-    def due_in(self) -> float | None:
-        """Seconds until a step is due (0: now); None when idle until a submission."""
-        ...
-
-    def step(self) -> Any:
-        """One step; its result goes to `advance`."""
-        ...
-
-    def advance(self, result: Any, live: dict[Any, Generation]) -> None:
-        """Publish the result's KV events, move the generations it touched and wake them;
-        the finished ones leave `live`."""
-        ...
-
-    def loads(self) -> tuple[WorkerLoad, NamedTuple]:
-        """The load now: the HTTP layer's, and the engine's own (for /urc/info)."""
-        ...
-
-
 class EngineRunner:
     """`start()` on the loop, then use it as the HTTP layer's Backend; `await stop()` at the
     end."""
 
-    def __init__(self, steps: Steps, name: str) -> None:
+    def __init__(self, steps: Engine, publish: Callable[[Events], None]) -> None:
         self.steps = steps
-        self.name = name
+        self.publish = publish
+        self.name = f"{steps.name}-engine"
         self._live: dict[Any, Generation] = {}
         self._pending: list[tuple[bool, Generation]] = []  # (submit?, gen) during a step
         self._stepping = asyncio.Lock()  # held while a step runs
         self._wake = asyncio.Event()
         self._stopping = False
         self._task: asyncio.Task[None] | None = None
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix=name) if steps.blocking else None
+        self._thread = (
+            ThreadPoolExecutor(1, thread_name_prefix=self.name) if steps.blocking else None
+        )
         self._snapshot = steps.loads()
 
     def start(self) -> None:
@@ -156,7 +125,7 @@ class EngineRunner:
                         result = steps.step()
                     else:
                         result = await loop.run_in_executor(self._thread, steps.step)
-                    steps.advance(result, self._live)
+                    self.publish(steps.advance(result, self._live))
                 except Exception:  # a bug: fail what is in flight, keep serving new requests
                     log.exception("%s step failed", self.name)
                     self._pending += [(False, gen) for gen in self._live.values()]

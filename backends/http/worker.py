@@ -13,7 +13,7 @@ The shell serves OpenAI's and SGLang's APIs (openai_api.py, sglang_api.py), `POS
 Each kv_group has its own KV-event stream (a PUB socket and a replay socket, core/
 kv_publisher.py): the events carry no model, so one stream must mean one kv_group. Block hashes
 are our own block keys. The process prints `ready: http://HOST:PORT` once it serves, and exits
-cleanly on SIGINT or SIGTERM. An engine offers the shell what `Engine` lists, nothing more.
+cleanly on SIGINT or SIGTERM. An engine offers the shell what engine.py's `Engine` lists.
 """
 
 from __future__ import annotations
@@ -25,77 +25,25 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 from aiohttp import web
-from prometheus_client.core import Metric
 
+from backends.http.engine import Engine, Events, InvalidateRequest
 from backends.http.errors import ApiError, error_middleware, json_response, read_json
-from backends.http.generation import Backend
 from backends.http.metrics import CONTENT_TYPE, render
 from backends.http.openai_api import OpenAIApi
-from backends.http.served_model import ServedModel
+from backends.http.runner import EngineRunner
 from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
-from core.kv_events import KVEvent
 from core.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
 
 KV_TOPIC = "kv"
 _ANY_HOST = ("0.0.0.0", "::", "*", "")
-
-Publish = Callable[[str, list[KVEvent]], None]  # (kv_group, events)
-
-
-class InvalidateRequest(NamedTuple):
-    """`POST /urc/invalidate`: `{"salt": S}` (that namespace only), `{"salt_prefix": T}` (T and
-    every salt below it: a tenant's users and sessions), or `{}` (everything); `"kv_group"`
-    narrows it to one group. Answer: `{"freed_blocks", "locked_blocks"}`: blocks freed now, and
-    blocks running requests hold, which no request can match any more and are freed later."""
-
-    scope: Callable[[str], bool] | None  # a test on salts; None: every block
-    kv_group: str | None  # None: every group
-
-
-class Engine(Protocol):
-    """What an engine gives the shell; called on the event loop's thread."""
-
-    name: str  # /urc/info's "engine"
-    version: str  # /get_server_info's "version"
-    models: dict[str, ServedModel]  # served name -> model, the default first
-    backend: Backend  # where the HTTP layer's generations go
-
-    def start(self, publish: Publish) -> None:
-        """Begin stepping; the KV events of every step go to `publish`."""
-        ...
-
-    async def stop(self) -> None:
-        """Abort what is in flight and stop stepping."""
-        ...
-
-    async def invalidate(self, asked: InvalidateRequest) -> dict[str, int]:
-        """Drop a scope of the cache now; its events (pending stores first) are published
-        before the answer."""
-        ...
-
-    def info(self) -> dict[str, Any]:
-        """The engine's own fields of /urc/info."""
-        ...
-
-    def settings(self) -> dict[str, Any]:
-        """The engine's part of /get_server_info, under SGLang's names."""
-        ...
-
-    def model_info(self, model: ServedModel) -> dict[str, Any]:
-        """The engine's part of /get_model_info."""
-        ...
-
-    def collect(self) -> Iterator[Metric]:
-        """Its Prometheus metrics, read at scrape time."""
-        ...
 
 
 @dataclass(slots=True)
@@ -116,6 +64,7 @@ class Worker:
         self.incarnation = uuid.uuid4().hex
         self.groups = list(dict.fromkeys(m.kv_group for m in engine.models.values()))
         self.publishers: dict[str, KVEventPublisher] = {}
+        self.runner = EngineRunner(engine, self.publish)
         self._web: web.AppRunner | None = None
         self.port = config.port
         self.url = ""
@@ -128,12 +77,12 @@ class Worker:
             self.publishers[group] = KVEventPublisher(
                 f"tcp://{cfg.host}:{pub_port}", f"tcp://{cfg.host}:{replay_port}", topic=KV_TOPIC
             )
-        engine.start(self.publish)
+        self.runner.start()
         app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
         models = engine.models
-        OpenAIApi(engine.backend, models, int(time.time())).add_routes(app)
+        OpenAIApi(self.runner, models, int(time.time())).add_routes(app)
         SGLangApi(
-            engine.backend, models, self.server_args, engine.model_info, engine.version
+            self.runner, models, self.server_args, engine.model_info, engine.version
         ).add_routes(app)
         app.router.add_get("/urc/info", self.info)
         app.router.add_post("/urc/invalidate", self.invalidate)
@@ -148,23 +97,25 @@ class Worker:
         self.url = f"http://{cfg.host}:{self.port}"
 
     async def stop(self) -> None:
-        await self.engine.stop()
+        await self.runner.stop()
         if self._web is not None:
             await self._web.cleanup()
         for publisher in self.publishers.values():
             publisher.close()
 
-    def publish(self, group: str, events: list[KVEvent]) -> None:
-        """One batch on `group`'s stream; a failure is logged, never the engine's."""
-        try:
-            self.publishers[group].publish(events, ts=time.time())
-        except Exception:
-            log.exception("publishing KV events failed")
+    def publish(self, events: Events) -> None:
+        """Each batch on its kv_group's stream; a failure is logged, never the engine's."""
+        for group, batch in events.items():
+            try:
+                self.publishers[group].publish(batch, ts=time.time())
+            except Exception:
+                log.exception("publishing KV events failed")
 
     async def invalidate(self, request: web.Request) -> web.Response:
-        return json_response(
-            await self.engine.invalidate(parse_invalidate(await read_json(request)))
-        )
+        asked = parse_invalidate(await read_json(request))
+        done, events = await self.runner.call(lambda: self.engine.invalidate(asked))
+        self.publish(events)
+        return json_response(done)
 
     async def info(self, request: web.Request) -> web.Response:
         streams = {g: events_document(p, request) for g, p in self.publishers.items()}
@@ -174,7 +125,10 @@ class Worker:
             "models": [
                 {**m.info(), "kv_events": streams[m.kv_group]} for m in self.engine.models.values()
             ],
+            "block_size": self.engine.block_size,
             **self.engine.info(),
+            "capacity_tokens": self.runner.load().capacity_tokens,
+            "load": self.runner.loads()[1]._asdict(),
         }
         if len(self.groups) == 1:
             doc["kv_events"] = streams[self.groups[0]]
@@ -194,6 +148,8 @@ class Worker:
             "tp_size": 1,
             "dp_size": 1,
             "disaggregation_mode": "null",
+            "page_size": self.engine.block_size,
+            "max_total_num_tokens": self.runner.load().capacity_tokens,
             **self.engine.settings(),
             "kv_group": first.kv_group,
             "incarnation": self.incarnation,
