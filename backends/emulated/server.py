@@ -99,7 +99,8 @@ class EmulatedSide:
         if asked.kv_group not in (None, self.model.kv_group):
             return {"freed_blocks": 0, "locked_blocks": 0}, {}
         done = invalidate(self.engine.cache, asked.scope)
-        return done._asdict(), {self.model.kv_group: self.engine.drain_events()}
+        events = self.engine.drain_events()
+        return done._asdict(), {self.model.kv_group: events} if events else {}
 
     def info(self) -> dict[str, Any]:
         return {}
