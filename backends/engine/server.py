@@ -1,106 +1,79 @@
-"""`urc worker --engine torch`: the torch worker's HTTP server.
+"""`urc worker --engine torch`: TorchEngine (engine.py) in the worker HTTP shell
+(backends/http/worker.py); its forward passes run on a thread of their own (backends/http/
+runner.py).
 
 One or more models on one device (`--model [NAME=]SPEC`, repeatable; SPEC a preset such as
-`tiny` or a Hugging Face directory), all drawing KV pages from one pool per KV layout, served
-over OpenAI's API and SGLang's native API (backends/http/), with `/metrics` and the discovery
-document the gateway reads, `GET /urc/info`:
+`tiny` or a Hugging Face directory), all drawing KV pages from one pool per KV layout; each
+kv_group publishes its own KV-event stream. Its own fields of `/urc/info`:
 
-    {"engine": "torch", "incarnation": <uuid hex per process>, "block_size": 16,
-     "device": "cpu",
-     "models": [{"name", "kv_group", "fingerprint", "tokenizer", "max_model_len",
-                 "kv_events": {"endpoint", "replay_endpoint", "topic"}}],
-     "kv_events": {...},                 only when all models share one kv_group
-     "pools": [{"kv_groups", "pages", "page_size", "layers", "kv_heads", "head_dim", "dtype"}],
-     "capacity_tokens": N, "load": {"running", "waiting", "queued_prefill_tokens"}}
-
-Each kv_group has its own KV-event stream (a PUB socket and a replay socket): the events carry
-no model, so one stream must mean one kv_group. Block hashes are our own block keys. The
-process prints `ready: http://HOST:PORT` once it serves, and exits cleanly on SIGINT/SIGTERM.
+    "device": "cpu",
+    "pools": [{"kv_groups", "pages", "page_size", "layers", "kv_heads", "head_dim", "dtype"}]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import logging
 import sys
-import time
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from aiohttp import web
+from prometheus_client.core import GaugeMetricFamily, Metric
 
-from backends.engine.engine import EngineConfig, TorchEngine, default_device
+from backends.engine.engine import (
+    EngineConfig,
+    EngineLoad,
+    StepResult,
+    TorchEngine,
+    default_device,
+)
 from backends.engine.loader import LoadedModel, load_model
-from backends.engine.metrics import CONTENT_TYPE, WorkerMetrics
-from backends.engine.runner import EngineThread
+from backends.engine.request import Request, SamplingParams, Status
 from backends.engine.scheduler import SchedulerConfig
-from backends.http.cli import add_serving_arguments, listen, serve_until_signal
-from backends.http.errors import error_middleware, json_response, read_json
-from backends.http.invalidate import parse_invalidate
-from backends.http.kv_events_doc import KV_TOPIC, events_document
-from backends.http.openai_api import OpenAIApi
+from backends.http.engine import Events, InvalidateRequest
+from backends.http.generation import Generation, WorkerLoad
+from backends.http.metrics import counter, gauge
 from backends.http.served_model import ServedModel
-from backends.http.sglang_api import SGLangApi
-from core.kv_events import KVEvent
-from core.kv_publisher import KVEventPublisher
-
-log = logging.getLogger(__name__)
+from backends.http.worker import run_worker, worker_parser
 
 ENGINE = "torch"
-VERSION = "urc-torch-0.1"
+
+_PER_MODEL = (  # (metric, doc, ModelCounters field)
+    ("urc_worker_requests", "Requests finished", "requests"),
+    ("urc_worker_generated_tokens", "Output tokens generated", "generated_tokens"),
+    (
+        "urc_worker_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache (at admission)",
+        "prompt_tokens",
+    ),
+    ("urc_worker_prefix_cache_hits", "Prompt tokens found in the prefix cache", "cached_tokens"),
+)
+_PER_POOL = (  # (metric, doc, the PageCacheStats fields it sums)
+    ("urc_worker_pool_pages", "KV pages in the pool (page 0 excluded)", ("capacity_pages",)),
+    ("urc_worker_pool_free_pages", "KV pages free", ("free_pages",)),
+    (
+        "urc_worker_pool_cached_pages",
+        "KV pages in the radix cache",
+        ("evictable_pages", "protected_pages"),
+    ),
+    ("urc_worker_pool_in_use_pages", "KV pages held privately by requests", ("in_use_pages",)),
+)
 
 
-@dataclass(slots=True)
-class WorkerConfig:
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port
-    models: list[tuple[str, str]] = field(default_factory=lambda: [("tiny", "tiny")])
-    device: str = "auto"  # "auto": cuda when available
-    dtype: str = "auto"
-    load_format: str = "auto"
-    seed: int = 0
-    max_model_len: int = 0  # 0: the model's
-    default_max_tokens: int = 256
-    kv_events_port: int = 0  # kv_group i publishes on this + i (0: any free port)
-    kv_replay_port: int = 0
-    max_body_bytes: int = 32 * 1024 * 1024
-    engine: EngineConfig = field(default_factory=EngineConfig)
+class TorchSide:
+    """The torch engine as the worker shell takes it (backends/http/engine.py): a step is a
+    forward pass per model, so it runs on a thread of its own, due as soon as there is work."""
 
+    name = ENGINE
+    version = "urc-torch-0.1"
+    blocking = True
 
-def load_models(config: WorkerConfig, device: torch.device) -> dict[str, LoadedModel]:
-    """Served name -> weights; a spec named twice is loaded once."""
-    by_spec: dict[str, LoadedModel] = {}
-    served: dict[str, LoadedModel] = {}
-    for name, spec in config.models:
-        if name in served:
-            raise ValueError(f"model name {name!r} given twice")
-        if spec not in by_spec:
-            by_spec[spec] = load_model(
-                spec,
-                device=device,
-                dtype=config.dtype,
-                page_size=config.engine.page_size,
-                load_format=config.load_format,
-                seed=config.seed,
-                max_model_len=config.max_model_len,
-            )
-        served[name] = by_spec[spec]
-    return served
-
-
-class TorchWorker:
-    """The worker: `await start()`, then it serves until `await stop()`."""
-
-    def __init__(self, config: WorkerConfig, served: dict[str, LoadedModel]) -> None:
+    def __init__(
+        self, served: dict[str, LoadedModel], config: EngineConfig, default_max_tokens: int
+    ) -> None:
         self.config = config
-        self.incarnation = uuid.uuid4().hex
-        self.engine = TorchEngine(served, config.engine)
+        self.engine = TorchEngine(served, config)
         self.models = {
             name: ServedModel(
                 name=name,
@@ -109,69 +82,71 @@ class TorchWorker:
                 tokenizer=loaded.tokenizer,
                 tokenizer_spec=loaded.tokenizer_spec,
                 max_model_len=loaded.max_model_len,
-                default_max_tokens=config.default_max_tokens,
+                default_max_tokens=default_max_tokens,
                 vocab_size=loaded.config.vocab_size,
             )
             for name, loaded in served.items()
         }
-        self.groups = list(dict.fromkeys(m.kv_group for m in self.models.values()))
-        self.publishers: dict[str, KVEventPublisher] = {}
-        self.runner = EngineThread(self.engine, self._publish)
-        self.metrics = WorkerMetrics(self.engine, lambda: self.runner.engine_load)
-        self._web: web.AppRunner | None = None
-        self.port = config.port
-        self.url = ""
+        self.block_size = config.page_size
 
-    async def start(self) -> None:
-        cfg = self.config
-        for i, group in enumerate(self.groups):
-            pub_port = cfg.kv_events_port + i if cfg.kv_events_port else 0
-            replay_port = cfg.kv_replay_port + i if cfg.kv_replay_port else 0
-            self.publishers[group] = KVEventPublisher(
-                f"tcp://{cfg.host}:{pub_port}", f"tcp://{cfg.host}:{replay_port}", topic=KV_TOPIC
-            )
-        self.runner.start(asyncio.get_running_loop())
-        app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
-        OpenAIApi(self.runner, self.models, int(time.time())).add_routes(app)
-        SGLangApi(self.runner, self.models, self.server_args, self.model_info, VERSION).add_routes(
-            app
+    def request(self, gen: Generation) -> Request:
+        """Checked on the loop: `validate` reads only what never changes."""
+        s = gen.sampling
+        params = SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
         )
-        app.router.add_get("/urc/info", self.info)
-        app.router.add_post("/urc/invalidate", self.invalidate)
-        app.router.add_get("/metrics", self.metrics_handler)
-        self._web, self.port = await listen(app, cfg.host, cfg.port)
-        self.url = f"http://{cfg.host}:{self.port}"
+        req = self.engine.new_request(gen.model.name, gen.prompt, params, gen.cache_salt)
+        if gen.cache_salt:  # shared isolation: the public part, whole blocks of the prompt
+            page = self.config.page_size
+            req.public_blocks = min(gen.public_tokens // page, len(gen.prompt) // page)
+        self.engine.validate(req)
+        return req
 
-    async def stop(self) -> None:
-        await self.runner.stop()
-        if self._web is not None:
-            await self._web.cleanup()
-        for publisher in self.publishers.values():
-            publisher.close()
+    def submit(self, req: Request) -> None:
+        self.engine.submit(req)
 
-    def _publish(self, group: str, events: list[KVEvent]) -> None:
-        self.publishers[group].publish(events, ts=time.time())
+    def abort(self, req: Request) -> None:
+        self.engine.abort(req)
 
-    async def invalidate(self, request: web.Request) -> web.Response:
-        """Drop a scope of the cache now (backends/http/invalidate.py), on the engine thread."""
-        asked = parse_invalidate(await read_json(request))
+    def due_in(self) -> float | None:
+        return 0.0 if self.engine.has_work() else None
 
-        def run() -> dict[str, int]:
-            done, events = self.engine.invalidate(asked.scope, asked.kv_group)
-            for group, batch in events.items():  # pending stores first, then the removals
-                self._publish(group, batch)
-            return done._asdict()
+    def step(self) -> StepResult:
+        return self.engine.step()
 
-        return json_response(await self.runner.call(run))
+    def advance(self, result: StepResult, live: dict[Any, Generation]) -> Events:
+        touched = {r.rid: r for r in result.admitted + result.emitted + result.finished}
+        for rid, req in touched.items():
+            if (gen := live.get(rid)) is None:
+                continue
+            if req.status is Status.FINISHED:
+                del live[rid]
+            gen.output.extend(req.output[len(gen.output) :])
+            if req.admitted and not gen.admitted:
+                gen.cached_tokens = req.cached_tokens
+                gen.admitted = True
+            gen.finish_reason = req.finish_reason
+            gen.changed.set()
+        return result.events
 
-    # -- documents -------------------------------------------------------------------------------
+    def loads(self) -> tuple[WorkerLoad, EngineLoad]:
+        pools = self.engine.pools.values()
+        capacity = sum(p.cache.pool.capacity for p in pools) * self.config.page_size
+        used = sum(p.cache.pool.capacity - p.cache.pool.free_pages for p in pools)
+        load = self.engine.load()
+        return WorkerLoad(load.running, load.waiting, used * self.config.page_size, capacity), load
 
-    async def info(self, request: web.Request) -> web.Response:
+    def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
+        done, events = self.engine.invalidate(asked.scope, asked.kv_group)
+        return done._asdict(), events
+
+    def info(self) -> dict[str, Any]:
         engine = self.engine
-        models = [
-            {**m.info(), "kv_events": events_document(self.publishers[m.kv_group], request)}
-            for m in self.models.values()
-        ]
         pools = []
         for layout, state in engine.pools.items():
             groups = [g for g, ms in engine.models.items() if ms.pool is state]
@@ -186,53 +161,65 @@ class TorchWorker:
                     "dtype": str(layout.dtype).removeprefix("torch."),
                 }
             )
-        doc: dict[str, Any] = {
-            "engine": ENGINE,
-            "incarnation": self.incarnation,
-            "block_size": engine.config.page_size,
-            "device": str(next(iter(engine.models.values())).loaded.device),
-            "models": models,
-            "pools": pools,
-            "capacity_tokens": self.runner.load().capacity_tokens,
-            "load": self.runner.engine_load._asdict(),
+        return {"device": str(next(iter(engine.models.values())).loaded.device), "pools": pools}
+
+    def settings(self) -> dict[str, Any]:
+        sched = self.config.scheduler
+        return {
+            "max_running_requests": sched.max_running,
+            "chunked_prefill_size": sched.chunk_size,
+            "disable_radix_cache": not sched.prefix_cache,
         }
-        if len(self.groups) == 1:
-            doc["kv_events"] = events_document(self.publishers[self.groups[0]], request)
-        return json_response(doc)
 
     def model_info(self, model: ServedModel) -> dict[str, Any]:
         return {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
 
-    def server_args(self) -> dict[str, Any]:
-        """The worker's settings under SGLang's names (for /get_server_info)."""
-        cfg = self.config
-        first = next(iter(self.models.values()))
-        sched = cfg.engine.scheduler
-        return {
-            "model_path": first.name,
-            "served_model_name": first.name,
-            "tokenizer_path": first.tokenizer_spec,
-            "host": cfg.host,
-            "port": self.port,
-            "page_size": cfg.engine.page_size,
-            "max_total_num_tokens": self.runner.load().capacity_tokens,
-            "max_running_requests": sched.max_running,
-            "chunked_prefill_size": sched.chunk_size,
-            "context_length": first.max_model_len,
-            "max_req_input_len": first.max_model_len - 1,
-            "tp_size": 1,
-            "dp_size": 1,
-            "disaggregation_mode": "null",
-            "disable_radix_cache": not sched.prefix_cache,
-            "kv_group": first.kv_group,
-            "incarnation": self.incarnation,
-        }
-
-    async def metrics_handler(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    def collect(self) -> Iterator[Metric]:
+        """Per served model: requests, generated tokens, and the prefix cache's queries and hits
+        in prompt tokens (hit rate = hits / queries). Per page pool: total, free, cached and
+        in-use pages; per kv_group: the pages its tree holds (its share of the shared pool).
+        The engine thread writes these numbers; a scrape reads plain ints, so one scrape may
+        straddle a step."""
+        engine = self.engine
+        for metric, doc, attr in _PER_MODEL:
+            counters = engine.counters.items()
+            yield counter(metric, doc, "model", [(m, getattr(c, attr)) for m, c in counters])
+        load = self.engine.load()
+        yield GaugeMetricFamily("urc_worker_running_requests", "Requests in a batch", load.running)
+        yield GaugeMetricFamily("urc_worker_waiting_requests", "Requests queued", load.waiting)
+        pools = list(engine.pools.values())
+        stats = [state.cache.stats() for state in pools]
+        for metric, doc, fields in _PER_POOL:
+            samples = [(str(i), sum(getattr(s, f) for f in fields)) for i, s in enumerate(stats)]
+            yield gauge(metric, doc, "pool", samples)
+        shares = [(g, n) for state in pools for g, n in state.cache.group_pages.items()]
+        yield gauge(
+            "urc_worker_kv_group_cached_pages", "Pages in a kv_group's tree", "kv_group", shares
+        )
+        evicted = [(str(i), state.cache.evicted_pages) for i, state in enumerate(pools)]
+        yield counter("urc_worker_evicted_pages", "Pages evicted", "pool", evicted)
 
 
-# -- the command line --------------------------------------------------------------------------
+def load_models(args: argparse.Namespace, page_size: int) -> dict[str, LoadedModel]:
+    """Served name -> weights; a spec named twice is loaded once."""
+    device = default_device() if args.device == "auto" else torch.device(args.device)
+    by_spec: dict[str, LoadedModel] = {}
+    served: dict[str, LoadedModel] = {}
+    for name, spec in args.model or [("tiny", "tiny")]:
+        if name in served:
+            raise ValueError(f"model name {name!r} given twice")
+        if spec not in by_spec:
+            by_spec[spec] = load_model(
+                spec,
+                device=device,
+                dtype=args.dtype,
+                page_size=page_size,
+                load_format=args.load_format,
+                seed=args.seed,
+                max_model_len=args.max_model_len,
+            )
+        served[name] = by_spec[spec]
+    return served
 
 
 def _model_arg(value: str) -> tuple[str, str]:
@@ -249,17 +236,14 @@ def _model_arg(value: str) -> tuple[str, str]:
 def build_parser() -> argparse.ArgumentParser:
     d = EngineConfig()
     s = SchedulerConfig()
-    parser = argparse.ArgumentParser(
-        prog="urc worker --engine torch",
-        description=(
-            "A PyTorch worker: Llama-architecture models with SGLang-style radix attention over "
-            "one KV page pool shared by all models, served over OpenAI's and SGLang's HTTP APIs, "
-            "publishing vLLM-format KV events (one stream per kv_group)."
-        ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    parser = worker_parser(
+        ENGINE,
+        "A PyTorch worker: Llama-architecture models with SGLang-style radix attention over "
+        "one KV page pool shared by all models, served over OpenAI's and SGLang's HTTP APIs, "
+        "publishing vLLM-format KV events (one stream per kv_group).",
+        "context length (0: the model's)",
+        "; kv_group i: this + i",
     )
-    parser.add_argument("--engine", choices=[ENGINE], default=ENGINE, help="the engine")
-    add_serving_arguments(parser, "; kv_group i: this + i")
     parser.add_argument(
         "--model",
         type=_model_arg,
@@ -298,69 +282,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention", choices=["auto", "torch", "flashinfer"], default="auto", help="kernels"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
-    parser.add_argument(
-        "--max-model-len", type=int, default=0, help="context length (0: the model's)"
-    )
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+def build_engine(args: argparse.Namespace) -> TorchSide:
     """ValueError on settings that cannot work."""
     if args.page_size < 1 or args.kv_cache_mb <= 0 or args.num_pages < 0:
         raise ValueError("need --page-size >= 1, --kv-cache-mb > 0 and --num-pages >= 0")
-    if args.max_model_len < 0 or args.default_max_tokens < 1 or args.max_body_mb <= 0:
-        raise ValueError(
-            "need --max-model-len >= 0, --default-max-tokens >= 1 and --max-body-mb > 0"
-        )
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     scheduler = SchedulerConfig(
         chunk_size=args.chunk_size,
         max_running=args.max_running,
         prefix_cache=not args.disable_prefix_cache,
     )
-    engine = EngineConfig(
+    config = EngineConfig(
         page_size=args.page_size,
         kv_cache_mb=args.kv_cache_mb,
         num_pages=args.num_pages,
         attention=args.attention,
         scheduler=scheduler,
     )
-    return WorkerConfig(
-        host=args.host,
-        port=args.port,
-        models=args.model or [("tiny", "tiny")],
-        device=args.device,
-        dtype=args.dtype,
-        load_format=args.load_format,
-        seed=args.seed,
-        max_model_len=args.max_model_len,
-        default_max_tokens=args.default_max_tokens,
-        kv_events_port=args.kv_events_port,
-        kv_replay_port=args.kv_replay_port,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-        engine=engine,
-    )
-
-
-async def serve(config: WorkerConfig, served: dict[str, LoadedModel]) -> None:
-    """Run a worker until SIGINT or SIGTERM."""
-    await serve_until_signal(TorchWorker(config, served))
+    return TorchSide(load_models(args, config.page_size), config, args.default_max_tokens)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
-        config = config_from_args(args)
-        device = default_device() if config.device == "auto" else torch.device(config.device)
-        served = load_models(config, device)
-    except ValueError as exc:
-        parser.error(str(exc))
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(config, served))
-    return 0
+    return run_worker(build_parser(), build_engine, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,282 @@
+"""The worker HTTP shell both our engines plug into (`urc worker --engine emulated|torch`).
+
+The shell serves OpenAI's and SGLang's APIs (openai_api.py, sglang_api.py), `POST
+/urc/invalidate`, `/metrics`, and the discovery document the gateway reads, `GET /urc/info`:
+
+    {"engine": "emulated" | "torch", "incarnation": <uuid hex per process>, "block_size": 16,
+     "models": [{"name", "kv_group", "fingerprint", "tokenizer", "max_model_len",
+                 "kv_events": {"endpoint", "replay_endpoint", "topic"}}],
+     "kv_events": {...},                 only when all models share one kv_group
+     "capacity_tokens": N, "load": {"running", "waiting", "queued_prefill_tokens"},
+     ...}                                the engine's own fields (torch: "device", "pools")
+
+Each kv_group has its own KV-event stream (a PUB socket and a replay socket, core/
+kv_publisher.py): the events carry no model, so one stream must mean one kv_group. Block hashes
+are our own block keys. The process prints `ready: http://HOST:PORT` once it serves, and exits
+cleanly on SIGINT or SIGTERM. An engine offers the shell what engine.py's `Engine` lists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from backends.http.engine import Engine, Events, InvalidateRequest
+from backends.http.errors import ApiError, error_middleware, json_response, read_json
+from backends.http.metrics import CONTENT_TYPE, render
+from backends.http.openai_api import OpenAIApi
+from backends.http.runner import EngineRunner
+from backends.http.sglang_api import SGLangApi
+from core.blocks import salt_scope
+from core.kv_publisher import KVEventPublisher
+
+log = logging.getLogger(__name__)
+
+KV_TOPIC = "kv"
+_ANY_HOST = ("0.0.0.0", "::", "*", "")
+
+
+@dataclass(slots=True)
+class ServingConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    kv_events_port: int = 0  # kv_group i publishes on this + i (0: any free port)
+    kv_replay_port: int = 0
+    max_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413
+
+
+class Worker:
+    """The worker: `await start()`, then it serves until `await stop()`."""
+
+    def __init__(self, engine: Engine, config: ServingConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.incarnation = uuid.uuid4().hex
+        self.groups = list(dict.fromkeys(m.kv_group for m in engine.models.values()))
+        self.publishers: dict[str, KVEventPublisher] = {}
+        self.runner = EngineRunner(engine, self.publish)
+        self._web: web.AppRunner | None = None
+        self.port = config.port
+        self.url = ""
+
+    async def start(self) -> None:
+        cfg, engine = self.config, self.engine
+        for i, group in enumerate(self.groups):
+            pub_port = cfg.kv_events_port + i if cfg.kv_events_port else 0
+            replay_port = cfg.kv_replay_port + i if cfg.kv_replay_port else 0
+            self.publishers[group] = KVEventPublisher(
+                f"tcp://{cfg.host}:{pub_port}", f"tcp://{cfg.host}:{replay_port}", topic=KV_TOPIC
+            )
+        self.runner.start()
+        app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+        models = engine.models
+        OpenAIApi(self.runner, models, int(time.time())).add_routes(app)
+        SGLangApi(
+            self.runner, models, self.server_args, engine.model_info, engine.version
+        ).add_routes(app)
+        app.router.add_get("/urc/info", self.info)
+        app.router.add_post("/urc/invalidate", self.invalidate)
+        app.router.add_get("/metrics", self.metrics)
+        # a request whose client goes away is cancelled (its generation aborted)
+        self._web = web.AppRunner(
+            app, access_log=None, handle_signals=False, handler_cancellation=True
+        )
+        await self._web.setup()
+        await web.TCPSite(self._web, cfg.host, cfg.port, shutdown_timeout=1.0).start()
+        self.port = self._web.addresses[0][1]
+        self.url = f"http://{cfg.host}:{self.port}"
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+        if self._web is not None:
+            await self._web.cleanup()
+        for publisher in self.publishers.values():
+            publisher.close()
+
+    def publish(self, events: Events) -> None:
+        """Each batch on its kv_group's stream; a failure is logged, never the engine's."""
+        for group, batch in events.items():
+            try:
+                self.publishers[group].publish(batch, ts=time.time())
+            except Exception:
+                log.exception("publishing KV events failed")
+
+    async def invalidate(self, request: web.Request) -> web.Response:
+        asked = parse_invalidate(await read_json(request))
+        done, events = await self.runner.call(lambda: self.engine.invalidate(asked))
+        self.publish(events)
+        return json_response(done)
+
+    async def info(self, request: web.Request) -> web.Response:
+        streams = {g: events_document(p, request) for g, p in self.publishers.items()}
+        doc: dict[str, Any] = {
+            "engine": self.engine.name,
+            "incarnation": self.incarnation,
+            "models": [
+                {**m.info(), "kv_events": streams[m.kv_group]} for m in self.engine.models.values()
+            ],
+            "block_size": self.engine.block_size,
+            **self.engine.info(),
+            "capacity_tokens": self.runner.load().capacity_tokens,
+            "load": self.runner.loads()[1]._asdict(),
+        }
+        if len(self.groups) == 1:
+            doc["kv_events"] = streams[self.groups[0]]
+        return json_response(doc)
+
+    def server_args(self) -> dict[str, Any]:
+        """The worker's settings under SGLang's names (for /get_server_info)."""
+        first = next(iter(self.engine.models.values()))
+        return {
+            "model_path": first.name,
+            "served_model_name": first.name,
+            "tokenizer_path": first.tokenizer_spec,
+            "host": self.config.host,
+            "port": self.port,
+            "context_length": first.max_model_len,
+            "max_req_input_len": first.max_model_len - 1,
+            "tp_size": 1,
+            "dp_size": 1,
+            "disaggregation_mode": "null",
+            "page_size": self.engine.block_size,
+            "max_total_num_tokens": self.runner.load().capacity_tokens,
+            **self.engine.settings(),
+            "kv_group": first.kv_group,
+            "incarnation": self.incarnation,
+        }
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=render(self.engine.collect), headers={"Content-Type": CONTENT_TYPE}
+        )
+
+
+def parse_invalidate(body: Any) -> InvalidateRequest:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    for field in ("salt", "salt_prefix", "kv_group"):
+        value = body.get(field)
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ApiError(400, f"'{field}' must be a non-empty string", param=field)
+    salt, prefix = body.get("salt"), body.get("salt_prefix")
+    if salt is not None and prefix is not None:
+        raise ApiError(400, "send 'salt' or 'salt_prefix', not both", param="salt")
+    scope = None if salt is None and prefix is None else salt_scope(salt, prefix)
+    return InvalidateRequest(scope, body.get("kv_group"))
+
+
+def reachable_endpoint(endpoint: str | None, request: web.Request) -> str | None:
+    """A bound ZMQ endpoint as a client can reach it (a wildcard host: the one it asked)."""
+    if endpoint is None:
+        return None
+    scheme, _, rest = endpoint.partition("://")
+    host, _, port = rest.rpartition(":")
+    if host.strip("[]") in _ANY_HOST:
+        host = request.url.host or "127.0.0.1"
+    return f"{scheme}://{host}:{port}"
+
+
+def events_document(publisher: KVEventPublisher, request: web.Request) -> dict[str, str | None]:
+    return {
+        "endpoint": reachable_endpoint(publisher.endpoint, request),
+        "replay_endpoint": reachable_endpoint(publisher.replay_endpoint, request),
+        "topic": KV_TOPIC,
+    }
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def worker_parser(
+    engine: str, description: str, max_model_len_help: str, kv_port_note: str = ""
+) -> argparse.ArgumentParser:
+    """`urc worker --engine ENGINE` with the flags every worker shares; the engine adds its own."""
+    parser = argparse.ArgumentParser(
+        prog=f"urc worker --engine {engine}",
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--engine", choices=[engine], default=engine, help="the engine")
+    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on")
+    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    parser.add_argument(
+        "--default-max-tokens", type=int, default=256, help="output length when a chat sets none"
+    )
+    parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help=f"ZMQ PUB port for KV events (0: any){kv_port_note}",
+    )
+    parser.add_argument(
+        "--kv-replay-port",
+        type=int,
+        default=0,
+        help=f"ZMQ ROUTER port for replays (0: any){kv_port_note}",
+    )
+    parser.add_argument(
+        "--max-body-mb", type=float, default=32.0, help="larger request bodies get 413"
+    )
+    parser.add_argument("--log-level", default="WARNING", help="logging level")
+    parser.add_argument("--max-model-len", type=int, default=0, help=max_model_len_help)
+    return parser
+
+
+def serving_config(args: argparse.Namespace) -> ServingConfig:
+    """ValueError on settings that cannot work."""
+    if args.max_model_len < 0 or args.default_max_tokens < 1 or args.max_body_mb <= 0:
+        raise ValueError(
+            "need --max-model-len >= 0, --default-max-tokens >= 1 and --max-body-mb > 0"
+        )
+    return ServingConfig(
+        host=args.host,
+        port=args.port,
+        kv_events_port=args.kv_events_port,
+        kv_replay_port=args.kv_replay_port,
+        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+    )
+
+
+async def serve_until_signal(worker: Worker) -> None:
+    """Start `worker`, announce `ready: URL` (what `urc cluster` and the tests wait for), and
+    serve until SIGINT or SIGTERM."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await worker.start()
+        print(f"ready: {worker.url}", flush=True)
+        await stop.wait()
+    finally:
+        await worker.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+def run_worker(
+    parser: argparse.ArgumentParser,
+    build: Callable[[argparse.Namespace], Engine],
+    argv: Sequence[str] | None,
+) -> int:
+    """Parse the flags, build the engine (a ValueError is a usage error) and serve it."""
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = serving_config(args)
+        engine = build(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_until_signal(Worker(engine, config)))
+    return 0
