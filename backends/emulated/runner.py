@@ -15,7 +15,8 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from backends.emulated.engine import EmulatedEngine, Request, output_bytes
+from backends.emulated.engine import EmulatedEngine
+from backends.emulated.request import Request, output_bytes
 from backends.http.generation import Generation, WorkerLoad
 from core.kv_events import KVEvent
 

@@ -30,8 +30,9 @@ from typing import Any
 
 from aiohttp import web
 
-from backends.emulated.cache_scopes import invalidate
-from backends.emulated.engine import EmulatedEngine, EngineConfig
+from backends.cache.scopes import invalidate
+from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine
 from backends.emulated.metrics import CONTENT_TYPE, WorkerMetrics
 from backends.emulated.model import ENGINE, served_model
 from backends.emulated.runner import EngineRunner

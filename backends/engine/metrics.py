@@ -61,12 +61,9 @@ class EngineCollector(Collector):
         }
         for i, state in enumerate(pools):
             stats = state.cache.stats()
-            values = (
-                stats.capacity_pages,
-                stats.free_pages,
-                stats.evictable_pages + stats.protected_pages,
-                stats.in_use_pages,
-            )
+            cached = stats.evictable_tokens + stats.protected_tokens
+            tokens = (stats.capacity_tokens, stats.free_tokens, cached, stats.allocated_tokens)
+            values = [t // state.cache.block_size for t in tokens]
             for (_, samples), value in zip(gauges.values(), values, strict=True):
                 samples.append((str(i), value))
         for name, (doc, samples) in gauges.items():
@@ -78,12 +75,12 @@ class EngineCollector(Collector):
             "urc_worker_kv_group_cached_pages", "Pages in a kv_group's tree", labels=["kv_group"]
         )
         for state in pools:
-            for group, pages in state.cache.group_pages.items():  # keys fixed at start
-                shares.add_metric([group], pages)
+            for group, tree in state.cache.trees.items():  # keys fixed at start
+                shares.add_metric([group], tree.blocks)
         yield shares
         evicted = CounterMetricFamily("urc_worker_evicted_pages", "Pages evicted", labels=["pool"])
         for i, state in enumerate(pools):
-            evicted.add_metric([str(i)], state.cache.evicted_pages)
+            evicted.add_metric([str(i)], state.cache.evicted_blocks)
         yield evicted
 
 

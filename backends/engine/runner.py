@@ -103,7 +103,7 @@ class EngineThread:
     # -- the engine thread ---------------------------------------------------------------------
 
     def _capacity_tokens(self) -> int:
-        return sum(p.cache.pool.capacity for p in self.engine.pools.values()) * (
+        return sum(p.memory.capacity for p in self.engine.pools.values()) * (
             self.engine.config.page_size
         )
 
@@ -201,10 +201,8 @@ class EngineThread:
     def _refresh_load(self) -> None:
         engine = self.engine
         load = self.engine_load = engine.load()
-        used = sum(p.cache.pool.capacity - p.cache.pool.free_pages for p in engine.pools.values())
-        self._load = WorkerLoad(
-            load.running, load.waiting, used * engine.config.page_size, self._load.capacity_tokens
-        )
+        used = sum(p.cache.capacity_tokens - p.cache.free_tokens for p in engine.pools.values())
+        self._load = WorkerLoad(load.running, load.waiting, used, self._load.capacity_tokens)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

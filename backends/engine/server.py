@@ -178,7 +178,7 @@ class TorchWorker:
             pools.append(
                 {
                     "kv_groups": groups,
-                    "pages": state.cache.pool.capacity,
+                    "pages": state.memory.capacity,
                     "page_size": layout.page_size,
                     "layers": layout.layers,
                     "kv_heads": layout.kv_heads,
