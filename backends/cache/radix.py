@@ -81,9 +81,9 @@ class RadixCache(Pool):
         return tree is not None and key in tree.heads
 
     def keys(self, kv_group: str = "") -> set[int]:
-        """Every key the group's tree holds (walks its runs)."""
+        """Every key the group's tree holds, invalidated ones not (walks its runs)."""
         tree = self.trees.get(kv_group)
-        return set() if tree is None else {key for run in tree.runs for key in run.keys}
+        return set() if tree is None else {k for run in tree.runs for k in run.keys if k >= 0}
 
     def runs(self) -> list[Run]:
         return [run for tree in self.trees.values() for run in tree.runs]

@@ -55,6 +55,7 @@ def _drop(cache: RadixCache, tree: Tree, scope: SaltTest | None) -> Invalidated:
         doomed = runs_in_scope(
             tree.heads.get, cache.namespaces, cache._split, tree.runs, scope, tree.root
         )
+    doomed = [run for run in doomed if run.keys[0] >= 0]  # not those invalidated already
     heads = tree.heads
     removed: list[int] = []
     freed = locked = 0
