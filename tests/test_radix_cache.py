@@ -437,7 +437,7 @@ def _insert(cache: RadixCache, model: Model, h: Holder, arg: int) -> None:
         assert ins.pages is not None
         h.pages[b:end] = ins.pages
         cache.move_lock(h.node, ins.node)
-        model.lock(ids)
+        model.lock(h.path + ids)  # the new node's whole path, as the cache's lock walks
         model.unlock(h.path)
         h.node, h.path = ins.node, h.path + ids
 
