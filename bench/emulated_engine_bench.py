@@ -20,7 +20,9 @@ import random
 import time
 from pathlib import Path
 
-from backends.emulated.engine import EmulatedEngine, EngineConfig, Request
+from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine
+from backends.emulated.request import Request
 from core.blocks import block_keys
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from backends.emulated.engine import EngineConfig
+from backends.emulated.config import EngineConfig
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS
 from router.policies import POLICY_NAMES

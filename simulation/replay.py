@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from backends.emulated.engine import EngineConfig, Request
+from backends.emulated.config import EngineConfig
+from backends.emulated.request import Request
 from core.heap import Heap
 from router.index import UnifiedIndex
 from router.policies import Candidate, Policy

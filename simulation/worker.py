@@ -18,7 +18,8 @@ wire events that the replay would only take apart again.
 
 from __future__ import annotations
 
-from backends.emulated.engine import EmulatedEngine, EngineConfig
+from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine
 
 
 class Change:
@@ -73,11 +74,16 @@ class SimWorker:
         self.wake_seq = -1  # the one valid heap entry of this worker
 
     def _stored(
-        self, parent: int | None, keys: list[int], tokens: list[int] | None, salt: str | None
+        self,
+        kv_group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
     ) -> None:
         self.changes.append(Change(keys, parent, True))
 
-    def _removed(self, keys: list[int]) -> None:
+    def _removed(self, kv_group: str, keys: list[int]) -> None:
         self.changes.append(Change(keys, None, False))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from backends.emulated.engine import output_bytes, tail_keys
+from backends.emulated.request import output_bytes, tail_keys
 from core.blocks import block_keys
 from core.tokenizer import ByteTokenizer
 from loadgen.sessions import SessionQueue

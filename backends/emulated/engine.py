@@ -15,7 +15,7 @@ worker its event loop's monotonic clock, the simulator its virtual time. The mod
 - Full prompt blocks enter the cache as their chunk completes (a later request with the same
   prefix hits them); the full blocks of prompt + output (all but the last output token, whose
   KV is never computed) enter it when the request finishes, so the next turn of a chat hits.
-- Output is deterministic: exactly `max_tokens` tokens of OUTPUT_TEXT repeated.
+- Output is deterministic: exactly `max_tokens` tokens of OUTPUT_TEXT repeated (request.py).
 
 Decode-only stretches are planned as one *segment* of equal steps that lasts until the next
 request finishes; `next_time()` is its end, so a simulator jumps over it in one call, while a
@@ -25,113 +25,20 @@ A submission (or an abort) cuts the segment at the first step boundary after it.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple, cast
 
-from backends.emulated.radix_cache import RadixCache, Run
-from core.blocks import block_keys, chain_keys, continue_after, namespace, parent_prefix
+from backends.cache.check import check, check_locks
+from backends.cache.radix import RadixCache
+from backends.emulated.config import EngineConfig
+from backends.emulated.paging import admit, cache_output, cache_prompt, release
+from backends.emulated.request import Request, State
+from core.blocks import block_keys
 from core.heap import Heap
 from core.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
-OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
 _EPS: Final = 1e-9  # float slack when counting steps between two times
-
-
-def output_bytes(start: int, end: int) -> bytes:
-    """Output tokens [start, end) of every request: printable ASCII, so the byte tokenizer's
-    ids and text at once."""
-    size = len(OUTPUT_TEXT)
-    offset = start % size
-    n = max(0, end - start)
-    return (OUTPUT_TEXT * ((offset + n) // size + 1))[offset : offset + n]
-
-
-def output_tokens(n: int) -> list[int]:
-    """The first `n` output token ids."""
-    return list(output_bytes(0, n))
-
-
-def tail_tokens(prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs: int) -> list[int]:
-    """The tokens of the full blocks of prompt + output past the prompt's `keys` (all but the
-    last output token, whose KV is never computed): what a request caches when it finishes."""
-    start = len(keys) * bs
-    full = (len(prompt) + max_tokens - 1) // bs * bs
-    if full <= start:
-        return []
-    return (list(prompt[start:]) + output_tokens(max_tokens - 1))[: full - start]
-
-
-def tail_keys(
-    prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs: int, salt: str | None
-) -> list[int]:
-    """The keys of `tail_tokens`, chained from the prompt's last key."""
-    tail = tail_tokens(prompt, keys, max_tokens, bs)
-    if not tail:
-        return []
-    return chain_keys(tail, bs, parent_prefix(keys[-1]) if keys else namespace(salt))
-
-
-@dataclass(slots=True)
-class EngineConfig:
-    """The time model. Defaults: an 8B model in bf16 (Llama-3.1-8B) on one H100 SXM 80 GB.
-
-    - decode_base_s 8 ms: a decode step reads all 16 GB of weights; at ~70% of the 3.35 TB/s
-      HBM bandwidth that is ~6.8 ms, plus sampling and scheduling (vLLM/SGLang measure a
-      7-8 ms inter-token latency at batch 1).
-    - decode_per_request_s 0.08 ms: each running request reads its KV every step; 128 KiB
-      per token (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes) x ~2k tokens of context
-      = 256 MiB, ~0.08 ms at full bandwidth.
-    - prefill_tokens_per_s 15k: ~16 GFLOP per token for the weights plus ~2 GFLOP of
-      attention at a few thousand tokens of context, so ~270 TFLOP/s, 27% of the 989 TFLOP/s
-      dense bf16 peak: a conservative end-to-end figure (the kernels alone reach about twice).
-    - capacity_tokens 400k: 80 GB x 0.9 (memory fraction) - 16 GB weights - ~4 GB
-      activations and graphs = ~52 GB of KV pool / 128 KiB per token.
-    - max_batch 256 and chunk_tokens 8192: vLLM's max_num_seqs and SGLang's chunked prefill
-      size on an H100.
-    """
-
-    block_size: int = 16
-    capacity_tokens: int = 400_000
-    prefill_tokens_per_s: float = 15_000.0
-    decode_base_s: float = 0.008
-    decode_per_request_s: float = 0.00008
-    max_batch: int = 256
-    chunk_tokens: int = 8192
-    report_tokens: bool = True  # StepResult.emitted per request (a simulator turns it off)
-    emit_events: bool = True  # StepResult.events (BlockStored / BlockRemoved)
-    # BlockStored carries the blocks' token ids; off, token_ids is empty (a simulator that
-    # applies the keys itself, and requests known only by their keys, need no tokens)
-    event_tokens: bool = True
-
-    def __post_init__(self) -> None:
-        if min(self.block_size, self.max_batch, self.chunk_tokens) <= 0:
-            raise ValueError("block_size, max_batch and chunk_tokens must be positive")
-        if self.prefill_tokens_per_s <= 0 or self.decode_base_s < 0:
-            raise ValueError("prefill_tokens_per_s must be > 0 and decode_base_s >= 0")
-        if self.decode_per_request_s < 0 or self.capacity_tokens < self.block_size:
-            raise ValueError("need decode_per_request_s >= 0 and capacity_tokens >= block_size")
-        if self.decode_base_s + self.decode_per_request_s <= 0:
-            raise ValueError("a decode step must take time")
-
-    def step_time(self, decoding: int, prefill_tokens: int) -> float:
-        """Seconds of one forward pass with `decoding` requests and `prefill_tokens` to fill."""
-        return (
-            self.decode_base_s
-            + self.decode_per_request_s * decoding
-            + prefill_tokens / self.prefill_tokens_per_s
-        )
-
-
-class State(enum.Enum):
-    WAITING = "waiting"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    FINISHED = "finished"
-    ABORTED = "aborted"
 
 
 # the members as Final names: compiled, a constant instead of a lookup in the hot paths
@@ -140,61 +47,6 @@ _PREFILL: Final = State.PREFILL
 _DECODE: Final = State.DECODE
 _FINISHED: Final = State.FINISHED
 _ABORTED: Final = State.ABORTED
-
-
-@dataclass(init=False, eq=False, slots=True)
-class Request:
-    """One generation. The caller fills the first fields (`rid` unique among the requests in
-    flight); the engine fills the rest. The `__init__` is written out: compiled, it is native."""
-
-    rid: Any
-    prompt: Sequence[int]  # token ids (read only where keys, tail_keys or event tokens need them)
-    max_tokens: int
-    cache_salt: str | None
-    arrival: float
-    keys: list[int] | None  # the prompt's block keys; computed on submit when None
-    tail_keys: list[int] | None  # `tail_keys(...)` of the request; on finish when None
-    # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
-    public_blocks: int
-    state: State
-    cached_tokens: int  # prompt tokens found in the cache on admission
-    computed: int  # prompt tokens whose KV exists (cached ones included)
-    generated: int  # current at first token and finish; `engine.generated(req)` meanwhile
-    admitted_time: float | None
-    first_token_time: float | None
-    finish_time: float | None
-    # engine bookkeeping: the locked run the request's cached path ends at, its length in
-    # blocks, private room still held, and the step number its decoding started at
-    node: Run | None = field(repr=False)
-    prompt_len: int  # len(prompt), taken on submit
-    node_blocks: int
-    reserved: int
-    decode_from: int
-
-    def __init__(
-        self,
-        rid: Any,
-        prompt: Sequence[int],
-        max_tokens: int,
-        cache_salt: str | None = None,
-        arrival: float = 0.0,
-        keys: list[int] | None = None,
-        tail_keys: list[int] | None = None,
-        public_blocks: int = 0,
-    ) -> None:
-        self.rid = rid
-        self.prompt = prompt
-        self.max_tokens = max_tokens
-        self.cache_salt = cache_salt
-        self.arrival = arrival
-        self.keys = keys
-        self.tail_keys = tail_keys
-        self.public_blocks = public_blocks
-        self.state = State.WAITING
-        self.cached_tokens = self.computed = self.generated = 0
-        self.admitted_time = self.first_token_time = self.finish_time = None
-        self.node = None
-        self.prompt_len = self.node_blocks = self.reserved = self.decode_from = 0
 
 
 class StepResult:
@@ -253,7 +105,12 @@ class EmulatedEngine:
     # -- KV events ---------------------------------------------------------------------------
 
     def _on_stored(
-        self, parent: int | None, keys: list[int], tokens: list[int] | None, salt: str | None
+        self,
+        kv_group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
     ) -> None:
         if tokens is None:
             assert not self.config.event_tokens, "events need the blocks' tokens"
@@ -269,7 +126,7 @@ class EmulatedEngine:
             )
         )
 
-    def _on_removed(self, keys: list[int]) -> None:
+    def _on_removed(self, kv_group: str, keys: list[int]) -> None:
         self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_GPU))
 
     def drain_events(self) -> list[KVEvent]:
@@ -323,11 +180,7 @@ class EmulatedEngine:
                 self._queued_prefill -= req.prompt_len - req.computed
             else:
                 del self._decoding[req.rid]
-            self.cache.free(req.reserved)
-            req.reserved = 0
-            assert req.node is not None
-            self.cache.unlock(req.node)
-            req.node = None
+            release(self.cache, req)
             if self._active:
                 self._cut(now)  # the batch changed: replan after the step in flight
         else:
@@ -406,7 +259,7 @@ class EmulatedEngine:
                     continue  # aborted meanwhile
                 req.computed += n
                 self._queued_prefill -= n
-                self._cache_prompt(req)
+                cache_prompt(self.cache, req, self._tokens_out)
                 if req.computed < req.prompt_len:
                     continue
                 req.state = _DECODE
@@ -430,46 +283,9 @@ class EmulatedEngine:
                 del self._decoding[req.rid]
                 self._finish(req, t, result)
 
-    def _cache_prompt(self, req: Request) -> None:
-        """Insert the prompt's full blocks computed so far; move the lock down to them."""
-        bs = self.config.block_size
-        keys = req.keys
-        assert keys is not None and req.node is not None
-        nb = min(req.computed // bs, len(keys))
-        if nb <= req.node_blocks:
-            return
-        start = req.node_blocks
-        tokens = req.prompt[start * bs : nb * bs] if self._tokens_out else None
-        salt_at = req.public_blocks - start  # where the salt starts in this chunk
-        ins = self.cache.insert(req.node, keys[start:nb], tokens, req.cache_salt, salt_at)
-        self.cache.move_lock(req.node, ins.node)
-        req.node = ins.node
-        req.node_blocks = nb
-        req.reserved -= (nb - start) * bs
-
     def _finish(self, req: Request, t: float, result: StepResult) -> None:
         """Cache the full blocks of prompt + output, release the rest of the room and locks."""
-        bs = self.config.block_size
-        keys = req.keys
-        node = req.node
-        assert keys is not None and node is not None and req.node_blocks == len(keys)
-        full = (req.prompt_len + req.max_tokens - 1) // bs  # the footprint's full blocks
-        if full > len(keys):
-            new_keys = req.tail_keys
-            tail = None
-            if new_keys is None or self._tokens_out:
-                tail = tail_tokens(req.prompt, keys, req.max_tokens, bs)
-                if new_keys is None:
-                    first = continue_after(keys, req.cache_salt, req.public_blocks)
-                    new_keys = chain_keys(tail, bs, first)
-            assert len(new_keys) == full - len(keys), "tail_keys of the wrong length"
-            salt_at = req.public_blocks - len(keys)  # 0: the output starts the salted part
-            self.cache.insert(node, new_keys, tail, req.cache_salt, salt_at)
-            req.reserved -= len(new_keys) * bs
-        self.cache.free(req.reserved)
-        req.reserved = 0
-        self.cache.unlock(node)
-        req.node = None
+        cache_output(self.cache, req, self._tokens_out)
         req.state = _FINISHED
         req.generated = req.max_tokens
         req.finish_time = t
@@ -495,18 +311,11 @@ class EmulatedEngine:
             and (stuck[2] >= cap or not cache.starts_run(keys[stuck[2]]))
         ):
             return False  # still no room, and its cached prefix cannot have grown
-        match = cache.match(keys, cap)
-        cached = match.blocks * bs
-        need = prompt_len + req.max_tokens - 1 - cached  # the footprint beyond the cached prefix
-        cache.lock(match.node)
-        if not cache.allocate(need):
-            cache.unlock(match.node)
-            self._stuck = (req, need, match.blocks)
+        need, blocks = admit(cache, req, bs)
+        if req.node is None:
+            self._stuck = (req, need, blocks)
             return False
-        req.node = match.node
-        req.node_blocks = match.blocks
-        req.cached_tokens = req.computed = cached
-        req.reserved = need
+        cached = req.cached_tokens
         req.state = _PREFILL
         req.admitted_time = now
         self._queued_prefill -= cached
@@ -561,16 +370,8 @@ class EmulatedEngine:
     def check(self) -> None:
         """The cache's invariants, plus: its allocated room is exactly what the running
         requests reserve, and its lock counts are exactly their locked paths."""
-        self.cache.check()
+        check(self.cache)
         running = self._prefilling + list(self._decoding.values())
         assert sum(r.reserved for r in running) == self.cache.allocated_tokens, "reserved room"
-        expected: dict[int, int] = {}
-        for req in running:
-            node = req.node
-            assert node is not None
-            while node is not None and node is not self.cache.root:
-                expected[id(node)] = expected.get(id(node), 0) + 1
-                node = node.parent
-        for run in self.cache.runs():
-            assert run.lock_ref == expected.get(id(run), 0), "lock counts != running paths"
+        check_locks(self.cache, [r.node for r in running if r.node is not None])
         assert len(running) <= self.config.max_batch, "batch over max_batch"

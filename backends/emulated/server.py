@@ -16,16 +16,11 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from backends.emulated.cache_scopes import invalidate
-from backends.emulated.engine import (
-    EmulatedEngine,
-    EngineConfig,
-    EngineLoad,
-    Request,
-    StepResult,
-    output_bytes,
-)
+from backends.cache.scopes import invalidate
+from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
 from backends.emulated.model import ENGINE, served_model
+from backends.emulated.request import Request, output_bytes
 from backends.http.engine import Events, InvalidateRequest
 from backends.http.generation import Generation, WorkerLoad
 from backends.http.metrics import counter, gauge

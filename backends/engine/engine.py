@@ -18,13 +18,14 @@ from typing import NamedTuple
 
 import torch
 
+from backends.cache.check import check, check_locks
+from backends.cache.radix import RadixCache
+from backends.cache.scopes import Invalidated, invalidate
 from backends.engine.attention import make_attention
-from backends.engine.cache_scopes import Invalidated, invalidate
 from backends.engine.loader import LoadedModel
 from backends.engine.model_runner import ModelRunner, WorkItem
 from backends.engine.page_pool import KVLayout, PagePool
 from backends.engine.paging import cache_blocks, release
-from backends.engine.radix_cache import PageRadixCache
 from backends.engine.request import Request, SamplingParams, Status
 from backends.engine.sampler import sample
 from backends.engine.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
@@ -85,8 +86,15 @@ class TorchEngine:
                 layout.page_bytes()
             )
             pool = PagePool(layout, pages, device)
-            cache = PageRadixCache(pool, on_stored=self._on_stored, on_removed=self._on_removed)
-            self.pools[layout] = PoolState(cache)
+            cache = RadixCache(
+                pool.capacity * cfg.page_size,
+                cfg.page_size,
+                page_ids=pool.page_ids(),
+                keep_tokens=True,  # a match is confirmed on the tokens, not the hash alone
+                on_stored=self._on_stored,
+                on_removed=self._on_removed,
+            )
+            self.pools[layout] = PoolState(pool, cache)
         self.models: dict[str, ModelState] = {}
         for group, loaded in groups.items():
             cfg_m = loaded.config
@@ -110,8 +118,14 @@ class TorchEngine:
     # -- KV events -----------------------------------------------------------------------------
 
     def _on_stored(
-        self, group: str, parent: int | None, keys: list[int], tokens: list[int], salt: str | None
+        self,
+        group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
     ) -> None:
+        assert tokens is not None, "the engine inserts the blocks' tokens"
         self._events[group].append(
             BlockStored(
                 keys, parent, tokens, self.config.page_size, medium=MEDIUM_GPU, cache_salt=salt
@@ -146,7 +160,7 @@ class TorchEngine:
                 f"prompt + max_tokens ({len(req.prompt)} + {req.params.max_tokens}) exceeds "
                 f"the context length of {loaded.max_model_len} tokens"
             )
-        capacity = self.models[loaded.kv_group].pool.cache.pool.capacity * self.config.page_size
+        capacity = self.models[loaded.kv_group].pool.memory.capacity * self.config.page_size
         if total > capacity:
             raise ValueError(f"prompt + max_tokens exceeds the KV pool ({capacity} tokens)")
         return loaded
@@ -207,7 +221,7 @@ class TorchEngine:
     def invalidate(
         self, scope: Callable[[str], bool] | None, kv_group: str | None = None
     ) -> tuple[Invalidated, dict[str, list[KVEvent]]]:
-        """Drop a scope of every pool's cache (backends/engine/cache_scopes.py); returns what
+        """Drop a scope of every pool's cache (backends/cache/scopes.py); returns what
         went and the events not yet handed out by a step, the removals last."""
         freed = locked = 0
         for pool in self.pools.values():
@@ -220,7 +234,7 @@ class TorchEngine:
 
     def _run(self, ms: ModelState, items: list[WorkItem], result: StepResult) -> None:
         cache = ms.pool.cache
-        forward = ms.runner.forward(cache.pool, items)
+        forward = ms.runner.forward(ms.pool.memory, items)
         for item in items:
             item.req.computed += item.n
             if self.config.scheduler.prefix_cache:
@@ -264,30 +278,18 @@ class TorchEngine:
         exactly the running requests' locked paths."""
         for pool_state in self.pools.values():
             cache = pool_state.cache
-            in_tree = cache.check()
+            in_tree = check(cache)
             private: list[int] = []
-            expected: dict[int, int] = {}
             for req in pool_state.running:
                 assert req.status is Status.RUNNING and req.node is not None
+                assert req.node.tree.kv_group == req.kv_group, "a page of another kv_group"
                 private.extend(req.pages[req.node_blocks :])
-                path: list[int] = []
-                node = req.node
-                while node.parent is not None:
-                    assert node.group == req.kv_group, "a page of another kv_group"
-                    assert node.page in in_tree
-                    path.append(node.page)
-                    expected[id(node)] = expected.get(id(node), 0) + 1
-                    node = node.parent
-                assert path[::-1] == req.pages[: req.node_blocks], "page table != locked path"
-            assert len(private) == len(set(private)) == cache.in_use_pages, "in-use pages"
-            assert not set(private) & (in_tree | cache.pool.free_set()), "a page held twice"
-            for group in cache.groups():
-                stack = [cache.root(group)]
-                while stack:
-                    node = stack.pop()
-                    stack.extend(node.children.values())
-                    if node.parent is not None:
-                        assert node.lock_ref == expected.get(id(node), 0), "lock counts"
+                path = cache.path_pages(req.node)
+                assert path == req.pages[: req.node_blocks], "page table != locked path"
+            in_use = cache.allocated_tokens // cache.block_size
+            assert len(private) == len(set(private)) == in_use, "in-use pages"
+            assert not set(private) & (in_tree | set(cache.page_ids or [])), "a page held twice"
+            check_locks(cache, [r.node for r in pool_state.running if r.node is not None])
         for ms in self.models.values():
             for req in ms.waiting:
                 assert req.status is Status.WAITING and req.node is None and not req.pages

@@ -7,8 +7,8 @@ zeroed, because attention gathers whole pages and masks what is past a sequence'
 masked score weighs 0, but 0 x NaN (uninitialized memory) is NaN. Pages only ever hold zeros
 or K/V a forward wrote, so every value read is finite.
 
-The pool only hands out and takes back page ids; what a page holds, and who may reuse it, is
-the radix cache's business (radix_cache.py).
+The pool only holds the memory; which pages are free, what a page holds and who may reuse it is
+the radix cache's business (backends/cache/radix.py), to which `page_ids` hands them all.
 """
 
 from __future__ import annotations
@@ -44,28 +44,11 @@ class PagePool:
         self.num_pages = num_pages
         shape = (2, layout.layers, num_pages, layout.page_size, layout.kv_heads, layout.head_dim)
         self.kv = torch.zeros(shape, dtype=layout.dtype, device=device)
-        # a stack: the most recently freed page is reused first (warm in caches)
-        self._free: list[int] = list(range(num_pages - 1, RESERVED_PAGE, -1))
 
     @property
     def capacity(self) -> int:
         return self.num_pages - 1
 
-    @property
-    def free_pages(self) -> int:
-        return len(self._free)
-
-    def take(self, n: int) -> list[int]:
-        """`n` free pages; the caller made sure there are enough."""
-        assert 0 <= n <= len(self._free), "taking more pages than are free"
-        if n == 0:
-            return []
-        pages = self._free[-n:]
-        del self._free[-n:]
-        return pages
-
-    def give_back(self, pages: list[int]) -> None:
-        self._free.extend(pages)
-
-    def free_set(self) -> set[int]:
-        return set(self._free)
+    def page_ids(self) -> list[int]:
+        """Every page but the reserved one, as a stack (the last is handed out first)."""
+        return list(range(self.num_pages - 1, RESERVED_PAGE, -1))

@@ -1,5 +1,6 @@
 """A request's pages through its life: admit (match + lock), grow, cache its full blocks,
-release. The only code that moves pages between a request and the radix cache.
+release. The only code that moves pages between a request and the radix cache
+(backends/cache/radix.py, paged and keeping tokens here).
 
 With the prefix cache off, a request matches nothing, caches nothing and releases every page:
 the same engine then computes every token of every prompt (the baseline of the equality test).
@@ -7,26 +8,31 @@ the same engine then computes every token of every prompt (the baseline of the e
 
 from __future__ import annotations
 
-from backends.engine.radix_cache import PageRadixCache
+from backends.cache.radix import RadixCache
 from backends.engine.request import Request
 
 
-def admit(cache: PageRadixCache, req: Request, kv_group: str, use_cache: bool) -> None:
-    """Take the longest cached prefix of the request's tokens but the last (at least one token
-    is always computed: it yields the next token's logits) and lock it."""
-    bs = cache.page_size
+def matched_blocks(cache: RadixCache, req: Request, kv_group: str) -> int:
+    """The cached prefix of the request's tokens but the last (at least one token is always
+    computed: it yields the next token's logits), in blocks; marks it used, locks nothing."""
+    bs = cache.block_size
+    blocks = (req.num_tokens - 1) // bs
+    return cache.match(req.block_keys(blocks, bs), blocks, kv_group, req.tokens).blocks
+
+
+def admit(cache: RadixCache, req: Request, kv_group: str, use_cache: bool) -> None:
+    """Take the longest cached prefix of the request's tokens but the last and lock it."""
+    bs = cache.block_size
     assert req.node is None and not req.pages, "admitting a request that holds pages"
+    node = cache.root(kv_group)
     if use_cache:
         blocks = (req.num_tokens - 1) // bs
-        match = cache.match(kv_group, req.block_keys(blocks, bs), req.tokens, blocks)
-        node, pages = match.node, match.pages
-    else:
-        node, pages = cache.root(kv_group), []
+        node = cache.match(req.block_keys(blocks, bs), blocks, kv_group, req.tokens).node
     cache.lock(node)
     req.node = node
-    req.node_blocks = len(pages)
-    req.pages = list(pages)
-    req.computed = len(pages) * bs
+    req.pages = cache.path_pages(node)
+    req.node_blocks = len(req.pages)
+    req.computed = len(req.pages) * bs
 
 
 def pages_needed(req: Request, n: int, page_size: int) -> int:
@@ -34,23 +40,23 @@ def pages_needed(req: Request, n: int, page_size: int) -> int:
     return max(0, -(-(req.computed + n) // page_size) - len(req.pages))
 
 
-def grow(cache: PageRadixCache, req: Request, n: int) -> bool:
+def grow(cache: RadixCache, req: Request, n: int) -> bool:
     """Add `n` pages to the request's table (evicting for the shortfall); False if no room."""
-    pages = cache.allocate(n)
+    pages = cache.allocate_pages(n)
     if pages is None:
         return False
     req.pages.extend(pages)
     return True
 
 
-def cache_blocks(cache: PageRadixCache, req: Request) -> None:
+def cache_blocks(cache: RadixCache, req: Request) -> None:
     """Insert the full blocks of its computed tokens that are not in the tree yet and move its
     lock down to them. Blocks another request cached meanwhile replace ours in its table:
 
         [0, node_blocks)            already on its locked path
         [node_blocks, full)         inserted now (the tree's page where it had one)
     """
-    bs = cache.page_size
+    bs = cache.block_size
     full = req.computed // bs
     start = req.node_blocks
     if full <= start:
@@ -59,21 +65,22 @@ def cache_blocks(cache: PageRadixCache, req: Request) -> None:
     keys = req.block_keys(full, bs)[start:]
     tokens = req.tokens[start * bs : full * bs]
     salt_at = req.public_blocks - start  # where the salt starts in these blocks
-    result = cache.insert(req.node, keys, tokens, req.pages[start:full], req.cache_salt, salt_at)
+    pages = req.pages[start:full]
+    result = cache.insert(req.node, keys, tokens, req.cache_salt, salt_at, pages)
     if result.inserted == 0:
-        return  # a hash collision at the first block: the pages stay private
+        return  # a hash collision at the first block, or an invalidated path: still private
+    assert result.pages is not None
     req.pages[start : start + result.inserted] = result.pages
-    cache.lock(result.node)
-    cache.unlock(req.node)
+    cache.move_lock(req.node, result.node)
     req.node = result.node
     req.node_blocks = start + result.inserted
 
 
-def release(cache: PageRadixCache, req: Request) -> None:
+def release(cache: RadixCache, req: Request) -> None:
     """Give back its private pages and its lock (finish, abort or preemption); what it cached
     stays cached."""
     assert req.node is not None
-    cache.free(req.pages[req.node_blocks :])
+    cache.free_pages(req.pages[req.node_blocks :])
     cache.unlock(req.node)
     req.node = None
     req.node_blocks = 0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.engine.radix_cache import Node
+from backends.cache.nodes import Run
 from core.blocks import block_keys, chain_keys, continue_after
 
 
@@ -59,7 +59,7 @@ class Request:
     kv_group: str = ""
     computed: int = 0
     pages: list[int] = field(default_factory=list, repr=False)
-    node: Node | None = field(default=None, repr=False)
+    node: Run | None = field(default=None, repr=False)
     node_blocks: int = 0
     keys: list[int] = field(default_factory=list, repr=False)  # keys of full blocks so far
     order: int = 0  # admission order: preemption takes the newest

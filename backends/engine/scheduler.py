@@ -17,18 +17,20 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
+from backends.cache.radix import RadixCache
 from backends.engine.loader import LoadedModel
 from backends.engine.model_runner import ModelRunner, WorkItem
-from backends.engine.paging import admit, grow, pages_needed, release
-from backends.engine.radix_cache import PageRadixCache
+from backends.engine.page_pool import PagePool
+from backends.engine.paging import admit, grow, matched_blocks, pages_needed, release
 from backends.engine.request import Request, Status
 
 
 @dataclass(slots=True, eq=False)
 class PoolState:
-    """A page pool's cache and every request that holds pages in it."""
+    """A page pool, its cache and every request that holds pages in it."""
 
-    cache: PageRadixCache
+    memory: PagePool  # the K/V tensor
+    cache: RadixCache  # which of its pages hold what
     running: list[Request] = field(default_factory=list)  # admission order
 
 
@@ -65,7 +67,7 @@ class Scheduler:
         """The model's batch for this step (empty: nothing to run). Newly admitted requests
         are appended to `admitted`."""
         cache = ms.pool.cache
-        bs = cache.page_size
+        bs = cache.block_size
         items: list[WorkItem] = []
         budget = self.config.chunk_size
         for req in list(ms.running):
@@ -107,14 +109,9 @@ class Scheduler:
         if not self.config.prefix_cache or len(waiting) > self.config.lpf_limit:
             return waiting
         cache = ms.pool.cache
-        bs = cache.page_size
         group = ms.loaded.kv_group
-
-        def matched(req: Request) -> int:
-            blocks = (req.num_tokens - 1) // bs
-            return len(cache.match(group, req.block_keys(blocks, bs), req.tokens, blocks).pages)
-
-        return sorted(waiting, key=lambda r: -matched(r))  # stable: FCFS among equals
+        # stable: FCFS among equals
+        return sorted(waiting, key=lambda r: -matched_blocks(cache, r, group))
 
     def _reserve(self, req: Request, need: int, items: list[WorkItem]) -> bool:
         """Pages for the request's next chunk, preempting the pool's newest requests until

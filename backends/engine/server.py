@@ -49,15 +49,15 @@ _PER_MODEL = (  # (metric, doc, ModelCounters field)
     ),
     ("urc_worker_prefix_cache_hits", "Prompt tokens found in the prefix cache", "cached_tokens"),
 )
-_PER_POOL = (  # (metric, doc, the PageCacheStats fields it sums)
-    ("urc_worker_pool_pages", "KV pages in the pool (page 0 excluded)", ("capacity_pages",)),
-    ("urc_worker_pool_free_pages", "KV pages free", ("free_pages",)),
+_PER_POOL = (  # (metric, doc, the cache's token counts it sums, reported in pages)
+    ("urc_worker_pool_pages", "KV pages in the pool (page 0 excluded)", ("capacity_tokens",)),
+    ("urc_worker_pool_free_pages", "KV pages free", ("free_tokens",)),
     (
         "urc_worker_pool_cached_pages",
         "KV pages in the radix cache",
-        ("evictable_pages", "protected_pages"),
+        ("evictable_tokens", "protected_tokens"),
     ),
-    ("urc_worker_pool_in_use_pages", "KV pages held privately by requests", ("in_use_pages",)),
+    ("urc_worker_pool_in_use_pages", "KV pages held privately by requests", ("allocated_tokens",)),
 )
 
 
@@ -136,10 +136,10 @@ class TorchSide:
 
     def loads(self) -> tuple[WorkerLoad, EngineLoad]:
         pools = self.engine.pools.values()
-        capacity = sum(p.cache.pool.capacity for p in pools) * self.config.page_size
-        used = sum(p.cache.pool.capacity - p.cache.pool.free_pages for p in pools)
+        capacity = sum(p.memory.capacity for p in pools) * self.config.page_size
+        used = sum(p.cache.capacity_tokens - p.cache.free_tokens for p in pools)
         load = self.engine.load()
-        return WorkerLoad(load.running, load.waiting, used * self.config.page_size, capacity), load
+        return WorkerLoad(load.running, load.waiting, used, capacity), load
 
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         done, events = self.engine.invalidate(asked.scope, asked.kv_group)
@@ -153,7 +153,7 @@ class TorchSide:
             pools.append(
                 {
                     "kv_groups": groups,
-                    "pages": state.cache.pool.capacity,
+                    "pages": state.memory.capacity,
                     "page_size": layout.page_size,
                     "layers": layout.layers,
                     "kv_heads": layout.kv_heads,
@@ -188,15 +188,18 @@ class TorchSide:
         yield GaugeMetricFamily("urc_worker_running_requests", "Requests in a batch", load.running)
         yield GaugeMetricFamily("urc_worker_waiting_requests", "Requests queued", load.waiting)
         pools = list(engine.pools.values())
-        stats = [state.cache.stats() for state in pools]
+        stats = [(state.cache.stats(), state.cache.block_size) for state in pools]
         for metric, doc, fields in _PER_POOL:
-            samples = [(str(i), sum(getattr(s, f) for f in fields)) for i, s in enumerate(stats)]
+            samples = [
+                (str(i), sum(getattr(s, f) for f in fields) // size)
+                for i, (s, size) in enumerate(stats)
+            ]
             yield gauge(metric, doc, "pool", samples)
-        shares = [(g, n) for state in pools for g, n in state.cache.group_pages.items()]
+        shares = [(g, tree.blocks) for state in pools for g, tree in state.cache.trees.items()]
         yield gauge(
             "urc_worker_kv_group_cached_pages", "Pages in a kv_group's tree", "kv_group", shares
         )
-        evicted = [(str(i), state.cache.evicted_pages) for i, state in enumerate(pools)]
+        evicted = [(str(i), state.cache.evicted_blocks) for i, state in enumerate(pools)]
         yield counter("urc_worker_evicted_pages", "Pages evicted", "pool", evicted)
 
 

@@ -11,14 +11,9 @@ from collections.abc import Callable
 
 import pytest
 
-from backends.emulated.engine import (
-    EmulatedEngine,
-    EngineConfig,
-    Request,
-    State,
-    StepResult,
-    output_tokens,
-)
+from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine, StepResult
+from backends.emulated.request import Request, State, output_tokens
 from core.blocks import block_keys
 from core.kv_events import EventBatch
 from router.index import UnifiedIndex

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from backends.emulated.engine import output_tokens
+from backends.emulated.request import output_tokens
 from core.blocks import block_keys
 from core.tokenizer import ByteTokenizer
 from router.index import UnifiedIndex

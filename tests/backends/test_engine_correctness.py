@@ -55,7 +55,7 @@ def run(
         served, EngineConfig(num_pages=num_pages, record_logits=True, scheduler=scheduler)
     )
     for pool in engine.pools.values():  # stale K/V: what no masked-out slot may ever leak
-        kv = pool.cache.pool.kv
+        kv = pool.memory.kv
         kv.normal_(0.0, 1e4, generator=torch.Generator(kv.device).manual_seed(0))
     reqs = [
         engine.new_request(j.model, j.prompt, SamplingParams(j.max_tokens, ignore_eos=True), j.salt)
@@ -106,11 +106,11 @@ def test_greedy_output_is_identical_with_the_cache_on_and_off(
     stats = next(iter(engine.pools.values())).cache.stats()
     assert sum(r.cached_tokens for r in cached) > 0, "the cache was never hit"
     if pages < 30:
-        assert stats.evicted_pages > 0, "the pool never ran short"
+        assert stats.evicted_blocks > 0, "the pool never ran short"
     if pages < 20:
         assert sum(r.preemptions for r in cached) > 0, "nothing was preempted"
-    assert stats.protected_pages == stats.in_use_pages == 0  # everything finished let go
-    assert all(torch.isfinite(p.cache.pool.kv).all() for p in engine.pools.values())
+    assert stats.protected_tokens == stats.allocated_tokens == 0  # everything finished let go
+    assert all(torch.isfinite(p.memory.kv).all() for p in engine.pools.values())
 
 
 def test_cached_tokens_are_what_a_repeat_finds(tiny: LoadedModel) -> None:
@@ -170,7 +170,7 @@ def test_aliases_of_one_model_share_pages(tiny: LoadedModel) -> None:
 def test_a_model_with_another_layout_gets_its_own_pool(tiny: LoadedModel) -> None:
     half = load_model("tiny", device=CPU, dtype="bfloat16")  # half the bytes per page
     engine = TorchEngine({"f32": tiny, "bf16": half}, EngineConfig(kv_cache_mb=1.0))
-    capacities = sorted(p.cache.pool.capacity for p in engine.pools.values())
+    capacities = sorted(p.memory.capacity for p in engine.pools.values())
     assert capacities == [2**19 // 8192 - 1, 2**19 // 4096 - 1]  # the budget split in two
     assert finish(engine, "f32", list(range(60))).output
     assert finish(engine, "bf16", list(range(60))).output

@@ -54,13 +54,12 @@ def test_events_rebuild_each_kv_group_exactly() -> None:
         if submitted == 40 and not engine.has_work():
             break
     assert not engine.has_work()
-    assert cache.evicted_pages > 0 and all(index.residency(WORKER, g) for g in mirrors)
+    assert cache.evicted_blocks > 0 and all(index.residency(WORKER, g) for g in mirrors)
     for mirror in mirrors.values():
         stats = mirror.stats()
         assert stats.skipped_orphans == stats.skipped_unkeyable == 0
     # what the gateway would key for a new prompt matches what the worker would reuse
     prompt = bases[0][:80]
     keys = block_keys(prompt, 16)
-    assert index.match(keys, a.kv_group).get(WORKER, 0) == len(
-        cache.match(a.kv_group, keys, prompt, len(keys)).pages
-    )
+    matched = cache.match(keys, len(keys), a.kv_group, prompt).blocks
+    assert index.match(keys, a.kv_group).get(WORKER, 0) == matched

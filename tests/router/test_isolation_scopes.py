@@ -11,8 +11,11 @@ import random
 
 import pytest
 
-from backends.emulated.cache_scopes import invalidate as invalidate_cache
-from backends.emulated.engine import EmulatedEngine, EngineConfig, Request, State, StepResult
+from backends.cache.check import check
+from backends.cache.scopes import invalidate as invalidate_cache
+from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine, StepResult
+from backends.emulated.request import Request, State
 from core.blocks import block_keys, chain_keys, continue_after, salt_scope
 from core.kv_events import BlockRemoved, EventBatch
 from core.tokenizer import ByteTokenizer
@@ -197,7 +200,7 @@ def test_locked_runs_are_unmatchable_at_once_and_freed_when_released() -> None:
     assert again.cached_tokens == 0 and running.state is State.FINISHED
     assert cache.match(keys).blocks == len(keys) and cache.protected_tokens == 0
     assert cache.allocate(cache.capacity_tokens)  # everything, the invalidated run included
-    cache.check()
+    check(cache)
     assert all(k >= 0 for e in engine.drain_events() for k in getattr(e, "block_hashes", []))
 
 

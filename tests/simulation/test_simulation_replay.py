@@ -9,7 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from backends.emulated.engine import EmulatedEngine, Request, tail_keys
+from backends.emulated.engine import EmulatedEngine
+from backends.emulated.request import Request, tail_keys
 from core.blocks import block_keys
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from simulation.bound import infinite_cache_hit_rate

@@ -10,13 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from backends.emulated.engine import (
-    EmulatedEngine,
-    EngineConfig,
-    Request,
-    output_tokens,
-    tail_keys,
-)
+from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine
+from backends.emulated.request import Request, output_tokens, tail_keys
 from core.blocks import block_keys
 from core.kv_events import BlockStored
 from core.tokenizer import ByteTokenizer

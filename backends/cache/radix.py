@@ -1,0 +1,381 @@
+"""The workers' KV cache: a radix tree of blocks per kv_group in one pool of `capacity_tokens`.
+
+As in SGLang's radix cache, but block-granular and keyed by the gateway's own block keys
+(core/blocks.py): a block's key IS its identity here and the hash in the KV events it
+publishes, so the gateway's mirror maps it by identity. Keys are chained, so a key names its
+whole prefix and the cached keys of a prompt always form a prefix of its chain. The emulated
+worker counts tokens only; the torch worker's cache is paged (a page id backs every block) and
+keeps the blocks' tokens, so a match is confirmed token by token, never on the hash alone.
+
+The tree is compressed (nodes.py): a node (`Run`) is a run of consecutive blocks; a tree's
+`heads` maps the first key of every run to the run, so matching costs one dict lookup and one
+list comparison per run, and storing or evicting a run one dict operation, whatever its
+length. Chained keys make that enough: a lookup always starts right after a run's last key, so
+it finds a run's first key or nothing. A namespace that starts inside new blocks starts a run
+of its own, so that scoped invalidation (scopes.py) finds it by its first key too.
+
+Locks walk to the root, so every ancestor of a locked run is locked and all evictable tokens
+can be reached by evicting leaves (pool.py: the room, its four states, and eviction). Recency
+is a logical tick, bumped by `match`, `insert` and `unlock`, that stamps the path used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import cast
+
+from backends.cache.nodes import CacheStats, InsertResult, MatchResult, Run, Tree
+from backends.cache.pool import Pool, RemovedCallback
+
+# (kv_group, parent key or None for a root block, keys, token ids of exactly those blocks or
+# None, salt)
+StoredCallback = Callable[[str, int | None, list[int], list[int] | None, str | None], None]
+
+
+def _part(items: list[int] | None, start: int, stop: int | None) -> list[int] | None:
+    return None if items is None else items[start:stop]
+
+
+class RadixCache(Pool):
+    """Blocks of `block_size` tokens in a pool of `capacity_tokens` tokens (rounded down to
+    whole blocks). `page_ids` (one page per block of the capacity) makes it paged: `allocate_
+    pages` hands them out and eviction takes them back. `keep_tokens` stores the blocks' token
+    ids and confirms matches on them. `on_stored` / `on_removed` hear every change to the set
+    of cached keys, in order: exactly what a KV event stream must say."""
+
+    def __init__(
+        self,
+        capacity_tokens: int,
+        block_size: int = 16,
+        *,
+        page_ids: list[int] | None = None,
+        keep_tokens: bool = False,
+        on_stored: StoredCallback | None = None,
+        on_removed: RemovedCallback | None = None,
+    ) -> None:
+        super().__init__(capacity_tokens, block_size, page_ids, on_removed)
+        self.keep_tokens = keep_tokens
+        self.on_stored = on_stored
+        self.trees: dict[str, Tree] = {}
+        self._tick = 0
+        self.stored_blocks = 0
+        # key that starts a salted namespace -> its salt (may name evicted keys; scopes.py)
+        self.namespaces: dict[int, str] = {}
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self._blocks
+
+    def root(self, kv_group: str = "") -> Run:
+        """The root of the group's tree (made on first use)."""
+        tree = self.trees.get(kv_group)
+        if tree is None:
+            tree = self.trees[kv_group] = Tree(kv_group)
+        return tree.root
+
+    def starts_run(self, key: int, kv_group: str = "") -> bool:
+        """Whether a cached run starts at `key`: where a cached prefix that ends right before
+        `key` goes on, if it does (chained keys)."""
+        tree = self.trees.get(kv_group)
+        return tree is not None and key in tree.heads
+
+    def keys(self, kv_group: str = "") -> set[int]:
+        """Every key the group's tree holds, invalidated ones not (walks its runs)."""
+        tree = self.trees.get(kv_group)
+        return set() if tree is None else {k for run in tree.runs for k in run.keys if k >= 0}
+
+    def runs(self) -> list[Run]:
+        return [run for tree in self.trees.values() for run in tree.runs]
+
+    def stats(self) -> CacheStats:
+        return CacheStats(
+            self.capacity_tokens,
+            self.free_tokens,
+            self.evictable_tokens,
+            self.protected_tokens,
+            self.allocated_tokens,
+            self._blocks,
+            sum(len(tree.runs) for tree in self.trees.values()),
+            self.stored_blocks,
+            self.evicted_blocks,
+        )
+
+    def path_pages(self, node: Run, top: Run | None = None) -> list[int]:
+        """The pages of the blocks from below `top` (None: the root) down to `node`."""
+        parts: list[list[int]] = []
+        while node is not top and node.parent is not None:
+            assert node.pages is not None, "a cache without pages"
+            parts.append(node.pages)
+            node = node.parent
+        return [page for part in reversed(parts) for page in part]
+
+    def match(
+        self,
+        keys: list[int],
+        max_blocks: int | None = None,
+        kv_group: str = "",
+        tokens: Sequence[int] | None = None,
+    ) -> MatchResult:
+        """The longest cached prefix of `keys` (at most `max_blocks` blocks; with `tokens`, the
+        prompt's tokens, confirmed on them where the cache keeps tokens), as a run that ends
+        exactly there (a run is split if the match ends inside it). Marks the path used; the
+        blocks are safe to use only once `lock(result.node)` is held."""
+        limit = len(keys) if max_blocks is None else min(max_blocks, len(keys))
+        self._tick += 1
+        node, matched = self._descend(self.root(kv_group), keys, 0, limit, tokens)
+        return MatchResult(node, matched)
+
+    def _descend(
+        self, node: Run, keys: list[int], i: int, limit: int, tokens: Sequence[int] | None
+    ) -> tuple[Run, int]:
+        """Follow keys[i:limit] down from `node` (whose last key is the parent of keys[i]).
+        Returns the run that ends exactly at the match and the index past it."""
+        heads = node.tree.heads
+        tick = self._tick
+        confirm = self.keep_tokens and tokens is not None
+        boxed = cast(list[object], keys)
+        while i < limit:
+            run = heads.get(boxed[i])
+            if run is None:
+                break
+            run_keys = cast(list[object], run.keys)
+            size = len(run_keys)
+            if i + size <= limit and boxed[i + size - 1] == run_keys[-1]:
+                m = size
+            else:
+                # chained keys: equal at depth m means equal up to m, so bisect the match
+                lo, hi = 1, min(size, limit - i)  # keys[i] == run_keys[0] holds
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if boxed[i + mid - 1] == run_keys[mid - 1]:
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                m = lo
+            if confirm:
+                m = self._confirmed(run, cast(Sequence[int], tokens), i, m)
+                if m == 0:
+                    break  # same key, other tokens: a hash collision is never shared
+            if m < size:
+                run = self._split(run, m)
+            run.stamp = tick
+            node = run
+            i += m
+            if m < size:
+                break
+        if node.prev is not None:  # an unlocked leaf used: now the newest
+            self._unlink(node)
+            self._link_newest(node)
+        return node, i
+
+    def _confirmed(self, run: Run, tokens: Sequence[int], i: int, m: int) -> int:
+        """How many of the first `m` blocks of `run` hold the tokens of blocks i, i + 1, ..."""
+        bs = self.block_size
+        held = run.tokens
+        assert held is not None, "a run without its tokens"
+        for j in range(m):
+            if list(tokens[(i + j) * bs : (i + j + 1) * bs]) != held[j * bs : (j + 1) * bs]:
+                return j
+        return m
+
+    def _split(self, run: Run, at: int) -> Run:
+        """Cut `run` after `at` blocks; returns the new head. The tail keeps the identity of
+        `run` (requests holding it still end there) and its place in the LRU list."""
+        tree = run.tree
+        head = Run(run.keys[:at], run.parent, run.lock_ref, run.stamp, tree)
+        head.children = 1
+        del run.keys[:at]
+        if run.pages is not None:
+            head.pages = run.pages[:at]
+            del run.pages[:at]
+        if run.tokens is not None:
+            head.tokens = run.tokens[: at * self.block_size]
+            del run.tokens[: at * self.block_size]
+        tree.heads[cast(list[object], head.keys)[0]] = head
+        tree.heads[cast(list[object], run.keys)[0]] = run
+        run.parent = head
+        tree.runs.add(head)
+        return head
+
+    # -- locks -------------------------------------------------------------------------------
+
+    def lock(self, node: Run) -> None:
+        """Protect `node` and its ancestors from eviction (counted: lock as often as unlock)."""
+        bs = self.block_size
+        while node.parent is not None:
+            if node.lock_ref == 0:
+                tokens = len(node.keys) * bs
+                self.evictable_tokens -= tokens
+                self.protected_tokens += tokens
+                if node.prev is not None:
+                    self._unlink(node)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Run) -> None:
+        """Release one lock of `node` and its ancestors; the path counts as used now."""
+        bs = self.block_size
+        self._tick += 1
+        tick = self._tick
+        while node.parent is not None:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.lock_ref -= 1
+            node.stamp = tick
+            if node.lock_ref == 0:
+                tokens = len(node.keys) * bs
+                self.evictable_tokens += tokens
+                self.protected_tokens -= tokens
+                if node.children == 0:
+                    self._link_newest(node)
+            node = node.parent
+
+    def move_lock(self, node: Run, down_to: Run) -> None:
+        """`lock(down_to)` then `unlock(node)`, for `down_to` at or below the locked `node`: one
+        walk. `node`'s path stays locked (only used now), so nothing becomes evictable."""
+        bs = self.block_size
+        while down_to is not node:
+            if down_to.lock_ref == 0:
+                tokens = len(down_to.keys) * bs
+                self.evictable_tokens -= tokens
+                self.protected_tokens += tokens
+                if down_to.prev is not None:
+                    self._unlink(down_to)
+            down_to.lock_ref += 1
+            down_to = down_to.parent  # type: ignore[assignment]
+        self._tick += 1
+        tick = self._tick
+        while node.parent is not None:
+            assert node.lock_ref > 0, "unlock without lock"
+            node.stamp = tick
+            node = node.parent
+
+    # -- insert ------------------------------------------------------------------------------
+
+    def insert(
+        self,
+        parent: Run,
+        keys: list[int],
+        tokens: Sequence[int] | None = None,
+        salt: str | None = None,
+        salt_at: int | None = None,
+        pages: list[int] | None = None,
+    ) -> InsertResult:
+        """Cache blocks `keys` (keys[0] a child of `parent`'s last key; `parent` must be locked
+        or a root) whose KV the caller computed in its allocated room (a paged cache: into its
+        `pages`). Blocks cached meanwhile by someone else are matched instead:
+
+            [0, cached_blocks)          already in the tree: our copy is freed, theirs backs it
+            [cached_blocks, inserted)   added as a new leaf run: allocated -> evictable
+            [inserted, len(keys))       still the caller's: a block of the same key and other
+                                        tokens (a hash collision), or `parent` was invalidated
+
+        `tokens` (exactly the blocks' token ids; not to be changed after) travel to
+        `on_stored` and are kept where the cache keeps tokens. `salt` is the namespace of the
+        blocks: it travels with a root block, or with keys[salt_at] when a public prefix ends
+        before it (core/blocks.py; None: the salt starts at the root), and scoped invalidation
+        finds the namespace by it."""
+        n = len(keys)
+        bs = self.block_size
+        assert self.allocated_tokens >= n * bs, "insert needs its tokens allocated first"
+        self._tick += 1
+        if parent.keys and parent.keys[-1] < 0:  # an invalidated run: cache nothing under it
+            return InsertResult(parent, 0, 0, [] if pages is not None else None)
+        heads = parent.tree.heads
+        if n and cast(list[object], keys)[0] not in heads:  # all new (the common case)
+            node, i = parent, 0
+        else:
+            node, i = self._descend(parent, keys, 0, n, tokens)
+        end = n
+        if self.keep_tokens and i < n and cast(list[object], keys)[i] in heads:
+            end = i  # a hash collision: never shared, the rest stays the caller's
+        self.allocated_tokens -= end * bs
+        self.free_tokens += i * bs  # our copy of blocks cached meanwhile
+        held: list[int] | None = None
+        if pages is not None:
+            free = self.page_ids
+            assert free is not None, "a cache without pages"
+            free.extend(pages[:i])
+            held = self.path_pages(node, parent)
+            held.extend(pages[i:end])
+        if i < end:
+            node = self._store(node, keys, tokens, i, end, salt, salt_at, pages)
+        return InsertResult(node, i, end - i, held)
+
+    def _store(
+        self,
+        node: Run,
+        keys: list[int],
+        tokens: Sequence[int] | None,
+        i: int,
+        end: int,
+        salt: str | None,
+        salt_at: int | None,
+        pages: list[int] | None,
+    ) -> Run:
+        """Add keys[i:end] under `node` as a new leaf (two runs when a public prefix ends
+        inside them) and announce them."""
+        bs = self.block_size
+        fresh = keys[i:end]
+        # where in `fresh` the salt's namespace starts, if it does (None: at the root)
+        at = (0 if node.parent is None else -1) if salt_at is None else salt_at - i
+        public = bool(salt) and 0 < at < len(fresh)  # a public prefix, then the rest
+        kept = None
+        if self.keep_tokens:
+            assert tokens is not None, "this cache keeps the blocks' tokens"
+            kept = list(tokens[i * bs : end * bs])
+        part = _part(pages, i, end)
+        parent_key = node.last_key
+        if public:  # the namespace starts a run of its own (the module doc)
+            head = self._add_run(node, fresh[:at], _part(part, 0, at), _part(kept, 0, at * bs))
+            run = self._add_run(head, fresh[at:], _part(part, at, end), _part(kept, at * bs, None))
+        else:  # the run's list changes; events' must not
+            run = self._add_run(node, fresh[:], part, kept)
+        self._link_newest(run)
+        if salt and 0 <= at < len(fresh):
+            self._note_namespace(fresh[at], salt)
+        if self.on_stored is not None:
+            group = node.tree.kv_group
+            block_tokens = None
+            if tokens is not None:  # handed on, not copied, when all of it is new
+                span = tokens[i * bs : end * bs] if i or end < len(keys) else tokens
+                block_tokens = span if type(span) is list else list(span)
+            if not public:
+                self.on_stored(group, parent_key, fresh, block_tokens, salt if at == 0 else None)
+            else:  # two events, as keyed
+                head_tokens = _part(block_tokens, 0, at * bs)
+                self.on_stored(group, parent_key, fresh[:at], head_tokens, None)
+                tail_tokens = _part(block_tokens, at * bs, None)
+                self.on_stored(group, fresh[at - 1], fresh[at:], tail_tokens, salt)
+        return run
+
+    def _add_run(
+        self, parent: Run, keys: list[int], pages: list[int] | None, tokens: list[int] | None
+    ) -> Run:
+        """A new run of blocks under `parent`, computed in allocated room: now evictable."""
+        tree = parent.tree
+        first = cast(list[object], keys)[0]
+        assert first not in tree.heads, "block key collision"
+        run = Run(keys, parent, 0, self._tick, tree)
+        run.pages = pages
+        run.tokens = tokens
+        tree.heads[first] = run
+        if parent.prev is not None:  # an unlocked leaf (cached meanwhile) is one no longer
+            self._unlink(parent)
+        parent.children += 1
+        tree.runs.add(run)
+        tree.blocks += len(keys)
+        self._blocks += len(keys)
+        self.evictable_tokens += len(keys) * self.block_size
+        self.stored_blocks += len(keys)
+        return run
+
+    def _note_namespace(self, key: int, salt: str) -> None:
+        """`key` starts the namespace of `salt`; notes of evicted keys are pruned now and then."""
+        namespaces = self.namespaces
+        namespaces[key] = salt
+        if len(namespaces) > 2 * self._blocks + 8192:
+            trees = list(self.trees.values())
+            self.namespaces = {
+                k: s for k, s in namespaces.items() if any(k in t.heads for t in trees)
+            }

@@ -1,0 +1,82 @@
+"""A request's room through its life in the emulated engine: admit (match + lock + reserve its
+footprint), cache its prompt's full blocks as chunks complete, cache the full blocks of prompt
++ output when it finishes, release. The only code that moves room between a request and the
+radix cache (backends/engine/paging.py does it for the torch worker's pages):
+
+    [0, node_blocks)   its cached prefix, on the path `node` locks
+    reserved           private room for the rest of its footprint (prompt + max_tokens - 1)
+"""
+
+from __future__ import annotations
+
+from backends.cache.radix import RadixCache
+from backends.emulated.request import Request, tail_tokens
+from core.blocks import chain_keys, continue_after
+
+
+def admit(cache: RadixCache, req: Request, bs: int) -> tuple[int, int]:
+    """Match the prompt's cached prefix but its last token (one is always computed: it yields
+    the first token), lock it and reserve the footprint beyond it. Returns the room needed and
+    the blocks matched; admitted when `req.node` is set, else nothing is held."""
+    keys = req.keys
+    assert keys is not None and req.node is None
+    match = cache.match(keys, (req.prompt_len - 1) // bs)
+    cached = match.blocks * bs
+    need = req.prompt_len + req.max_tokens - 1 - cached
+    cache.lock(match.node)
+    if not cache.allocate(need):
+        cache.unlock(match.node)
+        return need, match.blocks
+    req.node = match.node
+    req.node_blocks = match.blocks
+    req.cached_tokens = req.computed = cached
+    req.reserved = need
+    return need, match.blocks
+
+
+def cache_prompt(cache: RadixCache, req: Request, with_tokens: bool) -> None:
+    """Insert the prompt's full blocks computed so far; move the lock down to them."""
+    bs = cache.block_size
+    keys = req.keys
+    assert keys is not None and req.node is not None
+    nb = min(req.computed // bs, len(keys))
+    if nb <= req.node_blocks:
+        return
+    start = req.node_blocks
+    tokens = req.prompt[start * bs : nb * bs] if with_tokens else None
+    salt_at = req.public_blocks - start  # where the salt starts in this chunk
+    ins = cache.insert(req.node, keys[start:nb], tokens, req.cache_salt, salt_at)
+    cache.move_lock(req.node, ins.node)
+    req.node = ins.node
+    req.node_blocks = nb  # under an invalidated run, what was not inserted stays reserved
+    req.reserved -= ins.inserted * bs
+
+
+def cache_output(cache: RadixCache, req: Request, with_tokens: bool) -> None:
+    """At its finish: cache the full blocks of prompt + output (`tail_keys`), then release."""
+    bs = cache.block_size
+    keys = req.keys
+    assert keys is not None and req.node is not None and req.node_blocks == len(keys)
+    full = (req.prompt_len + req.max_tokens - 1) // bs  # the footprint's full blocks
+    if full > len(keys):
+        new_keys = req.tail_keys
+        tail = None
+        if new_keys is None or with_tokens:
+            tail = tail_tokens(req.prompt, keys, req.max_tokens, bs)
+            if new_keys is None:
+                first = continue_after(keys, req.cache_salt, req.public_blocks)
+                new_keys = chain_keys(tail, bs, first)
+        assert len(new_keys) == full - len(keys), "tail_keys of the wrong length"
+        salt_at = req.public_blocks - len(keys)  # 0: the output starts the salted part
+        ins = cache.insert(req.node, new_keys, tail, req.cache_salt, salt_at)
+        req.reserved -= ins.inserted * bs
+    release(cache, req)
+
+
+def release(cache: RadixCache, req: Request) -> None:
+    """Give back its private room and its lock (finish or abort); what it cached stays."""
+    assert req.node is not None
+    cache.free(req.reserved)
+    req.reserved = 0
+    cache.unlock(req.node)
+    req.node = None

@@ -1,0 +1,114 @@
+"""One generation as the emulated engine tracks it (engine.py), and the tokens it outputs.
+
+Output is deterministic: exactly `max_tokens` tokens of OUTPUT_TEXT repeated, so the blocks a
+request's output adds to the cache (`tail_keys`) are known before it runs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.cache.nodes import Run
+from core.blocks import chain_keys, namespace, parent_prefix
+
+OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
+
+
+def output_bytes(start: int, end: int) -> bytes:
+    """Output tokens [start, end) of every request: printable ASCII, so the byte tokenizer's
+    ids and text at once."""
+    size = len(OUTPUT_TEXT)
+    offset = start % size
+    n = max(0, end - start)
+    return (OUTPUT_TEXT * ((offset + n) // size + 1))[offset : offset + n]
+
+
+def output_tokens(n: int) -> list[int]:
+    """The first `n` output token ids."""
+    return list(output_bytes(0, n))
+
+
+def tail_tokens(prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs: int) -> list[int]:
+    """The tokens of the full blocks of prompt + output past the prompt's `keys` (all but the
+    last output token, whose KV is never computed): what a request caches when it finishes."""
+    start = len(keys) * bs
+    full = (len(prompt) + max_tokens - 1) // bs * bs
+    if full <= start:
+        return []
+    return (list(prompt[start:]) + output_tokens(max_tokens - 1))[: full - start]
+
+
+def tail_keys(
+    prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs: int, salt: str | None
+) -> list[int]:
+    """The keys of `tail_tokens`, chained from the prompt's last key."""
+    tail = tail_tokens(prompt, keys, max_tokens, bs)
+    if not tail:
+        return []
+    return chain_keys(tail, bs, parent_prefix(keys[-1]) if keys else namespace(salt))
+
+
+class State(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+@dataclass(init=False, eq=False, slots=True)
+class Request:
+    """One generation. The caller fills the first fields (`rid` unique among the requests in
+    flight); the engine fills the rest. The `__init__` is written out: compiled, it is native."""
+
+    rid: Any
+    prompt: Sequence[int]  # token ids (read only where keys, tail_keys or event tokens need them)
+    max_tokens: int
+    cache_salt: str | None
+    arrival: float
+    keys: list[int] | None  # the prompt's block keys; computed on submit when None
+    tail_keys: list[int] | None  # `tail_keys(...)` of the request; on finish when None
+    # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
+    public_blocks: int
+    state: State
+    cached_tokens: int  # prompt tokens found in the cache on admission
+    computed: int  # prompt tokens whose KV exists (cached ones included)
+    generated: int  # current at first token and finish; `engine.generated(req)` meanwhile
+    admitted_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    # engine bookkeeping: the locked run the request's cached path ends at, its length in
+    # blocks, private room still held, and the step number its decoding started at
+    node: Run | None = field(repr=False)
+    prompt_len: int  # len(prompt), taken on submit
+    node_blocks: int
+    reserved: int
+    decode_from: int
+
+    def __init__(
+        self,
+        rid: Any,
+        prompt: Sequence[int],
+        max_tokens: int,
+        cache_salt: str | None = None,
+        arrival: float = 0.0,
+        keys: list[int] | None = None,
+        tail_keys: list[int] | None = None,
+        public_blocks: int = 0,
+    ) -> None:
+        self.rid = rid
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.cache_salt = cache_salt
+        self.arrival = arrival
+        self.keys = keys
+        self.tail_keys = tail_keys
+        self.public_blocks = public_blocks
+        self.state = State.WAITING
+        self.cached_tokens = self.computed = self.generated = 0
+        self.admitted_time = self.first_token_time = self.finish_time = None
+        self.node = None
+        self.prompt_len = self.node_blocks = self.reserved = self.decode_from = 0
