@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import start_gateway, start_worker, wait_for
+from urc.processes import start_gateway, start_worker, wait_for
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 

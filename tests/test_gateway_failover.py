@@ -9,8 +9,8 @@ import time
 
 import httpx
 
-from tests.procs import start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import admin_workers, all_exact
+from urc.processes import start_gateway, start_worker, wait_for
 
 
 def by_name(gateway: str) -> dict[str, dict]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from tests.procs import start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import ADMIN, all_exact
+from urc.processes import start_gateway, start_worker, wait_for
 
 SYSTEM = "You are a careful assistant of the Example Corporation. " * 18  # ~1,000 tokens
 

@@ -10,8 +10,8 @@ import time
 import httpx
 
 from core.kv_publisher import KVEventPublisher
-from tests.procs import free_port, start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import ADMIN, all_exact, route
+from urc.processes import free_port, start_gateway, start_worker, wait_for
 
 
 def mode(url: str) -> dict:

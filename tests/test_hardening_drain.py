@@ -11,8 +11,8 @@ import time
 
 import httpx
 
-from tests.procs import start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import all_exact
+from urc.processes import start_gateway, start_worker, wait_for
 
 SLOW = ("--decode-base-ms", "25")  # 120 tokens: about 3 s
 

@@ -16,8 +16,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.procs import start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import admin_workers, all_exact
+from urc.processes import start_gateway, start_worker, wait_for
 
 KEYS = ("--api-key", "acme:key-acme", "--api-key", "beta:key-beta", "--admin-key", "admin-secret")
 ACME = {"Authorization": "Bearer key-acme"}

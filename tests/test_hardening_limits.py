@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.procs import free_port, start_gateway, start_worker, wait_for
 from tests.test_gateway_e2e import ADMIN, all_exact
 from tests.test_hardening_input import KEYS
+from urc.processes import free_port, start_gateway, start_worker, wait_for
 
 ADMIN_FLAG = ("--admin-key", "admin-secret")
 

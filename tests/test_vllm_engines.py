@@ -15,7 +15,6 @@ import pytest
 from backends.engine_process import start_engine
 from backends.tiny_checkpoint import write_checkpoint, write_tokenizer
 from core.text import filler
-from tests.procs import start_gateway, wait_for
 from tests.vllm_fleet import (
     ADMIN,
     BLOCK,
@@ -28,6 +27,7 @@ from tests.vllm_fleet import (
     settle,
     start_vllm_engines,
 )
+from urc.processes import start_gateway, wait_for
 
 pytestmark = [
     pytest.mark.skipif(not VLLM_PYTHON, reason="URC_VLLM_PYTHON unset (make test-vllm)"),
