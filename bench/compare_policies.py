@@ -15,11 +15,14 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from urc.processes import free_port  # noqa: E402
 
 ROWS = [
     ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),
@@ -31,12 +34,6 @@ ROWS = [
     ("errors", lambda s: s["counts"]["failed"], "{:d}"),
     ("prediction error (% prompt)", lambda s: (s["prediction"] or {}).get("mae_pct"), "{:.2f}"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_cluster(policy: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

@@ -136,82 +136,42 @@ def _workload(
     return lambda: workload_requests(name, n, seed=seed, rate=rate, params=params)
 
 
+def _fleet(name: str) -> tuple[int, int]:
+    """The fleet a scenario's name gives: `8x400k` is 8 workers of 400k tokens each."""
+    size = next(word for word in name.split() if "x" in word and word.endswith("k"))
+    workers, _, capacity = size.partition("x")
+    return int(workers), int(capacity[:-1]) * 1000
+
+
 def scenarios(quick: bool, seed: int = 0) -> list[Scenario]:
     """The scenarios; `seed` draws other synthetic traces and workloads of the same shapes."""
     n = 1200 if quick else 2500
     k = 100 * seed
     out: list[Scenario] = []
+
+    def docs(name: str, i: int, **shape: Any) -> Scenario:
+        return Scenario(name, _synthetic(Synthetic(k + i, n, **shape)), *_fleet(name))
+
+    def load(name: str, rate: float, **params: Any) -> Scenario:
+        requests = _workload(name.split()[0], n, rate, 7 + seed, **params)
+        return Scenario(name, requests, *_fleet(name), block_size=16)
+
     if SHARED_TRACE.exists():
-        out.append(Scenario("mooncake 8x400k", _trace(SHARED_TRACE), 8, 400_000))
-        out.append(Scenario("mooncake 16x200k", _trace(SHARED_TRACE), 16, 200_000))
-        out.append(Scenario("mooncake 4x800k slow", _trace(SHARED_TRACE, 2.0), 4, 800_000))
+        for name, scale in [("8x400k", 1.0), ("16x200k", 1.0), ("4x800k slow", 2.0)]:
+            out.append(Scenario(f"mooncake {name}", _trace(SHARED_TRACE, scale), *_fleet(name)))
     out += [
-        Scenario("docs zipf1.0 8x400k", _synthetic(Synthetic(k + 1, n, rate=4.0)), 8, 400_000),
-        Scenario(
-            "docs long 8x200k",
-            _synthetic(Synthetic(k + 2, n, rate=2.0, docs=200, doc_blocks=40, unique_blocks=10)),
-            8,
-            200_000,
-        ),
-        Scenario(
-            "hot docs 4x400k busy",
-            _synthetic(Synthetic(k + 3, n, rate=4.5, docs=60, zipf=1.2, unique_blocks=4)),
-            4,
-            400_000,
-        ),
-        Scenario(
-            "chats 16x200k",
-            _synthetic(Synthetic(k + 4, n, rate=8.0, docs=100, session_p=0.6, unique_blocks=4)),
-            16,
-            200_000,
-        ),
-        Scenario(
-            "flat docs 8x300k",
-            _synthetic(Synthetic(k + 5, n, rate=5.0, docs=1500, zipf=0.6, doc_blocks=10)),
-            8,
-            300_000,
-        ),
-        Scenario(
-            "unique long 8x400k",
-            _synthetic(Synthetic(k + 6, n, rate=3.0, docs=800, unique_blocks=24, session_p=0.2)),
-            8,
-            400_000,
-        ),
-        Scenario(
-            "agents 8x400k",
-            _synthetic(Synthetic(k + 7, n, rate=3.0, docs=30, session_p=0.8, turn_blocks=8.0)),
-            8,
-            400_000,
-        ),
-        Scenario(
-            "flat docs 8x400k busy",
-            _synthetic(Synthetic(k + 8, n, rate=7.0, docs=2000, zipf=0.8, doc_blocks=12)),
-            8,
-            400_000,
-        ),
-        Scenario(
-            "fan-out 8x400k",
-            _synthetic(
-                Synthetic(k + 9, n, rate=1.0, docs=300, doc_blocks=30, session_p=0.1, fanout=4)
-            ),
-            8,
-            400_000,
-        ),
-        Scenario(
-            "system-prompts 8x24k",
-            _workload("system-prompts", n, 30.0, 7 + seed, groups=60, prefix_tokens=3000),
-            8,
-            24_000,
-            block_size=16,
-        ),
-        Scenario(
-            "multi-turn 4x16k",
-            _workload("multi-turn", n, 40.0, 7 + seed, sessions=48, turns=6, system_tokens=1000),
-            4,
-            16_000,
-            block_size=16,
-        ),
-        Scenario("mixed 16x8k", _workload("mixed", n, 60.0, 7 + seed), 16, 8_000, block_size=16),
+        docs("docs zipf1.0 8x400k", 1, rate=4.0),
+        docs("docs long 8x200k", 2, rate=2.0, docs=200, doc_blocks=40, unique_blocks=10),
+        docs("hot docs 4x400k busy", 3, rate=4.5, docs=60, zipf=1.2, unique_blocks=4),
+        docs("chats 16x200k", 4, rate=8.0, docs=100, session_p=0.6, unique_blocks=4),
+        docs("flat docs 8x300k", 5, rate=5.0, docs=1500, zipf=0.6, doc_blocks=10),
+        docs("unique long 8x400k", 6, rate=3.0, docs=800, unique_blocks=24, session_p=0.2),
+        docs("agents 8x400k", 7, rate=3.0, docs=30, session_p=0.8, turn_blocks=8.0),
+        docs("flat docs 8x400k busy", 8, rate=7.0, docs=2000, zipf=0.8, doc_blocks=12),
+        docs("fan-out 8x400k", 9, rate=1.0, docs=300, doc_blocks=30, session_p=0.1, fanout=4),
+        load("system-prompts 8x24k", 30.0, groups=60, prefix_tokens=3000),
+        load("multi-turn 4x16k", 40.0, sessions=48, turns=6, system_tokens=1000),
+        load("mixed 16x8k", 60.0),
     ]
     if seed:
         for sc in out:

@@ -20,19 +20,15 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
-import sys
 import timeit
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import msgspec
+from harness import cpu_seconds
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from harness import JSON_HEADERS, Child, cpu_seconds, free_port  # noqa: E402
-
-from router.gateway.request_body import forwarded, parse_request, validate  # noqa: E402
+from router.gateway.request_body import forwarded, parse_request, validate
+from urc.processes import JSON_HEADERS, start_gateway, start_worker
 
 SALT = "urc-0123456789abcdef0123456789abcdef"
 _decode = msgspec.json.Decoder().decode
@@ -72,56 +68,24 @@ def per_call_us(fn: Any, raw: bytes, chat: bool, repeat: int) -> float:
 
 def gateway_cpu_us(path: str, raw: bytes, requests: int) -> float:
     """CPU microseconds per request of a live gateway serving `raw` (concurrency 8)."""
-    worker_args = [
-        "--prefill-tps",
-        "1e9",
-        "--decode-base-ms",
-        "0.01",
-        "--decode-per-request-ms",
-        "0",
-        "--default-max-tokens",
-        "8",
-    ]
-    workers = [
-        Child(
-            f"worker{i}",
-            [
-                sys.executable,
-                "-m",
-                "backends.emulated.server",
-                "--port",
-                str(free_port()),
-                *worker_args,
-            ],
-            "ready: ",
-        )
-        for i in range(2)
-    ]
+    fast = ["--prefill-tps", "1e9", "--decode-base-ms", "0.01", "--decode-per-request-ms", "0"]
+    workers = [start_worker(*fast, "--default-max-tokens", "8") for _ in range(2)]
+    gateway = start_gateway([w.url for w in workers])
     try:
-        for w in workers:
-            w.wait_announced(60)
-        argv = [sys.executable, "-m", "urc.cli", "gateway", "--port", str(free_port())]
-        for w in workers:
-            argv += ["--worker", w.url]
-        gateway = Child("gateway", argv, "gateway: ")
-        try:
-            gateway.wait_announced(60)
-            gateway.wait_serving(path, raw, 30)
+        gateway.wait_serving(path, raw, 30)
 
-            def send(_: int) -> None:
-                req = urllib.request.Request(gateway.url + path, data=raw, headers=JSON_HEADERS)
-                with urllib.request.urlopen(req, timeout=30) as resp:
-                    resp.read()
+        def send(_: int) -> None:
+            req = urllib.request.Request(gateway.url + path, data=raw, headers=JSON_HEADERS)
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                resp.read()
 
-            cpu0 = cpu_seconds(gateway.pid)
-            with cf.ThreadPoolExecutor(8) as pool:
-                list(pool.map(send, range(requests)))
-            return (cpu_seconds(gateway.pid) - cpu0) / requests * 1e6
-        finally:
-            gateway.stop()
+        cpu0 = cpu_seconds(gateway.pid)
+        with cf.ThreadPoolExecutor(8) as pool:
+            list(pool.map(send, range(requests)))
+        return (cpu_seconds(gateway.pid) - cpu0) / requests * 1e6
     finally:
-        for w in workers:
-            w.stop()
+        for child in (gateway, *workers):
+            child.stop()
 
 
 def main() -> None:

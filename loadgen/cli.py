@@ -30,7 +30,14 @@ from loadgen.mooncake import (
 )
 from loadgen.report import format_report, summarize, write_json
 from loadgen.runner import BenchConfig, KeyRing, RunResult, run_bench
-from loadgen.workloads import RequestSpec, iter_requests, list_workloads, make_workload
+from loadgen.workloads import (
+    RequestSpec,
+    iter_requests,
+    list_workloads,
+    make_workload,
+    parse_models,
+    parse_params,
+)
 
 DEFAULT_REQUESTS = 100  # a workload is endless: without --duration, this many
 
@@ -102,23 +109,13 @@ def _print_workloads() -> None:
         print("    " + "  ".join(f"{k}={v!r}" for k, v in info.params.items()))
 
 
-def _params(items: Sequence[str]) -> dict[str, str]:
-    params: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--param {item!r}: expected KEY=VALUE")
-        params[key.strip()] = value
-    return params
-
-
 async def _run(args: argparse.Namespace, config: BenchConfig) -> tuple[RunResult, list[str]]:
     records: list[TraceRecord] = []
     if args.trace is not None:  # a bad trace fails before any request
         records, bad = read_trace(args.trace, skip_bad=args.skip_bad_lines)
         if bad:
             print(f"[urc bench] skipped {len(bad)} bad line(s) of {args.trace}", file=sys.stderr)
-    models = [m.strip() for item in args.model for m in item.split(",") if m.strip()]
+    models = parse_models(args.model)
     if not models:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             models = await list_models(http, base_url(args.target), config.api_keys.key_for(None))
@@ -141,7 +138,7 @@ async def _run(args: argparse.Namespace, config: BenchConfig) -> tuple[RunResult
         )
     else:
         config.progress_total = config.max_requests
-        specs = iter_requests(args.workload, args.seed, models, **_params(args.param))
+        specs = iter_requests(args.workload, args.seed, models, **parse_params(args.param))
     if args.workload == "multi-model" and len(models) < 2:
         print("[urc bench] note: multi-model with one model is system-prompts", file=sys.stderr)
     if args.workload == "two-tenants" and len(config.api_keys.plain) < 2:
@@ -150,31 +147,13 @@ async def _run(args: argparse.Namespace, config: BenchConfig) -> tuple[RunResult
     return await run_bench(specs, config, stop_on_sigint=interactive), models
 
 
-def run(args: argparse.Namespace) -> int:
-    """`urc bench` with parsed arguments (the `urc` CLI calls this for its subparser)."""
-    if args.list_workloads:
-        _print_workloads()
-        return 0
-    if not args.target:
-        print("urc bench: --target is required", file=sys.stderr)
-        return 2
-    if args.trace is None and args.workload is None:
-        args.workload = "system-prompts"
-    if args.trace is not None and args.param:
-        print("urc bench: --param applies to workloads, not traces", file=sys.stderr)
-        return 2
-    try:  # bad workload parameters fail before any request
-        if args.trace is None:
-            make_workload(args.workload, **_params(args.param))
-    except ValueError as e:
-        print(f"urc bench: {e}", file=sys.stderr)
-        return 2
-    max_requests = args.requests
-    if args.trace is None and max_requests is None and args.duration is None:
-        max_requests = DEFAULT_REQUESTS
-    replay = args.trace is not None and args.concurrency is None and args.rate is None
-    mode = "poisson" if args.rate is not None else "trace" if replay else "closed"
-    config = BenchConfig(
+def _fail(message: str) -> int:
+    print(f"urc bench: {message}", file=sys.stderr)
+    return 2
+
+
+def _config(args: argparse.Namespace, replay: bool, max_requests: int | None) -> BenchConfig:
+    return BenchConfig(
         target=args.target,
         concurrency=args.concurrency or 8,
         rate=args.rate,
@@ -188,15 +167,38 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         progress=sys.stderr.isatty() if args.progress is None else args.progress,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    """`urc bench` with parsed arguments (the `urc` CLI calls this for its subparser)."""
+    if args.list_workloads:
+        _print_workloads()
+        return 0
+    if not args.target:
+        return _fail("--target is required")
+    if args.trace is None and args.workload is None:
+        args.workload = "system-prompts"
+    if args.trace is not None and args.param:
+        return _fail("--param applies to workloads, not traces")
+    try:  # bad workload parameters fail before any request
+        if args.trace is None:
+            make_workload(args.workload, **parse_params(args.param))
+    except ValueError as e:
+        return _fail(str(e))
+    max_requests = args.requests
+    if args.trace is None and max_requests is None and args.duration is None:
+        max_requests = DEFAULT_REQUESTS
+    replay = args.trace is not None and args.concurrency is None and args.rate is None
+    mode = "poisson" if args.rate is not None else "trace" if replay else "closed"
+    config = _config(args, replay, max_requests)
     try:
         outcome, models = asyncio.run(_run(args, config))
     except (TraceFormatError, ValueError, OSError, aiohttp.ClientError) as e:
-        print(f"urc bench: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
     described: dict[str, Any] = {
         "target": args.target,
         "workload": args.workload if args.trace is None else None,
-        "params": _params(args.param),
+        "params": parse_params(args.param),
         "trace": args.trace,
         "mode": mode,
         "concurrency": config.concurrency if mode == "closed" else None,

@@ -86,31 +86,10 @@ def request_row(r: RequestResult) -> dict[str, Any]:
     }
 
 
-def summarize(
-    results: Sequence[RequestResult],
-    duration_s: float,
-    dropped: int = 0,
-    config: Mapping[str, Any] | None = None,
-    per_request: bool = False,
-) -> dict[str, Any]:
-    ok = [r for r in results if r.ok]
-    cancelled = sum(1 for r in results if r.error == "cancelled")
-    errors = Counter(r.error for r in results if r.error not in (None, "cancelled"))
-    output = sum(r.output_tokens for r in ok)
-    reporting = [
-        r for r in ok if r.prompt_tokens is not None and r.actual_cached_tokens is not None
-    ]
-    prompt_reported = sum(r.prompt_tokens or 0 for r in reporting)
-    cached_reported = sum(r.actual_cached_tokens or 0 for r in reporting)
-    compared = [
-        r
-        for r in reporting
-        if r.predicted_tokens is not None and r.prompt_tokens and r.prompt_tokens > 0
-    ]
-    gaps = [
-        100.0 * ((r.predicted_tokens or 0) - (r.actual_cached_tokens or 0)) / (r.prompt_tokens or 1)
-        for r in compared
-    ]
+def _per_worker(
+    results: Sequence[RequestResult], compared: list[RequestResult], gaps: list[float]
+) -> dict[str, dict[str, Any]]:
+    """Requests, hit rate and prediction error of each worker that answered."""
     workers: dict[str, dict[str, Any]] = {}
     worker_gaps: dict[str, list[float]] = {}
     for r, gap in zip(compared, gaps, strict=True):
@@ -132,6 +111,32 @@ def summarize(
         w["hit_rate"] = w["cached_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else None
         errs = worker_gaps.get(name)
         w["prediction_mae_pct"] = sum(errs) / len(errs) if errs else None
+    return workers
+
+
+def summarize(
+    results: Sequence[RequestResult],
+    duration_s: float,
+    dropped: int = 0,
+    config: Mapping[str, Any] | None = None,
+    per_request: bool = False,
+) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    errors = Counter(r.error for r in results if r.error not in (None, "cancelled"))
+    output = sum(r.output_tokens for r in ok)
+    reporting = [
+        r for r in ok if r.prompt_tokens is not None and r.actual_cached_tokens is not None
+    ]
+    prompt_reported = sum(r.prompt_tokens or 0 for r in reporting)
+    cached_reported = sum(r.actual_cached_tokens or 0 for r in reporting)
+    compared = [
+        r for r in reporting if r.predicted_tokens is not None and (r.prompt_tokens or 0) > 0
+    ]
+    gaps = [
+        100.0 * ((r.predicted_tokens or 0) - (r.actual_cached_tokens or 0)) / (r.prompt_tokens or 1)
+        for r in compared
+    ]
+    workers = _per_worker(results, compared, gaps)
     summary: dict[str, Any] = {
         "schema": SCHEMA,
         "config": dict(config or {}),
@@ -140,7 +145,7 @@ def summarize(
             "sent": len(results),
             "ok": len(ok),
             "failed": sum(errors.values()),
-            "cancelled": cancelled,
+            "cancelled": sum(1 for r in results if r.error == "cancelled"),
             "dropped": dropped,
         },
         "errors": dict(sorted(errors.items())),

@@ -248,6 +248,22 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
 _AT_LEAST_ONE = frozenset({"groups", "sessions", "turns", "max_tokens"})
 
 
+def parse_params(items: Sequence[str]) -> dict[str, str]:
+    """`-p KEY=VALUE` flags (`urc bench`, `urc replay`) as a workload's parameters."""
+    params: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param {item!r}: expected KEY=VALUE")
+        params[key.strip()] = value
+    return params
+
+
+def parse_models(items: Sequence[str]) -> list[str]:
+    """`--model` flags, each one name or several comma-separated."""
+    return [m.strip() for item in items for m in item.split(",") if m.strip()]
+
+
 def make_workload(name: str, **params: Any) -> Workload:
     """The workload `name` with `params` (strings are converted to each default's type)."""
     if name not in WORKLOADS:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from core.scopes import runs_in_scope
-from router.index import UnifiedIndex, _bits
+from router.index import UnifiedIndex
+from router.residency import _bits
 
 SaltTest = Callable[[str], bool]
 

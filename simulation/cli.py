@@ -27,10 +27,10 @@ from typing import Any, TextIO
 
 from backends.emulated.config import EngineConfig
 from loadgen.mooncake import TraceFormatError
-from loadgen.workloads import WORKLOADS
+from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.policies import POLICY_NAMES
 from simulation import plots
-from simulation.compare import compare, policy_names, split_params
+from simulation.compare import Comparison, compare, policy_names, split_params
 from simulation.replay import FleetConfig
 from simulation.report import (
     build_report,
@@ -42,7 +42,14 @@ from simulation.report import (
     write_json,
 )
 from simulation.requests import SimRequest
-from simulation.shadow import LIVE, fleet_names, recorded_lines, replay_shadow, shadow_rows
+from simulation.shadow import (
+    LIVE,
+    ShadowReplay,
+    fleet_names,
+    recorded_lines,
+    replay_shadow,
+    shadow_rows,
+)
 from simulation.traces import Trace, read_trace, trace_requests
 from simulation.workloads import DEFAULT_MODELS, workload_requests
 
@@ -171,16 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _params(items: Sequence[str]) -> dict[str, str]:
-    params: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--param {item!r}: expected KEY=VALUE")
-        params[key.strip()] = value
-    return params
-
-
 def load_requests(
     args: argparse.Namespace,
 ) -> tuple[list[SimRequest], dict[str, Any], Trace | None, int]:
@@ -203,8 +200,8 @@ def load_requests(
             "skipped_lines": len(trace.skipped),
         }
         return requests, source, trace, trace.block_size
-    models = [m.strip() for item in args.model for m in item.split(",") if m.strip()]
-    params = _params(args.param)
+    models = parse_models(args.model)
+    params = parse_params(args.param)
     n = args.requests or DEFAULT_WORKLOAD_REQUESTS
     requests = workload_requests(
         args.workload,
@@ -272,23 +269,84 @@ class Progress:
             self.name = None
 
 
+def _fail(message: str) -> int:
+    print(f"urc replay: {message}", file=sys.stderr)
+    return 2
+
+
+def _misuse(args: argparse.Namespace) -> str | None:
+    """What is wrong with this combination of arguments, if anything."""
+    if (args.trace is None) == (args.workload is None):
+        return "give a TRACE or --workload NAME (one of them)"
+    if args.trace is not None and (args.param or args.rate or args.concurrency):
+        return "--param, --rate and --concurrency apply to workloads"
+    if args.rate is not None and args.concurrency is not None:
+        return "--rate (open loop) or --concurrency (closed loop), not both"
+    if args.shadow and args.trace is None:
+        return "--shadow replays a gateway recording (TRACE)"
+    return None
+
+
+def _write_out(
+    out: Path, report: dict[str, Any], comparison: Comparison, shadow: ShadowReplay | None
+) -> None:
+    """--out DIR: report.json, series.json, the plots and report.md."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(report, out / "report.json")
+    (out / "series.json").write_text(
+        json.dumps(rounded(comparison.series), sort_keys=True) + "\n", encoding="utf-8"
+    )
+    ttfts = {name: r.ttft_s for name, r in comparison.results.items()}
+    written = plots.write_plots(out, ttfts, comparison.series, comparison.bound)
+    note = None if written else plots.MISSING
+    if note:
+        print(f"urc replay: {note}", file=sys.stderr)
+    page = markdown(report, written, note)
+    if shadow is not None:
+        page += "\nShadow policies on the recorded decisions:\n\n"
+        page += markdown_table(shadow_rows(shadow.section)) + "\n"
+    (out / "report.md").write_text(page, encoding="utf-8")
+    print(f"report: {out / 'report.md'}")
+
+
+def _report(
+    args: argparse.Namespace,
+    source: dict[str, Any],
+    requests: int,
+    fleet: FleetConfig,
+    names: list[str],
+    comparison: Comparison,
+    shadow: ShadowReplay | None,
+    trace: Trace | None,
+) -> dict[str, Any]:
+    """The report of the runs (the shadow replay's joined to them as the live policy)."""
+    if shadow is not None:
+        comparison.results[LIVE] = shadow.result
+        comparison.summaries = {LIVE: shadow.summary, **comparison.summaries}
+        comparison.series[LIVE] = shadow.series
+        comparison.speeds[LIVE] = shadow.speed
+    config = {
+        **source,
+        "requests": requests,
+        "seed": args.seed,
+        "rate": args.rate,
+        "fleet": dataclasses.asdict(fleet),
+        "policies": names,
+        "policy_params": comparison.params,
+    }
+    if shadow is not None:
+        config["shadow"] = list(args.shadow)
+    recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
+    report = build_report(config, comparison.summaries, comparison.bound, recorded)
+    if shadow is not None:
+        report["shadow"] = rounded(shadow.section)
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
     """`urc replay` with parsed arguments (the `urc` CLI calls this for its subparser)."""
-    if (args.trace is None) == (args.workload is None):
-        print("urc replay: give a TRACE or --workload NAME (one of them)", file=sys.stderr)
-        return 2
-    if args.trace is not None and (args.param or args.rate or args.concurrency):
-        print("urc replay: --param, --rate and --concurrency apply to workloads", file=sys.stderr)
-        return 2
-    if args.rate is not None and args.concurrency is not None:
-        print(
-            "urc replay: --rate (open loop) or --concurrency (closed loop), not both",
-            file=sys.stderr,
-        )
-        return 2
-    if args.shadow and args.trace is None:
-        print("urc replay: --shadow replays a gateway recording (TRACE)", file=sys.stderr)
-        return 2
+    if misuse := _misuse(args):
+        return _fail(misuse)
     try:
         spec = args.policy or ("" if args.shadow else "all")
         names = policy_names(spec) if spec else []
@@ -302,11 +360,9 @@ def run(args: argparse.Namespace) -> int:
         fleet.engine_config()
         given = split_params(args.policy_param, names)
     except (TraceFormatError, ValueError, OSError) as e:
-        print(f"urc replay: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
     if not requests:
-        print("urc replay: no requests to replay", file=sys.stderr)
-        return 2
+        return _fail("no requests to replay")
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = Progress(len(requests), sys.stderr) if show else None
     shadow = None
@@ -318,31 +374,11 @@ def run(args: argparse.Namespace) -> int:
             report_live = None if progress is None else (lambda sent: progress(LIVE, sent))
             shadow = replay_shadow(trace, requests, args.shadow, fleet, report_live)
     except ValueError as e:
-        print(f"urc replay: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
     finally:
         if progress is not None:
             progress.end()
-    if shadow is not None:
-        comparison.results[LIVE] = shadow.result
-        comparison.summaries = {LIVE: shadow.summary, **comparison.summaries}
-        comparison.series[LIVE] = shadow.series
-        comparison.speeds[LIVE] = shadow.speed
-    config = {
-        **source,
-        "requests": len(requests),
-        "seed": args.seed,
-        "rate": args.rate,
-        "fleet": dataclasses.asdict(fleet),
-        "policies": names,
-        "policy_params": comparison.params,
-    }
-    if shadow is not None:
-        config["shadow"] = list(args.shadow)
-    recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
-    report = build_report(config, comparison.summaries, comparison.bound, recorded)
-    if shadow is not None:
-        report["shadow"] = rounded(shadow.section)
+    report = _report(args, source, len(requests), fleet, names, comparison, shadow, trace)
     rows = table_rows(report["policies"], report["bound"]["hit_rate"], comparison.speeds)
     print(format_table(rows))
     if shadow is not None:
@@ -351,23 +387,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report, args.json)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(report, out / "report.json")
-        (out / "series.json").write_text(
-            json.dumps(rounded(comparison.series), sort_keys=True) + "\n", encoding="utf-8"
-        )
-        ttfts = {name: r.ttft_s for name, r in comparison.results.items()}
-        written = plots.write_plots(out, ttfts, comparison.series, comparison.bound)
-        note = None if written else plots.MISSING
-        if note:
-            print(f"urc replay: {note}", file=sys.stderr)
-        page = markdown(report, written, note)
-        if shadow is not None:
-            page += "\nShadow policies on the recorded decisions:\n\n"
-            page += markdown_table(shadow_rows(shadow.section)) + "\n"
-        (out / "report.md").write_text(page, encoding="utf-8")
-        print(f"report: {out / 'report.md'}")
+        _write_out(Path(args.out), report, comparison, shadow)
     return 0
 
 

@@ -8,9 +8,9 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from tests.gateway import all_exact
-from tests.procs import Proc, start_gateway, start_worker, wait_for
+from urc.processes import Child, start_gateway, start_worker, wait_for
 
-Fleet = tuple[Proc, list[Proc]]
+Fleet = tuple[Child, list[Child]]
 
 
 @pytest.fixture
@@ -18,7 +18,7 @@ def start_fleet() -> Iterator[Callable[..., Fleet]]:
     """`start_fleet(n, *worker_args, gateway_args=...)`: n workers and a gateway over them,
     returned once the gateway sees all n exact (it needs `--admin-key admin-secret` for that,
     added unless `gateway_args` names an admin key)."""
-    started: list[Proc] = []
+    started: list[Child] = []
 
     def start(n: int, *worker_args: str, gateway_args: Sequence[str] = ()) -> Fleet:
         workers = [start_worker(*worker_args) for _ in range(n)]

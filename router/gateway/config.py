@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -167,54 +167,46 @@ def load_config(path: str | Path | None = None) -> GatewayConfig:
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
+    def repeatable(flag: str, metavar: str, help: str, **kwargs: Any) -> None:
+        parser.add_argument(flag, action="append", default=[], metavar=metavar, help=help, **kwargs)
+
     parser.add_argument("--config", help="TOML file (flags override it)")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
-    parser.add_argument(
+    repeatable(
         "--worker",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="a worker's base URL; repeatable. Ours are discovered (models, block size, "
+        "URL",
+        "a worker's base URL; repeatable. Ours are discovered (models, block size, "
         "KV-event endpoints); others are described in the config file",
     )
     parser.add_argument("--policy", choices=POLICY_NAMES, help="routing policy")
-    parser.add_argument(
-        "--policy-param",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a policy parameter, e.g. cache_threshold=0.5; repeatable",
+    repeatable(
+        "--policy-param", "KEY=VALUE", "a policy parameter, e.g. cache_threshold=0.5; repeatable"
     )
-    parser.add_argument(
+    repeatable(
         "--api-key",
-        action="append",
-        default=[],
-        metavar="TENANT:KEY",
-        help="an API key of a tenant; repeatable. With none, auth is off (one shared tenant)",
+        "TENANT:KEY",
+        "an API key of a tenant; repeatable. With none, auth is off (one shared tenant)",
     )
-    parser.add_argument(
+    repeatable(
         "--tenant-isolation",
-        action="append",
-        default=[],
-        metavar="TENANT:LEVEL",
-        help="a tenant's cache isolation: shared (its leading system prompt is shared with "
+        "TENANT:LEVEL",
+        "a tenant's cache isolation: shared (its leading system prompt is shared with "
         "other shared tenants), tenant (the default), user (the request's 'user'), session "
         "(the x-urc-session header); repeatable",
     )
     parser.add_argument("--admin-key", help="the key of the admin API (/admin/...)")
-    parser.add_argument(
+    repeatable(
         "--shadow-policy",
-        action="append",
-        default=[],
-        choices=POLICY_NAMES,
-        metavar="NAME",
-        help="a policy that sees every request and chooses without being acted on; its "
+        "NAME",
+        "a policy that sees every request and chooses without being acted on; its "
         "predictions are exported in /metrics and /admin/mode; repeatable",
+        choices=POLICY_NAMES,
     )
     parser.add_argument(
         "--degraded",
         action="store_true",
+        default=None,
         help="start degraded: plain least-load routing (flip with POST /admin/mode)",
     )
     parser.add_argument(
@@ -223,16 +215,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help="append every served request to FILE (Mooncake JSONL + model, tenant, worker, "
         "cached tokens) for `urc replay`",
     )
-    parser.add_argument(
+    repeatable(
         "--attach",
-        action="append",
-        default=[],
-        metavar="URL,KEY=VALUE,...",
-        help="an engine started elsewhere (vLLM, SGLang), e.g. http://h:8000,model=llama,"
+        "URL,KEY=VALUE,...",
+        "an engine started elsewhere (vLLM, SGLang), e.g. http://h:8000,model=llama,"
         "kv_events=tcp://h:5557,kv_replay=tcp://h:5558,kv_topic=kv,block_size=16; repeatable",
     )
     parser.add_argument(
         "--parity-interval",
+        dest="parity_interval_s",
         type=float,
         metavar="S",
         help="probe every worker's token counts against the gateway's every S seconds, and "
@@ -240,24 +231,26 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pending-ttl",
+        dest="pending_ttl_s",
         type=float,
         metavar="S",
         help="hold a request's prefix on its worker from dispatch until the worker's KV events "
         "confirm it, or for S seconds, so that concurrent requests find it (e.g. 10; default "
         "0: off)",
     )
-    parser.add_argument(
+    repeatable(
         "--model-tokenizer",
-        action="append",
-        default=[],
-        metavar="MODEL=SPEC",
-        help="tokenizer of a model: 'byte' or a model directory; repeatable",
+        "MODEL=SPEC",
+        "tokenizer of a model: 'byte' or a model directory; repeatable",
     )
-    add_limit_arguments(parser)
+    defaults = GatewayConfig()
+    for flag, (name, kind, help) in _SETTINGS.items():  # the help gets the setting's default
+        default = getattr(defaults, name)
+        shown = f"{help} (default {default})" if default else help
+        parser.add_argument(flag, dest=name, type=kind, help=shown)
 
 
-# flag -> (setting, type, help): the limits, timeouts and secrets, each also a [gateway] key;
-# the help gets the setting's default
+# flag -> (setting, type, help): the limits, timeouts and secrets, each also a [gateway] key
 _SETTINGS: dict[str, tuple[str, type, str]] = {
     "--salt-secret": (
         "salt_secret",
@@ -307,65 +300,47 @@ _SETTINGS: dict[str, tuple[str, type, str]] = {
 _POSITIVE = [n for n, kind, _ in _SETTINGS.values() if kind is not str and n != "metrics_port"]
 
 
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = GatewayConfig()
-    for flag, (name, kind, help) in _SETTINGS.items():
-        default = getattr(defaults, name)
-        shown = f"{help} (default {default})" if default else help
-        parser.add_argument(flag, dest=name, type=kind, help=shown)
+# the scalar settings: a flag whose dest is one of them sets it when given
+_SCALARS = [f.name for f in fields(GatewayConfig) if f.default is not MISSING]
+
+
+def _pair(item: str, sep: str, flag: str, form: str) -> tuple[str, str]:
+    left, found, right = item.partition(sep)
+    if not found or not left or not right:
+        raise ConfigError(f"{flag} wants {form}, got {item!r}")
+    return left, right
 
 
 def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
-    for name, _kind, _help in _SETTINGS.values():
+    for name in _SCALARS:
         value = getattr(args, name, None)
-        if value is not None:
+        if value is not None and value != "":
             setattr(config, name, value)
-    if args.host:
-        config.host = args.host
-    if args.port is not None:
-        config.port = args.port
     config.workers.extend(WorkerConfig(url=url) for url in args.worker)
-    config.workers.extend(parse_attach(spec) for spec in getattr(args, "attach", []))
-    if getattr(args, "parity_interval", None) is not None:
-        config.parity_interval_s = args.parity_interval
-    if getattr(args, "pending_ttl", None) is not None:
-        config.pending_ttl_s = args.pending_ttl
-    if args.policy:
-        config.policy = args.policy
+    config.workers.extend(parse_attach(spec) for spec in args.attach)
     for item in args.policy_param:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--policy-param wants KEY=VALUE, got {item!r}")
+        key, value = _pair(item, "=", "--policy-param", "KEY=VALUE")
         config.policy_params[key] = value
     by_name = {t.name: t for t in config.tenants}
     for item in args.api_key:
-        tenant, sep, key = item.partition(":")
-        if not sep or not tenant or not key:
-            raise ConfigError(f"--api-key wants TENANT:KEY, got {item!r}")
+        tenant, key = _pair(item, ":", "--api-key", "TENANT:KEY")
         if tenant not in by_name:
             by_name[tenant] = TenantConfig(tenant, [])
             config.tenants.append(by_name[tenant])
         by_name[tenant].api_keys.append(key)
-    for item in getattr(args, "tenant_isolation", []):
+    for item in args.tenant_isolation:
         tenant, sep, level = item.partition(":")
         if not sep or tenant not in by_name:
             raise ConfigError(f"--tenant-isolation wants TENANT:LEVEL of a known tenant: {item!r}")
         by_name[tenant].isolation = level
-    if args.admin_key:
-        config.admin_key = args.admin_key
-    if args.record:
-        config.record = args.record
     config.shadow_policies.extend(args.shadow_policy)
-    if args.degraded:
-        config.degraded = True
     models = {m.name: m for m in config.models}
     for item in args.model_tokenizer:
-        name, sep, spec = item.partition("=")
-        if not sep:
-            raise ConfigError(f"--model-tokenizer wants MODEL=SPEC, got {item!r}")
-        models.setdefault(name, ModelConfig(name)).tokenizer = spec
-        if name not in {m.name for m in config.models}:
+        name, spec = _pair(item, "=", "--model-tokenizer", "MODEL=SPEC")
+        if name not in models:
+            models[name] = ModelConfig(name)
             config.models.append(models[name])
+        models[name].tokenizer = spec
     validate(config)
     return config
 

@@ -26,8 +26,8 @@ from core.tokenizer import ByteTokenizer
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
-from tests import procs
-from tests.procs import Worker
+from urc import processes
+from urc.processes import Child
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,22 +38,22 @@ BS = 16
 FAST = ["--prefill-tps", "500000", "--decode-base-ms", "2", "--decode-per-request-ms", "0.01"]
 
 
-def running_worker(*args: str, **kwargs: Any) -> AbstractContextManager[Worker]:
-    return procs.running_worker("backends.emulated.server", *args, **kwargs)
+def running_worker(*args: str, **kwargs: Any) -> AbstractContextManager[Child]:
+    return processes.running_worker("backends.emulated.server", *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def worker() -> Iterator[Worker]:
+def worker() -> Iterator[Child]:
     with running_worker("--model", MODEL, "--kv-group", GROUP, "--max-body-mb", "1", *FAST) as w:
         yield w
 
 
 @pytest.fixture()
-def client(worker: Worker) -> openai.OpenAI:
+def client(worker: Child) -> openai.OpenAI:
     return openai.OpenAI(base_url=worker.url + "/v1", api_key="none", timeout=10, max_retries=0)
 
 
-def http(worker: Worker) -> httpx.Client:
+def http(worker: Child) -> httpx.Client:
     return httpx.Client(base_url=worker.url, timeout=10)
 
 
@@ -122,7 +122,7 @@ def test_completions(client: openai.OpenAI) -> None:
 
 
 def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_header(
-    client: openai.OpenAI, worker: Worker
+    client: openai.OpenAI, worker: Child
 ) -> None:
     prompt = unique(300)
     first = client.completions.with_raw_response.create(model=MODEL, prompt=prompt, max_tokens=2)
@@ -155,7 +155,7 @@ def test_cache_salt_isolates_tenants(client: openai.OpenAI) -> None:
 # -- discovery, metrics, SGLang ----------------------------------------------------------------
 
 
-def test_info_document(worker: Worker) -> None:
+def test_info_document(worker: Child) -> None:
     with http(worker) as h:
         info = h.get("/urc/info").json()
         metrics = h.get("/metrics").text
@@ -171,7 +171,7 @@ def test_info_document(worker: Worker) -> None:
     assert "urc_worker_requests_total" in metrics and "urc_worker_cache_usage" in metrics
 
 
-def test_sglang_endpoints(worker: Worker) -> None:
+def test_sglang_endpoints(worker: Child) -> None:
     with http(worker) as h:
         assert h.get("/health").status_code == 200
         assert h.get("/health_generate").status_code == 200
@@ -236,7 +236,7 @@ BAD: list[tuple[str, str, Any, int]] = [
 
 @pytest.mark.parametrize(("method", "path", "body", "status"), BAD)
 def test_bad_input_gets_an_openai_error(
-    worker: Worker, method: str, path: str, body: Any, status: int
+    worker: Child, method: str, path: str, body: Any, status: int
 ) -> None:
     kwargs: dict[str, Any] = {}
     if isinstance(body, bytes):

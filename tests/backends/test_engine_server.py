@@ -20,9 +20,9 @@ from core.blocks import block_keys
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
-from tests import procs
 from tests.backends.test_engine_models import write_model
-from tests.procs import Worker, start_gateway, wait_for
+from urc import processes
+from urc.processes import Child, start_gateway, wait_for
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 BS = 16
 
 
-def running_worker(*args: str, **kwargs: Any) -> AbstractContextManager[Worker]:
-    return procs.running_worker("backends.engine.server", "--threads", "1", *args, **kwargs)
+def running_worker(*args: str, **kwargs: Any) -> AbstractContextManager[Child]:
+    return processes.running_worker("backends.engine.server", "--threads", "1", *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Child]:
     other = write_model(tmp_path_factory.mktemp("hf") / "other")
     args = ["--model", "tiny", "--model", "alias=tiny", "--model", f"other={other}"]
     with running_worker(*args, "--num-pages", "400", "--max-model-len", "1024") as w:
@@ -43,11 +43,11 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 
 @pytest.fixture()
-def client(worker: Worker) -> openai.OpenAI:
+def client(worker: Child) -> openai.OpenAI:
     return openai.OpenAI(base_url=worker.url + "/v1", api_key="none", timeout=30, max_retries=0)
 
 
-def info(worker: Worker) -> dict:
+def info(worker: Child) -> dict:
     return httpx.get(worker.url + "/urc/info", timeout=10).json()
 
 
@@ -58,7 +58,7 @@ def cached_tokens(client: openai.OpenAI, model: str, prompt: list[int], **extra:
     return out.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
 
 
-def test_info_document(worker: Worker) -> None:
+def test_info_document(worker: Child) -> None:
     doc = info(worker)
     assert doc["engine"] == "torch" and doc["block_size"] == BS and doc["device"] == "cpu"
     tiny, alias, other = doc["models"]
@@ -125,7 +125,7 @@ def test_cache_hits_follow_kv_groups_and_salts(client: openai.OpenAI) -> None:
     assert cached_tokens(client, "tiny", prompt, **salt) == 96
 
 
-def test_sglang_endpoints_and_errors(worker: Worker) -> None:
+def test_sglang_endpoints_and_errors(worker: Child) -> None:
     with httpx.Client(base_url=worker.url, timeout=30) as h:
         body = {
             "input_ids": list(range(40)),
@@ -156,7 +156,7 @@ def test_sglang_endpoints_and_errors(worker: Worker) -> None:
     assert 'urc_worker_pool_free_pages{pool="0"}' in metrics
 
 
-async def test_each_kv_group_streams_its_own_events(worker: Worker) -> None:
+async def test_each_kv_group_streams_its_own_events(worker: Child) -> None:
     doc = info(worker)
     index = UnifiedIndex()
     subs = []
@@ -220,7 +220,7 @@ def test_the_gateway_routes_to_torch_workers_unchanged() -> None:
             gateway.stop()
 
 
-def test_public_prefix_and_scoped_invalidation(client: openai.OpenAI, worker: Worker) -> None:
+def test_public_prefix_and_scoped_invalidation(client: openai.OpenAI, worker: Child) -> None:
     prompt = list(range(150, 198)) + list(range(198, 250))  # 3 public pages, then private
     a = {"extra_body": {"cache_salt": "ta", "urc_public_tokens": 48}}
     b = {"extra_body": {"cache_salt": "tb", "urc_public_tokens": 48}}

@@ -27,7 +27,7 @@ from tests.backends.vllm_fleet import (
     settle,
     start_vllm_engines,
 )
-from tests.procs import start_gateway, wait_for
+from urc.processes import start_gateway, wait_for
 
 pytestmark = [
     pytest.mark.skipif(not VLLM_PYTHON, reason="URC_VLLM_PYTHON unset (make test-vllm)"),

@@ -11,7 +11,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.gateway.server import FrontServer, LeanReply, Limits
+from router.gateway.config import Limits
+from router.gateway.lean_reply import LeanReply
+from router.gateway.server import FrontServer
 
 JSON = [("Content-Type", "application/json")]
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.gateway import ADMIN, admin_workers, all_exact, best_match, route
-from tests.procs import start_gateway, start_worker, wait_for
+from urc.processes import start_gateway, start_worker, wait_for
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 import httpx
 
 from tests.gateway import admin_workers, all_exact
-from tests.procs import start_gateway, start_worker, wait_for
+from urc.processes import start_gateway, start_worker, wait_for
 
 
 def by_name(gateway: str) -> dict[str, dict]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from tests.procs import Proc, start_gateway, start_worker, wait_for
+from urc.processes import Child, start_gateway, start_worker, wait_for
 
 SEED = 20_250_611
 ADMIN = "admin-secret"
@@ -52,7 +52,7 @@ class Outcome:
 
 @dataclass(slots=True)
 class Fleet:
-    gateway: Proc
+    gateway: Child
     port: int
     start_rss_kb: int
 

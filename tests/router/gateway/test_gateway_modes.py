@@ -11,7 +11,7 @@ import httpx
 
 from core.kv_publisher import KVEventPublisher
 from tests.gateway import ADMIN, all_exact, route
-from tests.procs import free_port, start_gateway, start_worker, wait_for
+from urc.processes import free_port, start_gateway, start_worker, wait_for
 
 
 def mode(url: str) -> dict:

@@ -16,7 +16,7 @@ from router.gateway.config import GatewayConfig, WorkerConfig
 from router.gateway.fleet import Fleet
 from router.gateway.parity import ParityProbe
 from router.index import UnifiedIndex
-from tests.procs import start_gateway, start_worker, wait_for
+from urc.processes import start_gateway, start_worker, wait_for
 
 ADMIN = {"Authorization": "Bearer k"}
 

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from tests.gateway import ADMIN, all_exact
-from tests.procs import free_port, start_gateway, start_worker, wait_for
 from tests.router.gateway.test_hardening_input import KEYS
+from urc.processes import free_port, start_gateway, start_worker, wait_for
 
 ADMIN_FLAG = ("--admin-key", "admin-secret")
 

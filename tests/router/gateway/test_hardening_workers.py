@@ -15,7 +15,7 @@ import time
 import httpx
 
 from tests.gateway import ADMIN, admin_workers, all_exact
-from tests.procs import Proc, start_gateway, start_worker, wait_for
+from urc.processes import Child, start_gateway, start_worker, wait_for
 
 FAST = ("--decode-base-ms", "2")
 
@@ -87,7 +87,7 @@ def test_a_restarted_worker_is_routed_to_once_it_is_up():
     gateway = start_gateway([w.url for w in workers], "--admin-key", "admin-secret")
     victim = workers[0]
     port = int(victim.url.rsplit(":", 1)[1])
-    reborn: Proc | None = None
+    reborn: Child | None = None
     try:
         url = gateway.url
         assert wait_for(lambda: all_exact(url, 2), 20)

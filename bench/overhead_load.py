@@ -1,0 +1,348 @@
+"""The load of bench/gateway_overhead.py: prompts sharing prefixes per group, requests timed
+per target (paired blocks for latency, closed loops for throughput), CPU per process role."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from harness import cpu_seconds, machine_cpu_seconds, percentile
+
+from urc.processes import JSON_HEADERS
+
+MODEL = "emulated"
+
+
+# -- prompts -----------------------------------------------------------------------------------
+
+_VOCABULARY = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which "
+    "but have an they you were her she there been one all we their has would when if so no what "
+    "cache prefix block token radix worker gateway route model prompt decode prefill kernel"
+)
+WORDS = _VOCABULARY.split()
+
+
+def text(rng: random.Random, n: int) -> str:
+    """`n` ASCII bytes of words (the byte tokenizer makes that `n` tokens)."""
+    out: list[str] = []
+    size = 0
+    while size < n:
+        word = rng.choice(WORDS)
+        out.append(word)
+        size += len(word) + 1
+    return " ".join(out)[:n]
+
+
+@dataclass(slots=True)
+class Prompt:
+    group: int
+    tokens: int
+    bodies: tuple[bytes, bytes]  # (non-streamed, streamed) request bodies
+
+
+def build_prompts(args: argparse.Namespace) -> list[Prompt]:
+    rng = random.Random(args.seed)
+    prefixes = [f"group {g}: " + text(rng, args.prefix_tokens) for g in range(args.groups)]
+    prompts = []
+    for i in range(args.prompts):
+        group = i % args.groups
+        suffix = f" request {i}: " + text(rng, rng.randint(16, args.prefix_tokens))
+        prompt = prefixes[group] + suffix
+        base: dict[str, Any] = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0}
+        if args.api == "chat":
+            base["messages"] = [
+                {"role": "system", "content": prefixes[group]},
+                {"role": "user", "content": suffix},
+            ]
+        else:
+            base["prompt"] = prompt
+        bodies = (json.dumps(base).encode(), json.dumps({**base, "stream": True}).encode())
+        prompts.append(Prompt(group, len(prompt), bodies))
+    return prompts
+
+
+# -- targets and requests ----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Target:
+    """Where requests go: straight to the workers (by group) or to one router."""
+
+    name: str
+    urls: list[str]
+    path: str
+    pid: int | None  # the router process (None: direct)
+
+    def url(self, prompt: Prompt) -> str:
+        return self.urls[prompt.group % len(self.urls)] + self.path
+
+
+@dataclass(slots=True)
+class Sample:
+    ok: bool
+    total_s: float
+    ttfb_s: float  # time to the first body byte (non-streamed: the whole response)
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> Sample:
+    t0 = time.perf_counter()
+    first = math.nan
+    try:
+        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
+            if stream:
+                tail = b""
+                async for chunk in resp.content.iter_any():
+                    if first != first:  # NaN: this is the first chunk
+                        first = time.perf_counter()
+                    tail = (tail + chunk)[-32:]
+                ok = resp.status == 200 and tail.rstrip().endswith(b"[DONE]")
+            else:
+                data = await resp.read()
+                first = time.perf_counter()
+                ok = resp.status == 200 and data.startswith(b"{")
+    except (aiohttp.ClientError, TimeoutError):
+        return Sample(False, math.nan, math.nan)
+    end = time.perf_counter()
+    return Sample(ok, end - t0, first - t0)
+
+
+@dataclass(slots=True)
+class CpuMeter:
+    """CPU seconds of every process of the run while a target is measured (wall too)."""
+
+    pids: dict[str, list[int]]  # role -> pids; "loadgen" (this process), "machine" (all CPUs)
+    spent: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> role -> s
+    per_worker: dict[str, list[float]] = field(default_factory=dict)  # target -> s per worker
+    wall: dict[str, float] = field(default_factory=dict)
+
+    def snapshot(self) -> tuple[float, dict[str, list[float]]]:
+        now = {"loadgen": [time.process_time()]}
+        now.update((role, [cpu_seconds(p) for p in pids]) for role, pids in self.pids.items())
+        now["machine"] = [machine_cpu_seconds()]
+        return time.perf_counter(), now
+
+    def add(self, target: str, before: tuple[float, dict[str, list[float]]]) -> None:
+        wall, after = self.snapshot()
+        spent = self.spent.setdefault(target, {})
+        for role, values in after.items():
+            deltas = [a - b for a, b in zip(values, before[1][role], strict=True)]
+            spent[role] = spent.get(role, 0.0) + sum(deltas)
+            if role == "workers":
+                acc = self.per_worker.setdefault(target, [0.0] * len(deltas))
+                self.per_worker[target] = [x + d for x, d in zip(acc, deltas, strict=True)]
+        self.wall[target] = self.wall.get(target, 0.0) + wall - before[0]
+
+
+async def block(
+    session: aiohttp.ClientSession,
+    target: Target,
+    prompts: list[Prompt],
+    concurrency: int,
+    stream: bool,
+) -> list[Sample]:
+    """Send `prompts` with `concurrency` in flight; samples in prompt order."""
+    samples: list[Sample | None] = [None] * len(prompts)
+    todo = iter(enumerate(prompts))
+
+    async def lane() -> None:
+        for i, prompt in todo:
+            samples[i] = await send(session, target.url(prompt), prompt.bodies[stream], stream)
+
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return [s for s in samples if s is not None]
+
+
+async def closed_loop(
+    session: aiohttp.ClientSession,
+    target: Target,
+    prompts: list[Prompt],
+    concurrency: int,
+    stream: bool,
+    seconds: float,
+    start: int,
+) -> tuple[int, int, float]:
+    """As many requests as `concurrency` lanes complete in `seconds`: (ok, failed, elapsed)."""
+    counts = [0, 0]
+    nxt = [start]
+    t0 = time.perf_counter()
+    deadline = t0 + seconds
+
+    async def lane() -> None:
+        while time.perf_counter() < deadline:
+            prompt = prompts[nxt[0] % len(prompts)]
+            nxt[0] += 1
+            sample = await send(session, target.url(prompt), prompt.bodies[stream], stream)
+            counts[0 if sample.ok else 1] += 1
+
+    await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return counts[0], counts[1], time.perf_counter() - t0
+
+
+# -- measurement -------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class LatencyRow:
+    metric: str  # "non-streamed total", "streamed TTFB", "streamed total"
+    concurrency: int
+    pairs: int
+    direct_p50_ms: float
+    direct_p99_ms: float
+    added_p50_ms: dict[str, float]  # router -> p50 of (router - direct)
+    added_p99_ms: dict[str, float]
+    added_mean_ms: dict[str, float]  # at equal throughput, Little's law fixes the mean
+    failed: dict[str, int]
+
+
+@dataclass(slots=True)
+class ThroughputRow:
+    metric: str
+    concurrency: int
+    rps: dict[str, float]  # target -> median requests/s over rounds
+    rounds: dict[str, list[float]]
+    failed: dict[str, int]
+    cpu_us_per_request: dict[str, dict[str, float]]  # target -> role -> CPU µs per request
+    busy_cores: dict[str, dict[str, float]]  # target -> role -> cores busy on average
+    worker_split: dict[str, list[float]]  # target -> share of worker CPU per worker
+
+
+def session_for(concurrency: int, targets: int) -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(
+        limit=concurrency * targets, limit_per_host=concurrency, force_close=False
+    )
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60))
+
+
+async def latency_rows(
+    targets: list[Target], prompts: list[Prompt], concurrency: int, requests: int
+) -> list[LatencyRow]:
+    direct, routers = targets[0], targets[1:]
+    size = max(8, concurrency * 2)  # short blocks, many rounds: slow noise hits all alike
+    rounds = max(1, math.ceil(requests / size))
+    rows = []
+    async with session_for(concurrency, len(targets)) as session:
+        for stream in (False, True):
+            got: dict[str, list[Sample]] = {t.name: [] for t in targets}
+            for r in range(rounds):
+                chunk = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
+                for k in range(len(targets)):
+                    target = targets[(r + k) % len(targets)]
+                    got[target.name] += await block(session, target, chunk, concurrency, stream)
+            metrics = [("streamed TTFB", "ttfb_s"), ("streamed total", "total_s")]
+            for metric, attr in metrics if stream else [("non-streamed total", "total_s")]:
+                base = got[direct.name]
+                row = LatencyRow(metric, concurrency, 0, math.nan, math.nan, {}, {}, {}, {})
+                ok_direct = [getattr(s, attr) for s in base if s.ok]
+                row.direct_p50_ms = percentile(ok_direct, 0.5) * 1e3
+                row.direct_p99_ms = percentile(ok_direct, 0.99) * 1e3
+                row.failed[direct.name] = sum(not s.ok for s in base)
+                for router in routers:
+                    through = got[router.name]
+                    diffs = [
+                        getattr(t, attr) - getattr(d, attr)
+                        for d, t in zip(base, through, strict=True)
+                        if d.ok and t.ok
+                    ]
+                    row.pairs = len(diffs)
+                    row.added_p50_ms[router.name] = percentile(diffs, 0.5) * 1e3
+                    row.added_p99_ms[router.name] = percentile(diffs, 0.99) * 1e3
+                    row.added_mean_ms[router.name] = (
+                        sum(diffs) / len(diffs) * 1e3 if diffs else math.nan
+                    )
+                    row.failed[router.name] = sum(not s.ok for s in through)
+                rows.append(row)
+    return rows
+
+
+async def throughput_row(
+    targets: list[Target],
+    prompts: list[Prompt],
+    concurrency: int,
+    seconds: float,
+    rounds: int,
+    stream: bool,
+    meter: CpuMeter,
+) -> ThroughputRow:
+    metric = "streamed" if stream else "non-streamed"
+    row = ThroughputRow(metric, concurrency, {}, {t.name: [] for t in targets}, {}, {}, {}, {})
+    done: dict[str, int] = {t.name: 0 for t in targets}
+    async with session_for(concurrency, len(targets)) as session:
+        for r in range(rounds):
+            for k in range(len(targets)):
+                target = targets[(r + k) % len(targets)]
+                before = meter.snapshot()
+                ok, failed, elapsed = await closed_loop(
+                    session, target, prompts, concurrency, stream, seconds / rounds, r * 997
+                )
+                meter.add(target.name, before)
+                row.rounds[target.name].append(ok / elapsed)
+                row.failed[target.name] = row.failed.get(target.name, 0) + failed
+                done[target.name] += ok
+    for t in targets:
+        row.rps[t.name] = percentile(row.rounds[t.name], 0.5)
+        n = max(done[t.name], 1)
+        spent = dict(meter.spent[t.name])
+        machine = spent.pop("machine")
+        spent["others"] = max(0.0, machine - sum(spent.values()))  # not ours: noise to note
+        spent["machine"] = machine
+        row.cpu_us_per_request[t.name] = {role: s / n * 1e6 for role, s in spent.items()}
+        row.busy_cores[t.name] = {role: s / meter.wall[t.name] for role, s in spent.items()}
+        total = sum(meter.per_worker[t.name]) or 1.0
+        row.worker_split[t.name] = [w / total for w in meter.per_worker[t.name]]
+    return row
+
+
+async def measure(
+    args: argparse.Namespace,
+    targets: list[Target],
+    prompts: list[Prompt],
+    pids: dict[str, list[int]],
+) -> dict[str, Any]:
+    warm = prompts[: min(len(prompts), 8 * args.groups)]
+    async with session_for(8, len(targets)) as session:
+        for target in targets:
+            for stream in (False, True):
+                samples = await block(session, target, warm, 8, stream)
+                bad = sum(not s.ok for s in samples)
+                if bad:
+                    raise RuntimeError(f"{target.name}: {bad} of {len(samples)} warm-ups failed")
+    started = time.perf_counter()
+    rows: list[LatencyRow] = []
+    for concurrency in args.concurrency:
+        print(f"  latency at concurrency {concurrency} ...", file=sys.stderr, flush=True)
+        rows += await latency_rows(targets, prompts, concurrency, args.requests)
+    rows.sort(key=lambda row: (row.metric != "non-streamed total", row.metric, row.concurrency))
+    throughput = []
+    for stream in (False, True) if args.stream_throughput else (False,):
+        print(
+            f"  throughput at concurrency {args.throughput_concurrency} "
+            f"({'streamed' if stream else 'non-streamed'}) ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        meter = CpuMeter(pids)
+        throughput.append(
+            await throughput_row(
+                targets,
+                prompts,
+                args.throughput_concurrency,
+                args.duration,
+                args.rounds,
+                stream,
+                meter,
+            )
+        )
+    return {
+        "latency": rows,
+        "throughput": throughput,
+        "measure_s": time.perf_counter() - started,
+    }

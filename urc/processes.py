@@ -1,0 +1,158 @@
+"""Workers and gateways as child processes on 127.0.0.1, for the end-to-end tests and the
+benchmarks: started, announced, stopped (every one still running at exit)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+JSON_HEADERS = {"Content-Type": "application/json"}
+_started: list[Child] = []  # a caller that failed before its own cleanup leaves none running
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Child:
+    """A child process in its own session (Ctrl-C reaches only us; we stop it), its output kept
+    for error messages; `url` comes from its `ready_prefix` line (`ready: URL`, `gateway: URL`),
+    if it has one."""
+
+    def __init__(self, name: str, argv: list[str], ready_prefix: str | None, url: str = "") -> None:
+        self.name = name
+        self.url = url
+        self.lines: list[str] = []
+        self._ready = threading.Event()
+        self.popen = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
+        _started.append(self)
+        threading.Thread(target=self._pump, args=(ready_prefix,), daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def _pump(self, prefix: str | None) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip())
+            if len(self.lines) > 4000:  # a long benchmark's log: the tail is what explains
+                del self.lines[:2000]
+            if prefix and not self._ready.is_set() and line.startswith(prefix):
+                self.url = line[len(prefix) :].strip()
+                self._ready.set()
+        self._ready.set()  # it exited
+
+    def fail(self, why: str) -> RuntimeError:
+        tail = "\n".join(f"    {line}" for line in self.lines[-30:])
+        return RuntimeError(f"{self.name} {why}; its last output:\n{tail}")
+
+    def wait_announced(self, timeout_s: float = 60.0) -> Child:
+        if not self._ready.wait(timeout_s) or not self.url or self.popen.poll() is not None:
+            self.stop()
+            raise self.fail("did not start")
+        return self
+
+    def wait_serving(self, path: str, body: bytes, timeout_s: float) -> None:
+        """Until a real request through it answers 200 (a router may register workers late)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.popen.poll() is not None:
+                raise self.fail(f"exited with {self.popen.returncode}")
+            req = urllib.request.Request(self.url + path, data=body, headers=JSON_HEADERS)
+            with (
+                contextlib.suppress(OSError, urllib.error.URLError),
+                urllib.request.urlopen(req, timeout=2.0) as resp,
+            ):
+                if resp.status == 200:
+                    return
+            time.sleep(0.2)
+        raise self.fail(f"did not serve within {timeout_s:.0f} s")
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies without any goodbye, as a crashed worker does."""
+        self.popen.send_signal(signal.SIGKILL)
+        self.popen.wait(10)
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
+        """Send `sig` (if it still runs), then its exit code; killed after 10 s."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        return self.popen.returncode
+
+
+@atexit.register
+def _stop_all() -> None:
+    for child in _started:
+        child.stop()
+
+
+def python(*args: str) -> list[str]:
+    return [sys.executable, *args]
+
+
+def start_worker(*extra: str, port: int = 0, module: str = "backends.emulated.server") -> Child:
+    """Port 0: the worker binds one of its own and announces it (no race for a free one)."""
+    argv = python("-m", module, "--host", "127.0.0.1", "--port", str(port), *extra)
+    return Child(f"worker {module}", argv, "ready: ").wait_announced()
+
+
+def start_gateway(workers: Sequence[str], *extra: str, port: int = 0) -> Child:
+    argv = python("-m", "urc.cli", "gateway", "--port", str(port))
+    for url in workers:
+        argv += ["--worker", url]
+    return Child("urc gateway", [*argv, *extra], "gateway: ").wait_announced()
+
+
+@contextmanager
+def running_worker(
+    module: str, *args: str, stop: signal.Signals = signal.SIGTERM
+) -> Iterator[Child]:
+    """A worker for the length of a `with`; on leaving, send `stop` and require a clean exit
+    (code 0): a worker must shut down, not be killed."""
+    child = start_worker(*args, module=module)
+    try:
+        yield child
+    finally:
+        if (code := child.stop(stop)) != 0:
+            raise child.fail(f"exited with {code} on {stop.name}")
+
+
+def wait_for(
+    predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.05
+) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())
