@@ -50,7 +50,7 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return self.finish_reason is not None or self.aborted
+        return self.finished or self.aborted
 
     async def wait_admitted(self) -> None:
         """Until it leaves the queue (cached_tokens is known) or ends."""
