@@ -1,4 +1,4 @@
-"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` over any Backend.
+"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` over an engine.
 
 Responses and SSE chunks have OpenAI's shapes (streams end with `data: [DONE]`); usage carries
 `prompt_tokens_details.cached_tokens`, and every response the header `x-urc-cached-tokens`
@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -26,7 +27,8 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Backend, Generation, Sampling, TextStream, decode
+from backends.http.generation import Generation, Sampling, TextStream, decode
+from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
 
 CACHED_TOKENS_HEADER = "x-urc-cached-tokens"
@@ -41,7 +43,7 @@ def sse(chunk: Any) -> bytes:
 
 async def respond(
     request: web.Request,
-    backend: Backend,
+    backend: EngineRunner,
     gen: Generation,
     stream: bool,
     whole: Callable[[], Any],
@@ -172,14 +174,14 @@ def _messages(model: ServedModel, body: dict[str, Any]) -> list[int]:
 
 
 class OpenAIApi:
-    def __init__(self, backend: Backend, models: dict[str, ServedModel], created: int) -> None:
+    def __init__(self, backend: EngineRunner, models: dict[str, ServedModel], created: int) -> None:
         self.backend = backend
         self.models = models
         self.created = created
 
     def add_routes(self, app: web.Application) -> None:
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", partial(self._serve, chat=False))
+        app.router.add_post("/v1/chat/completions", partial(self._serve, chat=True))
         app.router.add_get("/v1/models", self.list_models)
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -195,12 +197,6 @@ class OpenAIApi:
             for m in self.models.values()
         ]
         return json_response({"object": "list", "data": cards})
-
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=False)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, chat=True)
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await read_json(request)

@@ -29,8 +29,9 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Backend, Generation, Sampling, decode
+from backends.http.generation import Generation, Sampling, decode
 from backends.http.openai_api import respond, sampling, sse
+from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -40,7 +41,7 @@ HEALTH_TIMEOUT_S = 20.0
 class SGLangApi:
     def __init__(
         self,
-        backend: Backend,
+        backend: EngineRunner,
         models: dict[str, ServedModel],
         server_args: Callable[[], dict[str, Any]],
         model_info: Callable[[ServedModel], dict[str, Any]],
