@@ -51,10 +51,9 @@ class Tokenizer(ABC):
 
     def _template_for(self, tools: Tools | None) -> ChatTemplate:
         """transformers' `get_chat_template`: "tool_use" when tools are given, else "default"."""
-        if tools is not None and "tool_use" in self._templates:
-            return self._templates["tool_use"]
-        if "default" in self._templates:
-            return self._templates["default"]
+        name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
+        if name in self._templates:
+            return self._templates[name]
         if not self._templates:
             raise ValueError("this model has no chat template: use the completions API")
         raise ValueError(f"no 'default' chat template among {sorted(self._templates)}")
@@ -194,10 +193,8 @@ class HFTokenizer(Tokenizer):
         config = _read_json(root / "tokenizer_config.json")
         config.update(_read_json(root / "special_tokens_map.json"))
 
-        special: dict[str, Any] = {}
-        for key in _SPECIAL_TOKEN_KEYS:
-            if (text := _token_text(config.get(key))) is not None:
-                special[key] = text
+        texts = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+        special: dict[str, Any] = {k: t for k, t in texts.items() if t is not None}
         extra = [_token_text(t) for t in config.get("additional_special_tokens") or []]
         if extra:
             special["additional_special_tokens"] = [t for t in extra if t is not None]
