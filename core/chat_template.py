@@ -54,34 +54,17 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(str(message))
 
 
-def _tojson(
-    x: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    # transformers' override: jinja's own tojson HTML-escapes and returns Markup
-    return json.dumps(
-        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+def _tojson(x: Any, ensure_ascii: bool = False, **kwargs: Any) -> str:
+    # transformers' override (indent, separators, sort_keys): jinja's own HTML-escapes
+    return json.dumps(x, ensure_ascii=ensure_ascii, **kwargs)
 
 
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-_ENV = _environment()
+_ENV = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
+)
+_ENV.filters["tojson"] = _tojson
+_ENV.globals["raise_exception"] = _raise_exception
+_ENV.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
 
 
 @lru_cache(maxsize=64)
@@ -234,10 +217,9 @@ def normalise_messages(messages: Any, content_format: ContentFormat) -> list[dic
 class ChatTemplate:
     """One chat template, compiled once, with the special tokens it is rendered with."""
 
-    __slots__ = ("source", "content_format", "_template", "_special_tokens")
+    __slots__ = ("content_format", "_template", "_special_tokens")
 
     def __init__(self, source: str, special_tokens: Mapping[str, Any]) -> None:
-        self.source = source
         self._template = compile_template(source)
         self.content_format = detect_content_format(source)
         self._special_tokens = dict(special_tokens)

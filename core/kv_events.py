@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import msgspec
 
@@ -73,26 +73,20 @@ class EventBatch:
 # msgspec cannot mix array_like and map Structs in one union, hence twins and a first-byte peek.
 
 
-class _BlockStoredPos(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
-    lora_name: str | None = None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
+def _twin(cls: type[msgspec.Struct]) -> Any:
+    """`cls` as positions: its fields in order, all but our `cache_salt` (maps only)."""
+    fields = [
+        (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        for f in msgspec.structs.fields(cls)
+        if f.name != "cache_salt"
+    ]
+    return msgspec.defstruct(
+        f"_{cls.__name__}Pos", fields, tag=cls.__name__, array_like=True, gc=False
+    )
 
 
-class _BlockRemovedPos(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
-    medium: str | None = None
-    group_idx: int | None = None
-
-
-class _AllBlocksClearedPos(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
-    pass
+_TWINS: dict[type, Any] = {cls: _twin(cls) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+_FROM_TWIN: dict[type, Any] = {twin: cls for cls, twin in _TWINS.items()}
 
 
 class _PosBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -119,7 +113,7 @@ _KNOWN = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 _vllm_batch = msgspec.msgpack.Decoder(_VllmBatch)
 _pos_batch = msgspec.msgpack.Decoder(_PosBatch)
 _map_batch = msgspec.msgpack.Decoder(_MapBatch)
-_pos_event = msgspec.msgpack.Decoder(_BlockStoredPos | _BlockRemovedPos | _AllBlocksClearedPos)
+_pos_event = msgspec.msgpack.Decoder(Union[tuple(_TWINS.values())])  # noqa: UP007
 _map_event = msgspec.msgpack.Decoder(KVEvent)
 _any = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
@@ -134,41 +128,14 @@ def _is_array(first: int) -> bool:
 
 
 def _from_pos(ev: Any) -> KVEvent:
-    if type(ev) is _BlockStoredPos:
-        return BlockStored(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-            ev.lora_name,
-            ev.extra_keys,
-            ev.group_idx,
-        )
-    if type(ev) is _BlockRemovedPos:
-        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
-    return AllBlocksCleared()
+    return _FROM_TWIN[type(ev)](*msgspec.structs.astuple(ev))
 
 
 def _to_pos(ev: KVEvent) -> Any:
-    if type(ev) is BlockStored:
-        return _BlockStoredPos(
-            ev.block_hashes,
-            ev.parent_block_hash,
-            ev.token_ids,
-            ev.block_size,
-            ev.lora_id,
-            ev.medium,
-            ev.lora_name,
-            ev.extra_keys,
-            ev.group_idx,
-        )
-    if type(ev) is BlockRemoved:
-        return _BlockRemovedPos(ev.block_hashes, ev.medium, ev.group_idx)
-    if type(ev) is AllBlocksCleared:
-        return _AllBlocksClearedPos()
-    raise TypeError(f"not a KV event: {ev!r}")
+    twin = _TWINS.get(type(ev))
+    if twin is None:
+        raise TypeError(f"not a KV event: {ev!r}")
+    return twin(*msgspec.structs.astuple(ev)[: len(twin.__struct_fields__)])
 
 
 def _event_tag(raw: msgspec.Raw) -> object:

@@ -27,14 +27,16 @@ log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _POLL_MS = 100  # how often the replay thread looks at its stop flag
+_HWM = 100_000  # batches queued per subscriber before PUB drops (the replay then recovers them)
+_BIND_TIMEOUT_S = 2.0
 
 
-def _bind(sock: zmq.Socket, endpoint: str, timeout_s: float) -> str:
+def _bind(sock: zmq.Socket, endpoint: str) -> str:
     """Bind (tcp://host:0: any free port) and return the address bound. A port closed a moment
     ago may still be held by ZMQ's I/O thread (it closes asynchronously): retry a little."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-1] + "*"  # how ZMQ spells "any port"
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + _BIND_TIMEOUT_S
     while True:
         try:
             sock.bind(endpoint)
@@ -49,8 +51,8 @@ class KVEventPublisher:
     """Publishes event batches on `endpoint` and serves replays on `replay_endpoint`.
 
     Both are bound here (port 0: any free port); `self.endpoint` and `self.replay_endpoint` are
-    the addresses actually bound, for subscribers to connect to. `array_like=False` (default)
-    sends events as maps, the encoding of vLLM today and the only one carrying `cache_salt`.
+    the addresses actually bound, for subscribers to connect to. Events go as maps, the encoding
+    of vLLM today and the only one carrying `cache_salt`.
     """
 
     def __init__(
@@ -60,32 +62,25 @@ class KVEventPublisher:
         *,
         topic: str = "",
         buffer_steps: int = 10_000,
-        hwm: int = 100_000,
-        dp_rank: int | None = None,
-        array_like: bool = False,
-        bind_timeout_s: float = 2.0,
-        context: zmq.Context | None = None,
     ) -> None:
-        self._ctx = context or zmq.Context.instance()
+        ctx = zmq.Context.instance()
         self.topic = topic.encode()
-        self.dp_rank = dp_rank
-        self.array_like = array_like
         self._lock = threading.Lock()  # guards the PUB socket, the seq and the buffer
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._next_seq = 0
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, _HWM)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint: str = _bind(self._pub, endpoint, bind_timeout_s)
+        self.endpoint: str = _bind(self._pub, endpoint)
         self.replay_endpoint: str | None = None
         self._replay: zmq.Socket | None = None
         self._running = True
         self._thread: threading.Thread | None = None
         if replay_endpoint is not None:
-            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay = ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by the buffer: never drop
             self._replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _bind(self._replay, replay_endpoint, bind_timeout_s)
+            self.replay_endpoint = _bind(self._replay, replay_endpoint)
             self._thread = threading.Thread(
                 target=self._serve_replay, name="kv-event-replay", daemon=True
             )
@@ -100,8 +95,8 @@ class KVEventPublisher:
     ) -> int:
         """Send one batch; returns its seq. `live=False` keeps it for replay only, as if the
         PUB message were lost (tests)."""
-        batch = EventBatch(time.time() if ts is None else ts, list(events), self.dp_rank)
-        return self.publish_payload(encode_batch(batch, array_like=self.array_like), live=live)
+        batch = EventBatch(time.time() if ts is None else ts, list(events))
+        return self.publish_payload(encode_batch(batch, array_like=False), live=live)
 
     def publish_payload(self, payload: bytes, *, live: bool = True) -> int:
         """Send an already encoded batch; returns its seq."""

@@ -15,9 +15,10 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from tokenizers import Tokenizer as _HFBackend
 from tokenizers import processors
@@ -27,20 +28,40 @@ from core.chat_template import ChatTemplate, Message
 Tools = Sequence[Mapping[str, Any]]
 
 
-class Tokenizer(Protocol):
+class Tokenizer(ABC):
+    """What decides a prompt's ids. Chat is one path for every tokenizer: the template for the
+    tools rendered, then encoded without the special tokens `encode` adds."""
+
     fingerprint: str  # stable hex digest of what decides the ids
     eos_token_id: int | None
     vocab_size: int  # ids are in [0, vocab_size)
     stop_token_ids: frozenset[int]  # generation ends on any of these
+    _templates: dict[str, ChatTemplate]  # by name, as transformers keeps them
 
+    @abstractmethod
     def encode(self, text: str) -> list[int]:
         """Completion prompt -> ids, special tokens added (BOS if the tokenizer has one)."""
-        ...
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    @abstractmethod
+    def _encode_plain(self, text: str) -> list[int]:
+        """Text -> ids, no special tokens added."""
+
+    def _template_for(self, tools: Tools | None) -> ChatTemplate:
+        """transformers' `get_chat_template`: "tool_use" when tools are given, else "default"."""
+        name = "tool_use" if tools is not None and "tool_use" in self._templates else "default"
+        if name in self._templates:
+            return self._templates[name]
+        if not self._templates:
+            raise ValueError("this model has no chat template: use the completions API")
+        raise ValueError(f"no 'default' chat template among {sorted(self._templates)}")
 
     def prompt_ids(self, text: str) -> Sequence[int]:
         """`encode`'s ids as the cheapest read-only sequence the tokenizer has: the gateway
         only counts and hashes a prompt's ids."""
-        ...
+        return self.encode(text)
 
     def render_chat(
         self,
@@ -49,7 +70,7 @@ class Tokenizer(Protocol):
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The chat template's text with the generation prompt; ValueError on bad messages."""
-        ...
+        return self._template_for(tools).render(messages, tools, template_kwargs)
 
     def encode_chat(
         self,
@@ -58,9 +79,7 @@ class Tokenizer(Protocol):
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """`render_chat` encoded without special tokens added; ValueError on bad messages."""
-        ...
-
-    def decode(self, ids: Sequence[int]) -> str: ...
+        return self._encode_plain(self.render_chat(messages, tools, template_kwargs))
 
 
 # --- the byte tokenizer of the bundled tiny models ----------------------------------------------
@@ -80,7 +99,7 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
-class ByteTokenizer:
+class ByteTokenizer(Tokenizer):
     """id = UTF-8 byte (0..255); ids 256..259 are the special tokens in BYTE_SPECIAL_TOKENS, which
     are recognised as single ids wherever their text appears. No BOS is added: `encode(text)` is
     `list(text.encode())` for text without special tokens. Chat uses ChatML
@@ -97,9 +116,8 @@ class ByteTokenizer:
     _SPECIAL_TEXT = {i: t for t, i in BYTE_SPECIAL_TOKENS.items()}
 
     def __init__(self) -> None:
-        self._template = ChatTemplate(
-            BYTE_CHAT_TEMPLATE, {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
-        )
+        special = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
+        self._templates = {"default": ChatTemplate(BYTE_CHAT_TEMPLATE, special)}
 
     def encode(self, text: str) -> list[int]:
         ids = self.prompt_ids(text)
@@ -118,21 +136,7 @@ class ByteTokenizer:
                 ids.extend(piece.encode())
         return ids
 
-    def render_chat(
-        self,
-        messages: Sequence[Message],
-        tools: Tools | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        return self._template.render(messages, tools, template_kwargs)
-
-    def encode_chat(
-        self,
-        messages: Sequence[Message],
-        tools: Tools | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        return self.encode(self._template.render(messages, tools, template_kwargs))
+    _encode_plain = encode  # the byte tokenizer adds no special tokens
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. ValueError on ids outside the vocab."""
@@ -153,14 +157,8 @@ class ByteTokenizer:
 
 # --- Hugging Face tokenizers ----------------------------------------------------------------------
 
-_SPECIAL_TOKEN_KEYS = (
-    "bos_token",
-    "eos_token",
-    "unk_token",
-    "sep_token",
-    "pad_token",
-    "cls_token",
-    "mask_token",
+_SPECIAL_TOKEN_KEYS = tuple(
+    f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
 )
 
 
@@ -180,7 +178,7 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-class HFTokenizer:
+class HFTokenizer(Tokenizer):
     """A Hugging Face model directory's tokenizer: `tokenizer.json` (via `tokenizers`) and
     `tokenizer_config.json` (chat template, special tokens, add_bos_token/add_eos_token), with
     `special_tokens_map.json` and `chat_template.jinja` taking precedence as in transformers."""
@@ -195,10 +193,8 @@ class HFTokenizer:
         config = _read_json(root / "tokenizer_config.json")
         config.update(_read_json(root / "special_tokens_map.json"))
 
-        special: dict[str, Any] = {}
-        for key in _SPECIAL_TOKEN_KEYS:
-            if (text := _token_text(config.get(key))) is not None:
-                special[key] = text
+        texts = {key: _token_text(config.get(key)) for key in _SPECIAL_TOKEN_KEYS}
+        special: dict[str, Any] = {k: t for k, t in texts.items() if t is not None}
         extra = [_token_text(t) for t in config.get("additional_special_tokens") or []]
         if extra:
             special["additional_special_tokens"] = [t for t in extra if t is not None]
@@ -262,36 +258,10 @@ class HFTokenizer:
             return {t["name"]: t["template"] for t in configured}
         raise ValueError(f"{root}: chat_template must be a string or a list of {{name, template}}")
 
-    def _template_for(self, tools: Tools | None) -> ChatTemplate:
-        """transformers' `get_chat_template`: "tool_use" when tools are given, else "default"."""
-        if tools is not None and "tool_use" in self._templates:
-            return self._templates["tool_use"]
-        if "default" in self._templates:
-            return self._templates["default"]
-        if not self._templates:
-            raise ValueError("this model has no chat template: use the completions API")
-        raise ValueError(f"no 'default' chat template among {sorted(self._templates)}")
-
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=True).ids
 
-    prompt_ids = encode
-
-    def render_chat(
-        self,
-        messages: Sequence[Message],
-        tools: Tools | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        return self._template_for(tools).render(messages, tools, template_kwargs)
-
-    def encode_chat(
-        self,
-        messages: Sequence[Message],
-        tools: Tools | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        text = self._template_for(tools).render(messages, tools, template_kwargs)
+    def _encode_plain(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -46,10 +46,6 @@ class BatchLayout:
     prefills: list[SequenceView]  # after the decodes, in order
     write_slots: torch.Tensor  # [tokens] long: pool slot (page * page_size + offset) per token
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.q_len for s in self.prefills)
-
 
 def new_token_slots(seq: SequenceView, page_size: int) -> list[int]:
     """Where the sequence's new tokens go (the last `q_len` of its `kv_len`)."""
@@ -76,63 +72,46 @@ class TorchPagedAttention:
 
     def __init__(self, scale: float) -> None:
         self.scale = scale
-        self._decode_pages: torch.Tensor | None = None  # [B * Pmax] pages, padded with page 0
-        self._decode_shape = (0, 0)  # (B, Pmax)
-        self._decode_mask: torch.Tensor | None = None  # [B, 1, 1, Pmax * page_size]
-        self._prefill: list[tuple[int, int, int, torch.Tensor, torch.Tensor]] = []
+        # (first row, sequences, rows each, pages, mask, keys each): the decodes as one padded
+        # group, then each prefill chunk
+        self._groups: list[tuple[int, int, int, torch.Tensor, torch.Tensor, int | None]] = []
 
     def prepare(self, layout: BatchLayout, device: torch.device) -> None:
-        bs = layout.page_size
-        self._decode_pages = self._decode_mask = None
-        if layout.decodes:
-            pmax = max(-(-s.kv_len // bs) for s in layout.decodes)
-            pages = torch.zeros(len(layout.decodes), pmax, dtype=torch.long)
-            for i, seq in enumerate(layout.decodes):
+        bs, decodes = layout.page_size, layout.decodes
+        self._groups = []
+        if decodes:
+            pmax = max(-(-s.kv_len // bs) for s in decodes)
+            pages = torch.zeros(len(decodes), pmax, dtype=torch.long)
+            for i, seq in enumerate(decodes):
                 used = -(-seq.kv_len // bs)
                 pages[i, :used] = torch.tensor(seq.pages[:used], dtype=torch.long)
-            lengths = torch.tensor([s.kv_len for s in layout.decodes])
-            mask = torch.arange(pmax * bs)[None, :] < lengths[:, None]
-            self._decode_pages = pages.view(-1).to(device)
-            self._decode_shape = (len(layout.decodes), pmax)
-            self._decode_mask = mask[:, None, None, :].to(device)
-        self._prefill = []
-        start = len(layout.decodes)
+            lengths = torch.tensor([s.kv_len for s in decodes])
+            mask = (torch.arange(pmax * bs)[None, :] < lengths[:, None])[:, None, None, :]
+            group = (0, len(decodes), 1, pages.view(-1).to(device), mask.to(device), None)
+            self._groups.append(group)
+        start = len(decodes)
         for seq in layout.prefills:
             past = seq.kv_len - seq.q_len
             causal = torch.arange(seq.kv_len)[None, :] <= past + torch.arange(seq.q_len)[:, None]
-            used = -(-seq.kv_len // bs)
-            pages = torch.tensor(seq.pages[:used], dtype=torch.long).to(device)
-            self._prefill.append((start, seq.q_len, seq.kv_len, pages, causal.to(device)))
+            pages = torch.tensor(seq.pages[: -(-seq.kv_len // bs)], dtype=torch.long).to(device)
+            self._groups.append((start, 1, seq.q_len, pages, causal.to(device), seq.kv_len))
             start += seq.q_len
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         heads, dim = k_cache.shape[-2], k_cache.shape[-1]
         out = torch.empty_like(q)
-        if self._decode_pages is not None:
-            b, pmax = self._decode_shape
-            k = k_cache.index_select(0, self._decode_pages).view(b, -1, heads, dim)
-            v = v_cache.index_select(0, self._decode_pages).view(b, -1, heads, dim)
+        for start, b, n, pages, mask, kv_len in self._groups:
+            k = k_cache.index_select(0, pages).view(b, -1, heads, dim)[:, :kv_len]
+            v = v_cache.index_select(0, pages).view(b, -1, heads, dim)[:, :kv_len]
             o = F.scaled_dot_product_attention(
-                q[:b].unsqueeze(2),  # [B, Hq, 1, D]
-                k.transpose(1, 2),  # [B, Hkv, Pmax * page_size, D]
+                q[start : start + b * n].unflatten(0, (b, n)).transpose(1, 2),  # [b, Hq, n, D]
+                k.transpose(1, 2),  # [b, Hkv, keys, D]
                 v.transpose(1, 2),
-                attn_mask=self._decode_mask,
+                attn_mask=mask,
                 scale=self.scale,
                 enable_gqa=True,
             )
-            out[:b] = o.squeeze(2)
-        for start, n, kv_len, pages, causal in self._prefill:
-            k = k_cache.index_select(0, pages).view(-1, heads, dim)[:kv_len]
-            v = v_cache.index_select(0, pages).view(-1, heads, dim)[:kv_len]
-            o = F.scaled_dot_product_attention(
-                q[start : start + n].transpose(0, 1).unsqueeze(0),  # [1, Hq, n, D]
-                k.transpose(0, 1).unsqueeze(0),  # [1, Hkv, kv_len, D]
-                v.transpose(0, 1).unsqueeze(0),
-                attn_mask=causal,
-                scale=self.scale,
-                enable_gqa=True,
-            )
-            out[start : start + n] = o.squeeze(0).transpose(0, 1)
+            out[start : start + b * n] = o.transpose(1, 2).flatten(0, 1)
         return out
 
 

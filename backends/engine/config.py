@@ -100,16 +100,8 @@ PRESETS: dict[str, LlamaConfig] = {
         num_key_value_heads=8,
         head_dim=64,
         rope_theta=500_000.0,
-        rope_scaling=json.dumps(
-            {
-                "factor": 32.0,
-                "high_freq_factor": 4.0,
-                "low_freq_factor": 1.0,
-                "original_max_position_embeddings": 8192,
-                "rope_type": "llama3",
-            },
-            sort_keys=True,
-        ),
+        rope_scaling='{"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, '
+        '"original_max_position_embeddings": 8192, "rope_type": "llama3"}',  # canonical JSON
         max_position_embeddings=131_072,
         tie_word_embeddings=True,
     ),

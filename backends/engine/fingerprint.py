@@ -73,13 +73,8 @@ def model_fingerprint(
     tokenizer_fingerprint: str,
     weights_digest: str,
 ) -> str:
-    ident = [
-        config.to_hf(),
-        str(dtype).removeprefix("torch."),
-        page_size,
-        tokenizer_fingerprint,
-        weights_digest,
-    ]
+    dtype_name = str(dtype).removeprefix("torch.")
+    ident = [config.to_hf(), dtype_name, page_size, tokenizer_fingerprint, weights_digest]
     return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 

@@ -51,13 +51,8 @@ class LoadedModel:
     @property
     def layout(self) -> KVLayout:
         cfg = self.config
-        return KVLayout(
-            cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            self.page_size,
-            self.dtype,
-        )
+        heads, dim = cfg.num_key_value_heads, cfg.head_dim
+        return KVLayout(cfg.num_hidden_layers, heads, dim, self.page_size, self.dtype)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -33,17 +33,6 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class Embedding(nn.Module):
-    """nn.Embedding without its random init (the loader fills the weights)."""
-
-    def __init__(self, vocab: int, size: int, device: Device = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab, size, device=device))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, device: Device = None) -> None:
         super().__init__()
@@ -103,7 +92,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, device: Device = None) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
         self.layers = nn.ModuleList(DecoderLayer(cfg, device) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 

@@ -49,16 +49,9 @@ def json_response(
     )
 
 
-def error_response(error: ApiError) -> web.Response:
-    body = {
-        "error": {
-            "message": error.message,
-            "type": error.type,
-            "param": error.param,
-            "code": error.code,
-        }
-    }
-    return json_response(body, error.status)
+def error_response(e: ApiError) -> web.Response:
+    fields = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
+    return json_response({"error": fields}, e.status)
 
 
 _HTTP_CODES = {

@@ -1,7 +1,7 @@
-"""One generation between an HTTP handler and an engine, and the contract engines implement.
+"""One generation between an HTTP handler and an engine.
 
-The handler builds a `Generation` and hands it to `Backend.submit`; the engine side fills in
-`cached_tokens` and `admitted`, appends to `output`, sets `finish_reason` (or `aborted`), and
+The handler builds a `Generation` and hands it to the runner (runner.py); the engine side fills
+in `cached_tokens` and `admitted`, appends to `output`, sets `finish_reason` (or `aborted`), and
 sets `changed` after every change, from the event loop's thread (an engine on another thread
 goes through `loop.call_soon_threadsafe`). Handlers only read.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 from backends.http.served_model import ServedModel
 from core.tokenizer import Tokenizer
@@ -50,7 +50,7 @@ class Generation:
 
     @property
     def done(self) -> bool:
-        return self.finish_reason is not None or self.aborted
+        return self.finished or self.aborted
 
     async def wait_admitted(self) -> None:
         """Until it leaves the queue (cached_tokens is known) or ends."""
@@ -93,20 +93,6 @@ class WorkerLoad(NamedTuple):
     waiting: int
     used_tokens: int  # KV tokens cached or held by requests
     capacity_tokens: int
-
-
-class Backend(Protocol):
-    """What an engine offers the HTTP layer; called on the event loop's thread."""
-
-    def submit(self, gen: Generation) -> None:
-        """Queue it; ValueError when it can never run (its text is the client's message)."""
-        ...
-
-    def abort(self, gen: Generation) -> None:
-        """Drop it (its client left, or shutdown); a no-op once done."""
-        ...
-
-    def load(self) -> WorkerLoad: ...
 
 
 def decode(tokenizer: Tokenizer, ids: list[int]) -> str:

@@ -1,5 +1,5 @@
-"""The bridge between an engine and the event loop, behind the HTTP layer's Backend contract
-(generation.py); both our workers run their engine through it.
+"""The bridge between an engine and the event loop, the HTTP handlers' one way to it; both our
+workers run their engine through it.
 
 A task on the loop drives the engine one step at a time. It waits until a step is due (the
 engine says when: the emulated one at the end of its modelled step, the torch one as soon as it
@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 
 class EngineRunner:
-    """`start()` on the loop, then use it as the HTTP layer's Backend; `await stop()` at the
+    """`start()` on the loop, then hand it generations (`submit`, `abort`); `await stop()` at the
     end."""
 
     def __init__(self, steps: Engine, publish: Callable[[Events], None]) -> None:
@@ -67,7 +67,7 @@ class EngineRunner:
         async with self._stepping:
             return fn()
 
-    # -- Backend -------------------------------------------------------------------------------
+    # -- the handlers' side ------------------------------------------------------------------------
 
     def submit(self, gen: Generation) -> None:
         """ValueError when the engine could never run it."""

@@ -43,24 +43,18 @@ class ServedModel:
     def max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
         """The output length: the request's, or the default shortened to fit the context."""
         room = self.max_model_len - prompt_len
-        if requested is None:
-            if room < 1:
-                raise self._too_long(prompt_len, 1, prompt_param)
-            return min(self.default_max_tokens, room)
-        if requested > room:
-            raise self._too_long(prompt_len, requested, prompt_param)
-        return requested
-
-    def _too_long(self, prompt_len: int, completion: int, param: str) -> ApiError:
-        return ApiError(
-            400,
-            f"This model's maximum context length is {self.max_model_len} tokens. However, "
-            f"you requested {prompt_len + completion} tokens ({prompt_len} in the prompt, "
-            f"{completion} in the completion). Please reduce the length of the prompt or "
-            "completion.",
-            param=param,
-            code="context_length_exceeded",
-        )
+        completion = 1 if requested is None else requested
+        if completion > room:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {prompt_len + completion} tokens ({prompt_len} in the prompt, "
+                f"{completion} in the completion). Please reduce the length of the prompt or "
+                "completion.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        return min(self.default_max_tokens, room) if requested is None else requested
 
 
 def pick_model(models: dict[str, ServedModel], requested: object) -> ServedModel:

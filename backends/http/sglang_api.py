@@ -29,8 +29,9 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Backend, Generation, Sampling, decode
-from backends.http.openai_api import CACHED_TOKENS_HEADER, sampling, sse, stream_headers
+from backends.http.generation import Generation, Sampling, decode
+from backends.http.openai_api import respond, sampling, sse
+from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -40,7 +41,7 @@ HEALTH_TIMEOUT_S = 20.0
 class SGLangApi:
     def __init__(
         self,
-        backend: Backend,
+        backend: EngineRunner,
         models: dict[str, ServedModel],
         server_args: Callable[[], dict[str, Any]],
         model_info: Callable[[ServedModel], dict[str, Any]],
@@ -152,59 +153,28 @@ class SGLangApi:
         stream = bool_param(body, "stream")
         rid = body.get("rid")
         rid = rid if isinstance(rid, str) and rid else uuid.uuid4().hex
-        try:
-            self.backend.submit(gen)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from exc
         start = time.monotonic()
-        try:
-            if stream:
-                return await self._stream(request, gen, rid, start)
-            await gen.wait_done()
-            if not gen.finished:
-                raise ApiError(503, "the request was aborted", type_="server_error")
-            headers = {CACHED_TOKENS_HEADER: str(gen.cached_tokens)}
-            return json_response(self._output(gen, len(gen.output), rid, start), headers=headers)
-        finally:
-            self.backend.abort(gen)
 
-    @staticmethod
-    def _output(gen: Generation, n: int, rid: str, start: float) -> dict[str, Any]:
-        ids = gen.output[:n]
-        finish: dict[str, Any] | None = None
-        if gen.finished and n == len(gen.output):
-            finish = {"type": "length", "length": n}
-            if gen.finish_reason == "stop":
-                finish = {"type": "stop", "matched": ids[-1] if ids else None}
-        return {
-            "text": decode(gen.model.tokenizer, ids),
-            "output_ids": ids,
-            "meta_info": {
-                "id": rid,
-                "finish_reason": finish,
-                "prompt_tokens": len(gen.prompt),
-                "completion_tokens": n,
-                "cached_tokens": gen.cached_tokens,
-                "e2e_latency": time.monotonic() - start,
-                "weight_version": "default",
-            },
-        }
+        def output(n: int, final: bool) -> dict[str, Any]:
+            ids = gen.output[:n]
+            finish: dict[str, Any] | None = None
+            if final:
+                finish = {"type": "length", "length": n}
+                if gen.finish_reason == "stop":
+                    finish = {"type": "stop", "matched": ids[-1] if ids else None}
+            return {
+                "text": decode(model.tokenizer, ids),
+                "output_ids": ids,
+                "meta_info": {
+                    "id": rid,
+                    "finish_reason": finish,
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": n,
+                    "cached_tokens": gen.cached_tokens,
+                    "e2e_latency": time.monotonic() - start,
+                    "weight_version": "default",
+                },
+            }
 
-    async def _stream(
-        self, request: web.Request, gen: Generation, rid: str, start: float
-    ) -> web.StreamResponse:
-        await gen.wait_admitted()
-        resp = web.StreamResponse(headers=stream_headers(gen))
-        await resp.prepare(request)
-        final = False
-        async for n in gen.progress():
-            out = self._output(gen, n, rid, start)
-            final = out["meta_info"]["finish_reason"] is not None
-            await resp.write(sse(out))
-        if not gen.finished:
-            return resp
-        if not final:  # it ended without a new token: say how
-            await resp.write(sse(self._output(gen, len(gen.output), rid, start)))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+        whole, event = (lambda: output(len(gen.output), True)), (lambda n, f: sse(output(n, f)))
+        return await respond(request, self.backend, gen, stream, whole, event)
