@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ scripts run from the root
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
