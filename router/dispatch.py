@@ -38,24 +38,27 @@ from router.policies import Candidate, RouteRequest, WorkerLoad
 
 
 def candidates(
-    index: UnifiedIndex, request: RouteRequest, loads: Sequence[WorkerLoad], now: float
+    index: UnifiedIndex, request: RouteRequest, loads: list[WorkerLoad], now: float
 ) -> list[Candidate]:
     """What the policy sees of each worker in `loads` (the kv_group's, in the fleet's order):
     its match in the index (used now, for the index's LRU), a copy of its load, its cache size."""
     group = request.kv_group
     matched = index.match(request.block_keys, group, now)
-    return [
-        Candidate(
-            w.worker,
-            matched.get(w.worker, 0),
-            w.in_flight,
-            w.queued_prefill_tokens,
-            w.running_decode,
-            index.blocks_held(w.worker, group),
-            index.blocks_stored(w.worker, group),
+    seen: list[Candidate] = []
+    for w in loads:
+        held, stored = index.sizes(w.worker, group)
+        seen.append(
+            Candidate(
+                w.worker,
+                matched.get(w.worker, 0),
+                w.in_flight,
+                w.queued_prefill_tokens,
+                w.running_decode,
+                held,
+                stored,
+            )
         )
-        for w in loads
-    ]
+    return seen
 
 
 def candidate(candidates: Sequence[Candidate], worker: str) -> Candidate:
