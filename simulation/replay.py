@@ -4,22 +4,20 @@ workers, all in virtual time.
 Three kinds of events, in time order (sends before engine steps at equal times, so that a
 request submitted at the end of a step joins the next one, as the engine's own rule says):
 
-    send         the client sends requests (client.py): the router matches the request's keys
-                 in the unified index, builds the candidates exactly as router/gateway/routing.py
-                 does, asks the policy, and submits it to the chosen worker's engine
-    engine step  a worker's engine reaches `next_time()`: admissions, first tokens and finishes
-                 move the gateway's load view (worker.py) and the client
+    send         the client sends requests (client.py): the gateway's dispatch
+                 (router/dispatch.py) builds the candidates from the unified index, the policy
+                 chooses, and the request is submitted to the chosen worker's engine
+    engine step  a worker's engine reaches `next_time()`: first tokens and finishes move the
+                 gateway's load view (router/dispatch.py's LoadShare) and the client
     KV events    what a step stored and evicted reaches the index `event_delay_s` later, as one
                  batch per step; they are applied lazily, before the next routing decision that
                  could see them (nothing else reads the index)
 
 The index is fed as `WorkerMirror` feeds it from our workers, whose block hashes are our keys:
 `insert(keys, worker, group, now, parent=...)` for BlockStored, `remove` for BlockRemoved. With
-`kv_events=False` workers publish nothing and the gateway's approximate residency stands in:
-each successful request's keys are inserted as approximate when it ends, and expire after the
-TTL (checked every `EXPIRE_EVERY_S`, the gateway's health interval). With KV events and
-`pending_ttl_s` > 0, each request's keys are pending residency on its worker from the moment it
-is sent, as the gateway marks them at dispatch, until its events confirm them or they expire.
+`kv_events=False` workers publish nothing and the gateway's approximate residency stands in
+(router/dispatch.py's `RoutedResidency`, as with KV events and `pending_ttl_s` > 0 its pending one);
+expiry is checked every `EXPIRE_EVERY_S`, the gateway's health interval.
 """
 
 from __future__ import annotations
@@ -29,13 +27,14 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.request import Request
 from core.heap import Heap
+from router.dispatch import LoadShare, RoutedResidency, candidate, candidates, dispatch
 from router.index import UnifiedIndex
-from router.policies import Candidate, Policy
+from router.policies import Policy, WorkerLoad
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
 from simulation.worker import Change, SimWorker, max_model_len
@@ -144,25 +143,23 @@ class Replay:
             SimWorker(name, groups[i % len(groups)], config, limit, fleet.kv_events)
             for i, name in enumerate(names)
         ]
-        self.by_group: dict[str, list[SimWorker]] = {}
+        self.loads: dict[str, list[WorkerLoad]] = {}  # kv_group -> its workers' loads
         for w in self.workers:
-            self.by_group.setdefault(w.kv_group, []).append(w)
+            self.loads.setdefault(w.kv_group, []).append(w.load)
         self.by_name = {w.name: w for w in self.workers}
         self.index = UnifiedIndex(
             max_blocks=fleet.index_max_blocks,
             approx_ttl_s=fleet.approx_ttl_s,
             pending_ttl_s=fleet.pending_ttl_s,
         )
-        # the index's counts change beyond the events too: by expiry, and by pending entries
-        self._recount = not fleet.kv_events or fleet.pending_ttl_s > 0
-        self._pending = fleet.kv_events and fleet.pending_ttl_s > 0
+        self.residency = RoutedResidency(self.index)
+        self._expires = not fleet.kv_events or fleet.pending_ttl_s > 0  # what the gateway writes
         self.client = Client(self.requests, fleet.concurrency, fleet.max_in_flight)
         n = len(self.requests)
         self._sent = [math.nan] * n
         self._worker = [-1] * n
         self._predicted = [0] * n
-        self._uncached = [0] * n
-        self._started = [False] * n
+        self._shares: list[LoadShare | None] = [None] * n
         self._engine_req: list[Request | None] = [None] * n
         self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
         self._heap: Heap[SimWorker] = Heap()  # workers by the time of their next step call
@@ -225,65 +222,37 @@ class Replay:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
         index = self.index
-        if self._recount and now >= self._next_expire:
+        if self._expires and now >= self._next_expire:
             index.expire(now)
             self._next_expire = now + EXPIRE_EVERY_S
         route = req.route
-        workers = self.by_group[route.kv_group]
-        if self._recount:  # approximate and pending residency also shrink by expiry
-            for w in workers:
-                w.cached_blocks = index.blocks_held(w.name, w.kv_group)
-                w.stored_blocks = index.blocks_stored(w.name, w.kv_group)
-        matched = index.match(route.block_keys, route.kv_group, now)
-        candidates = [
-            Candidate(
-                w.name,
-                matched.get(w.name, 0),
-                w.in_flight,
-                w.queued_prefill_tokens,
-                w.running_decode,
-                w.cached_blocks,
-                w.stored_blocks,
-            )
-            for w in workers
-        ]
-        decision = self.policy.choose(route, candidates)
+        seen = candidates(index, route, self.loads[route.kv_group], now)
+        decision = self.policy.choose(route, seen)
         w = self.by_name[decision.worker]
         reasons = self._reasons
         reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
+        chosen = candidate(seen, w.name)
         i = req.index
-        prompt = route.prompt_tokens
-        depth = matched.get(w.name, 0)
-        predicted = min(depth * route.block_size, prompt)
-        if self._pending:  # the load counts pending blocks as work: the worker may redo them
-            held = index.confirmed_depth(route.block_keys, w.name, w.kv_group, depth)
-            uncached = prompt - min(held * route.block_size, prompt)
-        else:
-            uncached = prompt - predicted
         self._sent[i] = now
         self._worker[i] = self._worker_index[w.name]
-        self._predicted[i] = predicted
-        self._uncached[i] = uncached
-        w.in_flight += 1
-        w.queued_prefill_tokens += uncached
-        if self._pending and req.keys:  # the gateway marks them at dispatch (app.py)
-            index.insert(req.keys, w.name, w.kv_group, now, pending=True)
-        if prompt + req.max_tokens > w.max_model_len:
-            self._reject(req, w, now)
+        self._predicted[i] = route.matched_tokens(chosen.matched_blocks)
+        share = self._shares[i] = dispatch(index, route, chosen, w.load)
+        self.residency.dispatched(route, w.name, w.kv_group, self.fleet.kv_events, now)
+        if route.prompt_tokens + req.max_tokens > w.max_model_len:
+            self._reject(req, share, now)
             return
         engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
         try:
             w.engine.submit(engine_req)
         except ValueError:
-            self._reject(req, w, now)
+            self._reject(req, share, now)
             return
         self._engine_req[i] = engine_req
         self._schedule(w)
 
-    def _reject(self, req: SimRequest, w: SimWorker, now: float) -> None:
+    def _reject(self, req: SimRequest, share: LoadShare, now: float) -> None:
         """The worker answers 400 (too long): the gateway's load comes back, the turn fails."""
-        w.in_flight -= 1
-        w.queued_prefill_tokens -= self._uncached[req.index]
+        share.finish()
         self.client.complete(req, False, now)
 
     # -- engine steps ------------------------------------------------------------------------
@@ -295,26 +264,21 @@ class Replay:
         client = self.client
         heap = self._heap
         requests = self.requests
-        started = self._started
-        uncached = self._uncached
+        shares = self._shares
+        sent = self._sent
+        exact = self.fleet.kv_events
         per_step = self.per_step
         while True:
             result = engine.step(now)
             self._steps += 1
-            for r in result.first_token:  # the gateway's first byte (a chat's role rides on it)
-                i = r.rid
-                if not started[i]:
-                    started[i] = True
-                    w.queued_prefill_tokens -= uncached[i]
-                    w.running_decode += 1
+            for r in result.first_token:  # the gateway's first byte
+                cast(LoadShare, shares[r.rid]).first_token()
             if result.finished:
                 for r in result.finished:
                     i = r.rid
-                    w.running_decode -= 1  # started at its first token at the latest
-                    w.in_flight -= 1
+                    cast(LoadShare, shares[i]).finish()
                     req = requests[i]
-                    if not self.fleet.kv_events and req.keys:  # the gateway's routing history
-                        self.index.insert(req.keys, w.name, w.kv_group, now, approximate=True)
+                    self.residency.served(req.route, w.name, w.kv_group, exact, sent[i], now)
                     client.complete(req, True, now)
             if w.changes:
                 self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
@@ -343,23 +307,14 @@ class Replay:
             name, group = w.name, w.kv_group
             for change in changes:
                 if change.stored:
-                    added = index.insert(change.keys, name, group, due, parent=change.parent)
-                    w.cached_blocks += added
-                    w.stored_blocks += added  # as UnifiedIndex.blocks_stored counts
+                    index.insert(change.keys, name, group, due, parent=change.parent)
                 else:
-                    w.cached_blocks -= index.remove(change.keys, name, group)
+                    index.remove(change.keys, name, group)
                 applied += 1
         self._events += applied
-        if self._pending:  # a confirmed pending block was held already: count from the index
-            for w in self.workers:
-                w.cached_blocks = index.blocks_held(w.name, w.kv_group)
-                w.stored_blocks = index.blocks_stored(w.name, w.kv_group)
         size = len(index)
         if size > self._peak:
             self._peak = size
-        if index.max_blocks and size >= index.max_blocks:  # the index's budget evicted blocks
-            for w in self.workers:
-                w.cached_blocks = index.blocks_held(w.name, w.kv_group)
 
     # -- the outcome -------------------------------------------------------------------------
 

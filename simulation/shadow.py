@@ -51,7 +51,6 @@ class RecordedChoice:
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         worker = self._chosen[id(request)]
-        bs, prompt = request.block_size, request.prompt_tokens
         chosen = next((c for c in candidates if c.worker == worker), None)
         if chosen is None:
             names = ", ".join(c.worker for c in candidates)
@@ -59,8 +58,8 @@ class RecordedChoice:
         self.shadows.watch(request, candidates, worker)
         live = self.live
         live.requests += 1
-        live.prompt_tokens += prompt
-        live.predicted_hit_tokens += min(chosen.matched_blocks * bs, prompt)
+        live.prompt_tokens += request.prompt_tokens
+        live.predicted_hit_tokens += request.matched_tokens(chosen.matched_blocks)
         live.predicted_ttft_s += self.shadows.estimator.ttft(request, chosen)
         return Decision(worker, "recorded", request, candidates, [0.0] * len(candidates))
 

@@ -1,14 +1,6 @@
-"""One simulated worker: an emulated engine on the virtual clock, and the gateway's view of it.
-
-The load fields are the gateway's own (router/gateway/proxy.py), moved at the same moments:
-
-    dispatched   in_flight += 1, queued_prefill_tokens += its uncached tokens (predicted)
-    first byte   queued_prefill_tokens -= them, running_decode += 1
-    done         in_flight -= 1, running_decode -= 1 (or the queued tokens, if never started)
-
-The first byte of a streamed response is its first token (a chat's role chunk rides on it, as
-vLLM sends it). `cached_blocks` counts the blocks the unified
-index holds for the worker (what `UnifiedIndex.blocks_held` returns), kept from the KV events.
+"""One simulated worker: an emulated engine on the virtual clock, and the gateway's view of
+its load (`load`, moved by router/dispatch.py as the gateway moves it). The gateway's first
+byte is the first token (a chat's role chunk rides on it, as vLLM sends it).
 
 With KV events, the worker listens to its engine's cache itself: `changes` are the cache's
 stores and removals since the replay last took them, what the engine's BlockStored and
@@ -20,6 +12,7 @@ from __future__ import annotations
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine
+from router.policies import WorkerLoad
 
 
 class Change:
@@ -39,11 +32,7 @@ class SimWorker:
         "kv_group",
         "engine",
         "max_model_len",
-        "in_flight",
-        "queued_prefill_tokens",
-        "running_decode",
-        "cached_blocks",
-        "stored_blocks",
+        "load",
         "wake",
         "wake_seq",
         "changes",
@@ -65,11 +54,7 @@ class SimWorker:
             self.engine.cache.on_stored = self._stored
             self.engine.cache.on_removed = self._removed
         self.max_model_len = max_model_len  # longer prompt + max_tokens: 400, as the worker says
-        self.in_flight = 0
-        self.queued_prefill_tokens = 0
-        self.running_decode = 0
-        self.cached_blocks = 0
-        self.stored_blocks = 0
+        self.load = WorkerLoad(name)
         self.wake: float | None = None  # when the engine wants its next step call
         self.wake_seq = -1  # the one valid heap entry of this worker
 

@@ -69,9 +69,9 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
         "cached_blocks": blocks_held,
         "incarnation": worker.incarnation,
         "load": {
-            "in_flight": worker.in_flight,
-            "queued_prefill_tokens": worker.queued_prefill_tokens,
-            "running_decode": worker.running_decode,
+            "in_flight": worker.load.in_flight,
+            "queued_prefill_tokens": worker.load.queued_prefill_tokens,
+            "running_decode": worker.load.running_decode,
         },
         "kv_events": [stream.describe() for stream in worker.streams],
     }

@@ -2,8 +2,8 @@
 
 Each request: authenticate -> parse -> plan (tokenize, keys, match, policy) -> mark its keys
 pending on a worker with KV events -> forward with the tenant's `cache_salt` -> record
-approximate residency for workers without events -> respond, with `x-urc-route` saying where it
-went and why.
+approximate residency for workers without events (router/dispatch.py's rules) -> respond, with
+`x-urc-route` saying where it went and why.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import math
 import secrets
 import signal
 import time
@@ -22,6 +21,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from router.dispatch import RoutedResidency
 from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.errors import APIError, add_fallback_route, json_errors
@@ -77,9 +77,7 @@ class Gateway:
             self.metrics.registry.register(ParityCollector(self.parity))
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
-        # when the last admin invalidation began (monotonic): a response to a request routed
-        # before it must not bring back approximate residency that the invalidation dropped
-        self.invalidated_at = -math.inf
+        self.residency = RoutedResidency(self.index)  # invalidation.py marks when one begins
         self._tasks: list[asyncio.Task[None]] = []
         # errors become JSON per handler (json_errors), not in a middleware: a middleware
         # costs every request a wrapper object
@@ -183,8 +181,11 @@ class Gateway:
             modes.watch(plan)
         self.metrics.decision.observe(plan.decision_s)
         self.metrics.reason(plan.decision.reason).inc()
-        if plan.keys and self.config.pending_ttl_s > 0:
-            self._mark_pending(plan)
+        chosen = plan.worker(plan.decision.worker)
+        group = chosen.kv_group_of(plan.model)
+        self.residency.dispatched(
+            plan.request, chosen.name, group, chosen.exact(group), plan.arrived
+        )
         payload = forwarded(body, scope.salt, plan.public_tokens)
         stream = body.get("stream") is True
         await self.proxy.forward(
@@ -196,22 +197,13 @@ class Gateway:
             lambda plan, worker, usage: self._served(plan, worker, usage, tenant.name),
         )
 
-    def _mark_pending(self, plan: Plan) -> None:
-        """Requests right behind this one find its prefix on its worker before the worker's
-        KV events say so; the events confirm it (or it expires). Failover elsewhere is rare:
-        the TTL clears the mark then."""
-        chosen = plan.decision.worker
-        worker = next(w for w in plan.workers if w.name == chosen)
-        group = worker.models.get(plan.model.name, plan.model.kv_group)
-        if worker.exact(group):
-            self.index.insert(plan.keys, chosen, group, time.monotonic(), pending=True)
-
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
-        """After a success: workers without KV events get approximate residency; the request
-        goes to the recording."""
-        group = worker.models.get(plan.model.name, plan.model.kv_group)
-        if plan.keys and not worker.exact(group) and plan.arrived > self.invalidated_at:
-            self.index.insert(plan.keys, worker.name, group, time.monotonic(), approximate=True)
+        """After a success: residency for workers without KV events; the recording."""
+        group = worker.kv_group_of(plan.model)
+        exact = worker.exact(group)
+        self.residency.served(
+            plan.request, worker.name, group, exact, plan.arrived, time.monotonic()
+        )
         if self.recorder is not None:
             self.recorder.record(plan, worker, tenant, usage)
 

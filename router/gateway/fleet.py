@@ -22,6 +22,7 @@ from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
 from router.gateway.events import EventStream, discovered_streams
 from router.gateway.upstream import UpstreamPool
 from router.index import UnifiedIndex
+from router.policies import WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +50,18 @@ class Worker:
     answered_at: float = 0.0  # its last successful answer (monotonic): alive, no probe needed
     alive_at: float = 0.0  # its last answer of any kind, or passed health check (monotonic)
     incarnation: str | None = None
-    # load as the gateway sees it: changed only by its requests' own lifecycle (proxy._Load)
-    in_flight: int = 0
-    queued_prefill_tokens: int = 0
-    running_decode: int = 0
+    load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
     # KV events, one stream per kv_group (a group without one: approximate residency)
     streams: list[EventStream] = field(default_factory=list)
     pool: UpstreamPool | None = None  # keep-alive connections for requests
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
+
+    def __post_init__(self) -> None:
+        self.load = WorkerLoad(self.name)
+
+    def kv_group_of(self, model: Model) -> str:
+        """The kv_group this worker serves `model` in (the model's own, if it did not say)."""
+        return self.models.get(model.name, model.kv_group)
 
     def exact(self, kv_group: str) -> bool:
         """Whether this worker's residency in `kv_group` comes from its KV events."""
@@ -88,6 +93,7 @@ class Fleet:
         self.workers: dict[str, Worker] = {}
         self.models: dict[str, Model] = {}
         self._by_group: dict[str, list[Worker]] = {}
+        self._loads: dict[str, list[WorkerLoad]] = {}  # the same workers' loads
         self._tokenizers: dict[str, Tokenizer] = {}
         self._configured = {m.name: m for m in config.models}
         for model in config.models:
@@ -117,6 +123,10 @@ class Fleet:
     def candidates(self, kv_group: str) -> list[Worker]:
         return self._by_group.get(kv_group, [])
 
+    def loads(self, kv_group: str) -> list[WorkerLoad]:
+        """The loads of `candidates(kv_group)`, in order (kept: no list made per request)."""
+        return self._loads.get(kv_group, [])
+
     def _regroup(self) -> None:
         groups: dict[str, list[Worker]] = {}
         for worker in self.workers.values():
@@ -124,6 +134,7 @@ class Fleet:
                 for group in set(worker.models.values()):
                     groups.setdefault(group, []).append(worker)
         self._by_group = groups
+        self._loads = {group: [w.load for w in workers] for group, workers in groups.items()}
 
     # -- membership --------------------------------------------------------------------------
 

@@ -102,7 +102,7 @@ class Invalidator:
 
     async def run(self, body: Any) -> dict[str, Any]:
         scope, named, test, kv_group, fields = self.resolve(body)
-        self.gateway.invalidated_at = time.monotonic()  # responses under way: see Gateway._served
+        self.gateway.residency.invalidated_at = time.monotonic()  # responses under way
         index = self.gateway.index
         dropped = invalidate(index, test, kv_group)
         workers = list(self.gateway.fleet.workers.values())

@@ -226,8 +226,8 @@ class _FleetCollector(Collector):
         for w in self.fleet.workers.values():
             healthy.add_metric([w.name], float(w.up))
             exact.add_metric([w.name], float(w.mode == "exact"))
-            in_flight.add_metric([w.name], w.in_flight)
-            queued.add_metric([w.name], w.queued_prefill_tokens)
+            in_flight.add_metric([w.name], w.load.in_flight)
+            queued.add_metric([w.name], w.load.queued_prefill_tokens)
             held.add_metric(
                 [w.name], sum(self.index.blocks_held(w.name, g) for g in set(w.models.values()))
             )

@@ -37,7 +37,7 @@ class RoutingModes:
 
     def watch(self, plan: Plan) -> None:
         """Run every shadow policy on this request's candidates; count what it would do."""
-        self.shadow.watch(plan.request, plan.candidates, plan.decision.worker)
+        self.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
 
     def describe(self) -> dict[str, object]:
         return {

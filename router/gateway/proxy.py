@@ -1,12 +1,9 @@
-"""Forwarding: the original body (plus `cache_salt`) to the planned worker, failing over to the
+"""Forwarding: the worker's body (request_body.py) to the planned worker, failing over to the
 next one while nothing has reached the client; SSE chunks are passed through as they arrive.
 
-Load accounting per request (what the policies see):
-    dispatched      in_flight += 1, queued_prefill_tokens += its uncached tokens
-    first byte      queued_prefill_tokens -= them, running_decode += 1
-    done            in_flight -= 1, running_decode -= 1
-A non-streamed response has no visible first byte: its prefill is aged out of the queue after
-the time the gateway's prefill-rate estimate gives it.
+Each attempt holds a share of its worker's load (router/dispatch.py), whose first token is the
+first byte. A non-streamed response has no visible first byte: its prefill is aged out of the
+queue after the time the gateway's prefill-rate estimate gives it.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from router.dispatch import LoadShare, dispatch
 from router.gateway.deadlines import Deadlines, Renew
 from router.gateway.errors import bad_gateway
 from router.gateway.fleet import Fleet, Worker
@@ -44,38 +42,6 @@ class _Failover(Exception):
     def __init__(self, message: str, answer: tuple[int, Headers, bytes] | None = None) -> None:
         super().__init__(message)
         self.answer = answer
-
-
-class _Load:
-    """One request's share of a worker's load; every transition happens at most once."""
-
-    __slots__ = ("worker", "uncached", "started", "done", "timer")
-
-    def __init__(self, worker: Worker, uncached: int) -> None:
-        self.worker = worker
-        self.uncached = uncached
-        self.started = self.done = False
-        self.timer: asyncio.TimerHandle | None = None
-        worker.in_flight += 1
-        worker.queued_prefill_tokens += uncached
-
-    def start(self) -> None:
-        if not self.started and not self.done:
-            self.started = True
-            self.worker.queued_prefill_tokens -= self.uncached
-            self.worker.running_decode += 1
-
-    def finish(self) -> None:
-        if self.done:
-            return
-        if self.timer is not None:
-            self.timer.cancel()
-        if self.started:
-            self.worker.running_decode -= 1
-        else:
-            self.worker.queued_prefill_tokens -= self.uncached
-        self.done = True
-        self.worker.in_flight -= 1
 
 
 def route_header(plan: Plan, worker: Worker) -> str:
@@ -131,10 +97,11 @@ class Proxy:
         for worker in plan.ranked():
             if not worker.up:
                 continue
-            load = _Load(worker, plan.prompt_tokens - plan.load_matched(worker.name, self.index))
+            load = dispatch(self.index, plan.request, plan.candidate(worker.name), worker.load)
+            timer: asyncio.TimerHandle | None = None
             if not stream:
-                delay = worker.queued_prefill_tokens * self.s_per_token
-                load.timer = self.deadlines.loop().call_later(delay, load.start)
+                delay = worker.load.queued_prefill_tokens * self.s_per_token
+                timer = self.deadlines.loop().call_later(delay, load.first_token)
             failed: _Failover | None = None
             try:
                 status, usage = await self._attempt(
@@ -143,6 +110,8 @@ class Proxy:
             except _Failover as exc:
                 failed = exc
             finally:
+                if timer is not None:
+                    timer.cancel()
                 load.finish()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
@@ -190,7 +159,7 @@ class Proxy:
         payload: bytes,
         plan: Plan,
         worker: Worker,
-        load: _Load,
+        load: LoadShare,
         stream: bool,
         t0: float,
     ) -> tuple[int, Usage | None]:
@@ -238,7 +207,7 @@ class Proxy:
         upstream: UpstreamResponse,
         plan: Plan,
         worker: Worker,
-        load: _Load,
+        load: LoadShare,
         t0: float,
     ) -> tuple[int, Usage | None]:
         """A non-streamed answer, checked before anything reaches the client."""
@@ -253,7 +222,7 @@ class Proxy:
             raise _Failover(f"answered {status}", answer)
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
-        load.start()
+        load.first_token()
         self.metrics.series(plan.model.name, worker.name).ttft.observe(time.monotonic() - t0)
         usage = None
         if status == 200:
@@ -281,7 +250,7 @@ class Proxy:
         upstream: UpstreamResponse,
         plan: Plan,
         worker: Worker,
-        load: _Load,
+        load: LoadShare,
         t0: float,
         task: asyncio.Task[object],
     ) -> Usage | None:
@@ -298,7 +267,7 @@ class Proxy:
                         raise _Failover("answered 200 with a stream that is not SSE")
                     first = False
                     self._started(worker, task, t0)
-                    load.start()
+                    load.first_token()
                     self.metrics.series(plan.model.name, worker.name).ttft.observe(
                         time.monotonic() - t0
                     )

@@ -1,18 +1,19 @@
 """The routing step of a request: tokenize -> block keys -> match -> policy.
 
 Synchronous and free of I/O: the HTTP handler parses and checks the body (request_body.py),
-calls `Router.plan` and then forwards.
+calls `Router.plan` and then forwards. The candidates are router/dispatch.py's, as the replay's.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
 from core.blocks import block_keys
+from router.dispatch import candidate, candidates
 from router.gateway.errors import APIError, bad_request, unavailable
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens
@@ -20,42 +21,60 @@ from router.index import UnifiedIndex
 from router.policies import Candidate, Decision, Policy, RouteRequest
 
 
-class Plan(NamedTuple):
-    model: Model
-    keys: list[int]
-    prompt_tokens: int
-    decision: Decision
-    workers: list[Worker]  # the candidates, in the order the policy saw them
-    matched_blocks: dict[str, int]  # leading blocks each candidate holds (from the index)
-    decision_s: float
-    arrived: float  # time.monotonic() when routing began
-    request: RouteRequest  # what the policy saw (shadow policies see the same)
-    candidates: list[Candidate]
-    policy: str  # the policy that decided
-    public_tokens: int = 0  # shared isolation: leading tokens keyed in the shared namespace
+class Plan:
+    """A routed request: what the policy saw and chose (`decision`), and where it may go."""
+
+    __slots__ = ("model", "decision", "workers", "decision_s", "arrived", "policy", "public_tokens")
+
+    def __init__(
+        self,
+        model: Model,
+        decision: Decision,
+        workers: list[Worker],
+        decision_s: float,
+        arrived: float,
+        policy: str,
+        public_tokens: int = 0,
+    ) -> None:
+        self.model = model
+        self.decision = decision
+        self.workers = workers  # the candidates' workers, in the order the policy saw them
+        self.decision_s = decision_s
+        self.arrived = arrived  # time.monotonic() when routing began
+        self.policy = policy  # the policy that decided
+        self.public_tokens = public_tokens  # shared isolation: leading tokens keyed shared
+
+    @property
+    def request(self) -> RouteRequest:
+        """What the policy saw (shadow policies see the same)."""
+        return self.decision.request
+
+    @property
+    def keys(self) -> Sequence[int]:
+        return self.decision.request.block_keys
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.decision.request.prompt_tokens
+
+    def candidate(self, worker: str) -> Candidate:
+        return candidate(self.decision.candidates, worker)
 
     def matched(self, worker: str) -> int:
-        """Tokens of the prompt `worker` will find cached, as the index says: its full blocks,
-        less the last one when it holds the whole prompt (vLLM, SGLang and our workers compute
-        at least the last prompt token)."""
-        bs = self.model.block_size
-        usable = max(self.prompt_tokens - 1, 0) // bs
-        return min(self.matched_blocks.get(worker, 0), usable) * bs
+        """Tokens of the prompt `worker` can reuse, as the index says (router/dispatch.py)."""
+        return self.decision.request.matched_tokens(self.candidate(worker).matched_blocks)
 
-    def load_matched(self, worker: str, index: UnifiedIndex) -> int:
-        """`matched`, less what the worker holds only pending (another request's prefix, maybe
-        not computed when this one starts): the tokens its queued load takes as cached."""
-        blocks = self.matched(worker) // self.model.block_size
-        held = index.confirmed_depth(self.keys, worker, self.request.kv_group, blocks)
-        return held * self.model.block_size
+    def worker(self, name: str) -> Worker:
+        for w in self.workers:  # a few candidates: a scan, not a dict per request
+            if w.name == name:
+                return w
+        raise KeyError(name)
 
     def ranked(self) -> Iterator[Worker]:
         """The chosen worker, then (only if asked for: failover) the rest by the policy's cost."""
-        chosen = self.decision.worker
-        by_name = {w.name: w for w in self.workers}
-        yield by_name[chosen]
+        yield self.worker(self.decision.worker)
         for name in self.decision.ranked()[1:]:
-            yield by_name[name]
+            yield self.worker(name)
 
 
 SYSTEM_RENDERS = 1024  # shared isolation: distinct system prompts whose render is kept
@@ -110,7 +129,8 @@ class Router:
             raise APIError(
                 404, f"The model '{name}' does not exist", param="model", code="model_not_found"
             )
-        workers = self.fleet.candidates(model.kv_group)
+        group = model.kv_group
+        workers = self.fleet.candidates(group)
         if not workers:
             raise unavailable(f"no healthy worker serves model '{name}'")
         tokens = self.tokens(model, body, chat)
@@ -119,36 +139,9 @@ class Router:
         keys = block_keys(tokens, model.block_size, salt, public_blocks)
         if salt and len(keys) > public_blocks:  # where scoped invalidation finds the namespace
             self.index.tag_namespace(keys[public_blocks], salt)
-        group = model.kv_group
-        matched_blocks = self.index.match(keys, group, arrived)
-        index = self.index
-        candidates = [
-            Candidate(
-                w.name,
-                matched_blocks.get(w.name, 0),
-                w.in_flight,
-                w.queued_prefill_tokens,
-                w.running_decode,
-                index.blocks_held(w.name, group),
-                index.blocks_stored(w.name, group),
-            )
-            for w in workers
-        ]
         request = RouteRequest(keys, len(tokens), model.block_size, group, name)
+        seen = candidates(self.index, request, self.fleet.loads(group), arrived)
         policy = policy or self.policy
-        decision = policy.choose(request, candidates)
+        decision = policy.choose(request, seen)
         decision_s = time.perf_counter() - t0
-        return Plan(
-            model,
-            keys,
-            len(tokens),
-            decision,
-            workers,
-            matched_blocks,
-            decision_s,
-            arrived,
-            request,
-            candidates,
-            policy.name,
-            public_tokens,
-        )
+        return Plan(model, decision, workers, decision_s, arrived, policy.name, public_tokens)

@@ -1,6 +1,6 @@
 """Routing policies (docs/policies.md): pure objects from (request, candidates) to a Decision."""
 
-from router.policies.base import Candidate, Decision, Policy, RouteRequest, Score
+from router.policies.base import Candidate, Decision, Policy, RouteRequest, Score, WorkerLoad
 from router.policies.cache_aware import CacheAwarePolicy
 from router.policies.consistent_hash import ConsistentHashPolicy
 from router.policies.least_load import LeastLoadPolicy, PowerOfTwoPolicy
@@ -21,6 +21,7 @@ __all__ = [
     "RouteRequest",
     "SGLangCacheAwarePolicy",
     "Score",
+    "WorkerLoad",
     "make_policy",
     "policy_params",
 ]

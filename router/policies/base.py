@@ -39,16 +39,44 @@ class RouteRequest:
         self.kv_group = kv_group
         self.model = model
 
+    def matched_tokens(self, blocks: int) -> int:
+        """The prompt tokens a worker holding its first `blocks` blocks can reuse: whole
+        blocks, less the last one of a prompt it holds whole (router/dispatch.py says why)."""
+        usable = (self.prompt_tokens - 1) // self.block_size  # the last token is computed
+        if blocks > usable:
+            blocks = usable
+        return blocks * self.block_size if blocks > 0 else 0
+
 
 @dataclass(init=False, slots=True)
-class Candidate:
-    """One worker that serves the request's kv_group, with what it holds and its load."""
+class WorkerLoad:
+    """A worker's load as the gateway sees it, moved only by its requests' dispatch
+    (router/dispatch.py's `LoadShare`): the gateway's and the simulated workers' own record."""
 
     worker: str
-    matched_blocks: int  # leading blocks of the request this worker holds (unified index)
     in_flight: int  # requests sent and not finished
     queued_prefill_tokens: int  # uncached prompt tokens routed to it and not yet prefilled
     running_decode: int  # requests past their first token, still decoding
+
+    def __init__(
+        self,
+        worker: str,
+        in_flight: int = 0,
+        queued_prefill_tokens: int = 0,
+        running_decode: int = 0,
+    ) -> None:
+        self.worker = worker
+        self.in_flight = in_flight
+        self.queued_prefill_tokens = queued_prefill_tokens
+        self.running_decode = running_decode
+
+
+@dataclass(init=False, slots=True)
+class Candidate(WorkerLoad):
+    """One worker that serves the request's kv_group: a copy of its load when the request
+    came, and what it holds."""
+
+    matched_blocks: int  # leading blocks of the request this worker holds (unified index)
     cached_blocks: int  # all blocks this worker holds for the kv_group (its tree size)
     stored_blocks: int  # blocks it has stored so far (its cache's inflow, from KV events)
 
@@ -115,10 +143,10 @@ class Decision:
     @property
     def scores(self) -> tuple[Score, ...]:
         """How the policy saw every candidate, in the order given: the explanation's rows."""
-        bs, prompt = self.request.block_size, self.request.prompt_tokens
+        request = self.request
         return tuple(
             [
-                Score(c.worker, min(c.matched_blocks * bs, prompt), c.in_flight, cost)
+                Score(c.worker, request.matched_tokens(c.matched_blocks), c.in_flight, cost)
                 for c, cost in zip(self.candidates, self.costs, strict=True)
             ]
         )
@@ -126,8 +154,10 @@ class Decision:
     @property
     def matched_tokens(self) -> int:
         """Prompt tokens the chosen worker holds (shadow policies read it on every request)."""
-        chosen = next(c for c in self.candidates if c.worker == self.worker)
-        return min(chosen.matched_blocks * self.request.block_size, self.request.prompt_tokens)
+        for c in self.candidates:
+            if c.worker == self.worker:
+                return self.request.matched_tokens(c.matched_blocks)
+        raise ValueError(f"{self.worker!r} is not a candidate")
 
     def ranked(self) -> list[str]:
         """Workers by the policy's preference, best first (the failover order)."""

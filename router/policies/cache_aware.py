@@ -242,57 +242,28 @@ class CacheAwarePolicy:
         return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        block_size = request.block_size
-        prompt = request.prompt_tokens
-        chunk = self.chunk_tokens
-        s_per_token = self._s_per_token
-        decode_token_s = self.decode_token_s
-        n = len(candidates)
-        waiting = queued = held = 0
-        for c in candidates:
-            waiting += c.in_flight
-            queued += c.queued_prefill_tokens
-            held += c.cached_blocks
-        history = self.history(request.kv_group)
-        share = history.bound_share(block_size)
-        base = queued / n * (1.0 - share)  # backlog = base + share * queued_prefill_tokens
-        s_delay = self.externality * waiting / n * s_per_token  # per uncached token
-        s_evict = self.cache_value * history.reuse(block_size) * s_per_token  # on a full cache
-
-        costs: list[float] = []
+        block_size, prompt = request.block_size, request.prompt_tokens
+        costs = self._costs(request, candidates)
         best, best_cost, n_best = 0, math.inf, 0
-        most_blocks = -1
-        fewest_blocks = 1 << 62
-        for i, c in enumerate(candidates):  # `cost`, inlined: this loop is the hot path
-            blocks = c.matched_blocks
-            matched = blocks * block_size
-            if matched > prompt:
-                matched = prompt
-            uncached = prompt - matched
-            work = base + share * c.queued_prefill_tokens + uncached
-            cost = work * s_per_token + uncached * (
-                s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay
-            )
-            if c.running_decode:
-                steps = -(-work // chunk)
-                if steps < 1.0:
-                    steps = 1.0
-                cost += steps * c.running_decode * decode_token_s
-            costs.append(cost)
+        most_blocks, fewest_blocks, held = -1, 1 << 62, 0
+        for i, c in enumerate(candidates):  # plain comparisons, no builtins: the hot path
+            cost = costs[i]
             if cost < best_cost:
                 best, best_cost, n_best = i, cost, 1
             elif cost == best_cost:
                 n_best += 1
+            blocks = c.matched_blocks
             if blocks > most_blocks:
                 most_blocks = blocks
             if blocks < fewest_blocks:
                 fewest_blocks = blocks
+            held += c.cached_blocks
 
         keys = request.block_keys
         n_keys = len(keys)
         if n_keys == 0:  # no full block, nothing to hash: lowest cost, then fewest in flight
             best = min(
-                range(n),
+                range(len(candidates)),
                 key=lambda i: (costs[i], candidates[i].in_flight, candidates[i].worker),
             )
             return Decision(candidates[best].worker, "cold_miss", request, candidates, costs)
@@ -312,15 +283,47 @@ class CacheAwarePolicy:
                         shared = candidates[i].matched_blocks
             best = self._rendezvous_among(candidates, tied, keys[shared])
 
-        if most_blocks <= 0:
-            reason = "cold_miss"
-        elif candidates[best].matched_blocks >= most_blocks:
-            reason = "cache_hit"
-        else:
-            reason = "load"
-        hit = min(candidates[best].matched_blocks * block_size, prompt)
-        history.record(hit, prompt - hit, free, held * block_size)
+        blocks = candidates[best].matched_blocks
+        reason = (
+            "cold_miss" if most_blocks <= 0 else "cache_hit" if blocks >= most_blocks else "load"
+        )
+        hit = min(blocks * block_size, prompt)
+        self.history(request.kv_group).record(hit, prompt - hit, free, held * block_size)
         return Decision(candidates[best].worker, reason, request, candidates, costs)
+
+    def _costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
+        """`cost` of every candidate, inlined: this loop is the hot path."""
+        block_size, prompt = request.block_size, request.prompt_tokens
+        chunk = self.chunk_tokens
+        s_per_token = self._s_per_token
+        decode_token_s = self.decode_token_s
+        n = len(candidates)
+        waiting = queued = 0
+        for c in candidates:
+            waiting += c.in_flight
+            queued += c.queued_prefill_tokens
+        history = self.history(request.kv_group)
+        share = history.bound_share(block_size)
+        base = queued / n * (1.0 - share)  # backlog = base + share * queued_prefill_tokens
+        s_delay = self.externality * waiting / n * s_per_token  # per uncached token
+        s_evict = self.cache_value * history.reuse(block_size) * s_per_token  # on a full cache
+        costs: list[float] = []
+        for c in candidates:
+            matched = c.matched_blocks * block_size
+            if matched > prompt:
+                matched = prompt
+            uncached = prompt - matched
+            work = base + share * c.queued_prefill_tokens + uncached
+            cost = work * s_per_token + uncached * (
+                s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay
+            )
+            if c.running_decode:
+                steps = -(-work // chunk)
+                if steps < 1.0:
+                    steps = 1.0
+                cost += steps * c.running_decode * decode_token_s
+            costs.append(cost)
+        return costs
 
     def _place_new(
         self,

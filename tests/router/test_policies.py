@@ -47,7 +47,8 @@ def assert_explains(decision: Decision, req: RouteRequest, candidates: list[Cand
     assert decision.worker in {c.worker for c in candidates}
     assert [s.worker for s in decision.scores] == [c.worker for c in candidates]
     for s, c in zip(decision.scores, candidates, strict=True):
-        assert s.matched_tokens == min(c.matched_blocks * req.block_size, req.prompt_tokens)
+        usable = max(req.prompt_tokens - 1, 0) // req.block_size  # the last token is computed
+        assert s.matched_tokens == min(c.matched_blocks, usable) * req.block_size
         assert s.load == c.in_flight
         assert isinstance(s.cost, float) and math.isfinite(s.cost)
     assert decision.ranked()[0] == decision.worker

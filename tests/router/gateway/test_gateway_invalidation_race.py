@@ -9,7 +9,7 @@ from router.gateway.config import GatewayConfig, WorkerConfig
 from router.gateway.fleet import Model, Worker
 from router.gateway.proxy import Usage
 from router.gateway.routing import Plan
-from router.policies import Decision, RouteRequest
+from router.policies import Candidate, Decision, RouteRequest
 
 KEYS = [11, 12, 13]
 
@@ -19,14 +19,14 @@ def served(gateway: Gateway, arrived: float) -> None:
     url = "http://127.0.0.1:1"
     worker = Worker("w", url, WorkerConfig(url=url), models={"m": "m"})  # no KV events
     request = RouteRequest(KEYS, 48, 16, "m", "m")
-    decision = Decision("w", "cache_hit", request, [], [])
-    plan = Plan(model, KEYS, 48, decision, [worker], {}, 0.0, arrived, request, [], "test")
+    decision = Decision("w", "cache_hit", request, [Candidate("w", 0)], [0.0])
+    plan = Plan(model, decision, [worker], 0.0, arrived, "test")
     gateway._served(plan, worker, Usage(None, None), "default")
 
 
 async def test_a_response_in_flight_during_an_invalidation_records_nothing():
     gateway = Gateway(GatewayConfig())
-    gateway.invalidated_at = 100.0  # an invalidation began at 100 s (monotonic)
+    gateway.residency.invalidated_at = 100.0  # an invalidation began at 100 s (monotonic)
     served(gateway, 99.0)  # routed before it, answered after
     assert gateway.index.match(KEYS, "m") == {}
     served(gateway, 101.0)  # routed after it: recorded as usual

@@ -1,0 +1,141 @@
+"""A request's dispatch, written once for the gateway (routing.py, proxy.py, app.py) and the
+replay (simulation/replay.py): the candidates a policy sees, the load the request adds to its
+worker, and the residency the gateway writes into the index itself.
+
+Matched tokens are the prompt tokens whose KV the worker can reuse:
+`RouteRequest.matched_tokens(blocks)` = min(blocks, (prompt_tokens - 1) // block_size) *
+block_size. Whole blocks only, and never the whole prompt: vLLM, SGLang and our workers compute
+at least the last prompt token (its logits start the output), so a prompt held whole still has
+its last block computed. The `x-urc-route` header, the prediction metrics, recordings, shadow
+policies, scores and the replay's predicted tokens all read this one number.
+
+Load, per worker (`WorkerLoad`, what the policies see), moved by each request's `LoadShare`:
+
+    dispatched    in_flight += 1, queued_prefill_tokens += its uncached tokens
+    first token   queued_prefill_tokens -= them, running_decode += 1
+    finished      in_flight -= 1, running_decode -= 1 (or the queued tokens, if never started)
+
+Each transition happens at most once: a timer and a stream may both say "first token".
+Uncached tokens are the prompt less the matched tokens the worker holds confirmed: blocks held
+only pending (another request's prefix, maybe not computed yet) count as work.
+
+Residency the gateway writes itself, beside the workers' KV events (`RoutedResidency`):
+
+    pending       a worker with KV events: the request's keys at dispatch, until its events
+                  confirm them or `pending_ttl_s` passes (UnifiedIndex: 0 turns it off)
+    approximate   a worker without: the keys after a success, for `approx_ttl_s`, unless an
+                  admin invalidation began after the request was routed (it would bring back
+                  what the invalidation dropped)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from router.index import UnifiedIndex
+from router.policies import Candidate, RouteRequest, WorkerLoad
+
+
+def candidates(
+    index: UnifiedIndex, request: RouteRequest, loads: list[WorkerLoad], now: float
+) -> list[Candidate]:
+    """What the policy sees of each worker in `loads` (the kv_group's, in the fleet's order):
+    its match in the index (used now, for the index's LRU), a copy of its load, its cache size."""
+    group = request.kv_group
+    matched = index.match(request.block_keys, group, now)
+    seen: list[Candidate] = []
+    for w in loads:
+        held, stored = index.sizes(w.worker, group)
+        seen.append(
+            Candidate(
+                w.worker,
+                matched.get(w.worker, 0),
+                w.in_flight,
+                w.queued_prefill_tokens,
+                w.running_decode,
+                held,
+                stored,
+            )
+        )
+    return seen
+
+
+def candidate(candidates: Sequence[Candidate], worker: str) -> Candidate:
+    for c in candidates:  # a few candidates: a scan, not a dict per request
+        if c.worker == worker:
+            return c
+    raise KeyError(worker)
+
+
+class LoadShare:
+    """One request's share of its worker's load (module doc): dispatched when made."""
+
+    __slots__ = ("load", "uncached", "started", "done")
+
+    def __init__(self, load: WorkerLoad, uncached: int) -> None:
+        self.load = load
+        self.uncached = uncached
+        self.started = False
+        self.done = False
+        load.in_flight += 1
+        load.queued_prefill_tokens += uncached
+
+    def first_token(self) -> None:
+        if not self.started and not self.done:
+            self.started = True
+            self.load.queued_prefill_tokens -= self.uncached
+            self.load.running_decode += 1
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        load = self.load
+        if self.started:
+            load.running_decode -= 1
+        else:
+            load.queued_prefill_tokens -= self.uncached
+        load.in_flight -= 1
+
+
+def dispatch(
+    index: UnifiedIndex, request: RouteRequest, chosen: Candidate, load: WorkerLoad
+) -> LoadShare:
+    """Send `request` to `chosen` (whose load is `load`): its uncached tokens join the queue."""
+    blocks = request.matched_tokens(chosen.matched_blocks) // request.block_size
+    held = index.confirmed_depth(request.block_keys, chosen.worker, request.kv_group, blocks)
+    return LoadShare(load, request.prompt_tokens - held * request.block_size)
+
+
+class RoutedResidency:
+    """The residency the gateway writes into `index` itself (module doc)."""
+
+    __slots__ = ("index", "invalidated_at")
+
+    def __init__(self, index: UnifiedIndex) -> None:
+        self.index = index
+        # when the last admin invalidation began (the caller's clock): a response to a request
+        # routed before it must not bring back approximate residency the invalidation dropped
+        self.invalidated_at = -math.inf
+
+    def dispatched(
+        self, request: RouteRequest, worker: str, kv_group: str, exact: bool, now: float
+    ) -> None:
+        """Requests right behind this one find its prefix on an exact worker before its KV
+        events say so. Failover elsewhere is rare: the TTL clears the mark then."""
+        if exact and request.block_keys and self.index.pending_ttl_s > 0:
+            self.index.insert(request.block_keys, worker, kv_group, now, pending=True)
+
+    def served(
+        self,
+        request: RouteRequest,
+        worker: str,
+        kv_group: str,
+        exact: bool,
+        arrived: float,
+        now: float,
+    ) -> None:
+        """A success on a worker without KV events: it holds the prompt now, approximately."""
+        if not exact and request.block_keys and arrived > self.invalidated_at:
+            self.index.insert(request.block_keys, worker, kv_group, now, approximate=True)
