@@ -123,14 +123,8 @@ class Proxy:
                 else:  # a second worker answered 5xx too: the answer is the request's
                     break
                 continue
-            now = time.monotonic()
-            worker.failures = 0
-            if status < 500:  # it answered for itself: as good as a health check
-                worker.answered_at = now
-            self.metrics.status(model, worker.name, status).inc()
-            self.metrics.series(model, worker.name).latency.observe(now - t0)
+            self._answered(plan, worker, status, usage, t0)
             if usage is not None:
-                self._account(plan, worker, usage.cached_tokens)
                 on_success(plan, worker, usage)
             return
         if answered is not None:
@@ -138,6 +132,20 @@ class Proxy:
             reply.whole(status, headers, body)
             return
         raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
+
+    def _answered(
+        self, plan: Plan, worker: Worker, status: int, usage: Usage | None, t0: float
+    ) -> None:
+        """`worker` answered (the answer went to the client): its health and the metrics."""
+        now = time.monotonic()
+        model = plan.model.name
+        worker.failures = 0
+        if status < 500:  # it answered for itself: as good as a health check
+            worker.answered_at = now
+        self.metrics.status(model, worker.name, status).inc()
+        self.metrics.series(model, worker.name).latency.observe(now - t0)
+        if usage is not None:
+            self._account(plan, worker, usage.cached_tokens)
 
     def _first_byte_deadline(self, worker: Worker, stream: bool) -> Renew | None:
         """A stream's first byte is due within the time to first byte. A non-streamed answer
