@@ -18,17 +18,22 @@ def start_fleet() -> Iterator[Callable[..., Fleet]]:
     """`start_fleet(n, *worker_args, gateway_args=...)`: n workers and a gateway over them,
     returned once the gateway sees all n exact (it needs `--admin-key admin-secret` for that,
     added unless `gateway_args` names an admin key)."""
-    started: list[Child] = []
+    fleets: list[tuple[Child | None, list[Child]]] = []
 
     def start(n: int, *worker_args: str, gateway_args: Sequence[str] = ()) -> Fleet:
-        workers = [start_worker(*worker_args) for _ in range(n)]
-        started.extend(workers)
+        workers: list[Child] = []
+        fleets.append((None, workers))  # stopped even if the gateway does not come up
+        workers += [start_worker(*worker_args) for _ in range(n)]
         admin = () if "--admin-key" in gateway_args else ("--admin-key", "admin-secret")
         gateway = start_gateway([w.url for w in workers], *admin, *gateway_args)
-        started.append(gateway)
+        fleets[-1] = (gateway, workers)
         assert wait_for(lambda: all_exact(gateway.url, n), 20), gateway.lines[-20:]
         return gateway, workers
 
     yield start
-    for proc in reversed(started):
-        proc.stop()
+    # the workers' list as the test left it: a worker it replaced is the one stopped
+    for gateway, workers in fleets:
+        if gateway is not None:
+            gateway.stop()
+        for w in workers:
+            w.stop()

@@ -54,50 +54,41 @@ def test_openai_client_works_unchanged(two_workers):
     assert [m.id for m in client.models.list().data] == [model]
 
 
-def test_shared_prefixes_land_where_they_are_cached():
-    workers = [start_worker() for _ in range(4)]
-    gateway = start_gateway([w.url for w in workers], "--admin-key", "admin-secret")
-    try:
-        assert wait_for(lambda: all_exact(gateway.url, 4), 20)
-        url = gateway.url
-        model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
-        prefixes = [f"group {g:02d} " + "system prompt text " * 106 for g in range(20)]
-        prefixes = [p[:2000] for p in prefixes]
-        client = httpx.Client(timeout=30)
+def test_shared_prefixes_land_where_they_are_cached(start_fleet):
+    gateway, _ = start_fleet(4)
+    url = gateway.url
+    model = httpx.get(f"{url}/v1/models", timeout=5).json()["data"][0]["id"]
+    prefixes = [f"group {g:02d} " + "system prompt text " * 106 for g in range(20)]
+    prefixes = [p[:2000] for p in prefixes]
+    client = httpx.Client(timeout=30)
 
-        def send(prompt: str) -> httpx.Response:
-            body = {"model": model, "prompt": prompt, "max_tokens": 4}
-            response = client.post(f"{url}/v1/completions", json=body)
-            assert response.status_code == 200, response.text
-            return response
+    def send(prompt: str) -> httpx.Response:
+        body = {"model": model, "prompt": prompt, "max_tokens": 4}
+        response = client.post(f"{url}/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        return response
 
-        for g, prefix in enumerate(prefixes):  # the first of each group warms one worker
-            send(prefix + f" first question of group {g}?")
-            probe = {"model": model, "prompt": prefix + " probe"}
-            # the worker's KV events reach the index within moments
-            assert wait_for(lambda probe=probe: best_match(url, probe) >= 1984, 5)
-        followups = [
-            (g, p + f" question {i} of group {g}?")
-            for i in range(5)
-            for g, p in enumerate(prefixes)
-        ]
-        with cf.ThreadPoolExecutor(8) as pool:
-            responses = list(pool.map(lambda gp: send(gp[1]), followups))
-        hits, errors, per_worker = 0, [], {}
-        for response in responses:
-            r = route(response)
-            usage = response.json()["usage"]
-            cached = usage["prompt_tokens_details"]["cached_tokens"]
-            hits += int(r["matched_tokens"]) >= 1984
-            errors.append(abs(int(r["matched_tokens"]) - cached) / usage["prompt_tokens"])
-            per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
-        assert hits >= 0.95 * len(followups), (hits, per_worker)
-        assert max(errors) <= 0.02, max(errors)
-        assert len(per_worker) >= 3, per_worker  # the groups spread over the fleet
-    finally:
-        gateway.stop()
-        for w in workers:
-            w.stop()
+    for g, prefix in enumerate(prefixes):  # the first of each group warms one worker
+        send(prefix + f" first question of group {g}?")
+        probe = {"model": model, "prompt": prefix + " probe"}
+        # the worker's KV events reach the index within moments
+        assert wait_for(lambda probe=probe: best_match(url, probe) >= 1984, 5)
+    followups = [
+        (g, p + f" question {i} of group {g}?") for i in range(5) for g, p in enumerate(prefixes)
+    ]
+    with cf.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda gp: send(gp[1]), followups))
+    hits, errors, per_worker = 0, [], {}
+    for response in responses:
+        r = route(response)
+        usage = response.json()["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        hits += int(r["matched_tokens"]) >= 1984
+        errors.append(abs(int(r["matched_tokens"]) - cached) / usage["prompt_tokens"])
+        per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
+    assert hits >= 0.95 * len(followups), (hits, per_worker)
+    assert max(errors) <= 0.02, max(errors)
+    assert len(per_worker) >= 3, per_worker  # the groups spread over the fleet
 
 
 def test_a_new_prefix_is_pending_on_its_worker_before_its_events_arrive():

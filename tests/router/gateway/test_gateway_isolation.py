@@ -39,52 +39,45 @@ def invalidate(url: str, **body: str) -> httpx.Response:
     return httpx.post(f"{url}/admin/invalidate", json=body, headers=ADMIN, timeout=30)
 
 
-def test_invalidating_a_tenant_drops_its_cache_everywhere_and_nothing_else():
-    workers = [start_worker() for _ in range(2)]
+def test_invalidating_a_tenant_drops_its_cache_everywhere_and_nothing_else(start_fleet):
     keys = ("--api-key", "acme:key-acme", "--api-key", "beta:key-beta")
-    gateway = start_gateway([w.url for w in workers], *keys, "--admin-key", "admin-secret")
-    try:
-        url = gateway.url
-        assert wait_for(lambda: all_exact(url, 2), 20)
-        bodies = {t: chat(f"{t} asks about its own long document. " * 20) for t in ("acme", "beta")}
-        for tenant, body in bodies.items():
-            cached(url, tenant, body)
-            assert wait_for(lambda t=tenant, b=body: max(matched(url, t, b)) > 0)
-            assert cached(url, tenant, body) > 0
-        before_beta = cached(url, "beta", bodies["beta"])
+    gateway, _ = start_fleet(2, gateway_args=keys)
+    url = gateway.url
+    bodies = {t: chat(f"{t} asks about its own long document. " * 20) for t in ("acme", "beta")}
+    for tenant, body in bodies.items():
+        cached(url, tenant, body)
+        assert wait_for(lambda t=tenant, b=body: max(matched(url, t, b)) > 0)
+        assert cached(url, tenant, body) > 0
+    before_beta = cached(url, "beta", bodies["beta"])
 
-        r = invalidate(url, scope="tenant", tenant="acme")
-        assert r.status_code == 200, r.text
-        answer = r.json()
-        assert answer["index_blocks_dropped"] > 0
-        statuses = {w["status"] for w in answer["workers"].values()}
-        assert statuses == {"invalidated"}
-        assert sum(w["freed_blocks"] for w in answer["workers"].values()) > 0
-        # the index holds none of acme's keys the moment the call returns
-        assert matched(url, "acme", bodies["acme"]) == [0, 0]
-        assert cached(url, "acme", bodies["acme"]) == 0  # and no worker serves them
-        assert cached(url, "beta", bodies["beta"]) == before_beta  # beta's hits untouched
-        assert max(matched(url, "beta", bodies["beta"])) > 0
+    r = invalidate(url, scope="tenant", tenant="acme")
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["index_blocks_dropped"] > 0
+    statuses = {w["status"] for w in answer["workers"].values()}
+    assert statuses == {"invalidated"}
+    assert sum(w["freed_blocks"] for w in answer["workers"].values()) > 0
+    # the index holds none of acme's keys the moment the call returns
+    assert matched(url, "acme", bodies["acme"]) == [0, 0]
+    assert cached(url, "acme", bodies["acme"]) == 0  # and no worker serves them
+    assert cached(url, "beta", bodies["beta"]) == before_beta  # beta's hits untouched
+    assert max(matched(url, "beta", bodies["beta"])) > 0
 
-        metrics = httpx.get(f"{url}/metrics", headers=ADMIN).text
-        assert 'urc_invalidations_total{scope="tenant"} 1.0' in metrics
-        assert "urc_invalidated_blocks_total" in metrics
+    metrics = httpx.get(f"{url}/metrics", headers=ADMIN).text
+    assert 'urc_invalidations_total{scope="tenant"} 1.0' in metrics
+    assert "urc_invalidated_blocks_total" in metrics
 
-        r = invalidate(url, scope="user", tenant="acme", user="u1")
-        assert r.status_code == 409 and "isolated per tenant" in r.json()["error"]["message"]
-        assert invalidate(url, scope="tenant", tenant="nobody").status_code == 404
-        assert invalidate(url, scope="everything").status_code == 400
-        assert invalidate(url, scope="model").status_code == 400  # needs a model
-        r = httpx.post(f"{url}/admin/invalidate", json={"scope": "all"}, timeout=10)
-        assert r.status_code == 401  # behind the admin key
+    r = invalidate(url, scope="user", tenant="acme", user="u1")
+    assert r.status_code == 409 and "isolated per tenant" in r.json()["error"]["message"]
+    assert invalidate(url, scope="tenant", tenant="nobody").status_code == 404
+    assert invalidate(url, scope="everything").status_code == 400
+    assert invalidate(url, scope="model").status_code == 400  # needs a model
+    r = httpx.post(f"{url}/admin/invalidate", json={"scope": "all"}, timeout=10)
+    assert r.status_code == 401  # behind the admin key
 
-        r = invalidate(url, scope="all")
-        assert r.status_code == 200 and r.json()["index_blocks_dropped"] > 0
-        assert cached(url, "beta", bodies["beta"]) == 0
-    finally:
-        gateway.stop()
-        for w in workers:
-            w.stop()
+    r = invalidate(url, scope="all")
+    assert r.status_code == 200 and r.json()["index_blocks_dropped"] > 0
+    assert cached(url, "beta", bodies["beta"]) == 0
 
 
 def test_shared_tenants_reuse_a_public_system_prompt_and_nothing_else():
