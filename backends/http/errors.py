@@ -1,6 +1,6 @@
 """Client errors as OpenAI shapes them: `{"error": {"message", "type", "param", "code"}}`.
 
-Handlers raise `ApiError`; the middleware turns it, and aiohttp's own HTTP errors (unknown
+Handlers raise `APIError`; the middleware turns it, and aiohttp's own HTTP errors (unknown
 route, wrong method, body too large), into that JSON. Bad input is never a 500.
 """
 
@@ -13,29 +13,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from core.errors import APIError
 from core.strict_json import BodyError, decode_object
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        code: str | None = None,
-        type_: str = "invalid_request_error",
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_
 
 
 def json_response(
@@ -47,11 +30,6 @@ def json_response(
         headers=headers,
         content_type="application/json",
     )
-
-
-def error_response(e: ApiError) -> web.Response:
-    fields = {"message": e.message, "type": e.type, "param": e.param, "code": e.code}
-    return json_response({"error": fields}, e.status)
 
 
 _HTTP_CODES = {
@@ -66,16 +44,16 @@ _HTTP_CODES = {
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as exc:
-        return error_response(exc)
+    except APIError as exc:
+        return exc.response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = _HTTP_CODES.get(exc.status, "invalid_request")
-        return error_response(ApiError(exc.status, exc.reason, code=code))
+        return APIError(exc.status, exc.reason, code=code).response()
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
-        return error_response(ApiError(500, "internal error", type_="server_error"))
+        return APIError(500, "internal error", type="server_error").response()
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -83,11 +61,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     try:
         raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
-        raise ApiError(413, exc.text or "request body too large", code="request_too_large") from exc
+        raise APIError(413, exc.text or "request body too large", code="request_too_large") from exc
     try:
         return decode_object(raw)
     except BodyError as exc:
-        raise ApiError(400, str(exc), code="invalid_json") from exc
+        raise APIError(400, str(exc), code="invalid_json") from exc
 
 
 def int_param(body: dict[str, Any], name: str, minimum: int) -> int | None:
@@ -95,7 +73,7 @@ def int_param(body: dict[str, Any], name: str, minimum: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ApiError(400, f"'{name}' must be an integer >= {minimum}", param=name)
+        raise APIError(400, f"'{name}' must be an integer >= {minimum}", param=name)
     return value
 
 
@@ -104,7 +82,7 @@ def bool_param(body: dict[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be a boolean", param=name)
+        raise APIError(400, f"'{name}' must be a boolean", param=name)
     return value
 
 
@@ -113,7 +91,7 @@ def public_param(body: dict[str, Any]) -> int:
     leading prompt tokens are keyed in the shared namespace before the salt (needs one)."""
     value = body.get("urc_public_tokens", 0)
     if type(value) is not int or value < 0:
-        raise ApiError(
+        raise APIError(
             400, "'urc_public_tokens' must be an integer >= 0", param="urc_public_tokens"
         )
     return value
@@ -125,5 +103,5 @@ def salt_param(body: dict[str, Any]) -> str | None:
     if salt is None:
         return None
     if not isinstance(salt, str) or not salt:
-        raise ApiError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+        raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
     return salt

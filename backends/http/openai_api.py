@@ -19,7 +19,6 @@ import msgspec
 from aiohttp import web
 
 from backends.http.errors import (
-    ApiError,
     bool_param,
     int_param,
     json_response,
@@ -30,6 +29,7 @@ from backends.http.errors import (
 from backends.http.generation import Generation, Sampling, TextStream, decode
 from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
+from core.errors import APIError
 
 CACHED_TOKENS_HEADER = "x-urc-cached-tokens"
 _DONE = b"data: [DONE]\n\n"
@@ -56,12 +56,12 @@ async def respond(
     try:
         backend.submit(gen)
     except ValueError as exc:
-        raise ApiError(400, str(exc), code=submit_code) from exc
+        raise APIError(400, str(exc), code=submit_code) from exc
     try:
         if not stream:
             await gen.wait_done()
             if not gen.finished:
-                raise ApiError(503, "the request was aborted", type_="server_error")
+                raise APIError(503, "the request was aborted", type="server_error")
             return json_response(whole(), headers={CACHED_TOKENS_HEADER: str(gen.cached_tokens)})
         await gen.wait_admitted()
         resp = web.StreamResponse(
@@ -89,7 +89,7 @@ def float_param(body: dict[str, Any], name: str, low: float, high: float, defaul
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise ApiError(400, f"'{name}' must be a number in [{low}, {high}]", param=name)
+        raise APIError(400, f"'{name}' must be a number in [{low}, {high}]", param=name)
     return float(value)
 
 
@@ -101,10 +101,10 @@ def sampling(
     for name in ("top_k", seed_field):
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ApiError(400, f"'{name}' must be an integer", param=name)
+            raise APIError(400, f"'{name}' must be an integer", param=name)
     top_p = float_param(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
-        raise ApiError(400, "'top_p' must be in (0, 1]", param="top_p")
+        raise APIError(400, "'top_p' must be in (0, 1]", param="top_p")
     return Sampling(
         max_tokens=max_tokens,
         limit_set=limit_set,
@@ -127,7 +127,7 @@ class _Call:
         if chat and requested is None:
             requested = int_param(body, "max_completion_tokens", 1)
         if int_param(body, "n", 1) not in (None, 1):
-            raise ApiError(400, "only n=1 is supported", param="n")
+            raise APIError(400, "only n=1 is supported", param="n")
         max_tokens = model.max_tokens(len(prompt), requested, "messages" if chat else "prompt")
         params = sampling(body, max_tokens, requested is not None)
         salt = salt_param(body)
@@ -137,9 +137,9 @@ class _Call:
         self.stream = bool_param(body, "stream")
         options = body.get("stream_options")
         if options is not None and not isinstance(options, dict):
-            raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+            raise APIError(400, "'stream_options' must be an object", param="stream_options")
         if options is not None and not self.stream:
-            raise ApiError(400, "'stream_options' needs 'stream': true", param="stream_options")
+            raise APIError(400, "'stream_options' needs 'stream': true", param="stream_options")
         self.include_usage = bool_param(options or {}, "include_usage")
 
 
@@ -149,16 +149,16 @@ def _prompt(model: ServedModel, body: dict[str, Any]) -> list[int]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+            raise APIError(400, "'prompt' must not be empty", param="prompt")
         ids = model.tokenizer.encode(prompt)
         if not ids:
-            raise ApiError(400, "'prompt' encoded to no tokens", param="prompt")
+            raise APIError(400, "'prompt' encoded to no tokens", param="prompt")
         return ids
     if isinstance(prompt, list):
         if any(isinstance(p, str | list) for p in prompt):
-            raise ApiError(400, "only one prompt per request is supported", param="prompt")
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
         return model.check_ids(prompt, "prompt")
-    raise ApiError(
+    raise APIError(
         400, "'prompt' must be a string or a list of token ids (one prompt)", param="prompt"
     )
 
@@ -167,9 +167,9 @@ def _messages(model: ServedModel, body: dict[str, Any]) -> list[int]:
     try:
         ids = model.tokenizer.encode_chat(body.get("messages"))  # type: ignore[arg-type]
     except ValueError as exc:
-        raise ApiError(400, str(exc), param="messages") from exc
+        raise APIError(400, str(exc), param="messages") from exc
     if not ids:
-        raise ApiError(400, "'messages' rendered to no tokens", param="messages")
+        raise APIError(400, "'messages' rendered to no tokens", param="messages")
     return ids
 
 

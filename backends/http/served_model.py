@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.http.errors import ApiError
+from core.errors import APIError
 from core.tokenizer import Tokenizer
 
 
@@ -33,11 +33,11 @@ class ServedModel:
 
     def check_ids(self, ids: Sequence[object], param: str) -> list[int]:
         if not ids:
-            raise ApiError(400, f"'{param}' must not be empty", param=param)
+            raise APIError(400, f"'{param}' must not be empty", param=param)
         vocab = self.vocab_size
         for i in ids:
             if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab:
-                raise ApiError(400, f"'{param}' holds a token id outside [0, {vocab})", param=param)
+                raise APIError(400, f"'{param}' holds a token id outside [0, {vocab})", param=param)
         return list(ids)  # type: ignore[arg-type]
 
     def max_tokens(self, prompt_len: int, requested: int | None, prompt_param: str) -> int:
@@ -45,7 +45,7 @@ class ServedModel:
         room = self.max_model_len - prompt_len
         completion = 1 if requested is None else requested
         if completion > room:
-            raise ApiError(
+            raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
                 f"you requested {prompt_len + completion} tokens ({prompt_len} in the prompt, "
@@ -63,7 +63,7 @@ def pick_model(models: dict[str, ServedModel], requested: object) -> ServedModel
         return next(iter(models.values()))
     model = models.get(requested) if isinstance(requested, str) else None
     if model is None:
-        raise ApiError(
+        raise APIError(
             404,
             f"The model `{requested}` does not exist.",
             param="model",

@@ -22,7 +22,6 @@ from typing import Any
 from aiohttp import web
 
 from backends.http.errors import (
-    ApiError,
     bool_param,
     int_param,
     json_response,
@@ -33,6 +32,7 @@ from backends.http.generation import Generation, Sampling, decode
 from backends.http.openai_api import respond, sampling, sse
 from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
+from core.errors import APIError
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 HEALTH_TIMEOUT_S = 20.0
@@ -124,20 +124,20 @@ class SGLangApi:
     def _prompt(model: ServedModel, body: dict[str, Any]) -> list[int]:
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
-            raise ApiError(400, "give exactly one of 'text' and 'input_ids'", param="text")
+            raise APIError(400, "give exactly one of 'text' and 'input_ids'", param="text")
         if isinstance(text, str):
             if not text:
-                raise ApiError(400, "'text' must not be empty", param="text")
+                raise APIError(400, "'text' must not be empty", param="text")
             return model.tokenizer.encode(text)
         if isinstance(ids, list) and not any(isinstance(i, list) for i in ids):
             return model.check_ids(ids, "input_ids")
-        raise ApiError(400, "one prompt per request: a string or a list of token ids")
+        raise APIError(400, "one prompt per request: a string or a list of token ids")
 
     @staticmethod
     def _sampling(model: ServedModel, body: dict[str, Any], prompt_len: int) -> Sampling:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
-            raise ApiError(400, "'sampling_params' must be an object", param="sampling_params")
+            raise APIError(400, "'sampling_params' must be an object", param="sampling_params")
         requested = int_param(params, "max_new_tokens", 1)
         max_tokens = model.max_tokens(
             prompt_len, DEFAULT_MAX_NEW_TOKENS if requested is None else requested, "text"

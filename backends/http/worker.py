@@ -32,12 +32,13 @@ from typing import Any
 from aiohttp import web
 
 from backends.http.engine import Engine, Events, InvalidateRequest
-from backends.http.errors import ApiError, error_middleware, json_response, read_json
+from backends.http.errors import error_middleware, json_response, read_json
 from backends.http.metrics import CONTENT_TYPE, render
 from backends.http.openai_api import OpenAIApi
 from backends.http.runner import EngineRunner
 from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
+from core.errors import APIError
 from core.kv_publisher import KVEventPublisher
 
 log = logging.getLogger(__name__)
@@ -163,14 +164,14 @@ class Worker:
 
 def parse_invalidate(body: Any) -> InvalidateRequest:
     if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
+        raise APIError(400, "the body must be a JSON object")
     for field in ("salt", "salt_prefix", "kv_group"):
         value = body.get(field)
         if value is not None and (not isinstance(value, str) or not value):
-            raise ApiError(400, f"'{field}' must be a non-empty string", param=field)
+            raise APIError(400, f"'{field}' must be a non-empty string", param=field)
     salt, prefix = body.get("salt"), body.get("salt_prefix")
     if salt is not None and prefix is not None:
-        raise ApiError(400, "send 'salt' or 'salt_prefix', not both", param="salt")
+        raise APIError(400, "send 'salt' or 'salt_prefix', not both", param="salt")
     scope = None if salt is None and prefix is None else salt_scope(salt, prefix)
     return InvalidateRequest(scope, body.get("kv_group"))
 

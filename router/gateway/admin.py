@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from core.errors import APIError
 from router.gateway.config import WorkerConfig
-from router.gateway.errors import APIError, bad_request, json_errors
+from router.gateway.errors import bad_request, json_errors
 from router.gateway.fleet import Worker
 from router.gateway.invalidation import Invalidator
 from router.gateway.request_body import parse_body, validate

@@ -21,10 +21,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from core.errors import APIError
 from router.dispatch import RoutedResidency
 from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
-from router.gateway.errors import APIError, add_fallback_route, json_errors
+from router.gateway.errors import add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import export_levels
 from router.gateway.metrics import GatewayMetrics, ModesCollector

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import httptools
 
+from core.errors import APIError
 from router.gateway.config import Limits
-from router.gateway.errors import APIError
 from router.gateway.lean_reply import JSON_HEADERS, LeanReply
 
 if TYPE_CHECKING:

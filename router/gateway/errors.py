@@ -7,36 +7,12 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable
 
-import msgspec
 from aiohttp import web
+
+from core.errors import APIError
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> bytes:
-        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
-        return msgspec.json.encode({"error": error})
-
-    def response(self) -> web.Response:
-        return web.Response(body=self.body(), status=self.status, content_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

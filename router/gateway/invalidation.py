@@ -26,7 +26,8 @@ import aiohttp
 from prometheus_client import Counter
 
 from core.blocks import salt_scope
-from router.gateway.errors import APIError, bad_request
+from core.errors import APIError
+from router.gateway.errors import bad_request
 from router.gateway.fleet import Worker
 from router.gateway.isolation import session_salt, user_salt
 from router.index_scopes import SaltTest, invalidate

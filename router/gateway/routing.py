@@ -13,8 +13,9 @@ from typing import Any
 import msgspec
 
 from core.blocks import block_keys
+from core.errors import APIError
 from router.dispatch import candidate, candidates
-from router.gateway.errors import APIError, bad_request, unavailable
+from router.gateway.errors import bad_request, unavailable
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens
 from router.index import UnifiedIndex

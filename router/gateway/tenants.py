@@ -11,8 +11,8 @@ import hashlib
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from core.errors import APIError
 from router.gateway.config import TenantConfig
-from router.gateway.errors import APIError
 from router.gateway.isolation import Scope, request_scope
 
 SHARED_TENANT = "default"
