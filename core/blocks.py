@@ -1,16 +1,5 @@
-"""Block keys (docs/block-keys.md): token ids -> full blocks -> chained xxh3_64 keys.
-
-    key_0 = xxh3_64(ns ‖ tokens_0)        ns = le32(len(salt)) ‖ salt, b"\\0\\0\\0\\0" when shared
-    key_i = xxh3_64(le64(key_{i-1}) ‖ tokens_i)
-
-Tokens are little-endian int32. Only full blocks get a key. A chain may continue from a
-known parent key (KV events store blocks under a parent): then `le64(parent)` stands in for ns.
-
-A public prefix (a tenant in `shared` isolation: its leading system prompt) is keyed in the
-shared namespace and the salt is mixed in at the first private block p instead of at block 0:
-    key_p = xxh3_64(le64(key_{p-1}) ‖ ns ‖ tokens_p)
-so tenants that opt in share the public blocks and never the rest.
-"""
+"""Block keys (docs/block-keys.md): token ids -> full blocks -> chained xxh3_64 keys, in the
+namespace of a cache salt, after a parent key, or salted after a shared public prefix."""
 
 from __future__ import annotations
 

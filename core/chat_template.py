@@ -1,11 +1,6 @@
-"""Chat templates rendered the way the serving engines render them (docs/block-keys.md).
-
-The jinja environment is transformers' `apply_chat_template` environment: an immutable sandbox
-with `trim_blocks`, `lstrip_blocks`, `loopcontrols`, the `{% generation %}` tag, a `tojson` that is
-plain `json.dumps` (no HTML escaping, non-ASCII kept) and the globals `raise_exception` and
-`strftime_now`. Messages are first normalised the way vLLM's OpenAI server does before it calls
-`apply_chat_template(add_generation_prompt=True)`, so the rendered text, and hence the token ids
-and block keys, are the ones the engine caches.
+"""Chat templates rendered as the serving engines render them (docs/block-keys.md): in
+transformers' `apply_chat_template` jinja environment, on messages normalised as vLLM's OpenAI
+server does, so the text, and hence the token ids and block keys, are the ones the engine caches.
 """
 
 from __future__ import annotations

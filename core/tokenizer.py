@@ -1,10 +1,5 @@
-"""Prompt -> token ids, exactly as the serving engine tokenizes it (docs/block-keys.md).
-
-Two paths, as in vLLM's OpenAI server:
-- completion: `encode(prompt)` = the tokenizer with special tokens (BOS where the tokenizer's
-  post-processor adds one);
-- chat: `encode_chat(messages)` = the chat template rendered with `add_generation_prompt=True`,
-  then encoded *without* special tokens (the template already carries BOS).
+"""Prompt -> token ids, exactly as the serving engine tokenizes it (docs/block-keys.md): a
+completion prompt with special tokens, a chat rendered by its template then encoded without.
 
 `fingerprint` identifies everything that decides the ids (vocabulary, merges, template, special
 tokens); the gateway folds it into a model's KV-compatibility identity.
@@ -113,7 +108,7 @@ class ByteTokenizer(Tokenizer):
     ).hexdigest()
 
     _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in BYTE_SPECIAL_TOKENS) + ")")
-    _SPECIAL_TEXT = {i: t for t, i in BYTE_SPECIAL_TOKENS.items()}
+    _SPECIAL_TEXT = {i: t.encode() for t, i in BYTE_SPECIAL_TOKENS.items()}
 
     def __init__(self) -> None:
         special = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
@@ -140,19 +135,15 @@ class ByteTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. ValueError on ids outside the vocab."""
-        parts: list[str] = []
-        pending = bytearray()
+        raw = bytearray()
         for i in ids:
             if 0 <= i < 256:
-                pending.append(i)
-                continue
-            if i not in self._SPECIAL_TEXT:
+                raw.append(i)
+            elif i in self._SPECIAL_TEXT:  # ASCII: it ends any broken sequence before it
+                raw += self._SPECIAL_TEXT[i]
+            else:
                 raise ValueError(f"token id {i} is outside the byte vocabulary")
-            parts.append(pending.decode(errors="replace"))
-            pending.clear()
-            parts.append(self._SPECIAL_TEXT[i])
-        parts.append(pending.decode(errors="replace"))
-        return "".join(parts)
+        return raw.decode(errors="replace")
 
 
 # --- Hugging Face tokenizers ----------------------------------------------------------------------

@@ -29,7 +29,8 @@ from router.gateway.config import (
     load_config,
 )
 
-ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.engine.server"}
+from urc.cli import ENGINES
+
 REAL_ENGINES = ("vllm", "sglang")  # backends/real_cluster.py, imported only when asked for
 READY_TIMEOUT_S = 120.0
 
@@ -54,17 +55,9 @@ async def start_worker(
     engine: str, port: int, extra: list[str]
 ) -> tuple[asyncio.subprocess.Process, str]:
     """Start one worker; returns it and its URL once it prints `ready: URL`."""
+    argv = [sys.executable, "-m", ENGINES[engine], "--host", "127.0.0.1", "--port", str(port)]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        ENGINES[engine],
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *extra,
-        stdout=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        *argv, *extra, stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )
     assert proc.stdout is not None
 
@@ -105,13 +98,11 @@ async def stop_workers(procs: list[asyncio.subprocess.Process], timeout_s: float
             await proc.wait()
 
 
-async def run_real_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
+async def run_real_cluster(
+    args: argparse.Namespace, config: GatewayConfig, stop: asyncio.Event
+) -> None:
     from backends.real_cluster import start_real_engines, stop_engines
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     engines = await start_real_engines(args)
     try:
         for engine in engines:
@@ -128,13 +119,12 @@ async def run_real_cluster(args: argparse.Namespace, config: GatewayConfig) -> N
 
 
 async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
-    if args.engine in REAL_ENGINES:
-        await run_real_cluster(args, config)
-        return
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    if args.engine in REAL_ENGINES:
+        await run_real_cluster(args, config, stop)
+        return
     # port 0: each worker binds a port of its own and announces it (no race for a free one)
     results = await asyncio.gather(
         *(start_worker(args.engine, 0, args.worker_arg) for _ in range(args.workers)),
