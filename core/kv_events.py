@@ -1,16 +1,6 @@
-"""KV events codec (docs/kv-events.md): vLLM's wire format, both of its msgpack encodings.
-
-A batch is `[ts, [events...], dp_rank]` (dp_rank optional) or the map
-`{"ts", "events", "data_parallel_rank"}`. Each event is a tagged union, either positional
-(`["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]`,
-older vLLM) or a map (`{"type": "BlockStored", "block_hashes": ..., ...}`, vLLM today). Block
-hashes are ints or bytes and are kept as given. Extra trailing positions and unknown map keys
-are tolerated; events of unknown type are skipped and counted in `EventBatch.unknown_events`.
-
-Our extension: `BlockStored.cache_salt`, the salt of the namespace the event's first block
-starts: a root block, or (shared isolation) the first private block after a public prefix,
-keyed `xxh3_64(le64(parent) ‖ ns ‖ tokens)` (core/blocks.py). It travels only in the map
-encoding (vLLM carries none; a root block without one is in the shared namespace).
+"""The KV-event codec: vLLM's batches in both msgpack encodings, positional and map, with
+unknown events skipped and counted, and our `BlockStored.cache_salt` (maps only). The wire
+format and what is tolerated: docs/kv-events.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The worker side of KV events (docs/kv-events.md): a ZMQ PUB stream plus a ROUTER replay socket.
-
-Wire protocol (vLLM's ZmqEventPublisher):
-
-    PUB     (topic, seq as 8-byte big-endian, payload)        seq counts from 0 per incarnation
-    replay  client -> (b"", start_seq as 8-byte big-endian)   a DEALER; a REQ socket works too
-            server -> (b"", seq, payload) for every buffered seq >= start_seq,
-                      then (b"", -1 as 8-byte big-endian signed, b"")
-
-The last `buffer_steps` batches are kept for replay. `publish` is synchronous and thread-safe
-(the engine's step loop calls it); a daemon thread answers replay requests.
+"""The worker side of KV events: vLLM's ZmqEventPublisher, a PUB stream plus a ROUTER replay
+of the last `buffer_steps` batches (wire protocol: docs/kv-events.md). `publish` is synchronous
+and thread-safe (the engine's step loop calls it); a daemon thread answers replay requests.
 """
 
 from __future__ import annotations

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import os
 import signal
 import sys
 from pathlib import Path
@@ -28,8 +26,8 @@ from router.gateway.config import (
     apply_flags,
     load_config,
 )
-
 from urc.cli import ENGINES
+from urc.processes import Child
 
 REAL_ENGINES = ("vllm", "sglang")  # backends/real_cluster.py, imported only when asked for
 READY_TIMEOUT_S = 120.0
@@ -49,53 +47,6 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_real_engine_arguments(parser)
     add_gateway_arguments(parser)
-
-
-async def start_worker(
-    engine: str, port: int, extra: list[str]
-) -> tuple[asyncio.subprocess.Process, str]:
-    """Start one worker; returns it and its URL once it prints `ready: URL`."""
-    argv = [sys.executable, "-m", ENGINES[engine], "--host", "127.0.0.1", "--port", str(port)]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, *extra, stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    assert proc.stdout is not None
-
-    async def ready() -> str:
-        while line := await proc.stdout.readline():  # type: ignore[union-attr]
-            text = line.decode(errors="replace").strip()
-            if text.startswith("ready: "):
-                return text.removeprefix("ready: ")
-        raise RuntimeError(f"worker on port {port} exited with {await proc.wait()}")
-
-    try:
-        url = await asyncio.wait_for(ready(), READY_TIMEOUT_S)
-    except BaseException:
-        await stop_workers([proc])
-        raise
-    # keep draining its stdout so a chatty worker never blocks on a full pipe
-    asyncio.get_running_loop().create_task(_drain(proc))
-    return proc, url
-
-
-async def _drain(proc: asyncio.subprocess.Process) -> None:
-    assert proc.stdout is not None
-    while await proc.stdout.readline():
-        pass
-
-
-async def stop_workers(procs: list[asyncio.subprocess.Process], timeout_s: float = 10.0) -> None:
-    for proc in procs:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
-    for proc in procs:
-        try:
-            await asyncio.wait_for(proc.wait(), timeout_s)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
 
 
 async def run_real_cluster(
@@ -126,19 +77,23 @@ async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
         await run_real_cluster(args, config, stop)
         return
     # port 0: each worker binds a port of its own and announces it (no race for a free one)
-    results = await asyncio.gather(
-        *(start_worker(args.engine, 0, args.worker_arg) for _ in range(args.workers)),
-        return_exceptions=True,
-    )
-    procs = [r[0] for r in results if not isinstance(r, BaseException)]
+    argv = [sys.executable, "-m", ENGINES[args.engine], "--host", "127.0.0.1", "--port", "0"]
+    workers = [
+        Child(f"worker {i}", [*argv, *args.worker_arg], "ready: ", console=True)
+        for i in range(args.workers)
+    ]
     try:
+        results = await asyncio.gather(
+            *(asyncio.to_thread(w.wait_announced, READY_TIMEOUT_S) for w in workers),
+            return_exceptions=True,
+        )
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             raise RuntimeError(f"{len(failed)} worker(s) did not start: {failed[0]}")
-        config.workers.extend(WorkerConfig(url=r[1]) for r in results)  # type: ignore[index]
+        config.workers.extend(WorkerConfig(url=w.url) for w in workers)
         await serve_gateway(config, stop)
     finally:
-        await stop_workers(procs)
+        await asyncio.gather(*(asyncio.to_thread(w.stop) for w in workers))
 
 
 def cluster_main(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
-"""Workers and gateways as child processes on 127.0.0.1, for the end-to-end tests and the
-benchmarks: started, announced, stopped (every one still running at exit)."""
+"""Workers and gateways as child processes on 127.0.0.1, for `urc cluster`, the end-to-end tests
+and the benchmarks: started, announced, stopped (every one still running at exit)."""
 
 from __future__ import annotations
 
@@ -32,20 +32,29 @@ def free_port() -> int:
 class Child:
     """A child process in its own session (Ctrl-C reaches only us; we stop it), its output kept
     for error messages; `url` comes from its `ready_prefix` line (`ready: URL`, `gateway: URL`),
-    if it has one."""
+    if it has one. A `console` child (of `urc cluster`) runs in our working directory and
+    writes its log (stderr) to ours."""
 
-    def __init__(self, name: str, argv: list[str], ready_prefix: str | None, url: str = "") -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        ready_prefix: str | None,
+        url: str = "",
+        console: bool = False,
+    ) -> None:
         self.name = name
         self.url = url
         self.lines: list[str] = []
         self._ready = threading.Event()
         self.popen = subprocess.Popen(
             argv,
-            cwd=ROOT,
+            cwd=None if console else ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stderr=None if console else subprocess.STDOUT,
             text=True,
+            errors="replace",
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
@@ -116,18 +125,14 @@ def _stop_all() -> None:
         child.stop()
 
 
-def python(*args: str) -> list[str]:
-    return [sys.executable, *args]
-
-
 def start_worker(*extra: str, port: int = 0, module: str = "backends.emulated.server") -> Child:
     """Port 0: the worker binds one of its own and announces it (no race for a free one)."""
-    argv = python("-m", module, "--host", "127.0.0.1", "--port", str(port), *extra)
+    argv = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port), *extra]
     return Child(f"worker {module}", argv, "ready: ").wait_announced()
 
 
 def start_gateway(workers: Sequence[str], *extra: str, port: int = 0) -> Child:
-    argv = python("-m", "urc.cli", "gateway", "--port", str(port))
+    argv = [sys.executable, "-m", "urc.cli", "gateway", "--port", str(port)]
     for url in workers:
         argv += ["--worker", url]
     return Child("urc gateway", [*argv, *extra], "gateway: ").wait_announced()
