@@ -1,10 +1,5 @@
-"""Build hook for the optional native parts; without a C compiler the Python source runs and
-gives the same results.
-
-- core/_blockkeys.c: block-key hashing, the C twin of core/blocks.py.
-- The modules listed under `[tool.urc] compiled` in pyproject.toml, compiled by mypyc from
-  their own source (core/native.py says how they are picked up). URC_PURE_PYTHON=1 at
-  install time skips them.
+"""Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c and, by mypyc,
+the modules under `[tool.urc] compiled`. Without them the Python source runs, with equal results.
 """
 
 import os
@@ -42,9 +37,8 @@ def compiled_modules() -> list[Extension]:
 
 
 def mark_built() -> None:
-    """Stamp the compiled modules in the source tree with this build's time: a rebuild whose
-    output did not change leaves the files (and their old times) as they were, and
-    core/native.py judges staleness by these times."""
+    """Stamp the built modules with this build's time, by which core/native.py judges staleness
+    (an unchanged rebuild would leave their old times)."""
     for package in ("core", "router", "backends", "simulation"):
         for path in (HERE / package).rglob("*.so"):
             source = path.with_name(path.name.split(".", 1)[0] + ".py")

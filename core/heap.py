@@ -1,10 +1,7 @@
 """A min-heap of items by (key, push order): the event queues of the replay and the emulated
-engine.
-
-heapq's algorithm over native entries. Compiled (docs/compiled.md), ordering two entries reads
-two fields; heapq over `(key, seq, item)` tuples compares tuples through the C API, which cost
-the replay a tenth of its time. Entries pop in (key, seq) order, a total order, so any correct
-heap pops them in the same sequence as heapq did.
+engine. heapq's algorithm over native entries: compiled, ordering two reads two fields, where
+heapq over `(key, seq, item)` tuples compared them through the C API (a tenth of the replay's
+time). (key, seq) is a total order, so the pops come in heapq's sequence.
 """
 
 from __future__ import annotations

@@ -122,9 +122,7 @@ def _from_pos(ev: Any) -> KVEvent:
 
 
 def _to_pos(ev: KVEvent) -> Any:
-    twin = _TWINS.get(type(ev))
-    if twin is None:
-        raise TypeError(f"not a KV event: {ev!r}")
+    twin = _TWINS[type(ev)]
     return twin(*msgspec.structs.astuple(ev)[: len(twin.__struct_fields__)])
 
 

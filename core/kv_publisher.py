@@ -23,16 +23,20 @@ _HWM = 100_000  # batches queued per subscriber before PUB drops (the replay the
 _BIND_TIMEOUT_S = 2.0
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> str:
-    """Bind (tcp://host:0: any free port) and return the address bound. A port closed a moment
-    ago may still be held by ZMQ's I/O thread (it closes asynchronously): retry a little."""
+def _bind(kind: int, endpoint: str, send_hwm: int) -> tuple[zmq.Socket, str]:
+    """A socket bound to `endpoint` (tcp://host:0: any free port) and the address bound. A port
+    closed a moment ago may still be held by ZMQ's I/O thread (it closes asynchronously): retry
+    a little."""
+    sock = zmq.Context.instance().socket(kind)
+    sock.setsockopt(zmq.SNDHWM, send_hwm)
+    sock.setsockopt(zmq.LINGER, 0)
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
         endpoint = endpoint[:-1] + "*"  # how ZMQ spells "any port"
     deadline = time.monotonic() + _BIND_TIMEOUT_S
     while True:
         try:
             sock.bind(endpoint)
-            return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            return sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise
@@ -55,32 +59,22 @@ class KVEventPublisher:
         topic: str = "",
         buffer_steps: int = 10_000,
     ) -> None:
-        ctx = zmq.Context.instance()
         self.topic = topic.encode()
         self._lock = threading.Lock()  # guards the PUB socket, the seq and the buffer
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._next_seq = 0
-        self._pub = ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, _HWM)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self.endpoint: str = _bind(self._pub, endpoint)
+        self.next_seq = 0  # the seq of the next batch
+        self._pub, self.endpoint = _bind(zmq.PUB, endpoint, _HWM)
         self.replay_endpoint: str | None = None
         self._replay: zmq.Socket | None = None
         self._running = True
         self._thread: threading.Thread | None = None
         if replay_endpoint is not None:
-            self._replay = ctx.socket(zmq.ROUTER)
-            self._replay.setsockopt(zmq.SNDHWM, 0)  # a replay is bounded by the buffer: never drop
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self.replay_endpoint = _bind(self._replay, replay_endpoint)
+            # a replay is bounded by the buffer: never drop (SNDHWM 0)
+            self._replay, self.replay_endpoint = _bind(zmq.ROUTER, replay_endpoint, 0)
             self._thread = threading.Thread(
                 target=self._serve_replay, name="kv-event-replay", daemon=True
             )
             self._thread.start()
-
-    @property
-    def next_seq(self) -> int:
-        return self._next_seq
 
     def publish(
         self, events: Sequence[KVEvent], ts: float | None = None, *, live: bool = True
@@ -95,8 +89,8 @@ class KVEventPublisher:
         with self._lock:
             if not self._running:
                 raise RuntimeError("publisher is closed")
-            seq = self._next_seq
-            self._next_seq += 1
+            seq = self.next_seq
+            self.next_seq += 1
             self._buffer.append((seq, payload))
             if live:
                 self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
@@ -139,9 +133,3 @@ class KVEventPublisher:
         if self._replay is not None:
             self._replay.close(linger=0)
         self._pub.close(linger=0)
-
-    def __enter__(self) -> KVEventPublisher:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

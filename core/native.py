@@ -1,9 +1,6 @@
-"""The compiled modules: which run, the extensions or their Python source.
-
-The source runs instead of every extension at once when `URC_PURE_PYTHON=1` is set, or in a
-checkout when an extension is older than its .py (with a warning). Each package's `__init__`
-calls `install()` before anything imports a compiled module. How the modules are built and the
-rules that keep them fast: docs/compiled.md.
+"""Which compiled modules run, the extensions or their Python source (docs/compiled.md): the
+source, for all at once, under `URC_PURE_PYTHON=1` or in a checkout where an extension is older
+than its .py. Each package's `__init__` calls `install()` before it imports a compiled module.
 """
 
 from __future__ import annotations
@@ -40,9 +37,7 @@ def stale() -> list[str]:
     installed wheel's files carry no build order)."""
     if not (ROOT / "pyproject.toml").exists():
         return []
-    # setup.py stamps every extension at the end of a build (an unchanged rebuild would leave
-    # their old times)
-    return sorted(
+    return sorted(  # setup.py stamps every extension at the end of a build
         name
         for name, (ext, src) in extensions().items()
         if src.stat().st_mtime > ext.stat().st_mtime
