@@ -34,15 +34,11 @@ def parent_prefix(parent_key: int) -> bytes:
 
 
 def _python_chain_keys(tokens: Sequence[int], block_size: int, first: bytes) -> list[int]:
-    n = len(tokens) // block_size * block_size
-    if n == 0:
-        return []
-    pack = struct.Struct(f"<Q{block_size}i").pack
-    prev = _xxh3(first + struct.pack(f"<{block_size}i", *tokens[:block_size]))
-    keys = [prev]
-    for i in range(block_size, n, block_size):
-        prev = _xxh3(pack(prev, *tokens[i : i + block_size]))
-        keys.append(prev)
+    pack = struct.Struct(f"<{block_size}i").pack
+    keys: list[int] = []
+    for i in range(0, len(tokens) // block_size * block_size, block_size):
+        keys.append(_xxh3(first + pack(*tokens[i : i + block_size])))
+        first = _LE64.pack(keys[-1])
     return keys
 
 

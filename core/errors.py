@@ -3,26 +3,23 @@
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass
+
 import msgspec
 from aiohttp import web
 
 
+@dataclass(eq=False)  # eq=False: an exception stays hashable
 class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
+    status: int
+    message: str
+    _: KW_ONLY
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)  # str(error) is its message
 
     def body(self) -> bytes:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}

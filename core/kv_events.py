@@ -109,12 +109,8 @@ _any = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
 
 
-def _is_map(first: int) -> bool:
-    return 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
-
-
-def _is_array(first: int) -> bool:
-    return 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+_MAP_FIRST = frozenset([*range(0x80, 0x90), 0xDE, 0xDF])  # msgpack's first bytes of a map
+_ARRAY_FIRST = frozenset([*range(0x90, 0xA0), 0xDC, 0xDD])  # ... and of an array
 
 
 def _from_pos(ev: Any) -> KVEvent:
@@ -140,9 +136,9 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
     """One event; None when its type is unknown (skipped)."""
     first = memoryview(raw)[0] if len(raw) else -1
     try:
-        if _is_map(first):
+        if first in _MAP_FIRST:
             return _map_event.decode(raw)
-        if _is_array(first):
+        if first in _ARRAY_FIRST:
             return _from_pos(_pos_event.decode(raw))
     except msgspec.ValidationError:
         tag = _event_tag(raw)
@@ -157,7 +153,7 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
     if not payload:
         raise KVEventDecodeError("empty payload")
     first = payload[0]
-    if _is_array(first):
+    if first in _ARRAY_FIRST:
         try:
             fast = _vllm_batch.decode(payload)
             return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)
@@ -166,9 +162,9 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         except msgspec.DecodeError as exc:
             raise KVEventDecodeError(str(exc)) from exc
     try:
-        if _is_array(first):
+        if first in _ARRAY_FIRST:
             wire: _PosBatch | _MapBatch = _pos_batch.decode(payload)
-        elif _is_map(first):
+        elif first in _MAP_FIRST:
             wire = _map_batch.decode(payload)
         else:
             raise KVEventDecodeError("the payload is neither an array nor a map")

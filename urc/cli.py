@@ -40,12 +40,6 @@ def _gateway(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster(args: argparse.Namespace) -> int:
-    from urc.cluster import cluster_main
-
-    return cluster_main(args)
-
-
 def _delegate(command: str, argv: list[str]) -> int:
     """Run another package's `main`; `urc worker` picks its module by `--engine`."""
     if command == "worker":
@@ -85,7 +79,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     for name, help_text in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text)
     from router.gateway.config import add_gateway_arguments
-    from urc.cluster import add_cluster_arguments
+    from urc.cluster import add_cluster_arguments, cluster_main
 
     add_gateway_arguments(sub.choices["gateway"])
     add_cluster_arguments(sub.choices["cluster"])
@@ -94,7 +88,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     keys.add_argument("--tokenizer", default="byte", help="'byte' or a model directory")
     keys.add_argument("--block-size", type=int, default=16)
     keys.add_argument("--salt", default=None, help="the tenant's cache salt (default: shared)")
-    return parser, {"gateway": _gateway, "cluster": _cluster, "keys": _keys}
+    return parser, {"gateway": _gateway, "cluster": cluster_main, "keys": _keys}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,11 +1,6 @@
-"""`urc cluster`: a gateway and N local workers on 127.0.0.1, the embedded default.
-
-Workers run as child processes (`python -m backends.<engine>.server`), each announcing
-`ready: URL`; the gateway runs in this process and prints `gateway: URL` once it accepts
-connections. SIGINT/SIGTERM stop the gateway, then the workers.
-
-`--engine vllm|sglang` starts real engines instead (backends/real_cluster.py), in parallel,
-and hands the gateway their endpoints and the model directory's tokenizer.
+"""`urc cluster` (docs/cli.md): the gateway in this process, N workers as child processes on
+127.0.0.1 (or real engines: backends/real_cluster.py). SIGINT/SIGTERM stop the gateway, then
+the workers.
 """
 
 from __future__ import annotations

@@ -104,8 +104,7 @@ class Child:
 
     def kill(self) -> None:
         """SIGKILL: the process dies without any goodbye, as a crashed worker does."""
-        self.popen.send_signal(signal.SIGKILL)
-        self.popen.wait(10)
+        self.stop(signal.SIGKILL)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         """Send `sig` (if it still runs), then its exit code; killed after 10 s."""
