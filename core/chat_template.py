@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -96,22 +95,20 @@ def _is_var_or_elems(node: nodes.Node, name: str, key: str | None = None) -> boo
     return False
 
 
-def _aliases(root: nodes.Template, name: str) -> Iterator[str]:
-    """`name` and every variable assigned from it (`{% set m = messages[1:] %}`), transitively."""
-    yield name
-    pending, seen = deque([name]), {name}
-    while pending:
-        current = pending.popleft()
+def _aliases(root: nodes.Template, name: str) -> list[str]:
+    """`name` and every variable assigned from it (`{% set m = messages[1:] %}`), transitively,
+    breadth first."""
+    names = [name]
+    for current in names:  # grows while it is walked
         for assign in root.find_all(nodes.Assign):
             target = assign.target
             if (
                 isinstance(target, nodes.Name)
-                and target.name not in seen
+                and target.name not in names
                 and _is_var_or_elems(assign.node, current)
             ):
-                seen.add(target.name)
-                pending.append(target.name)
-                yield target.name
+                names.append(target.name)
+    return names
 
 
 def _loop_targets(root: nodes.Template, names: list[str], key: str | None) -> Iterator[str]:
@@ -127,10 +124,9 @@ def detect_content_format(source: str) -> ContentFormat:
     """vLLM's auto-detection: "openai" when the template loops over `message['content']` (it
     expects a list of parts), else "string" (text parts are joined with "\\n" first)."""
     root = _ENV.parse(source)
-    message_vars = list(_loop_targets(root, list(_aliases(root, "messages")), None))
-    if next(_loop_targets(root, message_vars, "content"), None) is None:
-        return "string"
-    return "openai"
+    message_vars = list(_loop_targets(root, _aliases(root, "messages"), None))
+    content_loop = next(_loop_targets(root, message_vars, "content"), None)
+    return "string" if content_loop is None else "openai"
 
 
 # --- messages: vLLM's parse + postprocess of OpenAI chat messages --------------------------------
@@ -244,7 +240,5 @@ class ChatTemplate:
         }
         try:
             return self._template.render(context)
-        except ChatTemplateError:
-            raise
         except (jinja2.TemplateError, TypeError, KeyError, IndexError) as e:
             raise ChatTemplateError(f"chat template failed on this conversation: {e}") from e
