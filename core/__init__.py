@@ -1,6 +1,5 @@
-"""The shared core both sides speak: block keys (and their C twin), the KV-event codec and
-publisher, tokenizers and chat templates, the heap, cache scopes, the strict JSON parse, and
-the switch between compiled and source modules (`core.native`). It imports nothing of ours."""
+"""The shared core both sides speak (docs/README.md lists its modules); it imports nothing of
+ours. `core.native` switches between the compiled modules and their source."""
 
 from core import native
 

@@ -5,6 +5,7 @@ format and what is tolerated: docs/kv-events.md.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -153,16 +154,12 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
     if not payload:
         raise KVEventDecodeError("empty payload")
     first = payload[0]
-    if first in _ARRAY_FIRST:
-        try:
-            fast = _vllm_batch.decode(payload)
-            return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)
-        except msgspec.ValidationError:
-            pass  # positional or unknown events: the general path below sorts them out
-        except msgspec.DecodeError as exc:
-            raise KVEventDecodeError(str(exc)) from exc
     try:
         if first in _ARRAY_FIRST:
+            # positional or unknown events fail the fast path: the general one sorts them out
+            with contextlib.suppress(msgspec.ValidationError):
+                fast = _vllm_batch.decode(payload)
+                return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)
             wire: _PosBatch | _MapBatch = _pos_batch.decode(payload)
         elif first in _MAP_FIRST:
             wire = _map_batch.decode(payload)

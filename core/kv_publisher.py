@@ -44,12 +44,9 @@ def _bind(kind: int, endpoint: str, send_hwm: int) -> tuple[zmq.Socket, str]:
 
 
 class KVEventPublisher:
-    """Publishes event batches on `endpoint` and serves replays on `replay_endpoint`.
-
-    Both are bound here (port 0: any free port); `self.endpoint` and `self.replay_endpoint` are
-    the addresses actually bound, for subscribers to connect to. Events go as maps, the encoding
-    of vLLM today and the only one carrying `cache_salt`.
-    """
+    """Publishes event batches on `endpoint` and serves replays on `replay_endpoint`, both bound
+    here: `self.endpoint` and `self.replay_endpoint` are the addresses bound (port 0: any free
+    one). Events go as maps, vLLM's encoding today and the only one carrying `cache_salt`."""
 
     def __init__(
         self,
@@ -72,7 +69,7 @@ class KVEventPublisher:
             # a replay is bounded by the buffer: never drop (SNDHWM 0)
             self._replay, self.replay_endpoint = _bind(zmq.ROUTER, replay_endpoint, 0)
             self._thread = threading.Thread(
-                target=self._serve_replay, name="kv-event-replay", daemon=True
+                target=self._serve_replay, args=(self._replay,), name="kv-event-replay", daemon=True
             )
             self._thread.start()
 
@@ -96,9 +93,7 @@ class KVEventPublisher:
                 self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
         return seq
 
-    def _serve_replay(self) -> None:
-        sock = self._replay
-        assert sock is not None
+    def _serve_replay(self, sock: zmq.Socket) -> None:
         while self._running:
             try:
                 if not sock.poll(_POLL_MS):
