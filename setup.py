@@ -20,8 +20,7 @@ def compiled_modules() -> list[Extension]:
     except ImportError:
         print("mypyc is not installed: the Python source runs", file=sys.stderr)
         return []
-    config = tomllib.loads((HERE / "pyproject.toml").read_text())
-    sources = config["tool"]["urc"]["compiled"]
+    sources = tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["urc"]["compiled"]
     try:
         extensions = mypycify(
             [*sources, "--ignore-missing-imports", "--follow-imports=silent"],

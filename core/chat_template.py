@@ -174,11 +174,10 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def normalise_messages(messages: Any, content_format: ContentFormat) -> list[dict[str, Any]]:
-    """The conversation as vLLM hands it to the template; raises ValueError on malformed input.
-
-    Keeps role, content, name, and tool_calls (assistant) / tool_call_id (tool). Content becomes
-    one string (text parts joined with "\\n", null -> "") or, for "openai" templates, a list of
-    `{"type": "text", "text": ...}` parts. The input is not modified."""
+    """The conversation as vLLM hands it to the template (ValueError on malformed input; the input
+    is not modified): role, content, name, and tool_calls (assistant) / tool_call_id (tool).
+    Content is one string (text parts joined with "\\n", null -> "") or, for "openai" templates,
+    a list of `{"type": "text", "text": ...}` parts."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError("messages must be a non-empty list of message objects")
     conversation = []
@@ -221,10 +220,9 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text with the generation prompt appended (`add_generation_prompt=True`).
-
-        `template_kwargs` are vLLM's `chat_template_kwargs` (e.g. `enable_thinking`). Raises
-        ValueError (ChatTemplateError when the template itself refuses) on bad input."""
+        """The prompt text with the generation prompt appended; `template_kwargs` are vLLM's
+        `chat_template_kwargs` (e.g. `enable_thinking`). ValueError (ChatTemplateError when the
+        template itself refuses) on bad input."""
         conversation = normalise_messages(messages, self.content_format)
         if tools is not None and (
             not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)

@@ -95,10 +95,9 @@ BYTE_CHAT_TEMPLATE = (
 
 
 class ByteTokenizer(Tokenizer):
-    """id = UTF-8 byte (0..255); ids 256..259 are the special tokens in BYTE_SPECIAL_TOKENS, which
-    are recognised as single ids wherever their text appears. No BOS is added: `encode(text)` is
-    `list(text.encode())` for text without special tokens. Chat uses ChatML
-    (`<|im_start|>{role}\\n{content}<|im_end|>\\n`..., then `<|im_start|>assistant\\n`)."""
+    """id = UTF-8 byte (0..255); ids 256..259 are the special tokens in BYTE_SPECIAL_TOKENS, one
+    id wherever their text appears. No BOS is added: `encode(text)` is `list(text.encode())` for
+    text without special tokens. Chat is ChatML (BYTE_CHAT_TEMPLATE)."""
 
     vocab_size = BYTE_VOCAB_SIZE
     eos_token_id = BYTE_SPECIAL_TOKENS["<|eos|>"]
