@@ -166,10 +166,9 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
             call["function"]["arguments"] = {}
         elif isinstance(arguments, str):
             try:
-                parsed = decode_object(arguments.encode())
+                call["function"]["arguments"] = decode_object(arguments.encode())
             except (BodyError, UnicodeEncodeError) as e:
                 raise ValueError(f"{where}.tool_calls[{j}].function.arguments: {e}") from e
-            call["function"]["arguments"] = parsed
     return out
 
 
