@@ -156,17 +156,18 @@ def trace_requests(
         if max_output_tokens is not None:
             max_tokens = min(max_tokens, max_output_tokens)
         prompt = record_prompt(rec, block_tokens, seed)
-        common: dict[str, Any] = {
-            "arrival_s": (rec.timestamp_ms - t0) / 1000.0 * time_scale,
-            "tenant": rec.tenant,
-            "group_id": f"h{rec.hash_ids[0]}" if rec.hash_ids else None,
-        }
-        if kind == "chat":
-            messages = [{"role": "user", "content": prompt}]
-            yield RequestSpec(
-                i, "chat", rec.model or model, max(1, max_tokens), messages=messages, **common
-            )
-        else:
-            yield RequestSpec(
-                i, "completion", rec.model or model, max(1, max_tokens), prompt=prompt, **common
-            )
+        text: dict[str, Any] = (
+            {"messages": [{"role": "user", "content": prompt}]}
+            if kind == "chat"
+            else {"prompt": prompt}
+        )
+        yield RequestSpec(
+            i,
+            kind,
+            rec.model or model,
+            max(1, max_tokens),
+            arrival_s=(rec.timestamp_ms - t0) / 1000.0 * time_scale,
+            tenant=rec.tenant,
+            group_id=f"h{rec.hash_ids[0]}" if rec.hash_ids else None,
+            **text,
+        )

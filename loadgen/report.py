@@ -55,35 +55,21 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 def distribution(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return dict.fromkeys(_STATS)
-    return {
-        "mean": sum(values) / len(values),
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "max": max(values),
-    }
+    quantiles = {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+    return {"mean": sum(values) / len(values), **quantiles, "max": max(values)}
+
+
+_ROW = ("index", "model", "tenant", "session_id", "group_id", "start_s", "error", "detail")
+_ROW += ("status", "ttft_s", "latency_s", "prompt_tokens", "output_tokens")
 
 
 def request_row(r: RequestResult) -> dict[str, Any]:
-    return {
-        "index": r.index,
-        "model": r.model,
-        "tenant": r.tenant,
-        "session_id": r.session_id,
-        "group_id": r.group_id,
-        "start_s": r.start_s,
-        "error": r.error,
-        "detail": r.detail,
-        "status": r.status,
-        "ttft_s": r.ttft_s,
-        "latency_s": r.latency_s,
-        "prompt_tokens": r.prompt_tokens,
-        "output_tokens": r.output_tokens,
-        "cached_tokens": r.actual_cached_tokens,
-        "predicted_tokens": r.predicted_tokens,
-        "worker": r.route.worker if r.route else None,
-        "route_reason": r.route.reason if r.route else None,
-    }
+    row = {name: getattr(r, name) for name in _ROW}
+    row["cached_tokens"] = r.actual_cached_tokens
+    row["predicted_tokens"] = r.predicted_tokens
+    row["worker"] = r.route.worker if r.route else None
+    row["route_reason"] = r.route.reason if r.route else None
+    return row
 
 
 def _per_worker(
