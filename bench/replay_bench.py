@@ -1,11 +1,5 @@
 """How fast `urc replay` runs, and (with --fidelity) how close it is to a live cluster.
 
-    python bench/replay_bench.py [--trace PATH] [--workers 8] [--policies all] [--repeat 3]
-        [--kv-capacity-tokens 400000] [--breakdown] [--profile POLICY]
-    python bench/replay_bench.py --fidelity [--fidelity-policy cache_aware,sglang,round_robin]
-        [--fidelity-workload system-prompts] [--fidelity-param groups=40 ...]
-        [--fidelity-requests 1200] [--fidelity-workers 8]
-
 Speed: simulated requests per CPU second, per policy, on one core, on the shared Mooncake
 trace (best of --repeat runs; loading the trace and keying it once, shared by every
 policy, is timed apart). The target is 50,000; the ratio to it is printed. Two in-run
@@ -130,13 +124,18 @@ def _source_speed(args: argparse.Namespace, policy: str) -> float:
     return float(out.split()[-1])
 
 
+def _replay(requests: list, name: str, fleet: FleetConfig, per_step: bool = False) -> Replay:
+    """A replay of `requests` under policy `name` with its default parameters."""
+    policy = make_policy(name, **build_params(name, {}, fleet, 0))
+    return Replay(requests, policy, fleet, per_step=per_step)
+
+
 def _replay_speed(
     requests: list, name: str, fleet: FleetConfig, per_step: bool = False
 ) -> tuple[float, RunResult]:
     """Simulated requests per CPU second of one replay (CPU time: robust to a machine shared
     with others), and its result."""
-    policy = make_policy(name, **build_params(name, {}, fleet, 0))
-    replay = Replay(requests, policy, fleet, per_step=per_step)
+    replay = _replay(requests, name, fleet, per_step)
     t = time.process_time()
     result = replay.run()
     return len(requests) / (time.process_time() - t), result
@@ -144,7 +143,7 @@ def _replay_speed(
 
 def breakdown(requests: list, name: str, fleet: FleetConfig) -> None:
     totals: dict[str, float] = {}
-    replay = Replay(requests, make_policy(name, **build_params(name, {}, fleet, 0)), fleet)
+    replay = _replay(requests, name, fleet)
     for attr in ("insert", "remove", "match"):
         _timed(replay.index, attr, totals, f"index.{attr}")
     _timed(replay.policy, "choose", totals, "policy.choose")
@@ -163,7 +162,7 @@ def breakdown(requests: list, name: str, fleet: FleetConfig) -> None:
 def profile(requests: list, name: str, fleet: FleetConfig) -> None:
     from pyinstrument import Profiler
 
-    replay = Replay(requests, make_policy(name, **build_params(name, {}, fleet, 0)), fleet)
+    replay = _replay(requests, name, fleet)
     profiler = Profiler(interval=0.0005)
     profiler.start()
     replay.run()
