@@ -1,8 +1,5 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
-    python bench/gateway_overhead.py [--workers 2] [--requests 3000] [--duration 6]
-        [--policy cache_aware] [--api completions|chat] [--sglang-router BIN] [--json OUT]
-
 Starts K emulated workers whose modelled GPU time is negligible and deterministic (prefill
 1e9 tokens/s, a 0.01 ms decode step, 8 output tokens), so what remains is HTTP and the
 router's own work; then `urc gateway` in front of them and, when sglang-router is installed
@@ -99,21 +96,15 @@ def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list
         cols += f" {'urc/sgl p50':>11} {'p99':>6} {'mean':>6}"
     out.append(cols)
     for row in rows:
-        line = (
-            f"{row.metric:<20} {row.concurrency:>3} {row.pairs:>6} "
-            f"{fmt(row.direct_p50_ms):>10} {fmt(row.direct_p99_ms):>7}"
-        )
+        line = f"{row.metric:<20} {row.concurrency:>3} {row.pairs:>6} "
+        line += f"{fmt(row.direct_p50_ms):>10} {fmt(row.direct_p99_ms):>7}"
+        stats = (row.added_p50_ms, row.added_p99_ms, row.added_mean_ms)
         for name in routers:
-            line += (
-                f" {fmt(row.added_p50_ms[name]):>{len(name) + 6}} {fmt(row.added_p99_ms[name]):>7}"
-                f" {fmt(row.added_mean_ms[name]):>7}"
-            )
+            p50, p99, mean = (fmt(stat[name]) for stat in stats)
+            line += f" {p50:>{len(name) + 6}} {p99:>7} {mean:>7}"
         if sgl:
-            line += (
-                f" {ratio(row.added_p50_ms['urc'], row.added_p50_ms['sglang-router']):>11}"
-                f" {ratio(row.added_p99_ms['urc'], row.added_p99_ms['sglang-router']):>6}"
-                f" {ratio(row.added_mean_ms['urc'], row.added_mean_ms['sglang-router']):>6}"
-            )
+            p50, p99, mean = (ratio(stat["urc"], stat["sglang-router"]) for stat in stats)
+            line += f" {p50:>11} {p99:>6} {mean:>6}"
         out.append(line + _failed(row.failed, "  "))
     return out
 
@@ -199,47 +190,38 @@ def build_parser() -> argparse.ArgumentParser:
         "optionally against sglang-router in front of the same emulated workers.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--workers", type=int, default=2, help="emulated workers (K)")
-    parser.add_argument("--policy", default="cache_aware", help="urc's routing policy")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--workers", type=int, default=2, help="emulated workers (K)")
+    add("--policy", default="cache_aware", help="urc's routing policy")
+    add(
         "--sglang-router",
         metavar="BIN",
-        default=None,
         help="sglang-router console script (e.g. /tmp/sgr/bin/sglang-router); default: the "
         "sglang_router package of this environment, if installed",
     )
-    parser.add_argument("--sglang-policy", default=None, help="default: nearest to --policy")
-    parser.add_argument("--no-sglang", action="store_true", help="measure urc only")
-    parser.add_argument("--api", choices=["completions", "chat"], default="completions")
-    parser.add_argument(
-        "--requests",
-        type=int,
-        default=3000,
-        # p99 of 1000 pairs is their 10th worst: one scheduling hiccup on a shared machine
-        # moves it; of 3000, the 30th (~3 min for the whole bench)
-        help="requests per target per latency row",
-    )
-    parser.add_argument(
-        "--duration", type=float, default=6.0, help="seconds per target for throughput"
-    )
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--throughput-concurrency", type=int, default=64)
-    parser.add_argument(
+    add("--sglang-policy", default=None, help="default: nearest to --policy")
+    add("--no-sglang", action="store_true", help="measure urc only")
+    add("--api", choices=["completions", "chat"], default="completions")
+    # p99 of 1000 pairs is their 10th worst: one scheduling hiccup on a shared machine moves
+    # it; of 3000, the 30th (~3 min for the whole bench)
+    add("--requests", type=int, default=3000, help="requests per target per latency row")
+    add("--duration", type=float, default=6.0, help="seconds per target for throughput")
+    add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
+    add("--concurrency", type=int, nargs="+", default=[1, 32])
+    add("--throughput-concurrency", type=int, default=64)
+    add(
         "--stream-throughput",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="measure streamed requests/s too",
     )
-    parser.add_argument("--groups", type=int, default=8, help="shared-prefix groups")
-    parser.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
-    parser.add_argument("--prompts", type=int, default=512, help="distinct prompts")
-    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
-    parser.add_argument(
-        "--decode-step-ms", type=float, default=0.01, help="the workers' modelled decode step"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="OUT", help="write the table as JSON")
+    add("--groups", type=int, default=8, help="shared-prefix groups")
+    add("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
+    add("--prompts", type=int, default=512, help="distinct prompts")
+    add("--max-tokens", type=int, default=8, help="output tokens per request")
+    add("--decode-step-ms", type=float, default=0.01, help="the workers' modelled decode step")
+    add("--seed", type=int, default=0)
+    add("--json", metavar="OUT", help="write the table as JSON")
     return parser
 
 
