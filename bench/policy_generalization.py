@@ -11,9 +11,6 @@ with its own sharing structure, lengths, load, cache size and 4, 8 or 16 workers
 built-in workloads of `urc bench` (system prompts, multi-turn chats, the mix) open-loop with
 small caches. Every cache is far smaller than its scenario's working set.
 
-    python bench/policy_generalization.py [--policies cache_aware,sglang,round_robin]
-        [--seeds 0,1,2] [--only NAME,...] [--variant LABEL:KEY=VALUE,...] [--quick]
-
 `--seeds`: seed 0 is the default set; others draw other synthetic traces and workloads of the
 same shapes and name the workers differently (the rendezvous hashes names), and the summary
 counts over all of them. `--variant` adds a row per scenario for `cache_aware` with other
@@ -203,20 +200,16 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer requests per synthetic scenario")
     p.add_argument("--seeds", default="0", help="comma-separated scenario seeds")
     args = p.parse_args()
-    rows: list[tuple[str, str, dict[str, str]]] = [
-        (n, n, {}) for n in args.policies.split(",") if n
-    ]
+    rows = [(n, n, {}) for n in args.policies.split(",") if n]  # (label, policy, params)
     for item in args.variant:
         label, _, rest = item.partition(":")
-        kv = dict(x.split("=", 1) for x in rest.split(",") if x)
-        rows.append((label, "cache_aware", kv))
+        rows.append((label, "cache_aware", dict(x.split("=", 1) for x in rest.split(",") if x)))
     only = [s for s in args.only.split(",") if s]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     t0 = time.perf_counter()
     header = f"{'scenario':25s} {'policy':14s} {'hit':>6s} {'p50 ms':>7s} {'p99 ms':>7s}"
-    print(header)
-    print("-" * len(header))
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    print(header + "\n" + "-" * len(header))
     for seed in seeds:
         for sc in scenarios(args.quick, seed):
             if only and not any(o in sc.name for o in only):
@@ -225,19 +218,12 @@ def main() -> int:
             requests = sc.requests()
             results[title] = {}
             for label, name, params in rows:
-                s = run(sc, requests, name, params)
-                results[title][label] = s
-                print(
-                    f"{title:25s} {label:14s} {s['hit_rate']:6.1%} "
-                    f"{s['ttft_p50_s'] * 1e3:7.0f} {s['ttft_p99_s'] * 1e3:7.0f}",
-                    flush=True,
-                )
+                s = results[title][label] = run(sc, requests, name, params)
+                hit, p50, p99 = s["hit_rate"], s["ttft_p50_s"] * 1e3, s["ttft_p99_s"] * 1e3
+                print(f"{title:25s} {label:14s} {hit:6.1%} {p50:7.0f} {p99:7.0f}", flush=True)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
-    summary(
-        results,
-        [r[0] for r in rows if r[1] == "cache_aware"],
-        [r[0] for r in rows if r[1] != "cache_aware"],
-    )
+    ours = [label for label, name, _ in rows if name == "cache_aware"]
+    summary(results, ours, [label for label, name, _ in rows if name != "cache_aware"])
     return 0
 
 
@@ -247,8 +233,7 @@ def summary(
     """Wins/ties/losses of each cache_aware row against each baseline, and the worst case."""
     for mine in ours:
         for other in others:
-            hit = [0, 0, 0]
-            p99 = [0, 0, 0]
+            hit, p99 = [0, 0, 0], [0, 0, 0]  # win, tie, loss
             worst_hit, worst_p99 = 0.0, 0.0
             for rows in results.values():
                 a, b = rows[mine], rows[other]
