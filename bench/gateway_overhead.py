@@ -159,26 +159,14 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
     return "\n".join(out)
 
 
-def _no_nan(value: Any) -> Any:
-    """JSON has no NaN: null instead."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return value
-
-
 def to_json(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    return _no_nan(
-        {
-            "config": config,
-            "latency": [asdict(row) for row in result["latency"]],
-            "throughput": [asdict(row) for row in result["throughput"]],
-            "measure_s": result["measure_s"],
-        }
-    )
+    out = {
+        "config": config,
+        "latency": [asdict(row) for row in result["latency"]],
+        "throughput": [asdict(row) for row in result["throughput"]],
+        "measure_s": result["measure_s"],
+    }
+    return json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
 
 
 # -- main --------------------------------------------------------------------------------------
