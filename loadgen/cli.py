@@ -157,8 +157,8 @@ def _config(args: argparse.Namespace, replay: bool, max_requests: int | None) ->
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """`urc bench` with parsed arguments (the `urc` CLI calls this for its subparser)."""
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.list_workloads:
         _print_workloads()
         return 0
@@ -204,10 +204,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(summary, args.json)
     return 0 if summary["counts"]["ok"] > 0 else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
