@@ -8,7 +8,7 @@ JSON schema "urc.bench/1" (keys are stable; a value is null when nothing measure
     duration_s   wall time from the first send to the last answer
     counts       {sent, ok, failed, cancelled, dropped}: sent = ok + failed + cancelled; dropped =
                  session turns never sent because an earlier turn of theirs failed
-    errors       {kind: count} over failed requests (kinds: loadgen.results), e.g. "http_503"
+    errors       {kind: count} over failed requests (kinds: loadgen.client), e.g. "http_503"
     error_examples  {kind: the first such request's detail} (a status body, an exception)
     ttft_s       {mean, p50, p90, p99, max} over ok requests: time to the first content chunk
     latency_s    {mean, p50, p90, p99, max} over ok requests: time to the end of the stream
@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadgen.results import RequestResult
+from loadgen.client import RequestResult
 
 SCHEMA = "urc.bench/1"
 _STATS = ("mean", "p50", "p90", "p99", "max")

@@ -25,8 +25,7 @@ from typing import NamedTuple, TextIO
 
 import aiohttp
 
-from loadgen.client import base_url, stream_request
-from loadgen.results import RequestResult
+from loadgen.client import RequestResult, base_url, stream_request
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import RequestSpec, with_poisson_arrivals
 
