@@ -14,9 +14,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from urc.processes import Child, free_port, python  # noqa: E402
+from urc.processes import Child, free_port, python
 
 ROWS = [
     ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),

@@ -31,15 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from router.policies import make_policy  # noqa: E402
-from simulation.compare import build_params  # noqa: E402
-from simulation.metrics import summarize  # noqa: E402
-from simulation.replay import FleetConfig, Replay  # noqa: E402
-from simulation.requests import SimRequest  # noqa: E402
-from simulation.traces import parse_trace, read_trace, trace_requests  # noqa: E402
-from simulation.workloads import workload_requests  # noqa: E402
+from router.policies import make_policy
+from simulation.compare import build_params
+from simulation.metrics import summarize
+from simulation.replay import FleetConfig, Replay
+from simulation.requests import SimRequest
+from simulation.traces import parse_trace, read_trace, trace_requests
+from simulation.workloads import workload_requests
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
 BLOCK = 512  # tokens per hash id, as in Mooncake's traces

@@ -15,10 +15,7 @@ policy's replay. Both wrap methods, which compiled classes do not allow: they ru
 
 Fidelity: the same seeded workload through `urc cluster` of emulated workers with `urc bench`,
 and offline through the replay with the same worker parameters and names; prints both and the
-differences (targets: hit rate within 2 points, TTFT p50 within 15 %). The default workload
-gives each request a few hundred uncached tokens: with tens of ms of modelled TTFT, the live
-run's own HTTP hops and event-loop wake-ups (several ms with 10 processes on a small machine)
-would dominate the comparison instead of the model.
+differences (targets: hit rate within 2 points, TTFT p50 within 15 %).
 """
 
 from __future__ import annotations
@@ -33,17 +30,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from core import native  # noqa: E402
-from router.policies import make_policy  # noqa: E402
-from simulation.compare import build_params, policy_names  # noqa: E402
-from simulation.replay import FleetConfig, Replay, RunResult  # noqa: E402
-from simulation.traces import read_trace, trace_requests  # noqa: E402
+from core import native
+from router.policies import make_policy
+from simulation.compare import build_params, policy_names
+from simulation.replay import FleetConfig, Replay, RunResult
+from simulation.traces import read_trace, trace_requests
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 TARGET = 50_000
-# a few hundred uncached tokens a request: modelled time, not HTTP hops, makes the TTFT
+# a few hundred uncached tokens a request: tens of ms of modelled TTFT, so the live run's own
+# HTTP hops and event-loop wake-ups (several ms on a small machine) do not dominate it
 FIDELITY_PARAMS = ["groups=40", "question_tokens=400"]
 
 
