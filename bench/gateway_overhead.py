@@ -33,6 +33,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from harness import log
 from overhead_load import MODEL, LatencyRow, Prompt, Target, ThroughputRow, build_prompts, measure
 
 from urc.processes import Child, free_port, start_gateway, start_worker
@@ -215,22 +216,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_fleet(
     args: argparse.Namespace, sglang: list[str] | None, probe: bytes, children: list[Child]
-) -> tuple[list[Target], dict[str, list[int]]]:
-    """Workers, then urc (and sglang-router) in front of them; every child joins `children` as
-    soon as it exists, so the caller can stop it whatever happens next."""
+) -> tuple[list[Target], list[int]]:
+    """Workers, then urc (and sglang-router) in front of them: the targets and the workers' pids.
+    Every child joins `children` as soon as it exists, so the caller can stop it whatever
+    happens next."""
     for _ in range(args.workers):
         fast = ["--prefill-tps", "1e9", "--decode-per-request-ms", "0"]
         children.append(
             start_worker("--model", MODEL, *fast, "--decode-base-ms", str(args.decode_step_ms))
         )
     workers = [child.url for child in children]
-    pids = {"workers": [child.pid for child in children]}
+    worker_pids = [child.pid for child in children]
     urc = start_gateway(workers, "--host", "127.0.0.1", "--policy", args.policy)
     children.append(urc)
     path = PATHS[args.api]
     urc.wait_serving(path, probe, 30)
     targets = [Target("direct", workers, path, None), Target("urc", [urc.url], path, urc.pid)]
-    pids["urc"] = [urc.pid]
     if sglang is not None:
         port = free_port()
         cmd = [*sglang, "--host", "127.0.0.1", "--port", str(port), "--policy", args.sglang_policy]
@@ -240,8 +241,7 @@ def start_fleet(
         children.append(sgl)
         sgl.wait_serving(path, probe, 60)
         targets.append(Target("sglang-router", [sgl.url], path, sgl.pid))
-        pids["sglang-router"] = [sgl.pid]
-    return targets, pids
+    return targets, worker_pids
 
 
 def describe(args: argparse.Namespace, prompts: list[Prompt], sglang: bool) -> str:
@@ -274,8 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the children on `kill` too
     children: list[Child] = []
     try:
-        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
-        print(header.splitlines()[0], file=sys.stderr, flush=True)
+        targets, worker_pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
+        pids = {"workers": worker_pids, **{t.name: [t.pid] for t in targets if t.pid}}
+        log(header.splitlines()[0])
         result = asyncio.run(measure(args, targets, prompts, pids))
     except KeyboardInterrupt:
         print("interrupted: stopping the processes", file=sys.stderr)

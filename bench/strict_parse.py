@@ -1,7 +1,5 @@
 """What the strict parse costs: per request, and as a share of the gateway's CPU per request.
 
-    python bench/strict_parse.py [--requests 2000] [--repeat 2000]
-
 The parse an inference request goes through at the gateway, on three bodies (a completion with
 an 8k-token prompt, the same prompt as 8k token ids, a chat of 8 messages):
 - before: msgspec's decode, the routing fields checked (the same compiled checks as after),
