@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -39,16 +40,8 @@ from overhead_load import MODEL, LatencyRow, Prompt, Target, ThroughputRow, buil
 from urc.processes import Child, free_port, start_gateway, start_worker
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-# sglang-router has fewer policies; the nearest one for each of ours
-SGLANG_POLICY = {
-    "cache_aware": "cache_aware",
-    "sglang": "cache_aware",
-    "round_robin": "round_robin",
-    "power_of_two": "power_of_two",
-}
-
-
-# -- processes ---------------------------------------------------------------------------------
+# sglang-router has fewer policies: the nearest one to ours, else cache_aware
+SGLANG_POLICY = {"round_robin": "round_robin", "power_of_two": "power_of_two"}
 
 
 def sglang_command(spec: str | None) -> list[str] | None:
@@ -63,14 +56,9 @@ def sglang_command(spec: str | None) -> list[str] | None:
         if first.startswith(b"#!") and b"python" in first:
             return [first[2:].decode().strip().split()[0], "-m", "sglang_router.launch_router"]
         return [str(path), "launch"]
-    import importlib.util
-
     if importlib.util.find_spec("sglang_router") is not None:
         return [sys.executable, "-m", "sglang_router.launch_router"]
     return None
-
-
-# -- report ------------------------------------------------------------------------------------
 
 
 def ratio(a: float, b: float) -> str:
@@ -79,8 +67,8 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}"
 
 
-def fmt(x: float, digits: int = 2) -> str:
-    return "nan" if math.isnan(x) else f"{x:.{digits}f}"
+def fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.2f}"
 
 
 def _failed(failed: dict[str, int], gap: str) -> str:
@@ -111,11 +99,8 @@ def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list
 
 
 def throughput_lines(row: ThroughputRow, names: list[str], sgl: bool) -> list[str]:
-    out = [
-        "",
-        f"throughput, {row.metric}, concurrency {row.concurrency}: requests/s "
-        f"(median of {len(row.rounds[names[0]])} rounds)",
-    ]
+    title = f"throughput, {row.metric}, concurrency {row.concurrency}: requests/s"
+    out = ["", f"{title} (median of {len(row.rounds[names[0]])} rounds)"]
     line = "  ".join(f"{name} {row.rps[name]:.0f}" for name in names)
     line += f"   urc/direct {ratio(row.rps['urc'], row.rps['direct'])}"
     if sgl:
@@ -141,22 +126,13 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
     out = [header, "", *latency_table(result["latency"], routers, sgl)]
     for row in result["throughput"]:
         out += throughput_lines(row, names, sgl)
-    if sgl and any(
-        30 < row.added_p50_ms["sglang-router"] < 60
-        for row in result["latency"]
-        if row.metric.startswith("streamed")
-    ):
-        out.append("")
-        out.append(
-            "note: sglang-router's streamed rows add ~40 ms: on a kept-alive connection its "
-            "first SSE chunk waits for the ACK of the headers (Nagle on its client socket vs "
-            "the client's delayed ACK), a TCP artifact rather than routing work."
-        )
-    out.append("")
-    out.append(
-        "ratios urc/sglang-router: <= 1 is as good or better for added latency, >= 1 for "
-        "requests/s; 'n/a' when a side's added latency is <= 0 (within noise)."
-    )
+    streamed = [row for row in result["latency"] if row.metric.startswith("streamed")]
+    if sgl and any(30 < row.added_p50_ms["sglang-router"] < 60 for row in streamed):
+        note = "note: sglang-router's streamed rows add ~40 ms: on a kept-alive connection its "
+        note += "first SSE chunk waits for the ACK of the headers (Nagle on its client socket vs "
+        out += ["", note + "the client's delayed ACK), a TCP artifact rather than routing work."]
+    legend = "ratios urc/sglang-router: <= 1 is as good or better for added latency, >= 1 for "
+    out += ["", legend + "requests/s; 'n/a' when a side's added latency is <= 0 (within noise)."]
     return "\n".join(out)
 
 
@@ -168,9 +144,6 @@ def to_json(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
         "measure_s": result["measure_s"],
     }
     return json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
-
-
-# -- main --------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,9 +52,6 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
     return prompts
 
 
-# -- targets and requests ----------------------------------------------------------------------
-
-
 @dataclass(slots=True)
 class Target:
     """Where requests go: straight to the workers (by group) or to one router."""
@@ -167,9 +164,6 @@ async def closed_loop(
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
     return counts[0], counts[1], time.perf_counter() - t0
-
-
-# -- measurement -------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
