@@ -53,6 +53,13 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 @dataclass(slots=True)
+class Sample:
+    ok: bool
+    total_s: float
+    ttfb_s: float  # time to the first body byte (non-streamed: the whole response)
+
+
+@dataclass(slots=True)
 class Target:
     """Where requests go: straight to the workers (by group) or to one router."""
 
@@ -61,37 +68,27 @@ class Target:
     path: str
     pid: int | None  # the router process (None: direct)
 
-    def url(self, prompt: Prompt) -> str:
-        return self.urls[prompt.group % len(self.urls)] + self.path
-
-
-@dataclass(slots=True)
-class Sample:
-    ok: bool
-    total_s: float
-    ttfb_s: float  # time to the first body byte (non-streamed: the whole response)
-
-
-async def send(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> Sample:
-    t0 = time.perf_counter()
-    first = math.nan
-    try:
-        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
-            if stream:
-                tail = b""
-                async for chunk in resp.content.iter_any():
-                    if first != first:  # NaN: this is the first chunk
-                        first = time.perf_counter()
-                    tail = (tail + chunk)[-32:]
-                ok = resp.status == 200 and tail.rstrip().endswith(b"[DONE]")
-            else:
-                data = await resp.read()
-                first = time.perf_counter()
-                ok = resp.status == 200 and data.startswith(b"{")
-    except (aiohttp.ClientError, TimeoutError):
-        return Sample(False, math.nan, math.nan)
-    end = time.perf_counter()
-    return Sample(ok, end - t0, first - t0)
+    async def send(self, session: aiohttp.ClientSession, prompt: Prompt, stream: bool) -> Sample:
+        url = self.urls[prompt.group % len(self.urls)] + self.path
+        t0 = time.perf_counter()
+        first = math.nan
+        try:
+            async with session.post(url, data=prompt.bodies[stream], headers=JSON_HEADERS) as resp:
+                if stream:
+                    tail = b""
+                    async for chunk in resp.content.iter_any():
+                        if first != first:  # NaN: this is the first chunk
+                            first = time.perf_counter()
+                        tail = (tail + chunk)[-32:]
+                    ok = resp.status == 200 and tail.rstrip().endswith(b"[DONE]")
+                else:
+                    data = await resp.read()
+                    first = time.perf_counter()
+                    ok = resp.status == 200 and data.startswith(b"{")
+        except (aiohttp.ClientError, TimeoutError):
+            return Sample(False, math.nan, math.nan)
+        end = time.perf_counter()
+        return Sample(ok, end - t0, first - t0)
 
 
 @dataclass(slots=True)
@@ -134,7 +131,7 @@ async def block(
 
     async def lane() -> None:
         for i, prompt in todo:
-            samples[i] = await send(session, target.url(prompt), prompt.bodies[stream], stream)
+            samples[i] = await target.send(session, prompt, stream)
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
     return [s for s in samples if s is not None]
@@ -159,7 +156,7 @@ async def closed_loop(
         while time.perf_counter() < deadline:
             prompt = prompts[nxt[0] % len(prompts)]
             nxt[0] += 1
-            sample = await send(session, target.url(prompt), prompt.bodies[stream], stream)
+            sample = await target.send(session, prompt, stream)
             counts[0 if sample.ok else 1] += 1
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
