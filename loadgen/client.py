@@ -45,18 +45,12 @@ _PAIR_SEP = re.compile(r"[;,]")
 
 def parse_int(value: object) -> int | None:
     """An int from a header or JSON field, None when absent or unparseable."""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(float(value.strip()))
-        except ValueError:
-            return None
-    return None
+    try:
+        return value if isinstance(value, int) else int(float(value))
+    except (ValueError, OverflowError):  # text that is no number, NaN, infinity
+        return None
 
 
 def parse_route(header: str | None) -> Route | None:
@@ -142,18 +136,15 @@ def base_url(target: str) -> str:
 
 
 def request_body(spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {
+    text = {"messages": spec.messages} if spec.kind == "chat" else {"prompt": spec.prompt}
+    return {
         "model": spec.model,
         "max_tokens": spec.max_tokens,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **text,
     }
-    if spec.kind == "chat":
-        body["messages"] = spec.messages
-    else:
-        body["prompt"] = spec.prompt
-    return body
 
 
 def _read_usage(result: RequestResult, usage: Any) -> None:
