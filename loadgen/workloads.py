@@ -145,10 +145,8 @@ class MultiTurn:
             # turn-major within a batch: a session's next turn comes after every other's turn
             for turn in range(self.turns):
                 for s in range(batch * self.sessions, (batch + 1) * self.sessions):
-                    user = {
-                        "role": "user",
-                        "content": filler(self.user_tokens, f"mt/{seed}/{s}/{turn}"),
-                    }
+                    text = filler(self.user_tokens, f"mt/{seed}/{s}/{turn}")
+                    user = {"role": "user", "content": text}
                     messages = [user]
                     if turn == 0 and self.system_tokens > 0:
                         messages = [{"role": "system", "content": system}, user]
@@ -173,15 +171,13 @@ class Mixed:
     weights: str = "system-prompts:2,multi-turn:2,multi-model:1,two-tenants:1"
 
     def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
-        names: list[str] = []
-        shares: list[float] = []
+        streams, shares = [], []
         for item in self.weights.split(","):
             name, _, weight = item.strip().partition(":")
             if name not in WORKLOADS or name == "mixed":
                 raise ValueError(f"mixed: unknown workload {name!r} in weights")
-            names.append(name)
+            streams.append(WORKLOADS[name]().requests(seed, models))
             shares.append(float(weight or 1))
-        streams = [WORKLOADS[n]().requests(seed, models) for n in names]
         rng = random.Random(f"mixed/{seed}")
         for i in count():
             (stream,) = rng.choices(streams, weights=shares)
