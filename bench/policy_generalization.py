@@ -123,16 +123,6 @@ def _trace(path: Path, time_scale: float = 1.0) -> Callable[[], list[SimRequest]
     return lambda: trace_requests(read_trace(path), time_scale=time_scale)
 
 
-def _synthetic(spec: Synthetic) -> Callable[[], list[SimRequest]]:
-    return lambda: trace_requests(parse_trace(spec.records(), f"synthetic/{spec.seed}"))
-
-
-def _workload(
-    name: str, n: int, rate: float, seed: int, **params: Any
-) -> Callable[[], list[SimRequest]]:
-    return lambda: workload_requests(name, n, seed=seed, rate=rate, params=params)
-
-
 def _fleet(name: str) -> tuple[int, int]:
     """The fleet a scenario's name gives: `8x400k` is 8 workers of 400k tokens each."""
     size = next(word for word in name.split() if "x" in word and word.endswith("k"))
@@ -147,10 +137,17 @@ def scenarios(quick: bool, seed: int = 0) -> list[Scenario]:
     out: list[Scenario] = []
 
     def docs(name: str, i: int, **shape: Any) -> Scenario:
-        return Scenario(name, _synthetic(Synthetic(k + i, n, **shape)), *_fleet(name))
+        spec = Synthetic(k + i, n, **shape)
+
+        def requests() -> list[SimRequest]:
+            return trace_requests(parse_trace(spec.records(), f"synthetic/{spec.seed}"))
+
+        return Scenario(name, requests, *_fleet(name))
 
     def load(name: str, rate: float, **params: Any) -> Scenario:
-        requests = _workload(name.split()[0], n, rate, 7 + seed, **params)
+        def requests() -> list[SimRequest]:
+            return workload_requests(name.split()[0], n, seed=7 + seed, rate=rate, params=params)
+
         return Scenario(name, requests, *_fleet(name), block_size=16)
 
     if SHARED_TRACE.exists():
