@@ -4,15 +4,7 @@ Every request asks for `stream: true` with `stream_options.include_usage`, so TT
 to the first non-empty content chunk and the final chunk carries `usage` (prompt, completion and
 cached tokens). An endpoint that ignores `stream` and answers one JSON body is read too (its
 TTFT is then its whole latency). Nothing here raises except cancellation: failures become
-error kinds (`RequestResult.error`; None = success):
-  http_<status>  the endpoint answered with a non-200 status
-  connection     refused, reset or closed before the response (aiohttp connection errors)
-  timeout        no complete answer within the per-request timeout
-  truncated      the stream stopped before `data: [DONE]`
-  protocol       a response that is not the OpenAI streaming format (bad JSON, no SSE lines)
-  stream_error   an `{"error": ...}` object inside the stream
-  client         a bug on our side (the message is in `detail`); never crashes the run
-  cancelled      still in flight when the run's duration (plus grace) ran out
+error kinds (`RequestResult.error`, None = success; the list is in docs/cli.md).
 """
 
 from __future__ import annotations

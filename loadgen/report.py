@@ -1,31 +1,5 @@
-"""A run's results -> one summary dict (the `--json` file) and a table for the terminal. Pure.
-
-JSON schema "urc.bench/1" (keys are stable; a value is null when nothing measured it):
-
-    schema       "urc.bench/1"
-    config       how the run was asked for: target, workload | trace, mode ("closed" | "poisson"
-                 | "trace"), concurrency, rate, duration_s, requests, models, seed, ...
-    duration_s   wall time from the first send to the last answer
-    counts       {sent, ok, failed, cancelled, dropped}: sent = ok + failed + cancelled; dropped =
-                 session turns never sent because an earlier turn of theirs failed
-    errors       {kind: count} over failed requests (kinds: loadgen.client), e.g. "http_503"
-    error_examples  {kind: the first such request's detail} (a status body, an exception)
-    ttft_s       {mean, p50, p90, p99, max} over ok requests: time to the first content chunk
-    latency_s    {mean, p50, p90, p99, max} over ok requests: time to the end of the stream
-    throughput   {requests_per_s, output_tokens_per_s}: ok requests and their output / duration
-    tokens       {prompt, cached, output}: sums over ok requests, as the workers report them
-                 (cached: usage.prompt_tokens_details.cached_tokens, else x-urc-cached-tokens)
-    hit_rate     tokens.cached / tokens.prompt over ok requests that report both, in [0, 1]
-    prediction   {compared, mae_pct, bias_pct}: the gateway's predicted cached prefix
-                 (x-urc-route matched_tokens) against the worker's cached tokens, per ok request
-                 reporting both: mean |predicted - actual| (and mean predicted - actual) in % of
-                 the request's prompt tokens
-    workers      {worker: {requests, ok, prompt_tokens, cached_tokens, hit_rate,
-                 prediction_mae_pct}} from x-urc-route (the MAE as in `prediction`, per worker)
-    requests     only with --json-requests: one object per request (see `request_row`)
-
-Percentiles interpolate linearly between the closest ranks (numpy's default).
-"""
+"""A run's results -> one summary dict (the `--json` file: schema `urc.bench/1`, docs/cli.md)
+and a table for the terminal. Pure."""
 
 from __future__ import annotations
 
