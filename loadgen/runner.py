@@ -198,7 +198,6 @@ class _Engine:
 async def run_bench(
     specs: Iterable[RequestSpec],
     config: BenchConfig,
-    progress_out: TextIO | None = None,
     stop_on_sigint: bool = False,
 ) -> RunResult:
     """Send `specs` as `config` says; never raises for a failed request. With `stop_on_sigint`,
@@ -216,7 +215,7 @@ async def run_bench(
         engine = _Engine(http, config)
         progress = None
         if config.progress:
-            progress = asyncio.create_task(engine.show_progress(progress_out or sys.stderr))
+            progress = asyncio.create_task(engine.show_progress(sys.stderr))
         loop = asyncio.get_running_loop()
         if stop_on_sigint:
             loop.add_signal_handler(signal.SIGINT, engine.stop)
