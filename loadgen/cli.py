@@ -14,13 +14,7 @@ from typing import Any
 import aiohttp
 
 from loadgen.client import base_url, list_models
-from loadgen.mooncake import (
-    BLOCK_TOKENS,
-    TraceFormatError,
-    TraceRecord,
-    read_trace,
-    trace_requests,
-)
+from loadgen.mooncake import BLOCK_TOKENS, TraceFormatError, TraceRecord, read_trace, trace_requests
 from loadgen.report import format_report, summarize, write_json
 from loadgen.runner import BenchConfig, KeyRing, RunResult, run_bench
 from loadgen.workloads import (

@@ -196,9 +196,7 @@ class _Engine:
 
 
 async def run_bench(
-    specs: Iterable[RequestSpec],
-    config: BenchConfig,
-    stop_on_sigint: bool = False,
+    specs: Iterable[RequestSpec], config: BenchConfig, stop_on_sigint: bool = False
 ) -> RunResult:
     """Send `specs` as `config` says; never raises for a failed request. With `stop_on_sigint`,
     Ctrl-C ends the run early (requests in flight get the grace period) instead of aborting."""
