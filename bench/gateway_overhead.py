@@ -1,23 +1,18 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
-Starts K emulated workers whose modelled GPU time is negligible and deterministic (prefill
-1e9 tokens/s, a 0.01 ms decode step, 8 output tokens), so what remains is HTTP and the
-router's own work; then `urc gateway` in front of them and, when sglang-router is installed
-(in this environment, or at `--sglang-router BIN`, e.g. `/tmp/sgr/bin/sglang-router`), SGLang's
-router in front of the SAME workers. Prompts are 1-2k tokens (byte tokenizer: one ASCII byte
-per token) sharing a 1k-token prefix within a few groups, so tokenize + keys + match run on
-realistic input. "direct" sends each group to a fixed worker (group mod K).
+K emulated workers with negligible, deterministic GPU time (prefill 1e9 tokens/s, a 0.01 ms
+decode step, 8 output tokens) leave HTTP and the router's own work; `urc gateway` and, when
+installed (here, or at `--sglang-router BIN`), SGLang's router front the SAME workers. Prompts of
+1-2k tokens (one ASCII byte per token) share a 1k-token prefix within a few groups, so tokenize +
+keys + match run on realistic input; "direct" sends each group to a fixed worker (group mod K).
 
-Latency rows (concurrency 1 and 32, non-streamed total, streamed time to first byte and total):
-each round sends the same block of prompts to direct, urc and sglang-router in rotating order;
-the i-th request of a router's block is paired with the i-th of direct's, and the table gives
-p50 and p99 of (through router - direct). Throughput: closed loop at concurrency 64 for
-`--duration` seconds per target, split over rounds in rotating order; median requests/s.
-Ratios are urc / sglang-router (goal: <= 1 for added latency, >= 1 for requests/s).
-
-Everything shares this machine's CPUs, the load generator too: the CPU section says how busy
-each process was, so a row bound by the load generator or the workers shows as such.
-Prints numbers; asserts nothing.
+Latency rows (non-streamed total, streamed time to first byte and total): each round sends the
+same block of prompts to every target in rotating order; the i-th request through a router is
+paired with direct's i-th, and the rows give p50, p99 and mean of the difference. Throughput:
+closed loops per target for `--duration` seconds, split over rounds in rotating order; median
+requests/s. Ratios are urc / sglang-router (goal: <= 1 for added latency, >= 1 for requests/s).
+Everything shares this machine's CPUs, the load generator too: the CPU lines say how busy each
+process was, so a row bound by the load generator or the workers shows as such.
 """
 
 from __future__ import annotations
