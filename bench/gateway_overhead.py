@@ -29,10 +29,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from harness import log
+from harness import fast_worker, log
 from overhead_load import MODEL, LatencyRow, Prompt, Target, ThroughputRow, build_prompts, measure
 
-from urc.processes import Child, free_port, start_gateway, start_worker
+from urc.processes import Child, free_port, start_gateway
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # sglang-router has fewer policies: the nearest one to ours, else cache_aware
@@ -189,10 +189,7 @@ def start_fleet(
     Every child joins `children` as soon as it exists, so the caller can stop it whatever
     happens next."""
     for _ in range(args.workers):
-        fast = ["--prefill-tps", "1e9", "--decode-per-request-ms", "0"]
-        children.append(
-            start_worker("--model", MODEL, *fast, "--decode-base-ms", str(args.decode_step_ms))
-        )
+        children.append(fast_worker("--model", MODEL, decode_step_ms=args.decode_step_ms))
     workers = [child.url for child in children]
     worker_pids = [child.pid for child in children]
     urc = start_gateway(workers, "--host", "127.0.0.1", "--policy", args.policy)

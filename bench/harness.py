@@ -1,5 +1,5 @@
 """What the benchmarks share besides their processes (urc/processes.py): CPU accounting from
-/proc, percentiles, progress lines."""
+/proc, percentiles, progress lines, a worker with negligible GPU time."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ scripts run from the root
 
 from loadgen.report import percentile as loadgen_percentile  # noqa: E402
+from urc.processes import Child, start_worker  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -42,3 +43,9 @@ def percentile(values: list[float], q: float) -> float:
 def log(message: str) -> None:
     """A progress line on stderr (stdout holds the results)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def fast_worker(*extra: str, decode_step_ms: float = 0.01) -> Child:
+    """An emulated worker with negligible modelled GPU time: what remains is HTTP and routing."""
+    fast = ["--prefill-tps", "1e9", "--decode-per-request-ms", "0"]
+    return start_worker(*fast, "--decode-base-ms", str(decode_step_ms), *extra)
