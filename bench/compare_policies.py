@@ -81,16 +81,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
+    running = f"running {args.workload} x {args.requests} through {args.workers} workers"
     for policy in args.policies.split(","):
-        print(
-            f"running {args.workload} x {args.requests} through {args.workers} workers "
-            f"with {policy} ...",
-            flush=True,
-        )
+        print(f"{running} with {policy} ...", flush=True)
         results[policy] = run_policy(policy, args, out)
     text = table(results)
-    print()
-    print(text)
+    print("\n" + text)
     (out / "report.txt").write_text(text + "\n")
     print(f"\nreports: {out}/")
     return 0
