@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import random
 import time
 import tracemalloc
@@ -92,8 +93,8 @@ def bench_ingest(blocks: int = 192_000) -> None:
     mirror keeps the engine-hash -> key map. Also the bare insert, keys computed from tokens."""
     rng = random.Random(1)
     # (blocks per BlockStored, events per batch): vLLM sends one batch per engine step
-    shapes = [(n, per_batch) for n, per_batch in ((8, 1), (8, 8), (32, 1))]
-    for (per_event, per_batch), label in ((s, lbl) for s in shapes for lbl in ("ours", "vllm")):
+    shapes = ((8, 1), (8, 8), (32, 1))
+    for (per_event, per_batch), label in itertools.product(shapes, ("ours", "vllm")):
         events, parent, parent_key = [], None, None
         for e in range(blocks // per_event):
             if e % 64 == 0:
