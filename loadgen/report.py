@@ -46,15 +46,18 @@ def request_row(r: RequestResult) -> dict[str, Any]:
     return row
 
 
-def _per_worker(
-    results: Sequence[RequestResult], compared: list[RequestResult], gaps: list[float]
-) -> dict[str, dict[str, Any]]:
+def _gap(r: RequestResult) -> float | None:
+    """Predicted - actual cached tokens, in % of the prompt, where an ok request reports both."""
+    predicted, actual, prompt = r.predicted_tokens, r.actual_cached_tokens, r.prompt_tokens
+    if not r.ok or predicted is None or actual is None or prompt is None or prompt <= 0:
+        return None
+    return 100.0 * (predicted - actual) / prompt
+
+
+def _per_worker(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
     """Requests, hit rate and prediction error of each worker that answered."""
     workers: dict[str, dict[str, Any]] = {}
     worker_gaps: dict[str, list[float]] = {}
-    for r, gap in zip(compared, gaps, strict=True):
-        if r.route is not None and r.route.worker is not None:
-            worker_gaps.setdefault(r.route.worker, []).append(abs(gap))
     for r in results:
         if r.route is None or r.route.worker is None:
             continue
@@ -67,6 +70,8 @@ def _per_worker(
             if r.prompt_tokens is not None and r.actual_cached_tokens is not None:
                 w["prompt_tokens"] += r.prompt_tokens
                 w["cached_tokens"] += r.actual_cached_tokens
+        if (gap := _gap(r)) is not None:
+            worker_gaps.setdefault(r.route.worker, []).append(abs(gap))
     for name, w in workers.items():
         w["hit_rate"] = w["cached_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else None
         errs = worker_gaps.get(name)
@@ -89,14 +94,8 @@ def summarize(
     ]
     prompt_reported = sum(r.prompt_tokens or 0 for r in reporting)
     cached_reported = sum(r.actual_cached_tokens or 0 for r in reporting)
-    compared = [
-        r for r in reporting if r.predicted_tokens is not None and (r.prompt_tokens or 0) > 0
-    ]
-    gaps = [
-        100.0 * ((r.predicted_tokens or 0) - (r.actual_cached_tokens or 0)) / (r.prompt_tokens or 1)
-        for r in compared
-    ]
-    workers = _per_worker(results, compared, gaps)
+    gaps = [gap for r in ok if (gap := _gap(r)) is not None]
+    workers = _per_worker(results)
     summary: dict[str, Any] = {
         "schema": SCHEMA,
         "config": dict(config or {}),
@@ -125,7 +124,7 @@ def summarize(
         },
         "hit_rate": cached_reported / prompt_reported if prompt_reported else None,
         "prediction": {
-            "compared": len(compared),
+            "compared": len(gaps),
             "mae_pct": sum(abs(g) for g in gaps) / len(gaps) if gaps else None,
             "bias_pct": sum(gaps) / len(gaps) if gaps else None,
         },
