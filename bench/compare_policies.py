@@ -4,25 +4,19 @@ For each policy: `urc cluster` (a gateway and N emulated GPU workers on 127.0.0.
 `urc bench` with the same seeded workload, then the cluster stops. The table compares what
 the workers reported (hit rate from `cached_tokens`) and what the clients saw (TTFT, latency,
 throughput).
-
-    python bench/compare_policies.py [--policies cache_aware,round_robin] [--workers 4]
-        [--workload mixed] [--requests 400] [--concurrency 16] [--out out/run]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from urc.processes import free_port  # noqa: E402
+from urc.processes import Child, free_port, python
 
 ROWS = [
     ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),
@@ -36,80 +30,20 @@ ROWS = [
 ]
 
 
-def start_cluster(policy: str, args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "urc.cli",
-        "cluster",
-        "--workers",
-        str(args.workers),
-        "--policy",
-        policy,
-        "--port",
-        str(free_port()),
-        f"--worker-arg=--capacity-tokens={args.capacity_tokens}",
-    ]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
-    url: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if line.startswith("gateway: ") and not url:
-                url.append(line.split(" ", 1)[1].strip())
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(120) or not url:
-        proc.kill()
-        raise SystemExit(f"the {policy} cluster did not start")
-    return proc, url[0]
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
 def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
-    proc, url = start_cluster(policy, args)
+    capacity = f"--worker-arg=--capacity-tokens={args.capacity_tokens}"
+    cluster = python("-m", "urc.cli", "cluster", "--workers", str(args.workers), capacity)
+    cluster += ["--policy", policy, "--port", str(free_port())]
+    child = Child(f"the {policy} cluster", cluster, "gateway: ").wait_announced(120)
+    report = out / f"{policy}.json"
+    bench = python("-m", "urc.cli", "bench", "--target", child.url, "--workload", args.workload)
+    bench += ["--requests", str(args.requests), "--concurrency", str(args.concurrency)]
+    bench += ["--seed", str(args.seed), "--json", str(report), "--no-progress"]
     try:
-        report = out / f"{policy}.json"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "urc.cli",
-                "bench",
-                "--target",
-                url,
-                "--workload",
-                args.workload,
-                "--requests",
-                str(args.requests),
-                "--concurrency",
-                str(args.concurrency),
-                "--seed",
-                str(args.seed),
-                "--json",
-                str(report),
-                "--no-progress",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+        subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
         return json.loads(report.read_text())
     finally:
-        stop(proc)
+        child.stop()
 
 
 def table(results: dict[str, dict]) -> str:
@@ -147,16 +81,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {}
+    running = f"running {args.workload} x {args.requests} through {args.workers} workers"
     for policy in args.policies.split(","):
-        print(
-            f"running {args.workload} x {args.requests} through {args.workers} workers "
-            f"with {policy} ...",
-            flush=True,
-        )
+        print(f"{running} with {policy} ...", flush=True)
         results[policy] = run_policy(policy, args, out)
     text = table(results)
-    print()
-    print(text)
+    print("\n" + text)
     (out / "report.txt").write_text(text + "\n")
     print(f"\nreports: {out}/")
     return 0

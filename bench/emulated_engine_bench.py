@@ -1,8 +1,5 @@
 """How fast the emulated engine runs in virtual time (the simulator's inner loop).
 
-    python bench/emulated_engine_bench.py [--requests N] [--trace PATH] [--block-size B]
-        [--no-events]
-
 Prints requests/s of wall time on one core for a synthetic chat workload and, when the trace
 exists, for the Mooncake trace (tokens synthesized from its hash ids). The cost is per request
 plus per block stored and evicted: the Mooncake trace churns ~900 16-token blocks a request,

@@ -17,19 +17,16 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
-from pathlib import Path
 
+import harness  # noqa: F401  (puts the repository root on sys.path)
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from backends.engine.config import PRESETS, LlamaConfig  # noqa: E402
-from backends.engine.engine import EngineConfig, TorchEngine, default_device  # noqa: E402
-from backends.engine.loader import LoadedModel, load_model  # noqa: E402
-from backends.engine.request import Request, SamplingParams  # noqa: E402
-from backends.engine.scheduler import SchedulerConfig  # noqa: E402
+from backends.engine.config import PRESETS, LlamaConfig
+from backends.engine.engine import EngineConfig, TorchEngine, default_device
+from backends.engine.loader import LoadedModel, load_model
+from backends.engine.request import Request, SamplingParams
+from backends.engine.scheduler import SchedulerConfig
 
 # big enough that a forward pass is compute, not Python overhead, small enough for 2 CPU cores
 PRESETS.setdefault(

@@ -1,32 +1,25 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
-    python bench/gateway_overhead.py [--workers 2] [--requests 3000] [--duration 6]
-        [--policy cache_aware] [--api completions|chat] [--sglang-router BIN] [--json OUT]
+K emulated workers with negligible, deterministic GPU time (prefill 1e9 tokens/s, a 0.01 ms
+decode step, 8 output tokens) leave HTTP and the router's own work; `urc gateway` and, when
+installed (here, or at `--sglang-router BIN`), SGLang's router front the SAME workers. Prompts of
+1-2k tokens (one ASCII byte per token) share a 1k-token prefix within a few groups, so tokenize +
+keys + match run on realistic input; "direct" sends each group to a fixed worker (group mod K).
 
-Starts K emulated workers whose modelled GPU time is negligible and deterministic (prefill
-1e9 tokens/s, a 0.01 ms decode step, 8 output tokens), so what remains is HTTP and the
-router's own work; then `urc gateway` in front of them and, when sglang-router is installed
-(in this environment, or at `--sglang-router BIN`, e.g. `/tmp/sgr/bin/sglang-router`), SGLang's
-router in front of the SAME workers. Prompts are 1-2k tokens (byte tokenizer: one ASCII byte
-per token) sharing a 1k-token prefix within a few groups, so tokenize + keys + match run on
-realistic input. "direct" sends each group to a fixed worker (group mod K).
-
-Latency rows (concurrency 1 and 32, non-streamed total, streamed time to first byte and total):
-each round sends the same block of prompts to direct, urc and sglang-router in rotating order;
-the i-th request of a router's block is paired with the i-th of direct's, and the table gives
-p50 and p99 of (through router - direct). Throughput: closed loop at concurrency 64 for
-`--duration` seconds per target, split over rounds in rotating order; median requests/s.
-Ratios are urc / sglang-router (goal: <= 1 for added latency, >= 1 for requests/s).
-
-Everything shares this machine's CPUs, the load generator too: the CPU section says how busy
-each process was, so a row bound by the load generator or the workers shows as such.
-Prints numbers; asserts nothing.
+Latency rows (non-streamed total, streamed time to first byte and total): each round sends the
+same block of prompts to every target in rotating order; the i-th request through a router is
+paired with direct's i-th, and the rows give p50, p99 and mean of the difference. Throughput:
+closed loops per target for `--duration` seconds, split over rounds in rotating order; median
+requests/s. Ratios are urc / sglang-router (goal: <= 1 for added latency, >= 1 for requests/s).
+Everything shares this machine's CPUs, the load generator too: the CPU lines say how busy each
+process was, so a row bound by the load generator or the workers shows as such.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import math
 import os
@@ -36,21 +29,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from harness import fast_worker, log
 from overhead_load import MODEL, LatencyRow, Prompt, Target, ThroughputRow, build_prompts, measure
 
-from urc.processes import Child, free_port, start_gateway, start_worker
+from urc.processes import Child, free_port, start_gateway
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-# sglang-router has fewer policies; the nearest one for each of ours
-SGLANG_POLICY = {
-    "cache_aware": "cache_aware",
-    "sglang": "cache_aware",
-    "round_robin": "round_robin",
-    "power_of_two": "power_of_two",
-}
-
-
-# -- processes ---------------------------------------------------------------------------------
+# sglang-router has fewer policies: the nearest one to ours, else cache_aware
+SGLANG_POLICY = {"round_robin": "round_robin", "power_of_two": "power_of_two"}
 
 
 def sglang_command(spec: str | None) -> list[str] | None:
@@ -65,14 +51,9 @@ def sglang_command(spec: str | None) -> list[str] | None:
         if first.startswith(b"#!") and b"python" in first:
             return [first[2:].decode().strip().split()[0], "-m", "sglang_router.launch_router"]
         return [str(path), "launch"]
-    import importlib.util
-
     if importlib.util.find_spec("sglang_router") is not None:
         return [sys.executable, "-m", "sglang_router.launch_router"]
     return None
-
-
-# -- report ------------------------------------------------------------------------------------
 
 
 def ratio(a: float, b: float) -> str:
@@ -81,8 +62,8 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}"
 
 
-def fmt(x: float, digits: int = 2) -> str:
-    return "nan" if math.isnan(x) else f"{x:.{digits}f}"
+def fmt(x: float) -> str:
+    return "nan" if math.isnan(x) else f"{x:.2f}"
 
 
 def _failed(failed: dict[str, int], gap: str) -> str:
@@ -99,31 +80,22 @@ def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list
         cols += f" {'urc/sgl p50':>11} {'p99':>6} {'mean':>6}"
     out.append(cols)
     for row in rows:
-        line = (
-            f"{row.metric:<20} {row.concurrency:>3} {row.pairs:>6} "
-            f"{fmt(row.direct_p50_ms):>10} {fmt(row.direct_p99_ms):>7}"
-        )
+        line = f"{row.metric:<20} {row.concurrency:>3} {row.pairs:>6} "
+        line += f"{fmt(row.direct_p50_ms):>10} {fmt(row.direct_p99_ms):>7}"
+        stats = (row.added_p50_ms, row.added_p99_ms, row.added_mean_ms)
         for name in routers:
-            line += (
-                f" {fmt(row.added_p50_ms[name]):>{len(name) + 6}} {fmt(row.added_p99_ms[name]):>7}"
-                f" {fmt(row.added_mean_ms[name]):>7}"
-            )
+            p50, p99, mean = (fmt(stat[name]) for stat in stats)
+            line += f" {p50:>{len(name) + 6}} {p99:>7} {mean:>7}"
         if sgl:
-            line += (
-                f" {ratio(row.added_p50_ms['urc'], row.added_p50_ms['sglang-router']):>11}"
-                f" {ratio(row.added_p99_ms['urc'], row.added_p99_ms['sglang-router']):>6}"
-                f" {ratio(row.added_mean_ms['urc'], row.added_mean_ms['sglang-router']):>6}"
-            )
+            p50, p99, mean = (ratio(stat["urc"], stat["sglang-router"]) for stat in stats)
+            line += f" {p50:>11} {p99:>6} {mean:>6}"
         out.append(line + _failed(row.failed, "  "))
     return out
 
 
 def throughput_lines(row: ThroughputRow, names: list[str], sgl: bool) -> list[str]:
-    out = [
-        "",
-        f"throughput, {row.metric}, concurrency {row.concurrency}: requests/s "
-        f"(median of {len(row.rounds[names[0]])} rounds)",
-    ]
+    title = f"throughput, {row.metric}, concurrency {row.concurrency}: requests/s"
+    out = ["", f"{title} (median of {len(row.rounds[names[0]])} rounds)"]
     line = "  ".join(f"{name} {row.rps[name]:.0f}" for name in names)
     line += f"   urc/direct {ratio(row.rps['urc'], row.rps['direct'])}"
     if sgl:
@@ -149,48 +121,24 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
     out = [header, "", *latency_table(result["latency"], routers, sgl)]
     for row in result["throughput"]:
         out += throughput_lines(row, names, sgl)
-    if sgl and any(
-        30 < row.added_p50_ms["sglang-router"] < 60
-        for row in result["latency"]
-        if row.metric.startswith("streamed")
-    ):
-        out.append("")
-        out.append(
-            "note: sglang-router's streamed rows add ~40 ms: on a kept-alive connection its "
-            "first SSE chunk waits for the ACK of the headers (Nagle on its client socket vs "
-            "the client's delayed ACK), a TCP artifact rather than routing work."
-        )
-    out.append("")
-    out.append(
-        "ratios urc/sglang-router: <= 1 is as good or better for added latency, >= 1 for "
-        "requests/s; 'n/a' when a side's added latency is <= 0 (within noise)."
-    )
+    streamed = [row for row in result["latency"] if row.metric.startswith("streamed")]
+    if sgl and any(30 < row.added_p50_ms["sglang-router"] < 60 for row in streamed):
+        note = "note: sglang-router's streamed rows add ~40 ms: on a kept-alive connection its "
+        note += "first SSE chunk waits for the ACK of the headers (Nagle on its client socket vs "
+        out += ["", note + "the client's delayed ACK), a TCP artifact rather than routing work."]
+    legend = "ratios urc/sglang-router: <= 1 is as good or better for added latency, >= 1 for "
+    out += ["", legend + "requests/s; 'n/a' when a side's added latency is <= 0 (within noise)."]
     return "\n".join(out)
 
 
-def _no_nan(value: Any) -> Any:
-    """JSON has no NaN: null instead."""
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_no_nan(v) for v in value]
-    return value
-
-
 def to_json(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    return _no_nan(
-        {
-            "config": config,
-            "latency": [asdict(row) for row in result["latency"]],
-            "throughput": [asdict(row) for row in result["throughput"]],
-            "measure_s": result["measure_s"],
-        }
-    )
-
-
-# -- main --------------------------------------------------------------------------------------
+    out = {
+        "config": config,
+        "latency": [asdict(row) for row in result["latency"]],
+        "throughput": [asdict(row) for row in result["throughput"]],
+        "measure_s": result["measure_s"],
+    }
+    return json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,68 +147,56 @@ def build_parser() -> argparse.ArgumentParser:
         "optionally against sglang-router in front of the same emulated workers.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--workers", type=int, default=2, help="emulated workers (K)")
-    parser.add_argument("--policy", default="cache_aware", help="urc's routing policy")
-    parser.add_argument(
+    add = parser.add_argument
+    add("--workers", type=int, default=2, help="emulated workers (K)")
+    add("--policy", default="cache_aware", help="urc's routing policy")
+    add(
         "--sglang-router",
         metavar="BIN",
-        default=None,
         help="sglang-router console script (e.g. /tmp/sgr/bin/sglang-router); default: the "
         "sglang_router package of this environment, if installed",
     )
-    parser.add_argument("--sglang-policy", default=None, help="default: nearest to --policy")
-    parser.add_argument("--no-sglang", action="store_true", help="measure urc only")
-    parser.add_argument("--api", choices=["completions", "chat"], default="completions")
-    parser.add_argument(
-        "--requests",
-        type=int,
-        default=3000,
-        # p99 of 1000 pairs is their 10th worst: one scheduling hiccup on a shared machine
-        # moves it; of 3000, the 30th (~3 min for the whole bench)
-        help="requests per target per latency row",
-    )
-    parser.add_argument(
-        "--duration", type=float, default=6.0, help="seconds per target for throughput"
-    )
-    parser.add_argument("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--throughput-concurrency", type=int, default=64)
-    parser.add_argument(
+    add("--sglang-policy", default=None, help="default: nearest to --policy")
+    add("--no-sglang", action="store_true", help="measure urc only")
+    add("--api", choices=["completions", "chat"], default="completions")
+    # p99 of 1000 pairs is their 10th worst: one scheduling hiccup on a shared machine moves
+    # it; of 3000, the 30th (~3 min for the whole bench)
+    add("--requests", type=int, default=3000, help="requests per target per latency row")
+    add("--duration", type=float, default=6.0, help="seconds per target for throughput")
+    add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
+    add("--concurrency", type=int, nargs="+", default=[1, 32])
+    add("--throughput-concurrency", type=int, default=64)
+    add(
         "--stream-throughput",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="measure streamed requests/s too",
     )
-    parser.add_argument("--groups", type=int, default=8, help="shared-prefix groups")
-    parser.add_argument("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
-    parser.add_argument("--prompts", type=int, default=512, help="distinct prompts")
-    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
-    parser.add_argument(
-        "--decode-step-ms", type=float, default=0.01, help="the workers' modelled decode step"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="OUT", help="write the table as JSON")
+    add("--groups", type=int, default=8, help="shared-prefix groups")
+    add("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
+    add("--prompts", type=int, default=512, help="distinct prompts")
+    add("--max-tokens", type=int, default=8, help="output tokens per request")
+    add("--decode-step-ms", type=float, default=0.01, help="the workers' modelled decode step")
+    add("--seed", type=int, default=0)
+    add("--json", metavar="OUT", help="write the table as JSON")
     return parser
 
 
 def start_fleet(
     args: argparse.Namespace, sglang: list[str] | None, probe: bytes, children: list[Child]
-) -> tuple[list[Target], dict[str, list[int]]]:
-    """Workers, then urc (and sglang-router) in front of them; every child joins `children` as
-    soon as it exists, so the caller can stop it whatever happens next."""
+) -> tuple[list[Target], list[int]]:
+    """Workers, then urc (and sglang-router) in front of them: the targets and the workers' pids.
+    Every child joins `children` as soon as it exists, so the caller can stop it whatever
+    happens next."""
     for _ in range(args.workers):
-        fast = ["--prefill-tps", "1e9", "--decode-per-request-ms", "0"]
-        children.append(
-            start_worker("--model", MODEL, *fast, "--decode-base-ms", str(args.decode_step_ms))
-        )
+        children.append(fast_worker("--model", MODEL, decode_step_ms=args.decode_step_ms))
     workers = [child.url for child in children]
-    pids = {"workers": [child.pid for child in children]}
+    worker_pids = [child.pid for child in children]
     urc = start_gateway(workers, "--host", "127.0.0.1", "--policy", args.policy)
     children.append(urc)
     path = PATHS[args.api]
     urc.wait_serving(path, probe, 30)
     targets = [Target("direct", workers, path, None), Target("urc", [urc.url], path, urc.pid)]
-    pids["urc"] = [urc.pid]
     if sglang is not None:
         port = free_port()
         cmd = [*sglang, "--host", "127.0.0.1", "--port", str(port), "--policy", args.sglang_policy]
@@ -270,8 +206,7 @@ def start_fleet(
         children.append(sgl)
         sgl.wait_serving(path, probe, 60)
         targets.append(Target("sglang-router", [sgl.url], path, sgl.pid))
-        pids["sglang-router"] = [sgl.pid]
-    return targets, pids
+    return targets, worker_pids
 
 
 def describe(args: argparse.Namespace, prompts: list[Prompt], sglang: bool) -> str:
@@ -304,8 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the children on `kill` too
     children: list[Child] = []
     try:
-        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
-        print(header.splitlines()[0], file=sys.stderr, flush=True)
+        targets, worker_pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
+        pids = {"workers": worker_pids, **{t.name: [t.pid] for t in targets if t.pid}}
+        log(header.splitlines()[0])
         result = asyncio.run(measure(args, targets, prompts, pids))
     except KeyboardInterrupt:
         print("interrupted: stopping the processes", file=sys.stderr)

@@ -1,5 +1,5 @@
 """What the benchmarks share besides their processes (urc/processes.py): CPU accounting from
-/proc, percentiles."""
+/proc, percentiles, progress lines, a worker with negligible GPU time."""
 
 from __future__ import annotations
 
@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ scripts run from the root
+
+from loadgen.report import percentile as loadgen_percentile  # noqa: E402
+from urc.processes import Child, start_worker  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
@@ -32,11 +35,17 @@ def machine_cpu_seconds() -> float:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks; NaN for no values."""
-    if not values:
-        return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    """loadgen's percentile (linear interpolation) for q in [0, 1]; NaN for no values."""
+    value = loadgen_percentile(values, q * 100)
+    return math.nan if value is None else value
+
+
+def log(message: str) -> None:
+    """A progress line on stderr (stdout holds the results)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def fast_worker(*extra: str, decode_step_ms: float = 0.01) -> Child:
+    """An emulated worker with negligible modelled GPU time: what remains is HTTP and routing."""
+    fast = ["--prefill-tps", "1e9", "--decode-per-request-ms", "0"]
+    return start_worker(*fast, "--decode-base-ms", str(decode_step_ms), *extra)

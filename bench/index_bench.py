@@ -1,7 +1,5 @@
 """Unified index benchmark: prompt keys + match, ingest rate, memory per block-residency.
 
-    python bench/index_bench.py [--blocks 1000000] [--workers 16]
-
 Builds an index of ~N distinct blocks over W workers the way a fleet fills it: shared system
 prompts replicated on several workers, long conversations each on one worker (some on two).
 Prints medians and p99s; the pure-Python key path is measured in the same run as a baseline.
@@ -13,9 +11,12 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import random
 import time
 import tracemalloc
+
+from harness import percentile
 
 from core.blocks import (
     _python_chain_keys,
@@ -38,11 +39,6 @@ def conversation_tokens(conv: int, system: int) -> list[int]:
     head = list(range(system * SYSTEM_TOKENS, (system + 1) * SYSTEM_TOKENS))
     base = 10_000_000 + conv * CONV_TOKENS
     return head + list(range(base, base + CONV_TOKENS - SYSTEM_TOKENS))
-
-
-def percentile(samples: list[float], q: float) -> float:
-    samples = sorted(samples)
-    return samples[min(len(samples) - 1, int(q * len(samples)))]
 
 
 def build(index: UnifiedIndex, blocks: int, workers: list[str], rng: random.Random) -> int:
@@ -97,8 +93,8 @@ def bench_ingest(blocks: int = 192_000) -> None:
     mirror keeps the engine-hash -> key map. Also the bare insert, keys computed from tokens."""
     rng = random.Random(1)
     # (blocks per BlockStored, events per batch): vLLM sends one batch per engine step
-    shapes = [(n, per_batch) for n, per_batch in ((8, 1), (8, 8), (32, 1))]
-    for (per_event, per_batch), label in ((s, lbl) for s in shapes for lbl in ("ours", "vllm")):
+    shapes = ((8, 1), (8, 8), (32, 1))
+    for (per_event, per_batch), label in itertools.product(shapes, ("ours", "vllm")):
         events, parent, parent_key = [], None, None
         for e in range(blocks // per_event):
             if e % 64 == 0:

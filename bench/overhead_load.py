@@ -8,38 +8,17 @@ import asyncio
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
-from harness import cpu_seconds, machine_cpu_seconds, percentile
+from harness import cpu_seconds, log, machine_cpu_seconds, percentile
 
+from core.text import filler
 from urc.processes import JSON_HEADERS
 
 MODEL = "emulated"
-
-
-# -- prompts -----------------------------------------------------------------------------------
-
-_VOCABULARY = (
-    "the of and to in is that for it as was with be by on not he this are or his from at which "
-    "but have an they you were her she there been one all we their has would when if so no what "
-    "cache prefix block token radix worker gateway route model prompt decode prefill kernel"
-)
-WORDS = _VOCABULARY.split()
-
-
-def text(rng: random.Random, n: int) -> str:
-    """`n` ASCII bytes of words (the byte tokenizer makes that `n` tokens)."""
-    out: list[str] = []
-    size = 0
-    while size < n:
-        word = rng.choice(WORDS)
-        out.append(word)
-        size += len(word) + 1
-    return " ".join(out)[:n]
 
 
 @dataclass(slots=True)
@@ -50,13 +29,16 @@ class Prompt:
 
 
 def build_prompts(args: argparse.Namespace) -> list[Prompt]:
+    """A group's prefix + a unique suffix of 16..prefix tokens (one ASCII byte = one token)."""
     rng = random.Random(args.seed)
-    prefixes = [f"group {g}: " + text(rng, args.prefix_tokens) for g in range(args.groups)]
+    key = f"overhead/{args.seed}"
+    prefixes = [
+        f"group {g}: " + filler(args.prefix_tokens, f"{key}/{g}") for g in range(args.groups)
+    ]
     prompts = []
     for i in range(args.prompts):
         group = i % args.groups
-        suffix = f" request {i}: " + text(rng, rng.randint(16, args.prefix_tokens))
-        prompt = prefixes[group] + suffix
+        suffix = f" request {i}: " + filler(rng.randint(16, args.prefix_tokens), f"{key}/r{i}")
         base: dict[str, Any] = {"model": MODEL, "max_tokens": args.max_tokens, "temperature": 0}
         if args.api == "chat":
             base["messages"] = [
@@ -64,13 +46,17 @@ def build_prompts(args: argparse.Namespace) -> list[Prompt]:
                 {"role": "user", "content": suffix},
             ]
         else:
-            base["prompt"] = prompt
+            base["prompt"] = prefixes[group] + suffix
         bodies = (json.dumps(base).encode(), json.dumps({**base, "stream": True}).encode())
-        prompts.append(Prompt(group, len(prompt), bodies))
+        prompts.append(Prompt(group, len(prefixes[group]) + len(suffix), bodies))
     return prompts
 
 
-# -- targets and requests ----------------------------------------------------------------------
+@dataclass(slots=True)
+class Sample:
+    ok: bool
+    total_s: float
+    ttfb_s: float  # time to the first body byte (non-streamed: the whole response)
 
 
 @dataclass(slots=True)
@@ -82,37 +68,27 @@ class Target:
     path: str
     pid: int | None  # the router process (None: direct)
 
-    def url(self, prompt: Prompt) -> str:
-        return self.urls[prompt.group % len(self.urls)] + self.path
-
-
-@dataclass(slots=True)
-class Sample:
-    ok: bool
-    total_s: float
-    ttfb_s: float  # time to the first body byte (non-streamed: the whole response)
-
-
-async def send(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool) -> Sample:
-    t0 = time.perf_counter()
-    first = math.nan
-    try:
-        async with session.post(url, data=body, headers=JSON_HEADERS) as resp:
-            if stream:
-                tail = b""
-                async for chunk in resp.content.iter_any():
-                    if first != first:  # NaN: this is the first chunk
-                        first = time.perf_counter()
-                    tail = (tail + chunk)[-32:]
-                ok = resp.status == 200 and tail.rstrip().endswith(b"[DONE]")
-            else:
-                data = await resp.read()
-                first = time.perf_counter()
-                ok = resp.status == 200 and data.startswith(b"{")
-    except (aiohttp.ClientError, TimeoutError):
-        return Sample(False, math.nan, math.nan)
-    end = time.perf_counter()
-    return Sample(ok, end - t0, first - t0)
+    async def send(self, session: aiohttp.ClientSession, prompt: Prompt, stream: bool) -> Sample:
+        url = self.urls[prompt.group % len(self.urls)] + self.path
+        t0 = time.perf_counter()
+        first = math.nan
+        try:
+            async with session.post(url, data=prompt.bodies[stream], headers=JSON_HEADERS) as resp:
+                if stream:
+                    tail = b""
+                    async for chunk in resp.content.iter_any():
+                        if first != first:  # NaN: this is the first chunk
+                            first = time.perf_counter()
+                        tail = (tail + chunk)[-32:]
+                    ok = resp.status == 200 and tail.rstrip().endswith(b"[DONE]")
+                else:
+                    data = await resp.read()
+                    first = time.perf_counter()
+                    ok = resp.status == 200 and data.startswith(b"{")
+        except (aiohttp.ClientError, TimeoutError):
+            return Sample(False, math.nan, math.nan)
+        end = time.perf_counter()
+        return Sample(ok, end - t0, first - t0)
 
 
 @dataclass(slots=True)
@@ -155,7 +131,7 @@ async def block(
 
     async def lane() -> None:
         for i, prompt in todo:
-            samples[i] = await send(session, target.url(prompt), prompt.bodies[stream], stream)
+            samples[i] = await target.send(session, prompt, stream)
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
     return [s for s in samples if s is not None]
@@ -180,14 +156,11 @@ async def closed_loop(
         while time.perf_counter() < deadline:
             prompt = prompts[nxt[0] % len(prompts)]
             nxt[0] += 1
-            sample = await send(session, target.url(prompt), prompt.bodies[stream], stream)
+            sample = await target.send(session, prompt, stream)
             counts[0 if sample.ok else 1] += 1
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
     return counts[0], counts[1], time.perf_counter() - t0
-
-
-# -- measurement -------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -225,7 +198,6 @@ def session_for(concurrency: int, targets: int) -> aiohttp.ClientSession:
 async def latency_rows(
     targets: list[Target], prompts: list[Prompt], concurrency: int, requests: int
 ) -> list[LatencyRow]:
-    direct, routers = targets[0], targets[1:]
     size = max(8, concurrency * 2)  # short blocks, many rounds: slow noise hits all alike
     rounds = max(1, math.ceil(requests / size))
     rows = []
@@ -239,40 +211,45 @@ async def latency_rows(
                     got[target.name] += await block(session, target, chunk, concurrency, stream)
             metrics = [("streamed TTFB", "ttfb_s"), ("streamed total", "total_s")]
             for metric, attr in metrics if stream else [("non-streamed total", "total_s")]:
-                base = got[direct.name]
-                row = LatencyRow(metric, concurrency, 0, math.nan, math.nan, {}, {}, {}, {})
-                ok_direct = [getattr(s, attr) for s in base if s.ok]
-                row.direct_p50_ms = percentile(ok_direct, 0.5) * 1e3
-                row.direct_p99_ms = percentile(ok_direct, 0.99) * 1e3
-                row.failed[direct.name] = sum(not s.ok for s in base)
-                for router in routers:
-                    through = got[router.name]
-                    diffs = [
-                        getattr(t, attr) - getattr(d, attr)
-                        for d, t in zip(base, through, strict=True)
-                        if d.ok and t.ok
-                    ]
-                    row.pairs = len(diffs)
-                    row.added_p50_ms[router.name] = percentile(diffs, 0.5) * 1e3
-                    row.added_p99_ms[router.name] = percentile(diffs, 0.99) * 1e3
-                    row.added_mean_ms[router.name] = (
-                        sum(diffs) / len(diffs) * 1e3 if diffs else math.nan
-                    )
-                    row.failed[router.name] = sum(not s.ok for s in through)
-                rows.append(row)
+                rows.append(paired_row(metric, attr, concurrency, targets, got))
     return rows
+
+
+def paired_row(
+    metric: str, attr: str, concurrency: int, targets: list[Target], got: dict[str, list[Sample]]
+) -> LatencyRow:
+    """Each router's i-th sample minus direct's i-th (`attr` of both), where both succeeded."""
+    base = got[targets[0].name]
+    ok_direct = [getattr(s, attr) for s in base if s.ok]
+    direct_ms = [percentile(ok_direct, q) * 1e3 for q in (0.5, 0.99)]
+    row = LatencyRow(metric, concurrency, 0, *direct_ms, {}, {}, {}, {})
+    row.failed[targets[0].name] = sum(not s.ok for s in base)
+    for router in targets[1:]:
+        through = got[router.name]
+        diffs = [
+            getattr(t, attr) - getattr(d, attr)
+            for d, t in zip(base, through, strict=True)
+            if d.ok and t.ok
+        ]
+        row.pairs = len(diffs)
+        row.added_p50_ms[router.name] = percentile(diffs, 0.5) * 1e3
+        row.added_p99_ms[router.name] = percentile(diffs, 0.99) * 1e3
+        row.added_mean_ms[router.name] = sum(diffs) / len(diffs) * 1e3 if diffs else math.nan
+        row.failed[router.name] = sum(not s.ok for s in through)
+    return row
 
 
 async def throughput_row(
     targets: list[Target],
     prompts: list[Prompt],
-    concurrency: int,
-    seconds: float,
-    rounds: int,
+    args: argparse.Namespace,
     stream: bool,
     meter: CpuMeter,
 ) -> ThroughputRow:
+    """`args.rounds` rounds of closed loops over the targets, `args.duration` per target."""
     metric = "streamed" if stream else "non-streamed"
+    concurrency, rounds, seconds = args.throughput_concurrency, args.rounds, args.duration
+    log(f"  throughput at concurrency {concurrency} ({metric}) ...")
     row = ThroughputRow(metric, concurrency, {}, {t.name: [] for t in targets}, {}, {}, {}, {})
     done: dict[str, int] = {t.name: 0 for t in targets}
     async with session_for(concurrency, len(targets)) as session:
@@ -318,31 +295,11 @@ async def measure(
     started = time.perf_counter()
     rows: list[LatencyRow] = []
     for concurrency in args.concurrency:
-        print(f"  latency at concurrency {concurrency} ...", file=sys.stderr, flush=True)
+        log(f"  latency at concurrency {concurrency} ...")
         rows += await latency_rows(targets, prompts, concurrency, args.requests)
     rows.sort(key=lambda row: (row.metric != "non-streamed total", row.metric, row.concurrency))
-    throughput = []
-    for stream in (False, True) if args.stream_throughput else (False,):
-        print(
-            f"  throughput at concurrency {args.throughput_concurrency} "
-            f"({'streamed' if stream else 'non-streamed'}) ...",
-            file=sys.stderr,
-            flush=True,
-        )
-        meter = CpuMeter(pids)
-        throughput.append(
-            await throughput_row(
-                targets,
-                prompts,
-                args.throughput_concurrency,
-                args.duration,
-                args.rounds,
-                stream,
-                meter,
-            )
-        )
-    return {
-        "latency": rows,
-        "throughput": throughput,
-        "measure_s": time.perf_counter() - started,
-    }
+    streams = (False, True) if args.stream_throughput else (False,)
+    throughput = [
+        await throughput_row(targets, prompts, args, stream, CpuMeter(pids)) for stream in streams
+    ]
+    return {"latency": rows, "throughput": throughput, "measure_s": time.perf_counter() - started}

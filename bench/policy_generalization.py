@@ -11,9 +11,6 @@ with its own sharing structure, lengths, load, cache size and 4, 8 or 16 workers
 built-in workloads of `urc bench` (system prompts, multi-turn chats, the mix) open-loop with
 small caches. Every cache is far smaller than its scenario's working set.
 
-    python bench/policy_generalization.py [--policies cache_aware,sglang,round_robin]
-        [--seeds 0,1,2] [--only NAME,...] [--variant LABEL:KEY=VALUE,...] [--quick]
-
 `--seeds`: seed 0 is the default set; others draw other synthetic traces and workloads of the
 same shapes and name the workers differently (the rendezvous hashes names), and the summary
 counts over all of them. `--variant` adds a row per scenario for `cache_aware` with other
@@ -34,15 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from router.policies import make_policy  # noqa: E402
-from simulation.compare import build_params  # noqa: E402
-from simulation.metrics import summarize  # noqa: E402
-from simulation.replay import FleetConfig, Replay  # noqa: E402
-from simulation.requests import SimRequest  # noqa: E402
-from simulation.traces import parse_trace, read_trace, trace_requests  # noqa: E402
-from simulation.workloads import workload_requests  # noqa: E402
+from router.policies import make_policy
+from simulation.compare import build_params
+from simulation.metrics import summarize
+from simulation.replay import FleetConfig, Replay
+from simulation.requests import SimRequest
+from simulation.traces import parse_trace, read_trace, trace_requests
+from simulation.workloads import workload_requests
 
 SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
 BLOCK = 512  # tokens per hash id, as in Mooncake's traces
@@ -126,16 +123,6 @@ def _trace(path: Path, time_scale: float = 1.0) -> Callable[[], list[SimRequest]
     return lambda: trace_requests(read_trace(path), time_scale=time_scale)
 
 
-def _synthetic(spec: Synthetic) -> Callable[[], list[SimRequest]]:
-    return lambda: trace_requests(parse_trace(spec.records(), f"synthetic/{spec.seed}"))
-
-
-def _workload(
-    name: str, n: int, rate: float, seed: int, **params: Any
-) -> Callable[[], list[SimRequest]]:
-    return lambda: workload_requests(name, n, seed=seed, rate=rate, params=params)
-
-
 def _fleet(name: str) -> tuple[int, int]:
     """The fleet a scenario's name gives: `8x400k` is 8 workers of 400k tokens each."""
     size = next(word for word in name.split() if "x" in word and word.endswith("k"))
@@ -150,10 +137,17 @@ def scenarios(quick: bool, seed: int = 0) -> list[Scenario]:
     out: list[Scenario] = []
 
     def docs(name: str, i: int, **shape: Any) -> Scenario:
-        return Scenario(name, _synthetic(Synthetic(k + i, n, **shape)), *_fleet(name))
+        spec = Synthetic(k + i, n, **shape)
+
+        def requests() -> list[SimRequest]:
+            return trace_requests(parse_trace(spec.records(), f"synthetic/{spec.seed}"))
+
+        return Scenario(name, requests, *_fleet(name))
 
     def load(name: str, rate: float, **params: Any) -> Scenario:
-        requests = _workload(name.split()[0], n, rate, 7 + seed, **params)
+        def requests() -> list[SimRequest]:
+            return workload_requests(name.split()[0], n, seed=7 + seed, rate=rate, params=params)
+
         return Scenario(name, requests, *_fleet(name), block_size=16)
 
     if SHARED_TRACE.exists():
@@ -203,20 +197,16 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="fewer requests per synthetic scenario")
     p.add_argument("--seeds", default="0", help="comma-separated scenario seeds")
     args = p.parse_args()
-    rows: list[tuple[str, str, dict[str, str]]] = [
-        (n, n, {}) for n in args.policies.split(",") if n
-    ]
+    rows = [(n, n, {}) for n in args.policies.split(",") if n]  # (label, policy, params)
     for item in args.variant:
         label, _, rest = item.partition(":")
-        kv = dict(x.split("=", 1) for x in rest.split(",") if x)
-        rows.append((label, "cache_aware", kv))
+        rows.append((label, "cache_aware", dict(x.split("=", 1) for x in rest.split(",") if x)))
     only = [s for s in args.only.split(",") if s]
+    seeds = [int(s) for s in args.seeds.split(",") if s]
     results: dict[str, dict[str, dict[str, Any]]] = {}
     t0 = time.perf_counter()
     header = f"{'scenario':25s} {'policy':14s} {'hit':>6s} {'p50 ms':>7s} {'p99 ms':>7s}"
-    print(header)
-    print("-" * len(header))
-    seeds = [int(s) for s in args.seeds.split(",") if s]
+    print(header + "\n" + "-" * len(header))
     for seed in seeds:
         for sc in scenarios(args.quick, seed):
             if only and not any(o in sc.name for o in only):
@@ -225,19 +215,12 @@ def main() -> int:
             requests = sc.requests()
             results[title] = {}
             for label, name, params in rows:
-                s = run(sc, requests, name, params)
-                results[title][label] = s
-                print(
-                    f"{title:25s} {label:14s} {s['hit_rate']:6.1%} "
-                    f"{s['ttft_p50_s'] * 1e3:7.0f} {s['ttft_p99_s'] * 1e3:7.0f}",
-                    flush=True,
-                )
+                s = results[title][label] = run(sc, requests, name, params)
+                hit, p50, p99 = s["hit_rate"], s["ttft_p50_s"] * 1e3, s["ttft_p99_s"] * 1e3
+                print(f"{title:25s} {label:14s} {hit:6.1%} {p50:7.0f} {p99:7.0f}", flush=True)
     print(f"\n({time.perf_counter() - t0:.0f} s)")
-    summary(
-        results,
-        [r[0] for r in rows if r[1] == "cache_aware"],
-        [r[0] for r in rows if r[1] != "cache_aware"],
-    )
+    ours = [label for label, name, _ in rows if name == "cache_aware"]
+    summary(results, ours, [label for label, name, _ in rows if name != "cache_aware"])
     return 0
 
 
@@ -247,8 +230,7 @@ def summary(
     """Wins/ties/losses of each cache_aware row against each baseline, and the worst case."""
     for mine in ours:
         for other in others:
-            hit = [0, 0, 0]
-            p99 = [0, 0, 0]
+            hit, p99 = [0, 0, 0], [0, 0, 0]  # win, tie, loss
             worst_hit, worst_p99 = 0.0, 0.0
             for rows in results.values():
                 a, b = rows[mine], rows[other]

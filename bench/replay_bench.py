@@ -1,11 +1,5 @@
 """How fast `urc replay` runs, and (with --fidelity) how close it is to a live cluster.
 
-    python bench/replay_bench.py [--trace PATH] [--workers 8] [--policies all] [--repeat 3]
-        [--kv-capacity-tokens 400000] [--breakdown] [--profile POLICY]
-    python bench/replay_bench.py --fidelity [--fidelity-policy cache_aware,sglang,round_robin]
-        [--fidelity-workload system-prompts] [--fidelity-param groups=40 ...]
-        [--fidelity-requests 1200] [--fidelity-workers 8]
-
 Speed: simulated requests per CPU second, per policy, on one core, on the shared Mooncake
 trace (best of --repeat runs; loading the trace and keying it once, shared by every
 policy, is timed apart). The target is 50,000; the ratio to it is printed. Two in-run
@@ -21,10 +15,7 @@ policy's replay. Both wrap methods, which compiled classes do not allow: they ru
 
 Fidelity: the same seeded workload through `urc cluster` of emulated workers with `urc bench`,
 and offline through the replay with the same worker parameters and names; prints both and the
-differences (targets: hit rate within 2 points, TTFT p50 within 15 %). The default workload
-gives each request a few hundred uncached tokens: with tens of ms of modelled TTFT, the live
-run's own HTTP hops and event-loop wake-ups (several ms with 10 processes on a small machine)
-would dominate the comparison instead of the model.
+differences (targets: hit rate within 2 points, TTFT p50 within 15 %).
 """
 
 from __future__ import annotations
@@ -39,17 +30,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from core import native  # noqa: E402
-from router.policies import make_policy  # noqa: E402
-from simulation.compare import build_params, policy_names  # noqa: E402
-from simulation.replay import FleetConfig, Replay, RunResult  # noqa: E402
-from simulation.traces import read_trace, trace_requests  # noqa: E402
+from core import native
+from router.policies import make_policy
+from simulation.compare import build_params, policy_names
+from simulation.replay import FleetConfig, Replay, RunResult
+from simulation.traces import read_trace, trace_requests
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 TARGET = 50_000
-# a few hundred uncached tokens a request: modelled time, not HTTP hops, makes the TTFT
+# a few hundred uncached tokens a request: tens of ms of modelled TTFT, so the live run's own
+# HTTP hops and event-loop wake-ups (several ms on a small machine) do not dominate it
 FIDELITY_PARAMS = ["groups=40", "question_tokens=400"]
 
 
@@ -130,13 +122,18 @@ def _source_speed(args: argparse.Namespace, policy: str) -> float:
     return float(out.split()[-1])
 
 
+def _replay(requests: list, name: str, fleet: FleetConfig, per_step: bool = False) -> Replay:
+    """A replay of `requests` under policy `name` with its default parameters."""
+    policy = make_policy(name, **build_params(name, {}, fleet, 0))
+    return Replay(requests, policy, fleet, per_step=per_step)
+
+
 def _replay_speed(
     requests: list, name: str, fleet: FleetConfig, per_step: bool = False
 ) -> tuple[float, RunResult]:
     """Simulated requests per CPU second of one replay (CPU time: robust to a machine shared
     with others), and its result."""
-    policy = make_policy(name, **build_params(name, {}, fleet, 0))
-    replay = Replay(requests, policy, fleet, per_step=per_step)
+    replay = _replay(requests, name, fleet, per_step)
     t = time.process_time()
     result = replay.run()
     return len(requests) / (time.process_time() - t), result
@@ -144,7 +141,7 @@ def _replay_speed(
 
 def breakdown(requests: list, name: str, fleet: FleetConfig) -> None:
     totals: dict[str, float] = {}
-    replay = Replay(requests, make_policy(name, **build_params(name, {}, fleet, 0)), fleet)
+    replay = _replay(requests, name, fleet)
     for attr in ("insert", "remove", "match"):
         _timed(replay.index, attr, totals, f"index.{attr}")
     _timed(replay.policy, "choose", totals, "policy.choose")
@@ -163,7 +160,7 @@ def breakdown(requests: list, name: str, fleet: FleetConfig) -> None:
 def profile(requests: list, name: str, fleet: FleetConfig) -> None:
     from pyinstrument import Profiler
 
-    replay = Replay(requests, make_policy(name, **build_params(name, {}, fleet, 0)), fleet)
+    replay = _replay(requests, name, fleet)
     profiler = Profiler(interval=0.0005)
     profiler.start()
     replay.run()

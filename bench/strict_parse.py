@@ -1,7 +1,5 @@
 """What the strict parse costs: per request, and as a share of the gateway's CPU per request.
 
-    python bench/strict_parse.py [--requests 2000] [--repeat 2000]
-
 The parse an inference request goes through at the gateway, on three bodies (a completion with
 an 8k-token prompt, the same prompt as 8k token ids, a chat of 8 messages):
 - before: msgspec's decode, the routing fields checked (the same compiled checks as after),
@@ -25,10 +23,10 @@ import urllib.request
 from typing import Any
 
 import msgspec
-from harness import cpu_seconds
+from harness import cpu_seconds, fast_worker
 
 from router.gateway.request_body import forwarded, parse_request, validate
-from urc.processes import JSON_HEADERS, start_gateway, start_worker
+from urc.processes import JSON_HEADERS, start_gateway
 
 SALT = "urc-0123456789abcdef0123456789abcdef"
 _decode = msgspec.json.Decoder().decode
@@ -68,8 +66,7 @@ def per_call_us(fn: Any, raw: bytes, chat: bool, repeat: int) -> float:
 
 def gateway_cpu_us(path: str, raw: bytes, requests: int) -> float:
     """CPU microseconds per request of a live gateway serving `raw` (concurrency 8)."""
-    fast = ["--prefill-tps", "1e9", "--decode-base-ms", "0.01", "--decode-per-request-ms", "0"]
-    workers = [start_worker(*fast, "--default-max-tokens", "8") for _ in range(2)]
+    workers = [fast_worker("--default-max-tokens", "8") for _ in range(2)]
     gateway = start_gateway([w.url for w in workers])
     try:
         gateway.wait_serving(path, raw, 30)

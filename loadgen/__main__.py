@@ -1,7 +1,5 @@
 """`python -m loadgen ...` = `urc bench ...`."""
 
-from __future__ import annotations
-
 import sys
 
 from loadgen.cli import main

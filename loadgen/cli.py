@@ -1,13 +1,6 @@
-"""`urc bench`: drive any OpenAI-compatible endpoint with a built-in workload or a trace.
-
-    urc bench --target URL [--workload NAME | --trace FILE] [--concurrency C | --rate R]
-              [--duration S] [--requests N] [--model M ...] [--api-key K ...] [--seed S]
-              [--json OUT]
-
-Without --concurrency or --rate, a workload runs closed-loop at concurrency 8 and a trace replays
-its own timestamps. Without --model, the endpoint's GET /v1/models decides. Exit status: 0 when at
-least one request succeeded, 1 when none did, 2 on bad arguments or an unreadable trace.
-"""
+"""`urc bench`: drive any OpenAI-compatible endpoint with a built-in workload or a trace
+(flags: docs/cli.md). Exit status: 0 when a request succeeded, 1 when none did, 2 on bad
+arguments or an unreadable trace."""
 
 from __future__ import annotations
 
@@ -21,19 +14,14 @@ from typing import Any
 import aiohttp
 
 from loadgen.client import base_url, list_models
-from loadgen.mooncake import (
-    BLOCK_TOKENS,
-    TraceFormatError,
-    TraceRecord,
-    read_trace,
-    trace_requests,
-)
+from loadgen.mooncake import BLOCK_TOKENS, TraceFormatError, TraceRecord, read_trace, trace_requests
 from loadgen.report import format_report, summarize, write_json
 from loadgen.runner import BenchConfig, KeyRing, RunResult, run_bench
 from loadgen.workloads import (
+    WORKLOADS,
     RequestSpec,
+    defaults,
     iter_requests,
-    list_workloads,
     make_workload,
     parse_models,
     parse_params,
@@ -42,8 +30,10 @@ from loadgen.workloads import (
 DEFAULT_REQUESTS = 100  # a workload is endless: without --duration, this many
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The `bench` options, for a standalone parser or the `urc bench` subparser."""
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="urc bench", description="A load generator for any OpenAI-compatible endpoint."
+    )
     p.add_argument("--target", help="the endpoint's base URL, e.g. http://127.0.0.1:8000")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--workload", default=None, help="a built-in workload (--list-workloads)")
@@ -92,21 +82,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a progress line on stderr (default: when stderr is a terminal)",
     )
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="urc bench",
-        description="A load generator for any OpenAI-compatible endpoint.",
-    )
-    add_arguments(parser)
-    return parser
+    return p
 
 
 def _print_workloads() -> None:
-    for info in list_workloads():
-        print(f"{info.name}\n    {info.description}")
-        print("    " + "  ".join(f"{k}={v!r}" for k, v in info.params.items()))
+    for name, cls in WORKLOADS.items():
+        print(f"{name}\n    {' '.join((cls.__doc__ or '').split())}")
+        print("    " + "  ".join(f"{k}={v!r}" for k, v in defaults(cls).items()))
 
 
 async def _run(args: argparse.Namespace, config: BenchConfig) -> tuple[RunResult, list[str]]:
@@ -169,8 +151,8 @@ def _config(args: argparse.Namespace, replay: bool, max_requests: int | None) ->
     )
 
 
-def run(args: argparse.Namespace) -> int:
-    """`urc bench` with parsed arguments (the `urc` CLI calls this for its subparser)."""
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.list_workloads:
         _print_workloads()
         return 0
@@ -216,10 +198,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(summary, args.json)
     return 0 if summary["counts"]["ok"] > 0 else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,23 +1,116 @@
-"""One streamed OpenAI-compatible request -> a filled `RequestResult` and the reply text.
+"""One streamed OpenAI-compatible request -> a `RequestResult` and the reply text.
 
 Every request asks for `stream: true` with `stream_options.include_usage`, so TTFT is the time
 to the first non-empty content chunk and the final chunk carries `usage` (prompt, completion and
 cached tokens). An endpoint that ignores `stream` and answers one JSON body is read too (its
-TTFT is then its whole latency). Nothing here raises except cancellation: failures become error
-kinds (see `loadgen.results`).
+TTFT is then its whole latency). Nothing here raises except cancellation: failures become
+error kinds (`RequestResult.error`, None = success; the list is in docs/cli.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from loadgen.results import RequestResult, parse_int, parse_route
 from loadgen.workloads import RequestSpec
+
+
+@dataclass(slots=True)
+class Route:
+    """The gateway's routing explanation. Unknown keys stay in `fields`."""
+
+    worker: str | None = None
+    matched_tokens: int | None = None  # the gateway's prediction of the cached prefix
+    reason: str | None = None
+    prompt_tokens: int | None = None  # the gateway's own count
+    fields: dict[str, str] = field(default_factory=dict)
+
+
+_PAIR_SEP = re.compile(r"[;,]")
+
+
+def parse_int(value: object) -> int | None:
+    """An int from a header or JSON field, None when absent or unparseable."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        return value if isinstance(value, int) else int(float(value))
+    except (ValueError, OverflowError):  # text that is no number, NaN, infinity
+        return None
+
+
+def parse_route(header: str | None) -> Route | None:
+    """`worker=w1; matched_tokens=2048; reason=cache_hit` (also `,`-separated, `key: value`, or
+    a JSON object; the gateway also sends prompt_tokens); keys are case-insensitive, `-` = `_`.
+    None when the header is absent."""
+    if header is None or not header.strip():
+        return None
+    pairs: dict[str, str] = {}
+    text = header.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+            if isinstance(obj, dict):
+                pairs = {str(k): "" if v is None else str(v) for k, v in obj.items()}
+        except json.JSONDecodeError:
+            pass
+    if not pairs:
+        for item in _PAIR_SEP.split(text):
+            key, sep, value = item.partition("=")
+            if not sep:
+                key, sep, value = item.partition(":")
+            if sep and key.strip():
+                pairs[key.strip()] = value.strip().strip('"')
+    fields = {k.lower().replace("-", "_"): v for k, v in pairs.items()}
+    worker = fields.pop("worker", None) or None
+    matched = parse_int(fields.pop("matched_tokens", None))
+    reason = fields.pop("reason", None) or None
+    prompt = parse_int(fields.pop("prompt_tokens", None))
+    return Route(worker, matched, reason, prompt, fields)
+
+
+@dataclass(slots=True)
+class RequestResult:
+    index: int  # the spec's index
+    model: str
+    tenant: str | None
+    session_id: str | None
+    group_id: str | None
+    start_s: float  # when it was sent, seconds after the run started
+    error: str | None = None
+    detail: str = ""
+    status: int | None = None
+    ttft_s: float | None = None  # to the first non-empty content chunk
+    latency_s: float | None = None  # to the end of the stream
+    prompt_tokens: int | None = None  # usage, as the worker reported it
+    output_tokens: int = 0  # usage.completion_tokens, else the content chunks counted
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    header_cached_tokens: int | None = None  # x-urc-cached-tokens (the worker's, passed on)
+    route: Route | None = None  # x-urc-route
+
+    @classmethod
+    def for_spec(cls, spec: RequestSpec, start_s: float) -> RequestResult:
+        return cls(spec.index, spec.model, spec.tenant, spec.session_id, spec.group_id, start_s)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def predicted_tokens(self) -> int | None:
+        """The gateway's predicted cached prefix: x-urc-route's matched_tokens."""
+        return self.route.matched_tokens if self.route is not None else None
+
+    @property
+    def actual_cached_tokens(self) -> int | None:
+        """What the worker reused: usage's cached_tokens, else the x-urc-cached-tokens header."""
+        return self.cached_tokens if self.cached_tokens is not None else self.header_cached_tokens
 
 
 class _BadResponse(Exception):
@@ -35,18 +128,15 @@ def base_url(target: str) -> str:
 
 
 def request_body(spec: RequestSpec) -> dict[str, Any]:
-    body: dict[str, Any] = {
+    text = {"messages": spec.messages} if spec.kind == "chat" else {"prompt": spec.prompt}
+    return {
         "model": spec.model,
         "max_tokens": spec.max_tokens,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **text,
     }
-    if spec.kind == "chat":
-        body["messages"] = spec.messages
-    else:
-        body["prompt"] = spec.prompt
-    return body
 
 
 def _read_usage(result: RequestResult, usage: Any) -> None:

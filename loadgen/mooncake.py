@@ -1,15 +1,6 @@
-"""Mooncake traces (docs/traces.md) -> `RequestSpec`s with real text. Pure but for reading the file.
-
-A line is `{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`, one hash
-id per `block_tokens` (512) tokens, chained so that equal ids mean an equal prefix. The gateway's
-own recordings add `model`, `tenant`, `worker` and `cached_tokens`; other fields are ignored.
-
-Each hash id becomes a fixed block of exactly `block_tokens` ASCII bytes (= tokens under the byte
-tokenizer) and a prompt is its blocks concatenated, cut to `input_length`. So prompts that share a
-hash-id prefix share exactly that text prefix, and a completion prompt is exactly `input_length`
-tokens. Tokens beyond the last hash id (a recording that lists only full blocks) get text unique
-to the line. Chat requests wrap the same text in one user message (plus the template's tokens).
-"""
+"""Mooncake traces -> `RequestSpec`s with real text (docs/traces.md: the line format, and how
+hash ids become text: prompts sharing a hash-id prefix share exactly that text prefix).
+Pure but for reading the file."""
 
 from __future__ import annotations
 
@@ -145,9 +136,8 @@ def trace_requests(
     max_output_tokens: int | None = None,
     seed: int = 0,
 ) -> Iterator[RequestSpec]:
-    """Specs in timestamp order, lazily (prompts are large). `arrival_s` = (timestamp - first
-    timestamp) / 1000 * time_scale (0.5 replays twice as fast); max_tokens = output_length
-    capped at `max_output_tokens`, at least 1; a record's own model overrides `model`."""
+    """Specs in timestamp order, lazily (prompts are large); arrival_s and max_tokens as
+    docs/traces.md says; a record's own model overrides `model`."""
     assert time_scale >= 0 and block_tokens >= 1
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
     t0 = ordered[0].timestamp_ms if ordered else 0.0
@@ -156,17 +146,18 @@ def trace_requests(
         if max_output_tokens is not None:
             max_tokens = min(max_tokens, max_output_tokens)
         prompt = record_prompt(rec, block_tokens, seed)
-        common: dict[str, Any] = {
-            "arrival_s": (rec.timestamp_ms - t0) / 1000.0 * time_scale,
-            "tenant": rec.tenant,
-            "group_id": f"h{rec.hash_ids[0]}" if rec.hash_ids else None,
-        }
-        if kind == "chat":
-            messages = [{"role": "user", "content": prompt}]
-            yield RequestSpec(
-                i, "chat", rec.model or model, max(1, max_tokens), messages=messages, **common
-            )
-        else:
-            yield RequestSpec(
-                i, "completion", rec.model or model, max(1, max_tokens), prompt=prompt, **common
-            )
+        text: dict[str, Any] = (
+            {"messages": [{"role": "user", "content": prompt}]}
+            if kind == "chat"
+            else {"prompt": prompt}
+        )
+        yield RequestSpec(
+            i,
+            kind,
+            rec.model or model,
+            max(1, max_tokens),
+            arrival_s=(rec.timestamp_ms - t0) / 1000.0 * time_scale,
+            tenant=rec.tenant,
+            group_id=f"h{rec.hash_ids[0]}" if rec.hash_ids else None,
+            **text,
+        )

@@ -1,31 +1,5 @@
-"""A run's results -> one summary dict (the `--json` file) and a table for the terminal. Pure.
-
-JSON schema "urc.bench/1" (keys are stable; a value is null when nothing measured it):
-
-    schema       "urc.bench/1"
-    config       how the run was asked for: target, workload | trace, mode ("closed" | "poisson"
-                 | "trace"), concurrency, rate, duration_s, requests, models, seed, ...
-    duration_s   wall time from the first send to the last answer
-    counts       {sent, ok, failed, cancelled, dropped}: sent = ok + failed + cancelled; dropped =
-                 session turns never sent because an earlier turn of theirs failed
-    errors       {kind: count} over failed requests (kinds: loadgen.results), e.g. "http_503"
-    error_examples  {kind: the first such request's detail} (a status body, an exception)
-    ttft_s       {mean, p50, p90, p99, max} over ok requests: time to the first content chunk
-    latency_s    {mean, p50, p90, p99, max} over ok requests: time to the end of the stream
-    throughput   {requests_per_s, output_tokens_per_s}: ok requests and their output / duration
-    tokens       {prompt, cached, output}: sums over ok requests, as the workers report them
-                 (cached: usage.prompt_tokens_details.cached_tokens, else x-urc-cached-tokens)
-    hit_rate     tokens.cached / tokens.prompt over ok requests that report both, in [0, 1]
-    prediction   {compared, mae_pct, bias_pct}: the gateway's predicted cached prefix
-                 (x-urc-route matched_tokens) against the worker's cached tokens, per ok request
-                 reporting both: mean |predicted - actual| (and mean predicted - actual) in % of
-                 the request's prompt tokens
-    workers      {worker: {requests, ok, prompt_tokens, cached_tokens, hit_rate,
-                 prediction_mae_pct}} from x-urc-route (the MAE as in `prediction`, per worker)
-    requests     only with --json-requests: one object per request (see `request_row`)
-
-Percentiles interpolate linearly between the closest ranks (numpy's default).
-"""
+"""A run's results -> one summary dict (the `--json` file: schema `urc.bench/1`, docs/cli.md)
+and a table for the terminal. Pure."""
 
 from __future__ import annotations
 
@@ -36,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from loadgen.results import RequestResult
+from loadgen.client import RequestResult
 
 SCHEMA = "urc.bench/1"
 _STATS = ("mean", "p50", "p90", "p99", "max")
@@ -55,46 +29,35 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 def distribution(values: Sequence[float]) -> dict[str, float | None]:
     if not values:
         return dict.fromkeys(_STATS)
-    return {
-        "mean": sum(values) / len(values),
-        "p50": percentile(values, 50),
-        "p90": percentile(values, 90),
-        "p99": percentile(values, 99),
-        "max": max(values),
-    }
+    quantiles = {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+    return {"mean": sum(values) / len(values), **quantiles, "max": max(values)}
+
+
+_ROW = ("index", "model", "tenant", "session_id", "group_id", "start_s", "error", "detail")
+_ROW += ("status", "ttft_s", "latency_s", "prompt_tokens", "output_tokens")
 
 
 def request_row(r: RequestResult) -> dict[str, Any]:
-    return {
-        "index": r.index,
-        "model": r.model,
-        "tenant": r.tenant,
-        "session_id": r.session_id,
-        "group_id": r.group_id,
-        "start_s": r.start_s,
-        "error": r.error,
-        "detail": r.detail,
-        "status": r.status,
-        "ttft_s": r.ttft_s,
-        "latency_s": r.latency_s,
-        "prompt_tokens": r.prompt_tokens,
-        "output_tokens": r.output_tokens,
-        "cached_tokens": r.actual_cached_tokens,
-        "predicted_tokens": r.predicted_tokens,
-        "worker": r.route.worker if r.route else None,
-        "route_reason": r.route.reason if r.route else None,
-    }
+    row = {name: getattr(r, name) for name in _ROW}
+    row["cached_tokens"] = r.actual_cached_tokens
+    row["predicted_tokens"] = r.predicted_tokens
+    row["worker"] = r.route.worker if r.route else None
+    row["route_reason"] = r.route.reason if r.route else None
+    return row
 
 
-def _per_worker(
-    results: Sequence[RequestResult], compared: list[RequestResult], gaps: list[float]
-) -> dict[str, dict[str, Any]]:
+def _gap(r: RequestResult) -> float | None:
+    """Predicted - actual cached tokens, in % of the prompt, where an ok request reports both."""
+    predicted, actual, prompt = r.predicted_tokens, r.actual_cached_tokens, r.prompt_tokens
+    if not r.ok or predicted is None or actual is None or prompt is None or prompt <= 0:
+        return None
+    return 100.0 * (predicted - actual) / prompt
+
+
+def _per_worker(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
     """Requests, hit rate and prediction error of each worker that answered."""
     workers: dict[str, dict[str, Any]] = {}
     worker_gaps: dict[str, list[float]] = {}
-    for r, gap in zip(compared, gaps, strict=True):
-        if r.route is not None and r.route.worker is not None:
-            worker_gaps.setdefault(r.route.worker, []).append(abs(gap))
     for r in results:
         if r.route is None or r.route.worker is None:
             continue
@@ -107,6 +70,8 @@ def _per_worker(
             if r.prompt_tokens is not None and r.actual_cached_tokens is not None:
                 w["prompt_tokens"] += r.prompt_tokens
                 w["cached_tokens"] += r.actual_cached_tokens
+        if (gap := _gap(r)) is not None:
+            worker_gaps.setdefault(r.route.worker, []).append(abs(gap))
     for name, w in workers.items():
         w["hit_rate"] = w["cached_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else None
         errs = worker_gaps.get(name)
@@ -129,14 +94,8 @@ def summarize(
     ]
     prompt_reported = sum(r.prompt_tokens or 0 for r in reporting)
     cached_reported = sum(r.actual_cached_tokens or 0 for r in reporting)
-    compared = [
-        r for r in reporting if r.predicted_tokens is not None and (r.prompt_tokens or 0) > 0
-    ]
-    gaps = [
-        100.0 * ((r.predicted_tokens or 0) - (r.actual_cached_tokens or 0)) / (r.prompt_tokens or 1)
-        for r in compared
-    ]
-    workers = _per_worker(results, compared, gaps)
+    gaps = [gap for r in ok if (gap := _gap(r)) is not None]
+    workers = _per_worker(results)
     summary: dict[str, Any] = {
         "schema": SCHEMA,
         "config": dict(config or {}),
@@ -165,7 +124,7 @@ def summarize(
         },
         "hit_rate": cached_reported / prompt_reported if prompt_reported else None,
         "prediction": {
-            "compared": len(compared),
+            "compared": len(gaps),
             "mae_pct": sum(abs(g) for g in gaps) / len(gaps) if gaps else None,
             "bias_pct": sum(gaps) / len(gaps) if gaps else None,
         },

@@ -25,8 +25,7 @@ from typing import NamedTuple, TextIO
 
 import aiohttp
 
-from loadgen.client import base_url, stream_request
-from loadgen.results import RequestResult
+from loadgen.client import RequestResult, base_url, stream_request
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import RequestSpec, with_poisson_arrivals
 
@@ -197,10 +196,7 @@ class _Engine:
 
 
 async def run_bench(
-    specs: Iterable[RequestSpec],
-    config: BenchConfig,
-    progress_out: TextIO | None = None,
-    stop_on_sigint: bool = False,
+    specs: Iterable[RequestSpec], config: BenchConfig, stop_on_sigint: bool = False
 ) -> RunResult:
     """Send `specs` as `config` says; never raises for a failed request. With `stop_on_sigint`,
     Ctrl-C ends the run early (requests in flight get the grace period) instead of aborting."""
@@ -217,7 +213,7 @@ async def run_bench(
         engine = _Engine(http, config)
         progress = None
         if config.progress:
-            progress = asyncio.create_task(engine.show_progress(progress_out or sys.stderr))
+            progress = asyncio.create_task(engine.show_progress(sys.stderr))
         loop = asyncio.get_running_loop()
         if stop_on_sigint:
             loop.add_signal_handler(signal.SIGINT, engine.stop)

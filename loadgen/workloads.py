@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import count, islice
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 from core.text import filler
 
@@ -59,44 +59,6 @@ class Workload(Protocol):
     def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]: ...
 
 
-def _single_turn(
-    index: int, kind: str, model: str, max_tokens: int, system: str, question: str, **ids: Any
-) -> RequestSpec:
-    if kind == "chat":
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        return RequestSpec(index, "chat", model, max_tokens, messages=messages, **ids)
-    assert kind == "completion", kind
-    return RequestSpec(index, "completion", model, max_tokens, prompt=system + question, **ids)
-
-
-def _shared_prefix_stream(
-    p: SystemPrompts,
-    seed: int,
-    tag: str,
-    model_of: Callable[[int, int], str],
-    tenant_of: Callable[[int, int], str | None],
-) -> Iterator[RequestSpec]:
-    """Request i: a seeded-random group g (its j-th request) = g's prefix + a fresh question."""
-    rng = random.Random(f"{tag}/{seed}/groups")
-    sent = [0] * p.groups
-    for i in count():
-        g = rng.randrange(p.groups)
-        j = sent[g]
-        sent[g] += 1
-        system = filler(p.prefix_tokens, f"{tag}/{seed}/system/{g}")
-        question = filler(p.question_tokens, f"{tag}/{seed}/question/{i}")
-        yield _single_turn(
-            i,
-            p.kind,
-            model_of(g, j),
-            p.max_tokens,
-            system,
-            question,
-            tenant=tenant_of(g, j),
-            group_id=f"{tag}/g{g}",
-        )
-
-
 @dataclass(slots=True)
 class SystemPrompts:
     """`groups` long system prompts of `prefix_tokens` each, every request one of them plus a
@@ -107,11 +69,38 @@ class SystemPrompts:
     question_tokens: int = 48
     max_tokens: int = 32
     kind: str = "chat"
+    tag: ClassVar[str] = "system-prompts"  # seeds the text: each workload draws its own
+
+    def model_of(self, models: Sequence[str], group: int, nth: int) -> str:
+        """The model of a group's `nth` request."""
+        return models[0]
+
+    def tenant_of(self, nth: int) -> str | None:
+        return None
 
     def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
-        return _shared_prefix_stream(
-            self, seed, "system-prompts", lambda g, j: models[0], lambda g, j: None
-        )
+        """Request i: a seeded-random group g (its j-th request) = g's prefix + a fresh question."""
+        tag = self.tag
+        rng = random.Random(f"{tag}/{seed}/groups")
+        sent = [0] * self.groups
+        for i in count():
+            g = rng.randrange(self.groups)
+            j = sent[g]
+            sent[g] += 1
+            system = filler(self.prefix_tokens, f"{tag}/{seed}/system/{g}")
+            question = filler(self.question_tokens, f"{tag}/{seed}/question/{i}")
+            ids: dict[str, Any] = {"tenant": self.tenant_of(j), "group_id": f"{tag}/g{g}"}
+            model = self.model_of(models, g, j)
+            if self.kind == "chat":
+                messages = [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ]
+                yield RequestSpec(i, "chat", model, self.max_tokens, messages=messages, **ids)
+            else:
+                assert self.kind == "completion", self.kind
+                prompt = system + question
+                yield RequestSpec(i, "completion", model, self.max_tokens, prompt=prompt, **ids)
 
 
 @dataclass(slots=True)
@@ -119,10 +108,10 @@ class MultiModel(SystemPrompts):
     """system-prompts spread over every model: a group's requests cycle through the models, so
     identical prefixes reach different KV groups (which must never share cache)."""
 
-    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
-        return _shared_prefix_stream(
-            self, seed, "multi-model", lambda g, j: models[(g + j) % len(models)], lambda g, j: None
-        )
+    tag: ClassVar[str] = "multi-model"
+
+    def model_of(self, models: Sequence[str], group: int, nth: int) -> str:
+        return models[(group + nth) % len(models)]
 
 
 @dataclass(slots=True)
@@ -131,16 +120,10 @@ class TwoTenants(SystemPrompts):
     which isolation keeps apart (no cross-tenant cache hits)."""
 
     tenants: tuple[str, ...] = ("tenant-a", "tenant-b")
+    tag: ClassVar[str] = "two-tenants"
 
-    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
-        tenants = self.tenants
-        return _shared_prefix_stream(
-            self,
-            seed,
-            "two-tenants",
-            lambda g, j: models[0],
-            lambda g, j: tenants[j % len(tenants)],
-        )
+    def tenant_of(self, nth: int) -> str | None:
+        return self.tenants[nth % len(self.tenants)]
 
 
 @dataclass(slots=True)
@@ -162,10 +145,8 @@ class MultiTurn:
             # turn-major within a batch: a session's next turn comes after every other's turn
             for turn in range(self.turns):
                 for s in range(batch * self.sessions, (batch + 1) * self.sessions):
-                    user = {
-                        "role": "user",
-                        "content": filler(self.user_tokens, f"mt/{seed}/{s}/{turn}"),
-                    }
+                    text = filler(self.user_tokens, f"mt/{seed}/{s}/{turn}")
+                    user = {"role": "user", "content": text}
                     messages = [user]
                     if turn == 0 and self.system_tokens > 0:
                         messages = [{"role": "system", "content": system}, user]
@@ -190,15 +171,13 @@ class Mixed:
     weights: str = "system-prompts:2,multi-turn:2,multi-model:1,two-tenants:1"
 
     def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
-        names: list[str] = []
-        shares: list[float] = []
+        streams, shares = [], []
         for item in self.weights.split(","):
             name, _, weight = item.strip().partition(":")
             if name not in WORKLOADS or name == "mixed":
                 raise ValueError(f"mixed: unknown workload {name!r} in weights")
-            names.append(name)
+            streams.append(WORKLOADS[name]().requests(seed, models))
             shares.append(float(weight or 1))
-        streams = [WORKLOADS[n]().requests(seed, models) for n in names]
         rng = random.Random(f"mixed/{seed}")
         for i in count():
             (stream,) = rng.choices(streams, weights=shares)
@@ -214,21 +193,9 @@ WORKLOADS: dict[str, type] = {
 }
 
 
-class WorkloadInfo(NamedTuple):
-    name: str
-    description: str
-    params: dict[str, Any]  # parameter -> default
-
-
-def list_workloads() -> list[WorkloadInfo]:
-    return [
-        WorkloadInfo(
-            name,
-            " ".join((cls.__doc__ or "").split()),
-            {f.name: f.default for f in dataclasses.fields(cls)},
-        )
-        for name, cls in WORKLOADS.items()
-    ]
+def defaults(cls: type) -> dict[str, Any]:
+    """A workload's parameters and their defaults."""
+    return {f.name: f.default for f in dataclasses.fields(cls)}
 
 
 def _coerce(value: Any, default: Any, name: str) -> Any:
@@ -268,12 +235,11 @@ def make_workload(name: str, **params: Any) -> Workload:
     """The workload `name` with `params` (strings are converted to each default's type)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
-    cls = WORKLOADS[name]
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    unknown = set(params) - set(defaults)
+    known = defaults(WORKLOADS[name])
+    unknown = set(params) - set(known)
     if unknown:
-        raise ValueError(f"{name}: unknown parameter(s) {sorted(unknown)}; known: {list(defaults)}")
-    workload = cls(**{k: _coerce(v, defaults[k], k) for k, v in params.items()})
+        raise ValueError(f"{name}: unknown parameter(s) {sorted(unknown)}; known: {list(known)}")
+    workload = WORKLOADS[name](**{k: _coerce(v, known[k], k) for k, v in params.items()})
     kind = getattr(workload, "kind", "chat")
     if kind not in ("chat", "completion"):
         raise ValueError(f"{name}: kind must be 'chat' or 'completion', not {kind!r}")

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from core.text import filler
 from core.tokenizer import ByteTokenizer
+from loadgen.client import RequestResult, Route, parse_route
 from loadgen.mooncake import (
     TraceFormatError,
     block_text,
@@ -22,7 +23,6 @@ from loadgen.mooncake import (
     trace_requests,
 )
 from loadgen.report import percentile, summarize
-from loadgen.results import RequestResult, Route, parse_route
 from loadgen.runner import KeyRing
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import WORKLOADS, iter_requests, with_poisson_arrivals
