@@ -25,9 +25,10 @@ from core.errors import APIError
 from router.dispatch import RoutedResidency
 from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
-from router.gateway.errors import add_fallback_route, json_errors
+from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import export_levels
+from router.gateway.lean_reply import JSON_HEADERS
 from router.gateway.metrics import GatewayMetrics, ModesCollector
 from router.gateway.modes import RoutingModes
 from router.gateway.parity import ParityCollector, ParityProbe
@@ -42,7 +43,6 @@ from router.index import UnifiedIndex
 from router.policies import make_policy
 
 log = logging.getLogger(__name__)
-JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 class Gateway:
@@ -85,8 +85,10 @@ class Gateway:
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
             [
-                web.post("/v1/completions", json_errors(self.completions)),
-                web.post("/v1/chat/completions", json_errors(self.chat_completions)),
+                web.post("/v1/completions", json_errors(self._via_aiohttp("/v1/completions"))),
+                web.post(
+                    "/v1/chat/completions", json_errors(self._via_aiohttp("/v1/chat/completions"))
+                ),
                 web.get("/v1/models", json_errors(self.list_models)),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics_endpoint),
@@ -148,18 +150,16 @@ class Gateway:
 
     # -- OpenAI endpoints --------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._via_aiohttp(request, "/v1/completions")
+    def _via_aiohttp(self, path: str) -> Handler:
+        """The handler of `path` on a connection aiohttp holds (server.py says when)."""
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._via_aiohttp(request, "/v1/chat/completions")
+        async def handle(request: web.Request) -> web.StreamResponse:
+            reply = AiohttpReply(request)
+            await self.serve(reply, path, request.headers, await request.read())
+            assert reply.response is not None
+            return reply.response
 
-    async def _via_aiohttp(self, request: web.Request, path: str) -> web.StreamResponse:
-        """An inference request on a connection aiohttp holds (server.py says when)."""
-        reply = AiohttpReply(request)
-        await self.serve(reply, path, request.headers, await request.read())
-        assert reply.response is not None
-        return reply.response
+        return handle
 
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
         """One inference request, whichever server took it; `headers` are looked up by
@@ -212,14 +212,8 @@ class Gateway:
         self.tenants.authenticate(request.headers.get("Authorization"))
         served = {name for w in self.fleet.workers.values() if w.up for name in w.models}
         data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "urc",
-                "kv_group": model.kv_group,
-            }
-            for name, model in sorted(self.fleet.models.items())
+            {"id": name, "object": "model", "created": 0, "owned_by": "urc", "kv_group": m.kv_group}
+            for name, m in sorted(self.fleet.models.items())
             if name in served
         ]
         return web.json_response({"object": "list", "data": data})
@@ -228,14 +222,8 @@ class Gateway:
         up = sum(w.up for w in self.fleet.workers.values())
         status = 200 if up and not self.draining else 503
         word = "draining" if self.draining else "ok" if up else "no healthy worker"
-        return web.json_response(
-            {
-                "status": word,
-                "workers_up": up,
-                "workers": len(self.fleet.workers),
-            },
-            status=status,
-        )
+        body = {"status": word, "workers_up": up, "workers": len(self.fleet.workers)}
+        return web.json_response(body, status=status)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics key when one is set, and when tenants are
