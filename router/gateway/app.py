@@ -27,7 +27,7 @@ from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
-from router.gateway.isolation import export_levels
+from router.gateway.isolation import Tenants, export_levels
 from router.gateway.lean_reply import JSON_HEADERS
 from router.gateway.metrics import GatewayMetrics, ModesCollector
 from router.gateway.modes import RoutingModes
@@ -38,7 +38,6 @@ from router.gateway.reply import AiohttpReply, Reply
 from router.gateway.request_body import forwarded, parse_request
 from router.gateway.routing import Plan, Router
 from router.gateway.server import FrontServer
-from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.policies import make_policy
 

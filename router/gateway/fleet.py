@@ -1,9 +1,8 @@
 """The fleet as the gateway sees it: workers, what they serve, their health and load.
 
-A worker is *up* once it answers; it leaves the candidate set (and its residency leaves the
-index) after `unhealthy_after` failed health checks or requests in a row, and comes back, with
-a resynced mirror, when it answers again. Workers that publish KV events are mirrored exactly;
-the others get approximate residency from the gateway's own routing history (docs/index.md).
+A worker is *up* once it answers; after `unhealthy_after` failed checks or requests in a row it
+leaves the candidates (and its residency the index) until it answers again. Workers with KV
+events are mirrored exactly, the others approximately (docs/index.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Token parity: the gateway keys prompts with its own tokenizer, so its keys are the engine's
 only if both turn a request into the same token ids (docs/block-keys.md).
 
-When a worker comes up, and then every `parity_interval_s`, a known chat and a known completion
-(one token of output each) go to each kv_group the worker serves, and the worker's
-`usage.prompt_tokens` is compared with the gateway's own count. A mismatch is logged, exported
-(`urc_tokenizer_parity` 0, `urc_tokenizer_parity_mismatches`) and *downgrades* that worker's
-kv_group to approximate mode: its KV-event stream is stopped and its residency cleared, so it is
-routed on the gateway's own history (keys from the gateway's tokenizer, consistent with
-themselves) instead of on events keyed from the engine's ids that no prompt of ours will match.
-A later matching probe restores exact mode. A probe that gets no answer changes nothing.
+When a worker comes up, and every `parity_interval_s`, a known chat and completion (one output
+token each) go to each kv_group it serves, and its `usage.prompt_tokens` is compared with the
+gateway's count. A mismatch *downgrades* that kv_group of the worker to approximate mode (its
+event stream stopped, its residency cleared) until a probe matches again; a probe that gets no
+answer changes nothing.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Forwarding: the worker's body (request_body.py) to the planned worker, failing over to the
 next one while nothing has reached the client; SSE chunks are passed through as they arrive.
-
-Each attempt holds a share of its worker's load (router/dispatch.py), whose first token is the
-first byte. A non-streamed response has no visible first byte: its prefill is aged out of the
-queue after the time the gateway's prefill-rate estimate gives it.
+Each attempt holds a share of its worker's load (router/dispatch.py) until its first byte; a
+non-streamed answer's prefill is aged out after the time the prefill-rate estimate gives it.
 """
 
 from __future__ import annotations

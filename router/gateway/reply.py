@@ -1,8 +1,5 @@
-"""How a response reaches the client, whichever HTTP server took the request.
-
-The inference endpoints are served by the lean front server (server.py) and, on connections
-it handed over, by aiohttp; the proxy writes through this one small interface to both:
-`whole` for a complete answer, `start` / `send` / `end` for a stream passed through.
+"""How a response reaches the client, whichever server took the request (server.py's front door
+or aiohttp): `whole` for a complete answer, `start` / `send` / `end` for a stream.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """A lean HTTP/1.1 client for the hop to the workers: pooled keep-alive connections, the request
-written in one call, the response parsed by httptools as it arrives.
-
-The gateway's hop to a worker is always the same shape (POST, JSON body, a response that is
-JSON or SSE), so it needs none of a general client's machinery; this one costs a fraction of
-aiohttp's ClientSession per request. A connection taken from the pool that turns out to be
-closed by the worker before answering is retried once on a fresh one (nothing was processed).
+written in one call, the response parsed by httptools as it arrives (a fraction of aiohttp's
+ClientSession per request). A pooled connection the worker closed before answering is retried
+once on a fresh one (nothing was processed).
 """
 
 from __future__ import annotations
@@ -146,17 +143,11 @@ class UpstreamResponse:
             await conn.wait()
 
     async def read(self) -> bytes:
-        conn = self._conn
-        if conn.complete:  # small answers are usually whole by now
-            return conn.take()
+        if self._conn.complete:  # small answers are usually whole by now
+            return self._conn.take()
         parts = []
-        while not conn.complete:
-            if conn.lost:
-                raise UpstreamError("the worker closed the connection mid-response")
-            if conn.chunks:
-                parts.append(conn.take())  # taking resumes a connection paused when full
-            await conn.wait()
-        parts.append(conn.take())
+        while (chunk := await self.next_chunk()) is not None:
+            parts.append(chunk)
         return b"".join(parts)
 
     def release(self) -> None:
@@ -214,16 +205,8 @@ class UpstreamPool:
 
     async def post(self, path: str, body: bytes) -> UpstreamResponse:
         """Send; return once the status line and headers are in."""
-        request = (
-            b"POST "
-            + path.encode()
-            + b" HTTP/1.1\r\n"
-            + self._head
-            + b"Content-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body
-        )
+        head = b"POST %b HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n"
+        request = head % (path.encode(), self._head, len(body)) + body
         for fresh in (False, True):
             conn = self._take_idle() if not fresh else None
             if conn is None:
