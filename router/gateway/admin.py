@@ -58,7 +58,6 @@ def bearer_matches(authorization: str | None, key: str) -> bool:
 
 
 def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
-    blocks_held = sum(index.blocks_held(worker.name, g) for g in set(worker.models.values()))
     return {
         "name": worker.name,
         "url": worker.url,
@@ -67,7 +66,7 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
         "mode": worker.mode,
         "models": worker.models,
         "block_size": worker.block_size,
-        "cached_blocks": blocks_held,
+        "cached_blocks": worker.blocks_held(index),
         "incarnation": worker.incarnation,
         "load": {
             "in_flight": worker.load.in_flight,

@@ -8,7 +8,8 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -21,6 +22,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 # a rough per-block cost of the index (bench/index_bench.py measures it)
 INDEX_BYTES_PER_BLOCK = 100
+K = TypeVar("K")
 
 
 class Count:
@@ -95,22 +97,20 @@ class GatewayMetrics:
         return series
 
     def status(self, model: str, worker: str, status: int) -> Count:
-        count = self._status.get((model, worker, status))
-        if count is None:
-            count = self._status[(model, worker, status)] = Count()
-        return count
+        return _count(self._status, (model, worker, status))
 
     def reason(self, reason: str) -> Count:
-        count = self._reasons.get(reason)
-        if count is None:
-            count = self._reasons[reason] = Count()
-        return count
+        return _count(self._reasons, reason)
 
     def failover(self, worker: str) -> Count:
-        count = self._failovers.get(worker)
-        if count is None:
-            count = self._failovers[worker] = Count()
-        return count
+        return _count(self._failovers, worker)
+
+
+def _count(counts: dict[K, Count], key: K) -> Count:
+    count = counts.get(key)
+    if count is None:
+        count = counts[key] = Count()
+    return count
 
 
 class _RequestCollector(Collector):
@@ -200,37 +200,25 @@ class _FleetCollector(Collector):
         yield CounterMetricFamily(
             "urc_index_evicted_blocks", "Blocks dropped by the memory budget", stats.evicted
         )
-        healthy = GaugeMetricFamily(
-            "urc_worker_healthy", "1 if the worker is up", labels=["worker"]
+        gauge = partial(GaugeMetricFamily, labels=["worker"])
+        counter = partial(CounterMetricFamily, labels=["worker"])
+        healthy = gauge("urc_worker_healthy", "1 if the worker is up")
+        exact = gauge("urc_worker_exact", "1 if residency comes from KV events")
+        in_flight = gauge("urc_worker_in_flight", "Requests in flight")
+        queued = gauge(
+            "urc_worker_queued_prefill_tokens", "Uncached prompt tokens routed, not yet prefilled"
         )
-        exact = GaugeMetricFamily(
-            "urc_worker_exact", "1 if residency comes from KV events", labels=["worker"]
-        )
-        in_flight = GaugeMetricFamily(
-            "urc_worker_in_flight", "Requests in flight", labels=["worker"]
-        )
-        queued = GaugeMetricFamily(
-            "urc_worker_queued_prefill_tokens",
-            "Uncached prompt tokens routed, not yet prefilled",
-            labels=["worker"],
-        )
-        held = GaugeMetricFamily("urc_worker_cached_blocks", "Blocks held", labels=["worker"])
-        lag = GaugeMetricFamily(
-            "urc_kv_event_lag_seconds", "Now minus the newest event's timestamp", labels=["worker"]
-        )
-        gaps = CounterMetricFamily("urc_kv_event_gaps", "Sequence gaps seen", labels=["worker"])
-        resets = CounterMetricFamily(
-            "urc_kv_event_resyncs", "Resyncs (gaps not replayable, restarts)", labels=["worker"]
-        )
+        held = gauge("urc_worker_cached_blocks", "Blocks held")
+        lag = gauge("urc_kv_event_lag_seconds", "Now minus the newest event's timestamp")
+        gaps = counter("urc_kv_event_gaps", "Sequence gaps seen")
+        resets = counter("urc_kv_event_resyncs", "Resyncs (gaps not replayable, restarts)")
         now = time.time()
         for w in self.fleet.workers.values():
             healthy.add_metric([w.name], float(w.up))
             exact.add_metric([w.name], float(w.mode == "exact"))
             in_flight.add_metric([w.name], w.load.in_flight)
             queued.add_metric([w.name], w.load.queued_prefill_tokens)
-            held.add_metric(
-                [w.name], sum(self.index.blocks_held(w.name, g) for g in set(w.models.values()))
-            )
+            held.add_metric([w.name], w.blocks_held(self.index))
             mirrors = [s.mirror.stats() for s in w.streams if s.mirror is not None]
             if mirrors:
                 newest = max((m.last_event_ts or 0.0) for m in mirrors)
