@@ -11,6 +11,9 @@ from collections import deque
 
 import httptools
 
+_CONNECT_TIMEOUT_S = 2.0
+_MAX_IDLE = 256  # idle connections kept per worker
+
 
 class UpstreamError(Exception):
     """The worker could not be reached, or broke the exchange."""
@@ -161,19 +164,10 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections to one worker."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        tls: bool = False,
-        connect_timeout_s: float = 2.0,
-        max_idle: int = 256,
-    ) -> None:
+    def __init__(self, host: str, port: int, tls: bool = False) -> None:
         self.host = host
         self.port = port
         self.tls = tls
-        self.connect_timeout_s = connect_timeout_s
-        self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
 
@@ -182,10 +176,10 @@ class UpstreamPool:
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(_Connection, self.host, self.port, ssl=self.tls or None),
-                self.connect_timeout_s,
+                _CONNECT_TIMEOUT_S,
             )
         except TimeoutError:
-            raise UpstreamError(f"no connection within {self.connect_timeout_s} s") from None
+            raise UpstreamError(f"no connection within {_CONNECT_TIMEOUT_S} s") from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect: {exc}") from None
         return conn
@@ -196,7 +190,7 @@ class UpstreamPool:
             and conn.keep_alive
             and not conn.lost
             and not conn.chunks
-            and len(self._idle) < self.max_idle
+            and len(self._idle) < _MAX_IDLE
         ):
             conn._reset()
             self._idle.append(conn)
