@@ -25,6 +25,7 @@ from core.errors import APIError
 from router.dispatch import RoutedResidency
 from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
+from router.gateway.connection import HOT_PATHS
 from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants, export_levels
@@ -83,11 +84,10 @@ class Gateway:
         # costs every request a wrapper object
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
+            [web.post(path, json_errors(self._via_aiohttp(path))) for path in HOT_PATHS.values()]
+        )
+        self.app.add_routes(
             [
-                web.post("/v1/completions", json_errors(self._via_aiohttp("/v1/completions"))),
-                web.post(
-                    "/v1/chat/completions", json_errors(self._via_aiohttp("/v1/chat/completions"))
-                ),
                 web.get("/v1/models", json_errors(self.list_models)),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics_endpoint),
@@ -113,11 +113,8 @@ class Gateway:
             lost = self.fleet.events_lost()
             if lost != self.modes.auto:
                 self.modes.auto = lost
-                log.warning(
-                    "KV event streams %s: routing %s",
-                    "lost" if lost else "back",
-                    "degraded to least load" if lost else "restored",
-                )
+                routing = "degraded to least load" if lost else "restored"
+                log.warning("KV event streams %s: routing %s", "lost" if lost else "back", routing)
 
     def reload(self, path: str) -> None:
         """SIGHUP: read the config file again for what can change at runtime."""

@@ -33,6 +33,11 @@ PROBE_CHAT: list[dict[str, str]] = [
     {"role": "system", "content": "You are a parity probe. Answer in one word."},
     {"role": "user", "content": PROBE_TEXT},
 ]
+# kind -> (path, the prompt's field, the prompt)
+_PROBES: dict[str, tuple[str, str, object]] = {
+    "chat": ("/v1/chat/completions", "messages", PROBE_CHAT),
+    "completion": ("/v1/completions", "prompt", PROBE_TEXT),
+}
 
 
 @dataclass(slots=True)
@@ -116,15 +121,11 @@ class ParityProbe:
         ok = expected == actual
         if not ok:
             state.mismatches += 1
-            log.warning(
+            message = (
                 "tokenizer parity: worker %s model %s counts %s prompt tokens, the gateway %s: "
-                "its kv_group %s is routed in approximate mode",
-                worker.name,
-                name,
-                actual,
-                expected,
-                group,
+                "its kv_group %s is routed in approximate mode"
             )
+            log.warning(message, worker.name, name, actual, expected, group)
             await self._downgrade(worker, group)
         elif state.ok is False:
             log.warning("tokenizer parity: worker %s model %s matches again", worker.name, name)
@@ -136,13 +137,8 @@ class ParityProbe:
         session = self.fleet.session
         if session is None or not worker.up:
             return None
-        body: dict[str, Any] = {"model": model, "max_tokens": 1, "temperature": 0.0}
-        if kind == "chat":
-            body["messages"] = PROBE_CHAT
-            path = "/v1/chat/completions"
-        else:
-            body["prompt"] = PROBE_TEXT
-            path = "/v1/completions"
+        path, field, prompt = _PROBES[kind]
+        body = {"model": model, "max_tokens": 1, "temperature": 0.0, field: prompt}
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with session.post(worker.url + path, json=body, timeout=timeout) as resp:
@@ -182,21 +178,19 @@ class ParityCollector(Collector):
         self.probe = probe
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["worker", "model"]
         parity = GaugeMetricFamily(
             "urc_tokenizer_parity",
             "1 if the worker counts the probe's prompt tokens as the gateway does, 0 if not",
-            labels=["worker", "model"],
+            labels=labels,
         )
         mismatches = CounterMetricFamily(
             "urc_tokenizer_parity_mismatches",
             "Parity probes whose prompt-token counts differed",
-            labels=["worker", "model"],
+            labels=labels,
         )
-        errors = CounterMetricFamily(
-            "urc_tokenizer_parity_probe_errors",
-            "Parity probes that got no usable answer",
-            labels=["worker", "model"],
-        )
+        doc = "Parity probes that got no usable answer"
+        errors = CounterMetricFamily("urc_tokenizer_parity_probe_errors", doc, labels=labels)
         fleet = self.probe.fleet.workers
         for (worker, model), state in list(self.probe.states.items()):
             if worker not in fleet:  # removed from the fleet
