@@ -29,13 +29,12 @@ from router.gateway.connection import HOT_PATHS
 from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants, export_levels
-from router.gateway.lean_reply import JSON_HEADERS
 from router.gateway.metrics import GatewayMetrics, ModesCollector
 from router.gateway.modes import RoutingModes
 from router.gateway.parity import ParityCollector, ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
-from router.gateway.reply import AiohttpReply, Reply
+from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
 from router.gateway.request_body import forwarded, parse_request
 from router.gateway.routing import Plan, Router
 from router.gateway.server import FrontServer

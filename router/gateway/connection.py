@@ -13,7 +13,7 @@ import httptools
 
 from core.errors import APIError
 from router.gateway.config import Limits
-from router.gateway.lean_reply import JSON_HEADERS, LeanReply
+from router.gateway.reply import JSON_HEADERS, LeanReply
 
 if TYPE_CHECKING:
     from router.gateway.server import FrontServer

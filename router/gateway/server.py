@@ -19,7 +19,7 @@ from typing import Any
 
 from router.gateway.config import Limits
 from router.gateway.connection import FrontProtocol
-from router.gateway.lean_reply import LeanReply
+from router.gateway.reply import LeanReply
 
 # (reply, path, lowercased request headers, body) -> the reply has been written
 Serve = Callable[[LeanReply, str, dict[str, str], bytes], Awaitable[None]]

@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from router.gateway.config import GatewayConfig
-from router.gateway.lean_reply import LeanReply
+from router.gateway.reply import LeanReply
 from router.gateway.server import FrontServer
 
 JSON = [("Content-Type", "application/json")]
