@@ -28,7 +28,7 @@ from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
 from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
-from router.gateway.isolation import Tenants, export_levels
+from router.gateway.isolation import Tenants
 from router.gateway.metrics import GatewayMetrics, ModesCollector
 from router.gateway.modes import RoutingModes
 from router.gateway.parity import ParityCollector, ParityProbe
@@ -70,7 +70,7 @@ class Gateway:
         self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
         self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
         self.metrics.registry.register(ModesCollector(self.modes))
-        export_levels(self.metrics.registry, [(t.name, t.isolation) for t in self.tenants.all()])
+        self.tenants.export(self.metrics.registry)
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
         if config.parity_interval_s > 0:
             self.fleet.on_up.append(self.parity.on_up)

@@ -43,11 +43,8 @@ class Invalidator:
         self.calls = Counter(
             "urc_invalidations", "Admin invalidations by scope", ["scope"], registry=registry
         )
-        self.blocks = Counter(
-            "urc_invalidated_blocks",
-            "Block residencies dropped from the index by admin invalidations",
-            registry=registry,
-        )
+        doc = "Block residencies dropped from the index by admin invalidations"
+        self.blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
     def resolve(self, body: Any) -> Resolved:
         """What an admin body names; OpenAI-style 4xx for what cannot be done."""

@@ -12,7 +12,7 @@ rest as the tenant's.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -29,18 +29,6 @@ SHARED_TENANT = "default"
 class Scope(NamedTuple):
     salt: str | None  # forwarded as `cache_salt`; None: the shared namespace
     public: bool  # shared isolation: the leading system prompt is keyed in the shared namespace
-
-
-def export_levels(registry: CollectorRegistry, levels: Iterable[tuple[str, str]]) -> None:
-    """`urc_tenant_isolation{tenant, isolation} 1` for each (tenant, level)."""
-    gauge = Gauge(
-        "urc_tenant_isolation",
-        "1 for each tenant's cache isolation level",
-        ["tenant", "isolation"],
-        registry=registry,
-    )
-    for tenant, level in levels:
-        gauge.labels(tenant, level).set(1)
 
 
 def _h(value: str) -> str:
@@ -96,7 +84,7 @@ def leading_system(messages: list[Any]) -> list[Any]:
 class Tenant(NamedTuple):
     name: str
     salt: str | None  # forwarded as `cache_salt`; None: the shared namespace
-    isolation: str = "tenant"  # shared | tenant | user | session (router/gateway/isolation.py)
+    isolation: str = "tenant"  # shared | tenant | user | session
 
     def scope(self, body: dict[str, Any], headers: Mapping[str, str]) -> Scope:
         """The salt of one request of this tenant under its isolation level."""
@@ -120,21 +108,13 @@ class Tenants:
         if not self.auth:
             return self._shared
         if not authorization:
-            raise APIError(
-                401,
-                "Missing API key: send 'Authorization: Bearer KEY'",
-                type="authentication_error",
-                code="missing_api_key",
-            )
+            message = "Missing API key: send 'Authorization: Bearer KEY'"
+            raise APIError(401, message, type="authentication_error", code="missing_api_key")
         scheme, _, key = authorization.partition(" ")
         tenant = self._by_key.get(key.strip()) if scheme.lower() == "bearer" else None
         if tenant is None:
-            raise APIError(
-                401,
-                "Incorrect API key provided",
-                type="authentication_error",
-                code="invalid_api_key",
-            )
+            message = "Incorrect API key provided"
+            raise APIError(401, message, type="authentication_error", code="invalid_api_key")
         return tenant
 
     def all(self) -> list[Tenant]:
@@ -142,6 +122,13 @@ class Tenants:
         if not self.auth:
             return [self._shared]
         return list({t.name: t for t in self._by_key.values()}.values())
+
+    def export(self, registry: CollectorRegistry) -> None:
+        """`urc_tenant_isolation{tenant, isolation} 1` for each tenant."""
+        doc = "1 for each tenant's cache isolation level"
+        gauge = Gauge("urc_tenant_isolation", doc, ["tenant", "isolation"], registry=registry)
+        for tenant in self.all():
+            gauge.labels(tenant.name, tenant.isolation).set(1)
 
     def by_name(self, name: str) -> Tenant | None:
         if not self.auth and name == SHARED_TENANT:

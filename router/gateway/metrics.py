@@ -119,10 +119,9 @@ class _RequestCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         m = self.m
+        labels = ["model", "worker", "status"]
         requests = CounterMetricFamily(
-            "urc_requests",
-            "Requests by model, worker and status",
-            labels=["model", "worker", "status"],
+            "urc_requests", "Requests by model, worker and status", labels=labels
         )
         for (model, worker, status), count in list(m._status.items()):
             requests.add_metric([model, worker, str(status)], count.value)
@@ -165,11 +164,8 @@ class _RequestCollector(Collector):
         for reason, count in list(m._reasons.items()):
             reasons.add_metric([m.policy_name, reason], count.value)
         yield reasons
-        failovers = CounterMetricFamily(
-            "urc_failovers",
-            "Requests retried on another worker before the first byte",
-            labels=["worker"],
-        )
+        doc = "Requests retried on another worker before the first byte"
+        failovers = CounterMetricFamily("urc_failovers", doc, labels=["worker"])
         for worker, count in list(m._failovers.items()):
             failovers.add_metric([worker], count.value)
         yield failovers
@@ -237,11 +233,8 @@ class ModesCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         modes = self.modes
-        yield GaugeMetricFamily(
-            "urc_routing_degraded",
-            "1 while routing falls back to least load",
-            float(modes.degraded),
-        )
+        doc = "1 while routing falls back to least load"
+        yield GaugeMetricFamily("urc_routing_degraded", doc, float(modes.degraded))
         active = GaugeMetricFamily(
             "urc_routing_policy", "The policy routing now", labels=["policy"]
         )

@@ -104,13 +104,10 @@ def _malloc_trim() -> Callable[[], None]:
     try:
         trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return _no_trim
+        trim = None
 
     def trim_all() -> None:
-        trim(0)
+        if trim is not None:
+            trim(0)
 
     return trim_all
-
-
-def _no_trim() -> None:
-    pass
