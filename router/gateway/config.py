@@ -1,33 +1,5 @@
-"""Gateway configuration: a TOML file and/or command-line flags (flags win).
-
-[gateway]
-host = "127.0.0.1"
-port = 8000
-admin_key = "secret"
-policy = "cache_aware"
-[gateway.policy_params]
-prefill_tokens_per_s = 15000
-
-[[workers]]                      # our workers: the URL is enough (the rest is discovered)
-url = "http://127.0.0.1:9001"
-[[workers]]                      # an engine that cannot be asked: say what it serves
-url = "http://10.0.0.7:8000"
-models = ["llama-3-8b"]
-kv_events = "tcp://10.0.0.7:5557"
-kv_replay = "tcp://10.0.0.7:5558"
-
-[[models]]
-name = "llama-3-8b"
-kv_group = "llama-3-8b"          # models with identical K/V for identical tokens share one
-tokenizer = "/models/llama-3-8b" # a Hugging Face model directory, or "byte"
-block_size = 16
-aliases = ["llama3"]
-
-[[tenants]]
-name = "acme"
-api_keys = ["sk-acme-1"]
-isolation = "tenant"             # shared | tenant | user | session (router/gateway/isolation.py)
-"""
+"""Gateway configuration: a TOML file and/or command-line flags (flags win). The file's format
+and an example: docs/cli.md, "The config file"."""
 
 from __future__ import annotations
 

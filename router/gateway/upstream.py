@@ -20,21 +20,7 @@ class UpstreamError(Exception):
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = (
-        "transport",
-        "parser",
-        "status",
-        "headers",
-        "delimited",
-        "headers_done",
-        "chunks",
-        "complete",
-        "lost",
-        "keep_alive",
-        "_wake",
-        "_paused",
-        "_loop",
-    )
+    """One keep-alive connection to a worker, and the response being received on it."""
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()  # made by create_connection, on its loop
