@@ -97,9 +97,6 @@ class _Admin:
 
         return wrapped
 
-    async def _json(self, request: web.Request) -> Any:
-        return parse_body(await request.read())
-
     async def list_workers(self, request: web.Request) -> web.Response:
         fleet = self.gateway.fleet
         return web.json_response(
@@ -112,7 +109,7 @@ class _Admin:
         )
 
     async def add_worker(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = parse_body(await request.read())
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
             raise bad_request("a worker needs at least {'url': 'http://host:port'}", "url")
         try:
@@ -134,7 +131,7 @@ class _Admin:
         return web.json_response({"removed": name})
 
     async def dry_run(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = parse_body(await request.read())
         chat = isinstance(body, dict) and "messages" in body
         validate(body, chat)
         tenant_name = request.query.get("tenant")
@@ -165,13 +162,14 @@ class _Admin:
         return web.json_response({"tenants": tenants})
 
     async def invalidate(self, request: web.Request) -> web.Response:
-        return web.json_response(await self.invalidator.run(await self._json(request)))
+        body = parse_body(await request.read())
+        return web.json_response(await self.invalidator.run(body))
 
     async def get_mode(self, request: web.Request) -> web.Response:
         return web.json_response(self.gateway.modes.describe())
 
     async def set_mode(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = parse_body(await request.read())
         if not isinstance(body, dict) or not isinstance(body.get("degraded"), bool):
             raise bad_request("send {'degraded': true} or {'degraded': false}", "degraded")
         self.gateway.modes.manual = body["degraded"]
