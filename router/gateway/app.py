@@ -29,7 +29,7 @@ from router.gateway.connection import HOT_PATHS
 from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
-from router.gateway.metrics import GatewayMetrics, ModesCollector
+from router.gateway.metrics import GatewayMetrics
 from router.gateway.modes import RoutingModes
 from router.gateway.parity import ParityCollector, ParityProbe
 from router.gateway.proxy import Proxy, Usage
@@ -68,8 +68,7 @@ class Gateway:
         self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
         self.draining = False  # SIGTERM: /health says so, and the front server drains
         self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
-        self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
-        self.metrics.registry.register(ModesCollector(self.modes))
+        self.metrics = GatewayMetrics(self.fleet, self.index, self.modes, config.policy)
         self.tenants.export(self.metrics.registry)
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
         if config.parity_interval_s > 0:

@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from router.gateway.fleet import Fleet
+from router.gateway.modes import RoutingModes
 from router.index import UnifiedIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -70,12 +71,24 @@ class Series(NamedTuple):
     error: Count
 
 
-class GatewayMetrics:
-    """The request path updates plain numbers; `registry` renders them (and the fleet's and
-    index's state) at scrape time."""
+def _count(counts: dict[K, Count], key: K) -> Count:
+    count = counts.get(key)
+    if count is None:
+        count = counts[key] = Count()
+    return count
 
-    def __init__(self, fleet: Fleet, index: UnifiedIndex, policy_name: str) -> None:
+
+class GatewayMetrics(Collector):
+    """The request path updates plain numbers; `registry` renders them, the fleet's and index's
+    state and the routing modes at scrape time."""
+
+    def __init__(
+        self, fleet: Fleet, index: UnifiedIndex, modes: RoutingModes, policy_name: str
+    ) -> None:
         self.registry = CollectorRegistry()
+        self.fleet = fleet
+        self.index = index
+        self.modes = modes
         self.policy_name = policy_name
         self.decision = Hist(_DECISION_BUCKETS)
         self._series: dict[tuple[str, str], Series] = {}
@@ -85,8 +98,7 @@ class GatewayMetrics:
         Gauge(
             "urc_policy_info", "The live routing policy", ["policy"], registry=self.registry
         ).labels(policy_name).set(1)
-        self.registry.register(_RequestCollector(self))
-        self.registry.register(_FleetCollector(fleet, index))
+        self.registry.register(self)
 
     def series(self, model: str, worker: str) -> Series:
         series = self._series.get((model, worker))
@@ -105,32 +117,22 @@ class GatewayMetrics:
     def failover(self, worker: str) -> Count:
         return _count(self._failovers, worker)
 
-
-def _count(counts: dict[K, Count], key: K) -> Count:
-    count = counts.get(key)
-    if count is None:
-        count = counts[key] = Count()
-    return count
-
-
-class _RequestCollector(Collector):
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        self.m = metrics
-
     def collect(self) -> Iterator[Any]:
-        m = self.m
-        labels = ["model", "worker", "status"]
-        requests = CounterMetricFamily(
-            "urc_requests", "Requests by model, worker and status", labels=labels
-        )
-        for (model, worker, status), count in list(m._status.items()):
+        yield from self._requests()
+        yield from self._fleet()
+        yield from self._modes()
+
+    def _requests(self) -> Iterator[Any]:
+        doc = "Requests by model, worker and status"
+        requests = CounterMetricFamily("urc_requests", doc, labels=["model", "worker", "status"])
+        for (model, worker, status), count in list(self._status.items()):
             requests.add_metric([model, worker, str(status)], count.value)
         yield requests
         per_worker = [
             ("urc_ttft_seconds", "Time to first byte from the worker", "ttft"),
             ("urc_request_latency_seconds", "End-to-end latency", "latency"),
         ]
-        series = list(m._series.items())
+        series = list(self._series.items())
         for name, doc, field in per_worker:
             family = HistogramMetricFamily(name, doc, labels=["model", "worker"])
             for (model, worker), s in series:
@@ -152,7 +154,7 @@ class _RequestCollector(Collector):
             for (model, worker), s in series:
                 family.add_metric([worker, model], getattr(s, field).value)
             yield family
-        buckets, total = m.decision.family_point()
+        buckets, total = self.decision.family_point()
         decision = HistogramMetricFamily(
             "urc_decision_seconds", "Tokenize + keys + match + policy", labels=[]
         )
@@ -161,22 +163,16 @@ class _RequestCollector(Collector):
         reasons = CounterMetricFamily(
             "urc_route_reasons", "Routing decisions by reason", labels=["policy", "reason"]
         )
-        for reason, count in list(m._reasons.items()):
-            reasons.add_metric([m.policy_name, reason], count.value)
+        for reason, count in list(self._reasons.items()):
+            reasons.add_metric([self.policy_name, reason], count.value)
         yield reasons
         doc = "Requests retried on another worker before the first byte"
         failovers = CounterMetricFamily("urc_failovers", doc, labels=["worker"])
-        for worker, count in list(m._failovers.items()):
+        for worker, count in list(self._failovers.items()):
             failovers.add_metric([worker], count.value)
         yield failovers
 
-
-class _FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, index: UnifiedIndex) -> None:
-        self.fleet = fleet
-        self.index = index
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def _fleet(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.index.stats()
         yield GaugeMetricFamily("urc_index_blocks", "Blocks in the unified index", stats.blocks)
         yield GaugeMetricFamily("urc_index_runs", "Radix nodes (runs of blocks)", stats.runs)
@@ -224,14 +220,8 @@ class _FleetCollector(Collector):
                 resets.add_metric([w.name], sum(m.resets + m.restarts for m in mirrors))
         yield from (healthy, exact, in_flight, queued, held, lag, gaps, resets)
 
-
-class ModesCollector(Collector):
-    """Which routing mode is active, and what the shadow policies would have done."""
-
-    def __init__(self, modes: Any) -> None:
-        self.modes = modes
-
-    def collect(self) -> Iterator[Any]:
+    def _modes(self) -> Iterator[Any]:
+        """Which routing mode is active, and what the shadow policies would have done."""
         modes = self.modes
         doc = "1 while routing falls back to least load"
         yield GaugeMetricFamily("urc_routing_degraded", doc, float(modes.degraded))
