@@ -16,6 +16,7 @@ import secrets
 import signal
 import time
 from collections.abc import Coroutine, Mapping
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -182,15 +183,8 @@ class Gateway:
             plan.request, chosen.name, group, chosen.exact(group), plan.arrived
         )
         payload = forwarded(body, scope.salt, plan.public_tokens)
-        stream = body.get("stream") is True
-        await self.proxy.forward(
-            reply,
-            path,
-            payload,
-            plan,
-            stream,
-            lambda plan, worker, usage: self._served(plan, worker, usage, tenant.name),
-        )
+        on_success = partial(self._served, tenant=tenant.name)
+        await self.proxy.forward(reply, path, payload, plan, body.get("stream") is True, on_success)
 
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: residency for workers without KV events; the recording."""
