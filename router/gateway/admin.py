@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import hmac
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from core.errors import APIError
 from router.gateway.config import WorkerConfig
-from router.gateway.errors import bad_request, json_errors
+from router.gateway.errors import Handler, bad_request, json_errors
 from router.gateway.fleet import Worker
 from router.gateway.invalidation import Invalidator
 from router.gateway.request_body import parse_body, validate
@@ -32,18 +33,17 @@ if TYPE_CHECKING:
 
 def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
     admin = _Admin(gateway)
-    app.add_routes(
-        [
-            web.get("/admin/workers", json_errors(admin.list_workers)),
-            web.post("/admin/workers", json_errors(admin.add_worker)),
-            web.delete("/admin/workers/{name}", json_errors(admin.remove_worker)),
-            web.post("/admin/route", json_errors(admin.dry_run)),
-            web.get("/admin/mode", json_errors(admin.get_mode)),
-            web.post("/admin/mode", json_errors(admin.set_mode)),
-            web.post("/admin/invalidate", json_errors(admin.invalidate)),
-            web.get("/admin/tenants", json_errors(admin.list_tenants)),
-        ]
-    )
+    routes: list[tuple[Callable[..., web.RouteDef], str, Handler]] = [
+        (web.get, "/admin/workers", admin.list_workers),
+        (web.post, "/admin/workers", admin.add_worker),
+        (web.delete, "/admin/workers/{name}", admin.remove_worker),
+        (web.post, "/admin/route", admin.dry_run),
+        (web.get, "/admin/mode", admin.get_mode),
+        (web.post, "/admin/mode", admin.set_mode),
+        (web.post, "/admin/invalidate", admin.invalidate),
+        (web.get, "/admin/tenants", admin.list_tenants),
+    ]
+    app.add_routes([route(path, json_errors(admin.authorized(h))) for route, path, h in routes])
 
 
 def bearer_matches(authorization: str | None, key: str) -> bool:
@@ -58,7 +58,6 @@ def bearer_matches(authorization: str | None, key: str) -> bool:
 
 
 def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
-    blocks_held = sum(index.blocks_held(worker.name, g) for g in set(worker.models.values()))
     return {
         "name": worker.name,
         "url": worker.url,
@@ -67,7 +66,7 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
         "mode": worker.mode,
         "models": worker.models,
         "block_size": worker.block_size,
-        "cached_blocks": blocks_held,
+        "cached_blocks": worker.blocks_held(index),
         "incarnation": worker.incarnation,
         "load": {
             "in_flight": worker.load.in_flight,
@@ -83,28 +82,22 @@ class _Admin:
         self.gateway = gateway
         self.invalidator = Invalidator(gateway)
 
-    def _authorize(self, request: web.Request) -> None:
-        key = self.gateway.config.admin_key
-        if not key:
-            raise APIError(
-                403,
-                "the admin API is off: start the gateway with --admin-key",
-                type="permission_error",
-                code="admin_disabled",
-            )
-        if not bearer_matches(request.headers.get("Authorization"), key):
-            raise APIError(
-                401,
-                "wrong or missing admin key",
-                type="authentication_error",
-                code="invalid_admin_key",
-            )
+    def authorized(self, handler: Handler) -> Handler:
+        """`handler` behind the admin key."""
 
-    async def _json(self, request: web.Request) -> Any:
-        return parse_body(await request.read())
+        async def wrapped(request: web.Request) -> web.StreamResponse:
+            key = self.gateway.config.admin_key
+            if not key:
+                message = "the admin API is off: start the gateway with --admin-key"
+                raise APIError(403, message, type="permission_error", code="admin_disabled")
+            if not bearer_matches(request.headers.get("Authorization"), key):
+                message = "wrong or missing admin key"
+                raise APIError(401, message, type="authentication_error", code="invalid_admin_key")
+            return await handler(request)
+
+        return wrapped
 
     async def list_workers(self, request: web.Request) -> web.Response:
-        self._authorize(request)
         fleet = self.gateway.fleet
         return web.json_response(
             {
@@ -116,8 +109,7 @@ class _Admin:
         )
 
     async def add_worker(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        body = await self._json(request)
+        body = parse_body(await request.read())
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
             raise bad_request("a worker needs at least {'url': 'http://host:port'}", "url")
         try:
@@ -133,15 +125,13 @@ class _Admin:
         return web.json_response(describe(worker, self.gateway.index), status=201)
 
     async def remove_worker(self, request: web.Request) -> web.Response:
-        self._authorize(request)
         name = request.match_info["name"]
         if not await self.gateway.fleet.remove(name):
             raise APIError(404, f"no worker named {name!r}", code="worker_not_found")
         return web.json_response({"removed": name})
 
     async def dry_run(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        body = await self._json(request)
+        body = parse_body(await request.read())
         chat = isinstance(body, dict) and "messages" in body
         validate(body, chat)
         tenant_name = request.query.get("tenant")
@@ -168,23 +158,18 @@ class _Admin:
         )
 
     async def list_tenants(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        tenants = self.gateway.tenants.all()
-        return web.json_response(
-            {"tenants": [{"name": t.name, "isolation": t.isolation} for t in tenants]}
-        )
+        tenants = [{"name": t.name, "isolation": t.isolation} for t in self.gateway.tenants.all()]
+        return web.json_response({"tenants": tenants})
 
     async def invalidate(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        return web.json_response(await self.invalidator.run(await self._json(request)))
+        body = parse_body(await request.read())
+        return web.json_response(await self.invalidator.run(body))
 
     async def get_mode(self, request: web.Request) -> web.Response:
-        self._authorize(request)
         return web.json_response(self.gateway.modes.describe())
 
     async def set_mode(self, request: web.Request) -> web.Response:
-        self._authorize(request)
-        body = await self._json(request)
+        body = parse_body(await request.read())
         if not isinstance(body, dict) or not isinstance(body.get("degraded"), bool):
             raise bad_request("send {'degraded': true} or {'degraded': false}", "degraded")
         self.gateway.modes.manual = body["degraded"]

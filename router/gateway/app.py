@@ -16,6 +16,7 @@ import secrets
 import signal
 import time
 from collections.abc import Coroutine, Mapping
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -25,24 +26,23 @@ from core.errors import APIError
 from router.dispatch import RoutedResidency
 from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
-from router.gateway.errors import add_fallback_route, json_errors
+from router.gateway.connection import HOT_PATHS
+from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
-from router.gateway.isolation import export_levels
-from router.gateway.metrics import GatewayMetrics, ModesCollector
+from router.gateway.isolation import Tenants
+from router.gateway.metrics import GatewayMetrics
 from router.gateway.modes import RoutingModes
 from router.gateway.parity import ParityCollector, ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
-from router.gateway.reply import AiohttpReply, Reply
+from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
 from router.gateway.request_body import forwarded, parse_request
 from router.gateway.routing import Plan, Router
 from router.gateway.server import FrontServer
-from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.policies import make_policy
 
 log = logging.getLogger(__name__)
-JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 class Gateway:
@@ -69,9 +69,8 @@ class Gateway:
         self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
         self.draining = False  # SIGTERM: /health says so, and the front server drains
         self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
-        self.metrics = GatewayMetrics(self.fleet, self.index, config.policy)
-        self.metrics.registry.register(ModesCollector(self.modes))
-        export_levels(self.metrics.registry, [(t.name, t.isolation) for t in self.tenants.all()])
+        self.metrics = GatewayMetrics(self.fleet, self.index, self.modes, config.policy)
+        self.tenants.export(self.metrics.registry)
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
         if config.parity_interval_s > 0:
             self.fleet.on_up.append(self.parity.on_up)
@@ -84,9 +83,10 @@ class Gateway:
         # costs every request a wrapper object
         self.app = web.Application(client_max_size=config.max_body_bytes)
         self.app.add_routes(
+            [web.post(path, json_errors(self._via_aiohttp(path))) for path in HOT_PATHS.values()]
+        )
+        self.app.add_routes(
             [
-                web.post("/v1/completions", json_errors(self.completions)),
-                web.post("/v1/chat/completions", json_errors(self.chat_completions)),
                 web.get("/v1/models", json_errors(self.list_models)),
                 web.get("/health", self.health),
                 web.get("/metrics", self.metrics_endpoint),
@@ -112,11 +112,8 @@ class Gateway:
             lost = self.fleet.events_lost()
             if lost != self.modes.auto:
                 self.modes.auto = lost
-                log.warning(
-                    "KV event streams %s: routing %s",
-                    "lost" if lost else "back",
-                    "degraded to least load" if lost else "restored",
-                )
+                routing = "degraded to least load" if lost else "restored"
+                log.warning("KV event streams %s: routing %s", "lost" if lost else "back", routing)
 
     def reload(self, path: str) -> None:
         """SIGHUP: read the config file again for what can change at runtime."""
@@ -148,18 +145,16 @@ class Gateway:
 
     # -- OpenAI endpoints --------------------------------------------------------------------
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._via_aiohttp(request, "/v1/completions")
+    def _via_aiohttp(self, path: str) -> Handler:
+        """The handler of `path` on a connection aiohttp holds (server.py says when)."""
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._via_aiohttp(request, "/v1/chat/completions")
+        async def handle(request: web.Request) -> web.StreamResponse:
+            reply = AiohttpReply(request)
+            await self.serve(reply, path, request.headers, await request.read())
+            assert reply.response is not None
+            return reply.response
 
-    async def _via_aiohttp(self, request: web.Request, path: str) -> web.StreamResponse:
-        """An inference request on a connection aiohttp holds (server.py says when)."""
-        reply = AiohttpReply(request)
-        await self.serve(reply, path, request.headers, await request.read())
-        assert reply.response is not None
-        return reply.response
+        return handle
 
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
         """One inference request, whichever server took it; `headers` are looked up by
@@ -188,15 +183,8 @@ class Gateway:
             plan.request, chosen.name, group, chosen.exact(group), plan.arrived
         )
         payload = forwarded(body, scope.salt, plan.public_tokens)
-        stream = body.get("stream") is True
-        await self.proxy.forward(
-            reply,
-            path,
-            payload,
-            plan,
-            stream,
-            lambda plan, worker, usage: self._served(plan, worker, usage, tenant.name),
-        )
+        on_success = partial(self._served, tenant=tenant.name)
+        await self.proxy.forward(reply, path, payload, plan, body.get("stream") is True, on_success)
 
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: residency for workers without KV events; the recording."""
@@ -212,14 +200,8 @@ class Gateway:
         self.tenants.authenticate(request.headers.get("Authorization"))
         served = {name for w in self.fleet.workers.values() if w.up for name in w.models}
         data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": 0,
-                "owned_by": "urc",
-                "kv_group": model.kv_group,
-            }
-            for name, model in sorted(self.fleet.models.items())
+            {"id": name, "object": "model", "created": 0, "owned_by": "urc", "kv_group": m.kv_group}
+            for name, m in sorted(self.fleet.models.items())
             if name in served
         ]
         return web.json_response({"object": "list", "data": data})
@@ -228,14 +210,8 @@ class Gateway:
         up = sum(w.up for w in self.fleet.workers.values())
         status = 200 if up and not self.draining else 503
         word = "draining" if self.draining else "ok" if up else "no healthy worker"
-        return web.json_response(
-            {
-                "status": word,
-                "workers_up": up,
-                "workers": len(self.fleet.workers),
-            },
-            status=status,
-        )
+        body = {"status": word, "workers_up": up, "workers": len(self.fleet.workers)}
+        return web.json_response(body, status=status)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics key when one is set, and when tenants are

@@ -1,33 +1,5 @@
-"""Gateway configuration: a TOML file and/or command-line flags (flags win).
-
-[gateway]
-host = "127.0.0.1"
-port = 8000
-admin_key = "secret"
-policy = "cache_aware"
-[gateway.policy_params]
-prefill_tokens_per_s = 15000
-
-[[workers]]                      # our workers: the URL is enough (the rest is discovered)
-url = "http://127.0.0.1:9001"
-[[workers]]                      # an engine that cannot be asked: say what it serves
-url = "http://10.0.0.7:8000"
-models = ["llama-3-8b"]
-kv_events = "tcp://10.0.0.7:5557"
-kv_replay = "tcp://10.0.0.7:5558"
-
-[[models]]
-name = "llama-3-8b"
-kv_group = "llama-3-8b"          # models with identical K/V for identical tokens share one
-tokenizer = "/models/llama-3-8b" # a Hugging Face model directory, or "byte"
-block_size = 16
-aliases = ["llama3"]
-
-[[tenants]]
-name = "acme"
-api_keys = ["sk-acme-1"]
-isolation = "tenant"             # shared | tenant | user | session (router/gateway/isolation.py)
-"""
+"""Gateway configuration: a TOML file and/or command-line flags (flags win). The file's format
+and an example: docs/cli.md, "The config file"."""
 
 from __future__ import annotations
 
@@ -49,15 +21,19 @@ class ConfigError(ValueError):
 class Limits(NamedTuple):
     """The front door's limits (router/gateway/server.py); each is a GatewayConfig field."""
 
-    max_body_bytes: int = 16 * 2**20
-    max_request_line_bytes: int = 8192
-    max_header_bytes: int = 65536
-    header_timeout_s: float = 10.0  # from a request's first byte to the end of its headers
-    body_timeout_s: float = 60.0  # from the end of the headers to the end of the body
-    keepalive_s: float = 75.0  # an idle kept-alive connection is closed after this
+    max_body_bytes: int
+    max_request_line_bytes: int
+    max_header_bytes: int
+    header_timeout_s: float
+    body_timeout_s: float
+    keepalive_s: float
 
 
-_FRONT = Limits()
+def _flag(default: Any, flag: str, help: str, kind: type | None = None) -> Any:
+    """A setting that is also a command-line flag (`kind`: its type, when the default is None).
+    The flag's help gets the default."""
+    metadata = {"flag": flag, "help": help, "kind": kind or type(default)}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(slots=True)
@@ -97,23 +73,54 @@ class GatewayConfig:
     policy: str = "cache_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
     admin_key: str | None = None
-    # keys the tenants' cache salts; "" (unset): random per process. Replicas must share one
-    salt_secret: str = ""
-    metrics_port: int | None = None  # /metrics (and /health) on a listener of their own
-    metrics_key: str | None = None  # /metrics on the API port needs this key (or the admin's)
-    # limits of the front door (Limits; README, "Limits, timeouts and failure handling")
-    max_body_bytes: int = _FRONT.max_body_bytes
-    max_request_line_bytes: int = _FRONT.max_request_line_bytes
-    max_header_bytes: int = _FRONT.max_header_bytes
-    header_timeout_s: float = _FRONT.header_timeout_s
-    body_timeout_s: float = _FRONT.body_timeout_s
-    keepalive_s: float = _FRONT.keepalive_s
-    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests finish within this, then exit
-    connect_timeout_s: float = 2.0
-    # no first byte from a worker within this: fail over (a non-streamed answer, sent whole,
-    # may take longer while its worker answers health checks)
-    ttfb_timeout_s: float = 30.0
-    request_timeout_s: float = 600.0
+    # the limits, timeouts and secrets below are flags too (README, "Limits, timeouts and
+    # failure handling"); those of the front door are its Limits
+    salt_secret: str = _flag(
+        "",
+        "--salt-secret",
+        "keys the tenants' cache salts (unset: random per process; gateway replicas in front "
+        "of one fleet must share one)",
+    )
+    metrics_port: int | None = _flag(
+        None, "--metrics-port", "serve /metrics and /health on this port too", int
+    )
+    metrics_key: str | None = _flag(
+        None,
+        "--metrics-key",
+        "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
+        str,
+    )
+    max_body_bytes: int = _flag(16 * 2**20, "--max-body-bytes", "larger request bodies get 413")
+    max_request_line_bytes: int = _flag(8192, "--max-request-line-bytes", "longer URLs get 414")
+    max_header_bytes: int = _flag(65536, "--max-header-bytes", "larger request headers get 431")
+    header_timeout_s: float = _flag(
+        10.0,
+        "--header-timeout",
+        "seconds from a request's first byte to the end of its headers, else 408",
+    )
+    body_timeout_s: float = _flag(
+        60.0,
+        "--body-timeout",
+        "seconds from the end of the headers to the end of the body, else 408",
+    )
+    keepalive_s: float = _flag(
+        75.0, "--keepalive-timeout", "seconds before idle kept-alive connections close"
+    )
+    drain_timeout_s: float = _flag(
+        30.0,
+        "--drain-timeout",
+        "on SIGTERM, seconds in-flight requests have to finish before the gateway exits",
+    )
+    connect_timeout_s: float = _flag(2.0, "--connect-timeout", "seconds to connect to a worker")
+    ttfb_timeout_s: float = _flag(
+        30.0,
+        "--ttfb-timeout",
+        "seconds to a worker's first byte before the request fails over; a non-streamed one "
+        "waits on while its worker answers health checks",
+    )
+    request_timeout_s: float = _flag(
+        600.0, "--request-timeout", "seconds a request may take in all"
+    )
     health_interval_s: float = 0.5
     unhealthy_after: int = 2  # consecutive failed health checks or requests
     breaker_cooldown_s: float = 3.0  # a worker taken out stays out at least this long
@@ -133,18 +140,18 @@ class GatewayConfig:
         return Limits(*(getattr(self, name) for name in Limits._fields))
 
 
-def _table(raw: dict[str, Any], key: str) -> list[dict[str, Any]]:
-    value = raw.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+def _entries(raw: dict[str, Any], key: str, cls: type) -> list[Any]:
+    """The `[[key]]` tables, each a `cls`."""
+    tables = raw.get(key, [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
         raise ConfigError(f"[[{key}]] must be an array of tables")
-    return value
-
-
-def _build(cls: type, raw: dict[str, Any], what: str) -> Any:
-    try:
-        return cls(**raw)
-    except TypeError as exc:
-        raise ConfigError(f"bad {what} entry {raw!r}: {exc}") from None
+    entries = []
+    for table in tables:
+        try:
+            entries.append(cls(**table))
+        except TypeError as exc:
+            raise ConfigError(f"bad {key} entry {table!r}: {exc}") from None
+    return entries
 
 
 def load_config(path: str | Path | None = None) -> GatewayConfig:
@@ -160,9 +167,9 @@ def load_config(path: str | Path | None = None) -> GatewayConfig:
         if not hasattr(config, key) or key in ("workers", "models", "tenants"):
             raise ConfigError(f"unknown [gateway] setting {key!r}")
         setattr(config, key, value)
-    config.workers = [_build(WorkerConfig, w, "workers") for w in _table(raw, "workers")]
-    config.models = [_build(ModelConfig, m, "models") for m in _table(raw, "models")]
-    config.tenants = [_build(TenantConfig, t, "tenants") for t in _table(raw, "tenants")]
+    config.workers = _entries(raw, "workers", WorkerConfig)
+    config.models = _entries(raw, "models", ModelConfig)
+    config.tenants = _entries(raw, "tenants", TenantConfig)
     return config
 
 
@@ -243,63 +250,15 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "MODEL=SPEC",
         "tokenizer of a model: 'byte' or a model directory; repeatable",
     )
-    defaults = GatewayConfig()
-    for flag, (name, kind, help) in _SETTINGS.items():  # the help gets the setting's default
-        default = getattr(defaults, name)
-        shown = f"{help} (default {default})" if default else help
-        parser.add_argument(flag, dest=name, type=kind, help=shown)
+    for setting in _FLAGS:  # the help gets the setting's default
+        flag, help = setting.metadata["flag"], setting.metadata["help"]
+        shown = f"{help} (default {setting.default})" if setting.default else help
+        parser.add_argument(flag, dest=setting.name, type=setting.metadata["kind"], help=shown)
 
 
-# flag -> (setting, type, help): the limits, timeouts and secrets, each also a [gateway] key
-_SETTINGS: dict[str, tuple[str, type, str]] = {
-    "--salt-secret": (
-        "salt_secret",
-        str,
-        "keys the tenants' cache salts (unset: random per process; gateway replicas in front "
-        "of one fleet must share one)",
-    ),
-    "--metrics-port": ("metrics_port", int, "serve /metrics and /health on this port too"),
-    "--metrics-key": (
-        "metrics_key",
-        str,
-        "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
-    ),
-    "--max-body-bytes": ("max_body_bytes", int, "larger request bodies get 413"),
-    "--max-request-line-bytes": ("max_request_line_bytes", int, "longer URLs get 414"),
-    "--max-header-bytes": ("max_header_bytes", int, "larger request headers get 431"),
-    "--header-timeout": (
-        "header_timeout_s",
-        float,
-        "seconds from a request's first byte to the end of its headers, else 408",
-    ),
-    "--body-timeout": (
-        "body_timeout_s",
-        float,
-        "seconds from the end of the headers to the end of the body, else 408",
-    ),
-    "--keepalive-timeout": (
-        "keepalive_s",
-        float,
-        "seconds before idle kept-alive connections close",
-    ),
-    "--drain-timeout": (
-        "drain_timeout_s",
-        float,
-        "on SIGTERM, seconds in-flight requests have to finish before the gateway exits",
-    ),
-    "--connect-timeout": ("connect_timeout_s", float, "seconds to connect to a worker"),
-    "--ttfb-timeout": (
-        "ttfb_timeout_s",
-        float,
-        "seconds to a worker's first byte before the request fails over; a non-streamed one "
-        "waits on while its worker answers health checks",
-    ),
-    "--request-timeout": ("request_timeout_s", float, "seconds a request may take in all"),
-}
+_FLAGS = [f for f in fields(GatewayConfig) if "flag" in f.metadata]
 # the settings above that must be positive numbers (a port may be 0: any free one)
-_POSITIVE = [n for n, kind, _ in _SETTINGS.values() if kind is not str and n != "metrics_port"]
-
-
+_POSITIVE = [f.name for f in _FLAGS if f.metadata["kind"] is not str and f.name != "metrics_port"]
 # the scalar settings: a flag whose dest is one of them sets it when given
 _SCALARS = [f.name for f in fields(GatewayConfig) if f.default is not MISSING]
 

@@ -13,7 +13,7 @@ import httptools
 
 from core.errors import APIError
 from router.gateway.config import Limits
-from router.gateway.lean_reply import JSON_HEADERS, LeanReply
+from router.gateway.reply import JSON_HEADERS, LeanReply
 
 if TYPE_CHECKING:
     from router.gateway.server import FrontServer
@@ -28,37 +28,20 @@ class _HandOver(Exception):
     """Raised from a parser callback: this request is aiohttp's."""
 
 
-class _Refusal(Exception):
-    """Raised from a parser callback: answer this error, then close."""
-
-    def __init__(self, error: APIError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
 class _Request:
-    __slots__ = (
-        "path",
-        "hot",
-        "headers",
-        "body",
-        "size",
-        "keep_alive",
-        "chunked",
-        "too_large",
-        "refusal",
-    )
+    __slots__ = ("path", "hot", "headers", "body", "size", "keep_alive", "chunked", "refusal")
 
     def __init__(self, path: str, refusal: APIError | None = None, hot: bool = True) -> None:
         self.path = path
         self.hot = hot  # an inference request, served here (else buffered for aiohttp)
-        self.refusal = refusal  # not served: this error is the answer, then the connection ends
+        # not served: this error is the answer, then the connection ends (a body too large is
+        # read to its end and dropped)
+        self.refusal = refusal
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0
         self.keep_alive = True
         self.chunked = True  # HTTP/1.1: a stream goes chunked; HTTP/1.0: raw until close
-        self.too_large = False
 
 
 class FrontProtocol(asyncio.Protocol):
@@ -133,23 +116,22 @@ class FrontProtocol(asyncio.Protocol):
             if isinstance(cause, _HandOver):
                 self._hand_over()
                 return
-            if isinstance(cause, _Refusal):
-                self._refuse(cause.error.status, cause.error.message, cause.error.code)
+            if isinstance(cause, APIError):  # raised from a callback: answer it, then close
+                self._refuse(cause)
                 return
             log.exception("front server: parser callback failed")
-            self._refuse(500, "internal error in the gateway")
+            self._refuse(APIError(500, "internal error in the gateway"))
         except httptools.HttpParserUpgrade:
             self._without_upgrade()
         except httptools.HttpParserError as exc:
-            self._refuse(400, f"malformed HTTP request: {exc}")
+            self._refuse(APIError(400, f"malformed HTTP request: {exc}"))
 
     def _head_grew(self, size: int) -> None:
         """httptools holds a header until its end: its bytes are counted as they come."""
         self.head_bytes += size
         limits = self.front.limits
         if self.head_bytes > limits.max_request_line_bytes + limits.max_header_bytes:
-            message = f"request headers too large (limit {limits.max_header_bytes} bytes)"
-            self._refuse(431, message, "headers_too_large")
+            self._refuse(_headers_too_large(limits))
 
     def _without_upgrade(self) -> None:
         """llhttp stops at an `Upgrade` (h2c, from `curl --http2`), before the body: we take
@@ -157,7 +139,7 @@ class FrontProtocol(asyncio.Protocol):
         HTTP/1.1, and the connection closes after it."""
         head = self.head
         if head is None or not self.queue:  # it began behind another message in its chunk
-            self._refuse(400, "Upgrade is not supported here", "upgrade")
+            self._refuse(APIError(400, "Upgrade is not supported here", code="upgrade"))
             return
         self.queue.pop()  # the message as llhttp cut it (not yet served: the task runs later)
         raw = b"".join(head)
@@ -185,23 +167,19 @@ class FrontProtocol(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        if len(self.url) > self.front.limits.max_request_line_bytes:
-            limit = self.front.limits.max_request_line_bytes
-            raise _Refusal(
-                APIError(414, f"URL too long (limit {limit} bytes)", code="uri_too_long")
-            )
+        limit = self.front.limits.max_request_line_bytes
+        if len(self.url) > limit:
+            raise APIError(414, f"URL too long (limit {limit} bytes)", code="uri_too_long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         request = self.request or self._start_request()
         self.header_bytes += len(name) + len(value) + 4
         if self.header_bytes > self.front.limits.max_header_bytes:
-            limit = self.front.limits.max_header_bytes
-            message = f"request headers too large (limit {limit} bytes)"
-            raise _Refusal(APIError(431, message, code="headers_too_large"))
+            raise _headers_too_large(self.front.limits)
         key = name.decode("latin-1").lower()
         if key == "authorization" and key in request.headers:
             message = "more than one Authorization header"
-            raise _Refusal(APIError(400, message, param="authorization", code="duplicate_header"))
+            raise APIError(400, message, param="authorization", code="duplicate_header")
         request.headers[key] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -212,7 +190,7 @@ class FrontProtocol(asyncio.Protocol):
         request.keep_alive = self.parser.should_keep_alive()
         request.chunked = self.parser.get_http_version() != "1.0"
         if request.headers.get("host") is None and request.chunked:
-            raise _Refusal(APIError(400, "an HTTP/1.1 request needs a Host header", code="host"))
+            raise APIError(400, "an HTTP/1.1 request needs a Host header", code="host")
         continued = request.headers.get("expect", "").lower() == "100-continue"
         if request.hot and continued and not self.reparsed:
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -221,7 +199,7 @@ class FrontProtocol(asyncio.Protocol):
     def _start_request(self) -> _Request:
         """The URL is complete: an inference request begins, or one buffered for aiohttp."""
         if not self.url.startswith(b"/"):  # `*`, an absolute URL: no endpoint of ours
-            raise _Refusal(APIError(400, "the request target must be a path", code="bad_target"))
+            raise APIError(400, "the request target must be a path", code="bad_target")
         path = HOT_PATHS.get(self.url.partition(b"?")[0])
         hot = path is not None and self.parser.get_method() == b"POST"
         self.request = _Request(path or "", hot=hot)
@@ -230,13 +208,16 @@ class FrontProtocol(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         request = self.request
         assert request is not None
-        if request.too_large:
+        if request.refusal is not None:
             return
         request.size += len(body)
         if request.hot:
             request.body.append(body)
-        if request.size > self.front.limits.max_body_bytes:
-            request.too_large = True  # read to its end and dropped: then a 413, and close
+        limit = self.front.limits.max_body_bytes
+        if request.size > limit:
+            message = f"request body too large (limit {limit} bytes)"
+            request.refusal = APIError(413, message, code="too_large")
+            request.keep_alive = False
             request.body.clear()
             self.head = None
 
@@ -245,7 +226,7 @@ class FrontProtocol(asyncio.Protocol):
         self.began = 0.0
         request, self.request = self.request, None
         assert request is not None
-        if not request.hot and not request.too_large:
+        if not request.hot and request.refusal is None:
             raise _HandOver  # stops the parser: data_received hands the connection over
         self._enqueue(request)
 
@@ -268,7 +249,7 @@ class FrontProtocol(asyncio.Protocol):
             # pipelined behind an inference request: its first byte is unknown, or the
             # transport is still answering
             message = "pipelined requests are only served on the inference endpoints"
-            self._refuse(400, message, "pipelining")
+            self._refuse(APIError(400, message, code="pipelining"))
             return
         self.front.connections.discard(self)
         protocol = self.front.fallback()
@@ -291,11 +272,11 @@ class FrontProtocol(asyncio.Protocol):
             self.front.released_bytes += request.size
         self.queue.clear()
 
-    def _refuse(self, status: int, message: str, code: str | None = None) -> None:
-        """Answer `status` after the requests already received, then close."""
+    def _refuse(self, error: APIError) -> None:
+        """Answer `error` after the requests already received, then close."""
         self.refused = True
         self._drop_receiving()
-        refusal = _Request("", APIError(status, message, code=code))
+        refusal = _Request("", error)
         refusal.keep_alive = False
         self._enqueue(refusal)
 
@@ -321,12 +302,6 @@ class FrontProtocol(asyncio.Protocol):
         reply = LeanReply(self, keep_alive, request.chunked)
         if request.refusal is not None:
             reply.whole(request.refusal.status, JSON_HEADERS, request.refusal.body())
-            return False
-        if request.too_large:
-            limit = self.front.limits.max_body_bytes
-            error = APIError(413, f"request body too large (limit {limit} bytes)", code="too_large")
-            reply.keep_alive = False
-            reply.whole(413, JSON_HEADERS, error.body())
             return False
         body = request.body[0] if len(request.body) == 1 else b"".join(request.body)
         self.front.released_bytes += request.size
@@ -377,4 +352,9 @@ class FrontProtocol(asyncio.Protocol):
         else:
             return
         self.head = None
-        self._refuse(408, message, "timeout")
+        self._refuse(APIError(408, message, code="timeout"))
+
+
+def _headers_too_large(limits: Limits) -> APIError:
+    message = f"request headers too large (limit {limits.max_header_bytes} bytes)"
+    return APIError(431, message, code="headers_too_large")

@@ -1,14 +1,9 @@
-"""Request deadlines without a timer per request.
+"""Request deadlines without a timer per request: each running attempt is one dict entry, and a
+sweep four times a second cancels the tasks past due (a dict insert and pop on the hot path,
+where `asyncio.timeout` costs a timer, a context object and a task lookup).
 
-A request to a worker may take minutes (long generations), so its deadline needs no finer
-precision than a quarter second: each running attempt is one dict entry, and a sweep four times
-a second cancels the tasks that are past due. That is a dict insert and pop on the hot path where
-`asyncio.timeout` costs a timer, a context object and a task lookup every time.
-
-A deadline may come with `renew`: asked when the deadline passes, it gives a later one (the
-proxy's time to first byte of a non-streamed request moves on while its worker shows signs of
-life), or one not later than now to let it expire. `expire` ends a task's wait at once (its
-worker was taken out of the fleet).
+A deadline may come with `renew`, asked when it passes for a later one (or one not later than
+now to let it expire); `expire` ends a task's wait at once.
 """
 
 from __future__ import annotations

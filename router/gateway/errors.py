@@ -37,9 +37,8 @@ def json_errors(handler: Handler) -> Handler:
         except APIError as exc:
             return exc.response()
         except web.HTTPRequestEntityTooLarge as exc:
-            return APIError(
-                413, f"request body too large: {exc.text}", code="body_too_large"
-            ).response()
+            message = f"request body too large: {exc.text}"
+            return APIError(413, message, code="body_too_large").response()
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -59,9 +58,8 @@ def add_fallback_route(app: web.Application) -> None:
 
     async def fallback(request: web.Request) -> web.Response:
         if request.path in known:
-            return APIError(
-                405, f"{request.method} is not allowed on {request.path}", code="method_not_allowed"
-            ).response()
+            message = f"{request.method} is not allowed on {request.path}"
+            return APIError(405, message, code="method_not_allowed").response()
         return APIError(404, f"no such endpoint: {request.path}", code="not_found").response()
 
     app.router.add_route("*", "/{tail:.*}", fallback)

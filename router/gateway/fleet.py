@@ -1,9 +1,8 @@
 """The fleet as the gateway sees it: workers, what they serve, their health and load.
 
-A worker is *up* once it answers; it leaves the candidate set (and its residency leaves the
-index) after `unhealthy_after` failed health checks or requests in a row, and comes back, with
-a resynced mirror, when it answers again. Workers that publish KV events are mirrored exactly;
-the others get approximate residency from the gateway's own routing history (docs/index.md).
+A worker is *up* once it answers; after `unhealthy_after` failed checks or requests in a row it
+leaves the candidates (and its residency the index) until it answers again. Workers with KV
+events are mirrored exactly, the others approximately (docs/index.md).
 """
 
 from __future__ import annotations
@@ -74,14 +73,12 @@ class Worker:
     def mode(self) -> str:
         groups = set(self.models.values())
         exact = sum(self.exact(g) for g in groups)
-        return (
-            "exact" if groups and exact == len(groups) else "approximate" if not exact else "mixed"
-        )
+        if not exact:
+            return "approximate"
+        return "exact" if exact == len(groups) else "mixed"
 
-
-def worker_name(url: str) -> str:
-    parsed = urlparse(url)
-    return f"{parsed.hostname}:{parsed.port or (443 if parsed.scheme == 'https' else 80)}"
+    def blocks_held(self, index: UnifiedIndex) -> int:
+        return sum(index.blocks_held(self.name, g) for g in set(self.models.values()))
 
 
 class Fleet:
@@ -104,15 +101,11 @@ class Fleet:
 
     # -- models ------------------------------------------------------------------------------
 
-    def _tokenizer(self, spec: str) -> Tokenizer:
-        tokenizer = self._tokenizers.get(spec)
-        if tokenizer is None:
-            tokenizer = self._tokenizers[spec] = load_tokenizer(spec)
-        return tokenizer
-
     def _declare(self, name: str, config: ModelConfig | None, group: str, block_size: int) -> None:
         spec = config.tokenizer if config else "byte"
-        model = Model(name, group, self._tokenizer(spec), block_size)
+        if spec not in self._tokenizers:
+            self._tokenizers[spec] = load_tokenizer(spec)
+        model = Model(name, group, self._tokenizers[spec], block_size)
         self.models[name] = model
         for alias in config.aliases if config else ():
             self.models[alias] = model
@@ -151,15 +144,14 @@ class Fleet:
             await self.session.close()
 
     async def add(self, config: WorkerConfig) -> Worker:
-        name = config.name or worker_name(config.url)
+        url = urlparse(config.url)
+        tls = url.scheme == "https"
+        port = url.port or (443 if tls else 80)
+        name = config.name or f"{url.hostname}:{port}"
         if name in self.workers:
             raise ValueError(f"worker {name!r} is already in the fleet")
         worker = Worker(name, config.url.rstrip("/"), config)
-        parsed = urlparse(worker.url)
-        tls = parsed.scheme == "https"
-        worker.pool = UpstreamPool(
-            parsed.hostname or "127.0.0.1", parsed.port or (443 if tls else 80), tls
-        )
+        worker.pool = UpstreamPool(url.hostname or "127.0.0.1", port, tls)
         self.workers[name] = worker
         await self.check(worker)
         return worker
@@ -271,13 +263,8 @@ class Fleet:
         if configured is not None and configured.block_size is None:
             model.block_size = worker.block_size
         elif model.block_size != worker.block_size:
-            log.warning(
-                "worker %s has block size %d, model %s is keyed with %d",
-                worker.name,
-                worker.block_size,
-                name,
-                model.block_size,
-            )
+            message = "worker %s has block size %d, model %s is keyed with %d"
+            log.warning(message, worker.name, worker.block_size, name, model.block_size)
 
     async def _mark_up(self, worker: Worker) -> None:
         worker.up = True
@@ -287,12 +274,8 @@ class Fleet:
         self._regroup()
         for hook in self.on_up:
             hook(worker)
-        log.info(
-            "worker %s up (%s, %s)",
-            worker.name,
-            ", ".join(worker.models) or "no models",
-            worker.mode,
-        )
+        models = ", ".join(worker.models) or "no models"
+        log.info("worker %s up (%s, %s)", worker.name, models, worker.mode)
 
     async def _mark_down(self, worker: Worker, why: str) -> None:
         if not worker.up:

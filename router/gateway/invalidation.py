@@ -1,19 +1,8 @@
-"""`POST /admin/invalidate`: drop a scope of cached prefixes from the index and the workers.
+"""`POST /admin/invalidate`: drop a scope of cached prefixes (a tenant, user, session, model,
+kv_group or all) from the index and the workers; docs/isolation.md, "Scoped invalidation".
 
-    {"scope": "tenant",   "tenant": T}                every namespace of T (its users, sessions)
-    {"scope": "user",     "tenant": T, "user": U}     T in `user` isolation
-    {"scope": "session",  "tenant": T, "session": S}  T in `session` isolation
-    {"scope": "model",    "model": M}                 M's kv_group, every tenant
-    {"scope": "kv_group", "kv_group": G}
-    {"scope": "all"}
-
-The index drops the matching residency first, so no request is routed on it after the call.
-Our workers (`POST /urc/invalidate`) free the blocks now, and blocks in use the moment they are
-released (no request matches them meanwhile), so none is served from them either. vLLM and
-SGLang cannot drop part of a cache: for "all" the gateway calls their reset endpoint
-(`/reset_prefix_cache`, then `/flush_cache`); for a narrower scope it only stops routing on
-those blocks, and the answer says the engine still holds them. The index is dropped again once
-the workers answered: events stored before the call and consumed meanwhile are gone too.
+The index drops the scope before the workers are asked and again once they answered (events
+consumed meanwhile); vLLM and SGLang can only reset their whole cache (scope "all").
 """
 
 from __future__ import annotations
@@ -54,11 +43,8 @@ class Invalidator:
         self.calls = Counter(
             "urc_invalidations", "Admin invalidations by scope", ["scope"], registry=registry
         )
-        self.blocks = Counter(
-            "urc_invalidated_blocks",
-            "Block residencies dropped from the index by admin invalidations",
-            registry=registry,
-        )
+        doc = "Block residencies dropped from the index by admin invalidations"
+        self.blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
     def resolve(self, body: Any) -> Resolved:
         """What an admin body names; OpenAI-style 4xx for what cannot be done."""

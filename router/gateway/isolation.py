@@ -1,48 +1,34 @@
-"""Isolation levels (docs/isolation.md): which requests of a tenant may reuse each other's KV.
+"""Request identity and isolation (docs/isolation.md): the API key names the tenant, the tenant
+its cache salt, and its isolation level which of its requests may reuse each other's KV.
 
-The level decides the `cache_salt` a request is keyed and forwarded with. Salts are
-structured, so every scope of invalidation is a test on the salt alone (no state to keep):
-
-    tenant    T                    T = "urc-" + blake2b(tenant name, salt_secret)
-    user      T.u.<h(user)>        the request's `user` field (tenant salt when absent)
-    session   T.s.<h(session)>     the `x-urc-session` (or `x-session-id`) header
-    shared    T, and the leading system prompt keyed in the shared namespace, so tenants in
-              `shared` mode reuse a common system prompt while the rest stays the tenant's
-
-A shared-mode request carries `urc_public_tokens` (a whole number of blocks): our workers key
-those tokens in the shared namespace and mix the salt in after them (core/blocks.py). vLLM
-and SGLang ignore the field and salt the whole prompt: isolation first, no sharing there.
+With no keys configured auth is off and every request belongs to one shared tenant keyed in the
+shared namespace. Salts are keyed hashes (a client cannot name another tenant's, and every
+replica derives the same ones) and structured, so every scope of invalidation is a test on the
+salt alone: tenant `T`, user `T.u.<h(user)>`, session `T.s.<h(session)>`; `shared` keys the
+leading system prompt in the shared namespace (`urc_public_tokens`, core/blocks.py) and the
+rest as the tenant's.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from core.errors import APIError
+from router.gateway.config import TenantConfig
 from router.gateway.errors import bad_request
 
 SESSION_HEADERS = ("x-urc-session", "x-session-id")
 _PUBLIC_ROLES = frozenset({"system", "developer"})
+SHARED_TENANT = "default"
 
 
 class Scope(NamedTuple):
     salt: str | None  # forwarded as `cache_salt`; None: the shared namespace
     public: bool  # shared isolation: the leading system prompt is keyed in the shared namespace
-
-
-def export_levels(registry: CollectorRegistry, levels: Iterable[tuple[str, str]]) -> None:
-    """`urc_tenant_isolation{tenant, isolation} 1` for each (tenant, level)."""
-    gauge = Gauge(
-        "urc_tenant_isolation",
-        "1 for each tenant's cache isolation level",
-        ["tenant", "isolation"],
-        registry=registry,
-    )
-    for tenant, level in levels:
-        gauge.labels(tenant, level).set(1)
 
 
 def _h(value: str) -> str:
@@ -93,3 +79,58 @@ def leading_system(messages: list[Any]) -> list[Any]:
             break
         n += 1
     return messages[:n] if n < len(messages) else []
+
+
+class Tenant(NamedTuple):
+    name: str
+    salt: str | None  # forwarded as `cache_salt`; None: the shared namespace
+    isolation: str = "tenant"  # shared | tenant | user | session
+
+    def scope(self, body: dict[str, Any], headers: Mapping[str, str]) -> Scope:
+        """The salt of one request of this tenant under its isolation level."""
+        return request_scope(self.isolation, self.salt, body, headers)
+
+
+class Tenants:
+    def __init__(self, tenants: list[TenantConfig], secret: str) -> None:
+        self._by_key: dict[str, Tenant] = {}
+        for config in tenants:
+            digest = hashlib.blake2b(
+                config.name.encode(), key=secret.encode()[:64], digest_size=16
+            ).hexdigest()
+            tenant = Tenant(config.name, f"urc-{digest}", config.isolation)
+            for key in config.api_keys:
+                self._by_key[key] = tenant
+        self.auth = bool(self._by_key)
+        self._shared = Tenant(SHARED_TENANT, None)
+
+    def authenticate(self, authorization: str | None) -> Tenant:
+        if not self.auth:
+            return self._shared
+        if not authorization:
+            message = "Missing API key: send 'Authorization: Bearer KEY'"
+            raise APIError(401, message, type="authentication_error", code="missing_api_key")
+        scheme, _, key = authorization.partition(" ")
+        tenant = self._by_key.get(key.strip()) if scheme.lower() == "bearer" else None
+        if tenant is None:
+            message = "Incorrect API key provided"
+            raise APIError(401, message, type="authentication_error", code="invalid_api_key")
+        return tenant
+
+    def all(self) -> list[Tenant]:
+        """Every tenant (the shared one when auth is off), each once."""
+        if not self.auth:
+            return [self._shared]
+        return list({t.name: t for t in self._by_key.values()}.values())
+
+    def export(self, registry: CollectorRegistry) -> None:
+        """`urc_tenant_isolation{tenant, isolation} 1` for each tenant."""
+        doc = "1 for each tenant's cache isolation level"
+        gauge = Gauge("urc_tenant_isolation", doc, ["tenant", "isolation"], registry=registry)
+        for tenant in self.all():
+            gauge.labels(tenant.name, tenant.isolation).set(1)
+
+    def by_name(self, name: str) -> Tenant | None:
+        if not self.auth and name == SHARED_TENANT:
+            return self._shared
+        return next((t for t in self._by_key.values() if t.name == name), None)

@@ -8,19 +8,22 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from functools import partial
+from typing import Any, NamedTuple, TypeVar
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from router.gateway.fleet import Fleet
+from router.gateway.modes import RoutingModes
 from router.index import UnifiedIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 # a rough per-block cost of the index (bench/index_bench.py measures it)
 INDEX_BYTES_PER_BLOCK = 100
+K = TypeVar("K")
 
 
 class Count:
@@ -68,12 +71,24 @@ class Series(NamedTuple):
     error: Count
 
 
-class GatewayMetrics:
-    """The request path updates plain numbers; `registry` renders them (and the fleet's and
-    index's state) at scrape time."""
+def _count(counts: dict[K, Count], key: K) -> Count:
+    count = counts.get(key)
+    if count is None:
+        count = counts[key] = Count()
+    return count
 
-    def __init__(self, fleet: Fleet, index: UnifiedIndex, policy_name: str) -> None:
+
+class GatewayMetrics(Collector):
+    """The request path updates plain numbers; `registry` renders them, the fleet's and index's
+    state and the routing modes at scrape time."""
+
+    def __init__(
+        self, fleet: Fleet, index: UnifiedIndex, modes: RoutingModes, policy_name: str
+    ) -> None:
         self.registry = CollectorRegistry()
+        self.fleet = fleet
+        self.index = index
+        self.modes = modes
         self.policy_name = policy_name
         self.decision = Hist(_DECISION_BUCKETS)
         self._series: dict[tuple[str, str], Series] = {}
@@ -83,8 +98,7 @@ class GatewayMetrics:
         Gauge(
             "urc_policy_info", "The live routing policy", ["policy"], registry=self.registry
         ).labels(policy_name).set(1)
-        self.registry.register(_RequestCollector(self))
-        self.registry.register(_FleetCollector(fleet, index))
+        self.registry.register(self)
 
     def series(self, model: str, worker: str) -> Series:
         series = self._series.get((model, worker))
@@ -95,43 +109,30 @@ class GatewayMetrics:
         return series
 
     def status(self, model: str, worker: str, status: int) -> Count:
-        count = self._status.get((model, worker, status))
-        if count is None:
-            count = self._status[(model, worker, status)] = Count()
-        return count
+        return _count(self._status, (model, worker, status))
 
     def reason(self, reason: str) -> Count:
-        count = self._reasons.get(reason)
-        if count is None:
-            count = self._reasons[reason] = Count()
-        return count
+        return _count(self._reasons, reason)
 
     def failover(self, worker: str) -> Count:
-        count = self._failovers.get(worker)
-        if count is None:
-            count = self._failovers[worker] = Count()
-        return count
-
-
-class _RequestCollector(Collector):
-    def __init__(self, metrics: GatewayMetrics) -> None:
-        self.m = metrics
+        return _count(self._failovers, worker)
 
     def collect(self) -> Iterator[Any]:
-        m = self.m
-        requests = CounterMetricFamily(
-            "urc_requests",
-            "Requests by model, worker and status",
-            labels=["model", "worker", "status"],
-        )
-        for (model, worker, status), count in list(m._status.items()):
+        yield from self._requests()
+        yield from self._fleet()
+        yield from self._modes()
+
+    def _requests(self) -> Iterator[Any]:
+        doc = "Requests by model, worker and status"
+        requests = CounterMetricFamily("urc_requests", doc, labels=["model", "worker", "status"])
+        for (model, worker, status), count in list(self._status.items()):
             requests.add_metric([model, worker, str(status)], count.value)
         yield requests
         per_worker = [
             ("urc_ttft_seconds", "Time to first byte from the worker", "ttft"),
             ("urc_request_latency_seconds", "End-to-end latency", "latency"),
         ]
-        series = list(m._series.items())
+        series = list(self._series.items())
         for name, doc, field in per_worker:
             family = HistogramMetricFamily(name, doc, labels=["model", "worker"])
             for (model, worker), s in series:
@@ -153,7 +154,7 @@ class _RequestCollector(Collector):
             for (model, worker), s in series:
                 family.add_metric([worker, model], getattr(s, field).value)
             yield family
-        buckets, total = m.decision.family_point()
+        buckets, total = self.decision.family_point()
         decision = HistogramMetricFamily(
             "urc_decision_seconds", "Tokenize + keys + match + policy", labels=[]
         )
@@ -162,25 +163,16 @@ class _RequestCollector(Collector):
         reasons = CounterMetricFamily(
             "urc_route_reasons", "Routing decisions by reason", labels=["policy", "reason"]
         )
-        for reason, count in list(m._reasons.items()):
-            reasons.add_metric([m.policy_name, reason], count.value)
+        for reason, count in list(self._reasons.items()):
+            reasons.add_metric([self.policy_name, reason], count.value)
         yield reasons
-        failovers = CounterMetricFamily(
-            "urc_failovers",
-            "Requests retried on another worker before the first byte",
-            labels=["worker"],
-        )
-        for worker, count in list(m._failovers.items()):
+        doc = "Requests retried on another worker before the first byte"
+        failovers = CounterMetricFamily("urc_failovers", doc, labels=["worker"])
+        for worker, count in list(self._failovers.items()):
             failovers.add_metric([worker], count.value)
         yield failovers
 
-
-class _FleetCollector(Collector):
-    def __init__(self, fleet: Fleet, index: UnifiedIndex) -> None:
-        self.fleet = fleet
-        self.index = index
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def _fleet(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.index.stats()
         yield GaugeMetricFamily("urc_index_blocks", "Blocks in the unified index", stats.blocks)
         yield GaugeMetricFamily("urc_index_runs", "Radix nodes (runs of blocks)", stats.runs)
@@ -200,37 +192,25 @@ class _FleetCollector(Collector):
         yield CounterMetricFamily(
             "urc_index_evicted_blocks", "Blocks dropped by the memory budget", stats.evicted
         )
-        healthy = GaugeMetricFamily(
-            "urc_worker_healthy", "1 if the worker is up", labels=["worker"]
+        gauge = partial(GaugeMetricFamily, labels=["worker"])
+        counter = partial(CounterMetricFamily, labels=["worker"])
+        healthy = gauge("urc_worker_healthy", "1 if the worker is up")
+        exact = gauge("urc_worker_exact", "1 if residency comes from KV events")
+        in_flight = gauge("urc_worker_in_flight", "Requests in flight")
+        queued = gauge(
+            "urc_worker_queued_prefill_tokens", "Uncached prompt tokens routed, not yet prefilled"
         )
-        exact = GaugeMetricFamily(
-            "urc_worker_exact", "1 if residency comes from KV events", labels=["worker"]
-        )
-        in_flight = GaugeMetricFamily(
-            "urc_worker_in_flight", "Requests in flight", labels=["worker"]
-        )
-        queued = GaugeMetricFamily(
-            "urc_worker_queued_prefill_tokens",
-            "Uncached prompt tokens routed, not yet prefilled",
-            labels=["worker"],
-        )
-        held = GaugeMetricFamily("urc_worker_cached_blocks", "Blocks held", labels=["worker"])
-        lag = GaugeMetricFamily(
-            "urc_kv_event_lag_seconds", "Now minus the newest event's timestamp", labels=["worker"]
-        )
-        gaps = CounterMetricFamily("urc_kv_event_gaps", "Sequence gaps seen", labels=["worker"])
-        resets = CounterMetricFamily(
-            "urc_kv_event_resyncs", "Resyncs (gaps not replayable, restarts)", labels=["worker"]
-        )
+        held = gauge("urc_worker_cached_blocks", "Blocks held")
+        lag = gauge("urc_kv_event_lag_seconds", "Now minus the newest event's timestamp")
+        gaps = counter("urc_kv_event_gaps", "Sequence gaps seen")
+        resets = counter("urc_kv_event_resyncs", "Resyncs (gaps not replayable, restarts)")
         now = time.time()
         for w in self.fleet.workers.values():
             healthy.add_metric([w.name], float(w.up))
             exact.add_metric([w.name], float(w.mode == "exact"))
             in_flight.add_metric([w.name], w.load.in_flight)
             queued.add_metric([w.name], w.load.queued_prefill_tokens)
-            held.add_metric(
-                [w.name], sum(self.index.blocks_held(w.name, g) for g in set(w.models.values()))
-            )
+            held.add_metric([w.name], w.blocks_held(self.index))
             mirrors = [s.mirror.stats() for s in w.streams if s.mirror is not None]
             if mirrors:
                 newest = max((m.last_event_ts or 0.0) for m in mirrors)
@@ -240,20 +220,11 @@ class _FleetCollector(Collector):
                 resets.add_metric([w.name], sum(m.resets + m.restarts for m in mirrors))
         yield from (healthy, exact, in_flight, queued, held, lag, gaps, resets)
 
-
-class ModesCollector(Collector):
-    """Which routing mode is active, and what the shadow policies would have done."""
-
-    def __init__(self, modes: Any) -> None:
-        self.modes = modes
-
-    def collect(self) -> Iterator[Any]:
+    def _modes(self) -> Iterator[Any]:
+        """Which routing mode is active, and what the shadow policies would have done."""
         modes = self.modes
-        yield GaugeMetricFamily(
-            "urc_routing_degraded",
-            "1 while routing falls back to least load",
-            float(modes.degraded),
-        )
+        doc = "1 while routing falls back to least load"
+        yield GaugeMetricFamily("urc_routing_degraded", doc, float(modes.degraded))
         active = GaugeMetricFamily(
             "urc_routing_policy", "The policy routing now", labels=["policy"]
         )

@@ -1,11 +1,6 @@
-"""Which policy routes, and which only watch.
-
-- The live policy routes; *degraded*, plain least-load routing does instead: by the operator
-  (admin call, config reload) or by the gateway itself while its index is unhealthy (every KV
-  event stream lost), back as soon as a stream resyncs.
-- Shadow policies see every request's candidates and choose too, without being acted on: per
-  policy, the tokens its choice would have found cached, the time to first token the cost model
-  predicts there (the cache_aware estimator), and how often it disagrees with the live choice.
+"""Which policy routes, and which only watch: the live policy, or plain least load while
+*degraded* (by the operator, or by the gateway while every KV-event stream is lost); shadow
+policies choose on every request without being acted on (router/shadow.py counts them).
 """
 
 from __future__ import annotations

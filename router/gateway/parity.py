@@ -1,14 +1,11 @@
 """Token parity: the gateway keys prompts with its own tokenizer, so its keys are the engine's
 only if both turn a request into the same token ids (docs/block-keys.md).
 
-When a worker comes up, and then every `parity_interval_s`, a known chat and a known completion
-(one token of output each) go to each kv_group the worker serves, and the worker's
-`usage.prompt_tokens` is compared with the gateway's own count. A mismatch is logged, exported
-(`urc_tokenizer_parity` 0, `urc_tokenizer_parity_mismatches`) and *downgrades* that worker's
-kv_group to approximate mode: its KV-event stream is stopped and its residency cleared, so it is
-routed on the gateway's own history (keys from the gateway's tokenizer, consistent with
-themselves) instead of on events keyed from the engine's ids that no prompt of ours will match.
-A later matching probe restores exact mode. A probe that gets no answer changes nothing.
+When a worker comes up, and every `parity_interval_s`, a known chat and completion (one output
+token each) go to each kv_group it serves, and its `usage.prompt_tokens` is compared with the
+gateway's count. A mismatch *downgrades* that kv_group of the worker to approximate mode (its
+event stream stopped, its residency cleared) until a probe matches again; a probe that gets no
+answer changes nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +33,11 @@ PROBE_CHAT: list[dict[str, str]] = [
     {"role": "system", "content": "You are a parity probe. Answer in one word."},
     {"role": "user", "content": PROBE_TEXT},
 ]
+# kind -> (path, the prompt's field, the prompt)
+_PROBES: dict[str, tuple[str, str, object]] = {
+    "chat": ("/v1/chat/completions", "messages", PROBE_CHAT),
+    "completion": ("/v1/completions", "prompt", PROBE_TEXT),
+}
 
 
 @dataclass(slots=True)
@@ -119,15 +121,11 @@ class ParityProbe:
         ok = expected == actual
         if not ok:
             state.mismatches += 1
-            log.warning(
+            message = (
                 "tokenizer parity: worker %s model %s counts %s prompt tokens, the gateway %s: "
-                "its kv_group %s is routed in approximate mode",
-                worker.name,
-                name,
-                actual,
-                expected,
-                group,
+                "its kv_group %s is routed in approximate mode"
             )
+            log.warning(message, worker.name, name, actual, expected, group)
             await self._downgrade(worker, group)
         elif state.ok is False:
             log.warning("tokenizer parity: worker %s model %s matches again", worker.name, name)
@@ -139,13 +137,8 @@ class ParityProbe:
         session = self.fleet.session
         if session is None or not worker.up:
             return None
-        body: dict[str, Any] = {"model": model, "max_tokens": 1, "temperature": 0.0}
-        if kind == "chat":
-            body["messages"] = PROBE_CHAT
-            path = "/v1/chat/completions"
-        else:
-            body["prompt"] = PROBE_TEXT
-            path = "/v1/completions"
+        path, field, prompt = _PROBES[kind]
+        body = {"model": model, "max_tokens": 1, "temperature": 0.0, field: prompt}
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with session.post(worker.url + path, json=body, timeout=timeout) as resp:
@@ -185,21 +178,19 @@ class ParityCollector(Collector):
         self.probe = probe
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["worker", "model"]
         parity = GaugeMetricFamily(
             "urc_tokenizer_parity",
             "1 if the worker counts the probe's prompt tokens as the gateway does, 0 if not",
-            labels=["worker", "model"],
+            labels=labels,
         )
         mismatches = CounterMetricFamily(
             "urc_tokenizer_parity_mismatches",
             "Parity probes whose prompt-token counts differed",
-            labels=["worker", "model"],
+            labels=labels,
         )
-        errors = CounterMetricFamily(
-            "urc_tokenizer_parity_probe_errors",
-            "Parity probes that got no usable answer",
-            labels=["worker", "model"],
-        )
+        doc = "Parity probes that got no usable answer"
+        errors = CounterMetricFamily("urc_tokenizer_parity_probe_errors", doc, labels=labels)
         fleet = self.probe.fleet.workers
         for (worker, model), state in list(self.probe.states.items()):
             if worker not in fleet:  # removed from the fleet

@@ -1,9 +1,7 @@
 """Forwarding: the worker's body (request_body.py) to the planned worker, failing over to the
 next one while nothing has reached the client; SSE chunks are passed through as they arrive.
-
-Each attempt holds a share of its worker's load (router/dispatch.py), whose first token is the
-first byte. A non-streamed response has no visible first byte: its prefill is aged out of the
-queue after the time the gateway's prefill-rate estimate gives it.
+Each attempt holds a share of its worker's load (router/dispatch.py) until its first byte; a
+non-streamed answer's prefill is aged out after the time the prefill-rate estimate gives it.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from router.dispatch import LoadShare, dispatch
-from router.gateway.deadlines import Deadlines, Renew
+from router.gateway.deadlines import Deadlines
 from router.gateway.errors import bad_gateway
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
@@ -42,20 +40,6 @@ class _Failover(Exception):
     def __init__(self, message: str, answer: tuple[int, Headers, bytes] | None = None) -> None:
         super().__init__(message)
         self.answer = answer
-
-
-def route_header(plan: Plan, worker: Worker) -> str:
-    return (
-        f"worker={worker.name}; matched_tokens={plan.matched(worker.name)}; "
-        f"prompt_tokens={plan.prompt_tokens}; reason={plan.decision.reason}; policy={plan.policy}"
-    )
-
-
-def reply_headers(upstream: UpstreamResponse, plan: Plan, worker: Worker) -> Headers:
-    """The worker's headers for the client: hop-by-hop ones out, `x-urc-route` in."""
-    headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
-    headers.append(("x-urc-route", route_header(plan, worker)))
-    return headers
 
 
 class Proxy:
@@ -91,7 +75,6 @@ class Proxy:
         request itself may be the cause): it is not counted, and one other worker is tried
         before that answer goes back to the client."""
         t0 = time.monotonic()
-        model = plan.model.name
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
         for worker in plan.ranked():
@@ -102,11 +85,10 @@ class Proxy:
             if not stream:
                 delay = worker.load.queued_prefill_tokens * self.s_per_token
                 timer = self.deadlines.loop().call_later(delay, load.first_token)
+            attempt = _Attempt(self, reply, plan, worker, load, t0)
             failed: _Failover | None = None
             try:
-                status, usage = await self._attempt(
-                    reply, path, payload, plan, worker, load, stream, t0
-                )
+                status, usage = await attempt.run(path, payload, stream)
             except _Failover as exc:
                 failed = exc
             finally:
@@ -123,7 +105,7 @@ class Proxy:
                 else:  # a second worker answered 5xx too: the answer is the request's
                     break
                 continue
-            self._answered(plan, worker, status, usage, t0)
+            attempt.answered(status, usage)
             if usage is not None:
                 on_success(plan, worker, usage)
             return
@@ -131,52 +113,32 @@ class Proxy:
             status, headers, body = answered
             reply.whole(status, headers, body)
             return
+        model = plan.model.name
         raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
 
-    def _answered(
-        self, plan: Plan, worker: Worker, status: int, usage: Usage | None, t0: float
+
+class _Attempt:
+    """One try of a request on one worker, answered to `reply`."""
+
+    def __init__(
+        self, proxy: Proxy, reply: Reply, plan: Plan, worker: Worker, load: LoadShare, t0: float
     ) -> None:
-        """`worker` answered (the answer went to the client): its health and the metrics."""
-        now = time.monotonic()
-        model = plan.model.name
-        worker.failures = 0
-        if status < 500:  # it answered for itself: as good as a health check
-            worker.answered_at = now
-        self.metrics.status(model, worker.name, status).inc()
-        self.metrics.series(model, worker.name).latency.observe(now - t0)
-        if usage is not None:
-            self._account(plan, worker, usage.cached_tokens)
+        self.proxy = proxy
+        self.metrics = proxy.metrics
+        self.reply = reply
+        self.plan = plan
+        self.worker = worker
+        self.load = load
+        self.t0 = t0  # when the request's forwarding began
 
-    def _first_byte_deadline(self, worker: Worker, stream: bool) -> Renew | None:
-        """A stream's first byte is due within the time to first byte. A non-streamed answer
-        comes whole, after the generation: it may wait longer while its worker shows signs of
-        life (answers, health checks) within that time."""
-        if stream:
-            return None
-        ttfb = self.ttfb_timeout_s
-
-        def renew(now: float) -> float:
-            return now + worker.alive_at + ttfb - time.monotonic()
-
-        return renew
-
-    async def _attempt(
-        self,
-        reply: Reply,
-        path: str,
-        payload: bytes,
-        plan: Plan,
-        worker: Worker,
-        load: LoadShare,
-        stream: bool,
-        t0: float,
-    ) -> tuple[int, Usage | None]:
-        """One try on one worker, answered to `reply`: its status and, on success, usage."""
+    async def run(self, path: str, payload: bytes, stream: bool) -> tuple[int, Usage | None]:
+        """Its status and, on success, usage."""
+        proxy, worker = self.proxy, self.worker
         assert worker.pool is not None
-        total = self.request_timeout_s - (time.monotonic() - t0)
-        ttfb = self.ttfb_timeout_s
-        task = self.deadlines.enter(
-            ttfb if ttfb < total else total, self._first_byte_deadline(worker, stream)
+        total = proxy.request_timeout_s - (time.monotonic() - self.t0)
+        ttfb = proxy.ttfb_timeout_s
+        task = proxy.deadlines.enter(
+            ttfb if ttfb < total else total, None if stream else self.renew
         )
         worker.waiting.add(task)
         try:
@@ -187,37 +149,46 @@ class Proxy:
             worker.alive_at = time.monotonic()
             try:
                 if stream and upstream.status == 200:
-                    usage = await self._stream(reply, upstream, plan, worker, load, t0, task)
-                    return 200, usage
-                return await self._whole(reply, upstream, plan, worker, load, t0)
+                    return 200, await self._stream(upstream, task)
+                return await self._whole(upstream)
             finally:
                 upstream.release()
         except asyncio.CancelledError:
-            if not self.deadlines.expired(task):
+            if not proxy.deadlines.expired(task):
                 raise
-            if reply.started:  # the client has part of a stream: it ends here, cut
+            if self.reply.started:  # the client has part of a stream: it ends here, cut
                 return 200, None
             if not worker.up:
                 raise _Failover("taken out of the fleet while the request waited") from None
             raise _Failover(f"nothing came within {ttfb} s") from None
         finally:
             worker.waiting.discard(task)
-            self.deadlines.leave(task)
+            proxy.deadlines.leave(task)
 
-    def _started(self, worker: Worker, task: asyncio.Task[object], t0: float) -> None:
-        """The first byte goes to the client: no failover from here, only the total time."""
-        worker.waiting.discard(task)
-        self.deadlines.rearm(task, self.request_timeout_s - (time.monotonic() - t0))
+    def renew(self, now: float) -> float:
+        """A stream's first byte is due within the time to first byte. A non-streamed answer
+        comes whole, after the generation: it may wait longer while its worker shows signs of
+        life (answers, health checks) within that time."""
+        return now + self.worker.alive_at + self.proxy.ttfb_timeout_s - time.monotonic()
 
-    async def _whole(
-        self,
-        reply: Reply,
-        upstream: UpstreamResponse,
-        plan: Plan,
-        worker: Worker,
-        load: LoadShare,
-        t0: float,
-    ) -> tuple[int, Usage | None]:
+    def _first_byte(self) -> None:
+        self.load.first_token()
+        series = self.metrics.series(self.plan.model.name, self.worker.name)
+        series.ttft.observe(time.monotonic() - self.t0)
+
+    def _headers(self, upstream: UpstreamResponse) -> Headers:
+        """The worker's headers for the client: hop-by-hop ones out, `x-urc-route` in."""
+        plan, name = self.plan, self.worker.name
+        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
+        route = (
+            f"worker={name}; matched_tokens={plan.matched(name)}; "
+            f"prompt_tokens={plan.prompt_tokens}; "
+            f"reason={plan.decision.reason}; policy={plan.policy}"
+        )
+        headers.append(("x-urc-route", route))
+        return headers
+
+    async def _whole(self, upstream: UpstreamResponse) -> tuple[int, Usage | None]:
         """A non-streamed answer, checked before anything reaches the client."""
         try:
             body = await upstream.read()
@@ -225,13 +196,11 @@ class Proxy:
             raise _Failover(str(exc)) from None
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
-            self.metrics.status(plan.model.name, worker.name, status).inc()
-            answer = (status, reply_headers(upstream, plan, worker), body)
-            raise _Failover(f"answered {status}", answer)
+            self.metrics.status(self.plan.model.name, self.worker.name, status).inc()
+            raise _Failover(f"answered {status}", (status, self._headers(upstream), body))
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
-        load.first_token()
-        self.metrics.series(plan.model.name, worker.name).ttft.observe(time.monotonic() - t0)
+        self._first_byte()
         usage = None
         if status == 200:
             cached = _CACHED_RE.search(body)
@@ -240,30 +209,13 @@ class Proxy:
                 int(cached.group(1)) if cached else _header_int(upstream),
                 int(output.group(1)) if output else None,
             )
-        reply.whole(status, reply_headers(upstream, plan, worker), body)
+        self.reply.whole(status, self._headers(upstream), body)
         return status, usage
 
-    def _account(self, plan: Plan, worker: Worker, cached: int | None) -> None:
-        series = self.metrics.series(plan.model.name, worker.name)
-        predicted = plan.matched(worker.name)
-        series.prompt_tokens.inc(plan.prompt_tokens)
-        series.predicted.inc(predicted)
-        if cached is not None:
-            series.actual.inc(cached)
-            series.error.inc(abs(predicted - cached))
-
-    async def _stream(
-        self,
-        reply: Reply,
-        upstream: UpstreamResponse,
-        plan: Plan,
-        worker: Worker,
-        load: LoadShare,
-        t0: float,
-        task: asyncio.Task[object],
-    ) -> Usage | None:
+    async def _stream(self, upstream: UpstreamResponse, task: asyncio.Task[object]) -> Usage | None:
         """Pass the SSE stream through as it comes; usage (None: the client left early)."""
-        headers = reply_headers(upstream, plan, worker)
+        reply = self.reply
+        headers = self._headers(upstream)
         cached = _header_int(upstream)
         output: int | None = None
         events = 0
@@ -274,11 +226,11 @@ class Proxy:
                     if not chunk.lstrip().startswith((b"data:", b":", b"event:")):
                         raise _Failover("answered 200 with a stream that is not SSE")
                     first = False
-                    self._started(worker, task, t0)
-                    load.first_token()
-                    self.metrics.series(plan.model.name, worker.name).ttft.observe(
-                        time.monotonic() - t0
-                    )
+                    # the first byte goes to the client: no failover from here, only the total
+                    self.worker.waiting.discard(task)
+                    total = self.proxy.request_timeout_s - (time.monotonic() - self.t0)
+                    self.proxy.deadlines.rearm(task, total)
+                    self._first_byte()
                     await reply.start(upstream.status, headers)
                 events += chunk.count(b"data:")
                 if b'"usage"' in chunk:
@@ -298,6 +250,24 @@ class Proxy:
             return None
         # without a usage chunk, one content event per token less the closing [DONE]
         return Usage(cached, output if output is not None else max(events - 1, 0))
+
+    def answered(self, status: int, usage: Usage | None) -> None:
+        """The answer went to the client: the worker's health and the metrics."""
+        now = time.monotonic()
+        plan, worker = self.plan, self.worker
+        worker.failures = 0
+        if status < 500:  # it answered for itself: as good as a health check
+            worker.answered_at = now
+        self.metrics.status(plan.model.name, worker.name, status).inc()
+        series = self.metrics.series(plan.model.name, worker.name)
+        series.latency.observe(now - self.t0)
+        if usage is not None:
+            predicted = plan.matched(worker.name)
+            series.prompt_tokens.inc(plan.prompt_tokens)
+            series.predicted.inc(predicted)
+            if usage.cached_tokens is not None:
+                series.actual.inc(usage.cached_tokens)
+                series.error.inc(abs(predicted - usage.cached_tokens))
 
 
 def _is_json_object(body: bytes) -> bool:

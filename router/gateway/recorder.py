@@ -1,10 +1,6 @@
-"""`urc gateway --record FILE`: live traffic as a trace `urc replay` can read.
-
-One JSON line per served request in Mooncake's format (docs/traces.md) — `timestamp` (ms from the
-start of the recording to its arrival), `input_length`, `output_length`, `hash_ids` — where the
-hash ids are the request's block keys, `block_size` tokens each, plus what only the gateway
-knows: model, tenant, chosen worker, the policy, predicted and actual cached tokens. Lines are
-written when requests finish, so they are not in timestamp order: sort before replaying.
+"""`urc gateway --record FILE`: one Mooncake JSON line per served request (docs/traces.md), its
+hash ids the request's block keys, plus model, tenant, worker, policy, predicted and actual
+cached tokens. Lines are written as requests finish: sort them before replaying.
 """
 
 from __future__ import annotations

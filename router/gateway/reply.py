@@ -1,17 +1,20 @@
-"""How a response reaches the client, whichever HTTP server took the request.
-
-The inference endpoints are served by the lean front server (server.py) and, on connections
-it handed over, by aiohttp; the proxy writes through this one small interface to both:
-`whole` for a complete answer, `start` / `send` / `end` for a stream passed through.
+"""How a response reaches the client, whichever server took the request: `whole` for a complete
+answer, `start` / `send` / `end` for a stream. `LeanReply` writes straight to a connection of
+the front door (server.py), `AiohttpReply` answers on one aiohttp holds.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
+if TYPE_CHECKING:
+    from router.gateway.connection import FrontProtocol
+
 Headers = list[tuple[str, str]]
+JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 class Reply(Protocol):
@@ -67,3 +70,71 @@ class AiohttpReply:
         except ConnectionResetError:
             return False
         return True
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Unknown"
+    return f"HTTP/1.1 {status} {phrase}\r\n".encode()
+
+
+_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+
+
+def _head(status: int, headers: Headers, extra: bytes) -> bytes:
+    lines = [_STATUS_LINES.get(status) or _status_line(status)]
+    lines += [f"{key}: {value}\r\n".encode("latin-1") for key, value in headers]
+    lines.append(extra)
+    return b"".join(lines)
+
+
+class LeanReply:
+    """A response written straight to the connection's transport."""
+
+    __slots__ = ("conn", "keep_alive", "chunked", "started", "complete")
+
+    def __init__(self, conn: FrontProtocol, keep_alive: bool, chunked: bool = True) -> None:
+        self.conn = conn
+        self.keep_alive = keep_alive
+        self.chunked = chunked
+        self.started = False
+        self.complete = False  # the whole answer was written (a cut stream must close)
+
+    def _close(self) -> bytes:
+        """The head's `Connection: close`, decided when the head is written: a drain that
+        began while the request was under way still tells the client."""
+        if self.keep_alive and self.conn.front.draining:
+            self.keep_alive = False
+        return b"" if self.keep_alive else b"Connection: close\r\n"
+
+    def whole(self, status: int, headers: Headers, body: bytes) -> None:
+        self.started = self.complete = True
+        close = self._close()
+        extra = b"Content-Length: %d\r\n%s\r\n" % (len(body), close)
+        self.conn.write(_head(status, headers, extra) + body)
+
+    async def start(self, status: int, headers: Headers) -> None:
+        self.started = True
+        if not self.chunked:  # an HTTP/1.0 client: the stream ends when the connection does
+            self.keep_alive = False
+            self.conn.write(_head(status, headers, b"Connection: close\r\n\r\n"))
+        else:
+            close = self._close()
+            extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % close
+            self.conn.write(_head(status, headers, extra))
+        await self.conn.drain()
+
+    async def send(self, chunk: bytes) -> bool:
+        if chunk:
+            self.conn.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if self.chunked else chunk)
+        await self.conn.drain()
+        return not self.conn.lost
+
+    async def end(self) -> bool:
+        self.complete = True
+        if self.chunked:
+            self.conn.write(b"0\r\n\r\n")
+        await self.conn.drain()
+        return not self.conn.lost

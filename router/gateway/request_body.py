@@ -1,10 +1,6 @@
-"""An inference request's body: parsed strictly once, checked, and rebuilt for the worker.
-
-The body the worker receives is the gateway's own encoding of what it parsed and checked
-(core/strict_json.py), with the fields only the gateway may set put there by the gateway:
-`cache_salt` (the request's isolation salt) and `urc_public_tokens` (shared isolation). A
-client's `cache_salt`, and every field whose name starts with `urc_`, are dropped whatever
-their spelling in the client's bytes: the comparison is on the decoded name.
+"""An inference request's body: parsed strictly once (core/strict_json.py), checked, and rebuilt
+for the worker with the fields only the gateway may set (`cache_salt`, `urc_public_tokens`);
+a client's `cache_salt` and every field whose decoded name starts with `urc_` are dropped.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""The gateway's front door: a lean HTTP/1.1 server for the two inference endpoints.
+"""The gateway's front door: a lean HTTP/1.1 server for the two inference endpoints
+(README.md, "Limits, timeouts and failure handling").
 
-`POST /v1/completions` and `POST /v1/chat/completions` are the hot path: parsed by httptools
-and answered straight on the transport, with none of a general framework's per-request objects.
-Everything else (health, metrics, models, admin, errors for unknown routes) is aiohttp's: a
-connection whose request is not an inference request is handed to aiohttp's protocol with the
-bytes received so far, and stays with aiohttp from then on (aiohttp serves the inference
-endpoints too, through the same handler). A request pipelined behind another one in the same
-packet cannot be handed over (its first byte is not known): it gets a JSON 400 and the
-connection is closed; clients do not pipeline in practice.
-
-Every request's head is read here, whichever server answers it, under the limits an operator
-sets (`Limits`): request line and header size (414, 431), one `Authorization` header (400),
-time from the first byte to the end of the headers and from there to the end of the body (408).
-A request for aiohttp is buffered whole here under the same limits and handed over complete.
-`Upgrade` (`curl --http2` asks for h2c) is not taken: an inference request is answered over
-HTTP/1.1 and the connection closed; aiohttp answers the others over HTTP/1.1. A client that
-disconnects (or half-closes) has its request cancelled (the worker's too).
-On `drain`, readiness is the caller's; every answer says `Connection: close`, idle connections
-close, and the requests under way get until the drain timeout.
+`POST /v1/completions` and `POST /v1/chat/completions` are parsed by httptools and answered
+straight on the transport. A connection whose request is anything else is handed, with the
+bytes received so far, to aiohttp's protocol and stays with aiohttp; a request pipelined behind
+another one cannot be handed over (its first byte is unknown): a JSON 400, then close. Every
+request's head is read here under `Limits`, whichever server answers it.
 """
 
 from __future__ import annotations
@@ -31,7 +19,7 @@ from typing import Any
 
 from router.gateway.config import Limits
 from router.gateway.connection import FrontProtocol
-from router.gateway.lean_reply import LeanReply
+from router.gateway.reply import LeanReply
 
 # (reply, path, lowercased request headers, body) -> the reply has been written
 Serve = Callable[[LeanReply, str, dict[str, str], bytes], Awaitable[None]]
@@ -116,13 +104,10 @@ def _malloc_trim() -> Callable[[], None]:
     try:
         trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
-        return _no_trim
+        trim = None
 
     def trim_all() -> None:
-        trim(0)
+        if trim is not None:
+            trim(0)
 
     return trim_all
-
-
-def _no_trim() -> None:
-    pass

@@ -1,10 +1,7 @@
 """A lean HTTP/1.1 client for the hop to the workers: pooled keep-alive connections, the request
-written in one call, the response parsed by httptools as it arrives.
-
-The gateway's hop to a worker is always the same shape (POST, JSON body, a response that is
-JSON or SSE), so it needs none of a general client's machinery; this one costs a fraction of
-aiohttp's ClientSession per request. A connection taken from the pool that turns out to be
-closed by the worker before answering is retried once on a fresh one (nothing was processed).
+written in one call, the response parsed by httptools as it arrives (a fraction of aiohttp's
+ClientSession per request). A pooled connection the worker closed before answering is retried
+once on a fresh one (nothing was processed).
 """
 
 from __future__ import annotations
@@ -14,27 +11,16 @@ from collections import deque
 
 import httptools
 
+_CONNECT_TIMEOUT_S = 2.0
+_MAX_IDLE = 256  # idle connections kept per worker
+
 
 class UpstreamError(Exception):
     """The worker could not be reached, or broke the exchange."""
 
 
 class _Connection(asyncio.Protocol):
-    __slots__ = (
-        "transport",
-        "parser",
-        "status",
-        "headers",
-        "delimited",
-        "headers_done",
-        "chunks",
-        "complete",
-        "lost",
-        "keep_alive",
-        "_wake",
-        "_paused",
-        "_loop",
-    )
+    """One keep-alive connection to a worker, and the response being received on it."""
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()  # made by create_connection, on its loop
@@ -146,17 +132,11 @@ class UpstreamResponse:
             await conn.wait()
 
     async def read(self) -> bytes:
-        conn = self._conn
-        if conn.complete:  # small answers are usually whole by now
-            return conn.take()
+        if self._conn.complete:  # small answers are usually whole by now
+            return self._conn.take()
         parts = []
-        while not conn.complete:
-            if conn.lost:
-                raise UpstreamError("the worker closed the connection mid-response")
-            if conn.chunks:
-                parts.append(conn.take())  # taking resumes a connection paused when full
-            await conn.wait()
-        parts.append(conn.take())
+        while (chunk := await self.next_chunk()) is not None:
+            parts.append(chunk)
         return b"".join(parts)
 
     def release(self) -> None:
@@ -170,19 +150,10 @@ class UpstreamResponse:
 class UpstreamPool:
     """Keep-alive connections to one worker."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        tls: bool = False,
-        connect_timeout_s: float = 2.0,
-        max_idle: int = 256,
-    ) -> None:
+    def __init__(self, host: str, port: int, tls: bool = False) -> None:
         self.host = host
         self.port = port
         self.tls = tls
-        self.connect_timeout_s = connect_timeout_s
-        self.max_idle = max_idle
         self._idle: list[_Connection] = []
         self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
 
@@ -191,10 +162,10 @@ class UpstreamPool:
         try:
             _, conn = await asyncio.wait_for(
                 loop.create_connection(_Connection, self.host, self.port, ssl=self.tls or None),
-                self.connect_timeout_s,
+                _CONNECT_TIMEOUT_S,
             )
         except TimeoutError:
-            raise UpstreamError(f"no connection within {self.connect_timeout_s} s") from None
+            raise UpstreamError(f"no connection within {_CONNECT_TIMEOUT_S} s") from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect: {exc}") from None
         return conn
@@ -205,7 +176,7 @@ class UpstreamPool:
             and conn.keep_alive
             and not conn.lost
             and not conn.chunks
-            and len(self._idle) < self.max_idle
+            and len(self._idle) < _MAX_IDLE
         ):
             conn._reset()
             self._idle.append(conn)
@@ -214,16 +185,8 @@ class UpstreamPool:
 
     async def post(self, path: str, body: bytes) -> UpstreamResponse:
         """Send; return once the status line and headers are in."""
-        request = (
-            b"POST "
-            + path.encode()
-            + b" HTTP/1.1\r\n"
-            + self._head
-            + b"Content-Length: "
-            + str(len(body)).encode()
-            + b"\r\n\r\n"
-            + body
-        )
+        head = b"POST %b HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n"
+        request = head % (path.encode(), self._head, len(body)) + body
         for fresh in (False, True):
             conn = self._take_idle() if not fresh else None
             if conn is None:

@@ -22,6 +22,7 @@ from core.tokenizer import ByteTokenizer
 from router.gateway.config import ConfigError, add_gateway_arguments, apply_flags, load_config
 from router.gateway.fleet import Model
 from router.gateway.isolation import (
+    Tenants,
     leading_system,
     public_tokens,
     request_scope,
@@ -30,7 +31,6 @@ from router.gateway.isolation import (
 )
 from router.gateway.request_body import forwarded, parse_body
 from router.gateway.routing import Router
-from router.gateway.tenants import Tenants
 from router.index import UnifiedIndex
 from router.index_scopes import invalidate as invalidate_index
 from router.kv_mirror import WorkerMirror

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.gateway.config import Limits
-from router.gateway.lean_reply import LeanReply
+from router.gateway.config import GatewayConfig
+from router.gateway.reply import LeanReply
 from router.gateway.server import FrontServer
 
 JSON = [("Content-Type", "application/json")]
@@ -46,7 +46,7 @@ async def front() -> AsyncIterator[int]:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     assert runner.server is not None
-    server = FrontServer(fake_serve, runner.server, Limits(max_body_bytes=1 << 16))
+    server = FrontServer(fake_serve, runner.server, GatewayConfig(max_body_bytes=1 << 16).limits())
     port = await server.start("127.0.0.1", 0)
     try:
         yield port
