@@ -37,6 +37,19 @@ from urc.processes import Child, free_port, start_gateway
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # sglang-router has fewer policies: the nearest one to ours, else cache_aware
 SGLANG_POLICY = {"round_robin": "round_robin", "power_of_two": "power_of_two"}
+# --variants: urc as shipped against urc without one of its speed parts, in the same run
+# (docs/compiled.md). "source": the gateway's compiled group runs from its Python source (the
+# index and policies stay compiled); "aiohttp": the front door hands inference requests to
+# aiohttp as it does every other request, instead of answering them on the transport.
+GATEWAY_SOURCE = "router.gateway,router.kv_mirror,core.strict_json"
+AIOHTTP_FRONT = (  # the routes are registered before the hot paths are emptied
+    "import sys, router.gateway.app, router.gateway.connection as c; c.HOT_PATHS = {}; "
+    "from urc.cli import main; sys.exit(main())"
+)
+VARIANTS = {
+    "source": ({"URC_PURE_PYTHON": GATEWAY_SOURCE}, ("-m", "urc.cli")),
+    "aiohttp": ({}, ("-c", AIOHTTP_FRONT)),
+}
 
 
 def sglang_command(spec: str | None) -> list[str] | None:
@@ -100,6 +113,10 @@ def throughput_lines(row: ThroughputRow, names: list[str], sgl: bool) -> list[st
     line += f"   urc/direct {ratio(row.rps['urc'], row.rps['direct'])}"
     if sgl:
         line += f"   urc/sglang-router {ratio(row.rps['urc'], row.rps['sglang-router'])}"
+    for name in (n for n in names if n.startswith("urc-")):  # --variants: what the part buys
+        cpu = row.cpu_us_per_request
+        line += f"   {name}/urc {ratio(row.rps[name], row.rps['urc'])}"
+        line += f" (router CPU per request {ratio(cpu[name][name], cpu['urc']['urc'])})"
     out.append("  " + line + _failed(row.failed, "   "))
     out.append("  CPU per request in µs (cores busy on average) while each target ran:")
     for name in names:
@@ -158,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--sglang-policy", default=None, help="default: nearest to --policy")
     add("--no-sglang", action="store_true", help="measure urc only")
+    add(
+        "--variants",
+        default="",
+        help="comma-separated: also measure urc with its gateway modules from source "
+        "('source') or with aiohttp serving inference requests ('aiohttp')",
+    )
     add("--api", choices=["completions", "chat"], default="completions")
     # p99 of 1000 pairs is their 10th worst: one scheduling hiccup on a shared machine moves
     # it; of 3000, the 30th (~3 min for the whole bench)
@@ -197,6 +220,13 @@ def start_fleet(
     path = PATHS[args.api]
     urc.wait_serving(path, probe, 30)
     targets = [Target("direct", workers, path, None), Target("urc", [urc.url], path, urc.pid)]
+    for variant in filter(None, args.variants.split(",")):
+        env, launch = VARIANTS[variant]
+        extra = ("--host", "127.0.0.1", "--policy", args.policy)
+        child = start_gateway(workers, *extra, env=env, launch=launch)
+        children.append(child)
+        child.wait_serving(path, probe, 30)
+        targets.append(Target(f"urc-{variant}", [child.url], path, child.pid))
     if sglang is not None:
         port = free_port()
         cmd = [*sglang, "--host", "127.0.0.1", "--port", str(port), "--policy", args.sglang_policy]
@@ -231,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.requests < 1 or args.duration <= 0 or args.rounds < 1:
         raise SystemExit("need --workers >= 1, --requests >= 1, --duration > 0, --rounds >= 1")
+    if unknown := set(filter(None, args.variants.split(","))) - set(VARIANTS):
+        raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     sglang = None if args.no_sglang else sglang_command(args.sglang_router)
     args.sglang_policy = args.sglang_policy or SGLANG_POLICY.get(args.policy, "cache_aware")
     prompts = build_prompts(args)

@@ -1,6 +1,8 @@
 """Which compiled modules run, the extensions or their Python source (docs/compiled.md): the
 source, for all at once, under `URC_PURE_PYTHON=1` or in a checkout where an extension is older
-than its .py. Each package's `__init__` calls `install()` before it imports a compiled module.
+than its .py; for some, under `URC_PURE_PYTHON=router.gateway,core.strict_json` (modules or
+packages: a compiled group measured on its own, bench/gateway_overhead.py). Each package's
+`__init__` calls `install()` before it imports a compiled module.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from types import ModuleType
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("core", "router", "backends", "simulation")
-_decided: bool | None = None  # True: take the source
+_source: tuple[str, ...] | None = None  # the modules (and packages) whose source runs; "": all
 
 
 def extensions() -> dict[str, tuple[Path, Path]]:
@@ -46,21 +48,29 @@ def stale() -> list[str]:
 
 def compiled() -> bool:
     """Whether the compiled modules are the ones imported."""
-    return not _source_first() and bool(extensions())
+    return "" not in _source_first() and bool(extensions())
 
 
-def _source_first() -> bool:
-    global _decided
-    if _decided is None:
-        _decided = bool(os.environ.get("URC_PURE_PYTHON"))
-        if not _decided and (old := stale()):
+def _source_first() -> tuple[str, ...]:
+    global _source
+    if _source is None:
+        names = tuple(filter(None, os.environ.get("URC_PURE_PYTHON", "").split(",")))
+        some = all(name.split(".")[0] in PACKAGES for name in names)  # else "1", "yes": all
+        _source = names if some else ("",)
+        if "" not in _source and (old := stale()):
             warnings.warn(
                 f"compiled modules older than their source ({', '.join(old)}): running the "
                 "Python source; `pip install -e .` compiles them again",
                 stacklevel=3,
             )
-            _decided = True
-    return _decided
+            _source = ("",)
+    return _source
+
+
+def _takes_source(fullname: str) -> bool:
+    return any(
+        not name or fullname == name or fullname.startswith(name + ".") for name in _source_first()
+    )
 
 
 class _SourceFirst(importlib.machinery.PathFinder):
@@ -71,6 +81,8 @@ class _SourceFirst(importlib.machinery.PathFinder):
         cls, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname.split(".", 1)[0] not in PACKAGES or path is None:
+            return None
+        if not _takes_source(fullname):
             return None
         for entry in path:
             source = Path(entry) / (fullname.rsplit(".", 1)[-1] + ".py")

@@ -40,6 +40,7 @@ class Child:
         ready_prefix: str | None,
         url: str = "",
         console: bool = False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.url = url
@@ -53,7 +54,7 @@ class Child:
             stderr=None if console else subprocess.STDOUT,
             text=True,
             errors="replace",
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
         )
         _started.append(self)
@@ -126,11 +127,18 @@ def start_worker(*extra: str, port: int = 0, module: str = "backends.emulated.se
     return Child(f"worker {module}", argv, "ready: ").wait_announced()
 
 
-def start_gateway(workers: Sequence[str], *extra: str, port: int = 0) -> Child:
-    argv = [sys.executable, "-m", "urc.cli", "gateway", "--port", str(port)]
+def start_gateway(
+    workers: Sequence[str],
+    *extra: str,
+    port: int = 0,
+    env: dict[str, str] | None = None,
+    launch: Sequence[str] = ("-m", "urc.cli"),
+) -> Child:
+    """`launch`: how the Python child runs `urc` (a bench's variant runs a `-c` of its own)."""
+    argv = [sys.executable, *launch, "gateway", "--port", str(port)]
     for url in workers:
         argv += ["--worker", url]
-    return Child("urc gateway", [*argv, *extra], "gateway: ").wait_announced()
+    return Child("urc gateway", [*argv, *extra], "gateway: ", env=env).wait_announced()
 
 
 @contextlib.contextmanager

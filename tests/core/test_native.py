@@ -15,10 +15,10 @@ from tests.simulation.test_simulation_cli import synthetic_trace
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _python(code: str, pure: bool) -> str:
+def _python(code: str, pure: bool | str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "URC_PURE_PYTHON"}
     if pure:
-        env["URC_PURE_PYTHON"] = "1"
+        env["URC_PURE_PYTHON"] = "1" if pure is True else pure
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
@@ -39,6 +39,13 @@ def test_pure_python_imports_the_source():
     code = "import simulation.replay as r, router.index as i; print(r.__file__, i.__file__)"
     assert all(f.endswith(".py") for f in _python(code, pure=True).split())
     assert not any(f.endswith(".py") for f in _python(code, pure=False).split())
+
+
+def test_one_group_from_source():
+    """A compiled group measured on its own: its modules' source, the others compiled."""
+    code = "import router.gateway.app as a, router.index as i; print(a.__file__, i.__file__)"
+    gateway, index = _python(code, pure="router.gateway,core.strict_json").split()
+    assert gateway.endswith(".py") and not index.endswith(".py")
 
 
 def test_compiled_and_source_replays_are_byte_identical(tmp_path: Path):
