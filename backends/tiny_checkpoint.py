@@ -83,8 +83,8 @@ def write_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from backends.engine.config import LlamaConfig
-    from backends.engine.model import LlamaForCausalLM
+    from backends.torch_worker.config import LlamaConfig
+    from backends.torch_worker.model import LlamaForCausalLM
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

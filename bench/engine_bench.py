@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from backends.engine.config import PRESETS, LlamaConfig  # noqa: E402
-from backends.engine.engine import EngineConfig, TorchEngine, default_device  # noqa: E402
-from backends.engine.loader import LoadedModel, load_model  # noqa: E402
-from backends.engine.request import Request, SamplingParams  # noqa: E402
-from backends.engine.scheduler import SchedulerConfig  # noqa: E402
+from backends.torch_worker.config import PRESETS, LlamaConfig  # noqa: E402
+from backends.torch_worker.engine import EngineConfig, TorchEngine, default_device  # noqa: E402
+from backends.torch_worker.loader import LoadedModel, load_model  # noqa: E402
+from backends.torch_worker.request import Request, SamplingParams  # noqa: E402
+from backends.torch_worker.scheduler import SchedulerConfig  # noqa: E402
 
 # big enough that a forward pass is compute, not Python overhead, small enough for 2 CPU cores
 PRESETS.setdefault(

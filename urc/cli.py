@@ -67,7 +67,7 @@ def _delegate(command: str, argv: list[str]) -> int:
 
         return worker_main(rest)
     if engine == "torch":
-        from backends.engine.server import main as torch_main
+        from backends.torch_worker.server import main as torch_main
 
         return torch_main(rest)
     print(

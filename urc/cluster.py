@@ -4,7 +4,7 @@ Workers run as child processes (`python -m backends.<engine>.server`), each anno
 `ready: URL`; the gateway runs in this process and prints `gateway: URL` once it accepts
 connections. SIGINT/SIGTERM stop the gateway, then the workers.
 
-`--engine vllm|sglang` starts real engines instead (backends/real_cluster.py), in parallel,
+`--engine vllm|sglang` starts real engines instead (backends/real/cluster.py), in parallel,
 and hands the gateway their endpoints and the model directory's tokenizer.
 """
 
@@ -29,8 +29,8 @@ from router.gateway.config import (
     load_config,
 )
 
-ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.engine.server"}
-REAL_ENGINES = ("vllm", "sglang")  # backends/real_cluster.py, imported only when asked for
+ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.torch_worker.server"}
+REAL_ENGINES = ("vllm", "sglang")  # backends/real/cluster.py, imported only when asked for
 READY_TIMEOUT_S = 120.0
 
 
@@ -44,7 +44,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="an argument passed to every worker, e.g. --worker-arg=--capacity-tokens=200000",
     )
-    from backends.real_cluster import add_real_engine_arguments
+    from backends.real.cluster import add_real_engine_arguments
 
     add_real_engine_arguments(parser)
     add_gateway_arguments(parser)
@@ -106,7 +106,7 @@ async def stop_workers(procs: list[asyncio.subprocess.Process], timeout_s: float
 
 
 async def run_real_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
-    from backends.real_cluster import start_real_engines, stop_engines
+    from backends.real.cluster import start_real_engines, stop_engines
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

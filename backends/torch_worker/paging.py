@@ -9,7 +9,7 @@ the same engine then computes every token of every prompt (the baseline of the e
 from __future__ import annotations
 
 from backends.cache.radix import RadixCache
-from backends.engine.request import Request
+from backends.torch_worker.request import Request
 
 
 def matched_blocks(cache: RadixCache, req: Request, kv_group: str) -> int:

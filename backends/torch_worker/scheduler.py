@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from backends.cache.radix import RadixCache
-from backends.engine.loader import LoadedModel
-from backends.engine.model_runner import ModelRunner, WorkItem
-from backends.engine.page_pool import PagePool
-from backends.engine.paging import admit, grow, matched_blocks, pages_needed, release
-from backends.engine.request import Request, Status
+from backends.torch_worker.loader import LoadedModel
+from backends.torch_worker.model_runner import ModelRunner, WorkItem
+from backends.torch_worker.page_pool import PagePool
+from backends.torch_worker.paging import admit, grow, matched_blocks, pages_needed, release
+from backends.torch_worker.request import Request, Status
 
 
 @dataclass(slots=True, eq=False)

@@ -21,14 +21,14 @@ import torch
 from backends.cache.check import check, check_locks
 from backends.cache.radix import RadixCache
 from backends.cache.scopes import Invalidated, invalidate
-from backends.engine.attention import make_attention
-from backends.engine.loader import LoadedModel
-from backends.engine.model_runner import ModelRunner, WorkItem
-from backends.engine.page_pool import KVLayout, PagePool
-from backends.engine.paging import cache_blocks, release
-from backends.engine.request import Request, SamplingParams, Status
-from backends.engine.sampler import sample
-from backends.engine.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
+from backends.torch_worker.attention import make_attention
+from backends.torch_worker.loader import LoadedModel
+from backends.torch_worker.model_runner import ModelRunner, WorkItem
+from backends.torch_worker.page_pool import KVLayout, PagePool
+from backends.torch_worker.paging import cache_blocks, release
+from backends.torch_worker.request import Request, SamplingParams, Status
+from backends.torch_worker.sampler import sample
+from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
 from core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.engine.attention import PagedAttention
-from backends.engine.config import LlamaConfig
-from backends.engine.rope import RotaryEmbedding, apply_rope
+from backends.torch_worker.attention import PagedAttention
+from backends.torch_worker.config import LlamaConfig
+from backends.torch_worker.rope import RotaryEmbedding, apply_rope
 
 Device = torch.device | str | None
 

@@ -16,15 +16,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backends.engine.config import PRESETS, LlamaConfig
-from backends.engine.fingerprint import (
+from backends.torch_worker.config import PRESETS, LlamaConfig
+from backends.torch_worker.fingerprint import (
     dummy_digest,
     kv_group_of,
     model_fingerprint,
     safetensors_digest,
 )
-from backends.engine.model import LlamaForCausalLM
-from backends.engine.page_pool import KVLayout
+from backends.torch_worker.model import LlamaForCausalLM
+from backends.torch_worker.page_pool import KVLayout
 from core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,9 +9,9 @@ import socket
 import tempfile
 from pathlib import Path
 
-from backends.engine_process import EngineLaunch, EngineProcess, start_engine
-from backends.sglang import SGLangSpec, sglang_launch
-from backends.vllm import VLLMSpec, vllm_launch
+from backends.real.process import EngineLaunch, EngineProcess, start_engine
+from backends.real.sglang import SGLangSpec, sglang_launch
+from backends.real.vllm import VLLMSpec, vllm_launch
 
 REAL_ENGINES = ("vllm", "sglang")
 

@@ -11,10 +11,15 @@ from typing import NamedTuple
 
 import torch
 
-from backends.engine.attention import BatchLayout, PagedAttention, SequenceView, new_token_slots
-from backends.engine.model import LlamaForCausalLM
-from backends.engine.page_pool import PagePool
-from backends.engine.request import Request
+from backends.torch_worker.attention import (
+    BatchLayout,
+    PagedAttention,
+    SequenceView,
+    new_token_slots,
+)
+from backends.torch_worker.model import LlamaForCausalLM
+from backends.torch_worker.page_pool import PagePool
+from backends.torch_worker.request import Request
 
 
 class WorkItem(NamedTuple):

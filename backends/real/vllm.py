@@ -16,7 +16,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 
-from backends.engine_process import (
+from backends.real.process import (
     EngineEndpoints,
     EngineLaunch,
     served_names,

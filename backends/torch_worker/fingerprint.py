@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from backends.engine.config import LlamaConfig
+from backends.torch_worker.config import LlamaConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LAST_LAYER_KV = ("input_layernorm.", "self_attn.k_proj.", "self_attn.v_proj.")

@@ -21,21 +21,21 @@ from typing import Any
 import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from backends.engine.engine import (
+from backends.http.engine import Events, InvalidateRequest
+from backends.http.generation import Generation, WorkerLoad
+from backends.http.metrics import counter, gauge
+from backends.http.served_model import ServedModel
+from backends.http.worker import run_worker, worker_parser
+from backends.torch_worker.engine import (
     EngineConfig,
     EngineLoad,
     StepResult,
     TorchEngine,
     default_device,
 )
-from backends.engine.loader import LoadedModel, load_model
-from backends.engine.request import Request, SamplingParams, Status
-from backends.engine.scheduler import SchedulerConfig
-from backends.http.engine import Events, InvalidateRequest
-from backends.http.generation import Generation, WorkerLoad
-from backends.http.metrics import counter, gauge
-from backends.http.served_model import ServedModel
-from backends.http.worker import run_worker, worker_parser
+from backends.torch_worker.loader import LoadedModel, load_model
+from backends.torch_worker.request import Request, SamplingParams, Status
+from backends.torch_worker.scheduler import SchedulerConfig
 
 ENGINE = "torch"
 
