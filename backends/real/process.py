@@ -1,23 +1,24 @@
 """A real engine (vLLM, SGLang) as a child process, and what the gateway must know about it.
 
-Engines cannot be asked what they serve the way our workers can (/urc/info), so a launcher
-hands the gateway an `EngineEndpoints`: the worker's URL, its served model names, its KV-event
-and replay endpoints and block size (the `[[workers]]` entry of a gateway config, docs/cli.md).
+Real engines have no /urc/info, so a launcher hands the gateway an `EngineEndpoints` (the
+`[[workers]]` entry of a gateway config, docs/cli.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
+
+KV_TOPIC = "kv"
 
 
 @dataclass(slots=True)
@@ -29,7 +30,17 @@ class EngineEndpoints:
     block_size: int
     kv_events: str | None = None  # as the gateway connects to it (tcp://host:port)
     kv_replay: str | None = None
-    kv_topic: str = ""
+    kv_topic: str = KV_TOPIC
+
+    @classmethod
+    def of(
+        cls, host: str, port: int, models: list[str], block_size: int, events: int, replay: int
+    ) -> EngineEndpoints:
+        """An engine on `host` serving HTTP on `port`, publishing on `events` and `replay`."""
+        connect = f"tcp://{host}:"
+        return cls(
+            f"http://{host}:{port}", models, block_size, f"{connect}{events}", f"{connect}{replay}"
+        )
 
     def worker_entry(self) -> dict[str, Any]:
         """The `[[workers]]` table of a gateway config file."""
@@ -39,11 +50,8 @@ class EngineEndpoints:
             "block_size": self.block_size,
             "kv_topic": self.kv_topic,
         }
-        if self.kv_events:
-            entry["kv_events"] = self.kv_events
-        if self.kv_replay:
-            entry["kv_replay"] = self.kv_replay
-        return entry
+        optional = {"kv_events": self.kv_events, "kv_replay": self.kv_replay}
+        return entry | {k: v for k, v in optional.items() if v}
 
 
 @dataclass(slots=True)
@@ -138,14 +146,14 @@ def start_engine(launch: EngineLaunch, log_path: str | Path) -> EngineProcess:
     return EngineProcess(launch, popen, path, log)
 
 
-def tcp_bind(port: int) -> str:
-    return f"tcp://*:{port}"
-
-
-def tcp_connect(host: str, port: int) -> str:
-    return f"tcp://{host}:{port}"
-
-
-def served_names(model: str, names: Sequence[str] | None) -> list[str]:
-    """The names clients use: those given, else the model path as the engine reports it."""
-    return list(names) if names else [model]
+def kv_events_config(events_port: int, replay_port: int, **extra: Any) -> str:
+    """The `--kv-events-config` both engines take: ZMQ PUB and replay on every interface."""
+    return json.dumps(
+        {
+            **extra,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": KV_TOPIC,
+        }
+    )
