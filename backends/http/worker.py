@@ -25,7 +25,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,6 +198,14 @@ def events_document(publisher: KVEventPublisher, request: web.Request) -> dict[s
 # -- the command line ------------------------------------------------------------------------
 
 
+Flag = tuple[str, Callable[[str], Any], Any, str]  # (flag, type, default, help)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
+    for flag, kind, default, help_text in flags:
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
 def worker_parser(
     engine: str, description: str, max_model_len_help: str, kv_port_note: str = ""
 ) -> argparse.ArgumentParser:
@@ -208,28 +216,19 @@ def worker_parser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--engine", choices=[engine], default=engine, help="the engine")
-    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on")
-    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
-    parser.add_argument(
-        "--default-max-tokens", type=int, default=256, help="output length when a chat sets none"
+    add_flags(
+        parser,
+        [
+            ("--host", str, "127.0.0.1", "the address to serve on"),
+            ("--port", int, 0, "HTTP port (0: any free port)"),
+            ("--default-max-tokens", int, 256, "output length when a chat sets none"),
+            ("--kv-events-port", int, 0, f"ZMQ PUB port for KV events (0: any){kv_port_note}"),
+            ("--kv-replay-port", int, 0, f"ZMQ ROUTER port for replays (0: any){kv_port_note}"),
+            ("--max-body-mb", float, 32.0, "larger request bodies get 413"),
+            ("--log-level", str, "WARNING", "logging level"),
+            ("--max-model-len", int, 0, max_model_len_help),
+        ],
     )
-    parser.add_argument(
-        "--kv-events-port",
-        type=int,
-        default=0,
-        help=f"ZMQ PUB port for KV events (0: any){kv_port_note}",
-    )
-    parser.add_argument(
-        "--kv-replay-port",
-        type=int,
-        default=0,
-        help=f"ZMQ ROUTER port for replays (0: any){kv_port_note}",
-    )
-    parser.add_argument(
-        "--max-body-mb", type=float, default=32.0, help="larger request bodies get 413"
-    )
-    parser.add_argument("--log-level", default="WARNING", help="logging level")
-    parser.add_argument("--max-model-len", type=int, default=0, help=max_model_len_help)
     return parser
 
 

@@ -25,7 +25,7 @@ from backends.http.engine import Events, InvalidateRequest
 from backends.http.generation import Generation, WorkerLoad
 from backends.http.metrics import counter, gauge
 from backends.http.served_model import ServedModel
-from backends.http.worker import run_worker, worker_parser
+from backends.http.worker import add_flags, run_worker, worker_parser
 from backends.torch_worker.engine import (
     EngineConfig,
     EngineLoad,
@@ -256,27 +256,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="a served model (repeatable): a preset (tiny, llama-3.2-1b: random weights) or a "
         "Hugging Face directory; NAME=SPEC serves SPEC as NAME (default: tiny)",
     )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if any)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    add_flags(
+        parser,
+        [
+            ("--device", str, "auto", "cpu, cuda, cuda:N (auto: cuda if any)"),
+            ("--dtype", str, "auto", "auto, float32, bfloat16, float16"),
+            ("--seed", int, 0, "seed of random (dummy) weights"),
+            ("--page-size", int, d.page_size, "tokens per KV page"),
+            ("--kv-cache-mb", float, d.kv_cache_mb, "KV memory, all pools together"),
+            ("--num-pages", int, 0, "pages per pool (overrides --kv-cache-mb)"),
+            ("--chunk-size", int, s.chunk_size, "prefill tokens per forward pass"),
+            ("--max-running", int, s.max_running, "requests in a model's batch"),
+            ("--threads", int, 0, "torch CPU threads (0: torch's)"),
+        ],
+    )
     parser.add_argument(
         "--load-format",
         choices=["auto", "safetensors", "dummy"],
         default="auto",
         help="dummy: random weights of the model's shape",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of random (dummy) weights")
-    parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    parser.add_argument(
-        "--kv-cache-mb", type=float, default=d.kv_cache_mb, help="KV memory, all pools together"
-    )
-    parser.add_argument(
-        "--num-pages", type=int, default=0, help="pages per pool (overrides --kv-cache-mb)"
-    )
-    parser.add_argument(
-        "--chunk-size", type=int, default=s.chunk_size, help="prefill tokens per forward pass"
-    )
-    parser.add_argument(
-        "--max-running", type=int, default=s.max_running, help="requests in a model's batch"
     )
     parser.add_argument(
         "--disable-prefix-cache", action="store_true", help="compute every prompt token"
@@ -284,7 +282,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention", choices=["auto", "torch", "flashinfer"], default="auto", help="kernels"
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     return parser
 
 
