@@ -1,12 +1,8 @@
-"""A tiny random-weight Llama checkpoint that real engines (vLLM, SGLang) load as they load any
-Hugging Face model directory: config.json, model.safetensors, a byte-level BPE `tokenizer.json`
-trained here on local text, and `tokenizer_config.json` with a chat template. Nothing is
-downloaded; the same arguments always write the same files.
+"""A tiny random-weight Llama checkpoint that real engines load as any Hugging Face directory
+(config.json, model.safetensors, a byte-level BPE tokenizer.json trained here, a chat
+template). Nothing is downloaded; the same arguments write the same files.
 
     python -m backends.tiny_checkpoint DIR [--seed N] [--vocab-size N] [--variant NAME]
-
-`variant` trains on other text: a tokenizer that differs from the default one (for testing
-the gateway's tokenizer-parity probe).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""`urc worker --engine emulated`: EmulatedEngine (engine.py) in the worker HTTP shell
-(backends/http/worker.py), stepped in real time by its runner (backends/http/runner.py).
-
-One model on the byte tokenizer, so one kv_group and one KV-event stream (map encoding so
-that `cache_salt` travels).
-"""
+"""`urc worker --engine emulated`: EmulatedEngine in the worker HTTP shell, stepped in real time;
+one model on the byte tokenizer (docs/workers.md)."""
 
 from __future__ import annotations
 

@@ -21,10 +21,7 @@ Events = dict[str, list[KVEvent]]  # kv_group -> a batch for its stream, in orde
 
 
 class InvalidateRequest(NamedTuple):
-    """`POST /urc/invalidate`: `{"salt": S}` (that namespace only), `{"salt_prefix": T}` (T and
-    every salt below it: a tenant's users and sessions), or `{}` (everything); `"kv_group"`
-    narrows it to one group. Answer: `{"freed_blocks", "locked_blocks"}`: blocks freed now, and
-    blocks running requests hold, which no request can match any more and are freed later."""
+    """`POST /urc/invalidate` (docs/workers.md)."""
 
     scope: Callable[[str], bool] | None  # a test on salts; None: every block
     kv_group: str | None  # None: every group

@@ -1,10 +1,5 @@
-"""One generation between an HTTP handler and an engine.
-
-The handler builds a `Generation` and hands it to the runner (runner.py); the engine side fills
-in `cached_tokens` and `admitted`, appends to `output`, sets `finish_reason` (or `aborted`), and
-sets `changed` after every change, from the event loop's thread (an engine on another thread
-goes through `loop.call_soon_threadsafe`). Handlers only read.
-"""
+"""One generation between an HTTP handler and an engine: the engine side fills it in and sets
+`changed` after every change, on the loop's thread; handlers only read."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""A worker's Prometheus metrics, read from its engine at scrape time.
-
-A scrape renders what the engine's `collect` yields, never the process-global registry, so
-nothing is counted twice. Families are built with `counter`
-and `gauge` from (label values, value) samples.
-"""
+"""A worker's Prometheus metrics, read from its engine's `collect` at scrape time (never the
+process-global registry, so nothing is counted twice)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` over an engine.
-
-Responses and SSE chunks have OpenAI's shapes (streams end with `data: [DONE]`); usage carries
-`prompt_tokens_details.cached_tokens`, and every response the header `x-urc-cached-tokens`
-(sent with the headers of a stream, once the request is admitted), so a gateway learns what
-was reused even from a stream without usage. `cache_salt` (vLLM's field) partitions the cache.
-Sampling: `temperature`, `top_p`, `seed`, and vLLM's `top_k` and `ignore_eos`.
-"""
+"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` over an engine, with
+the cached-token header and `cache_salt` (docs/workers.md)."""
 
 from __future__ import annotations
 

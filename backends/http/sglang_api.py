@@ -1,15 +1,5 @@
-"""SGLang's native endpoints, so sglang-router and SGLang clients can use our workers.
-
-- `/health` (alive), `/health_generate` (a one-token generation went through the engine)
-- `/get_model_info` and `/model_info`, `/get_server_info` and `/server_info` (sglang-router
-  0.3.x probes both spellings), `/get_load`
-- `/generate`: `{"text" | "input_ids", "sampling_params": {"max_new_tokens", "temperature",
-  "top_p", "top_k", "ignore_eos", "sampling_seed"}, "stream", "rid", "model"}` ->
-  `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-  "completion_tokens", "cached_tokens", "e2e_latency", ...}}`; streamed as SSE events that each
-  carry the whole output so far (SGLang's default, non-incremental), then `[DONE]`.
-  `cache_salt` (top level) partitions the cache as on the OpenAI endpoints.
-"""
+"""SGLang's native endpoints (`/generate`, `/get_server_info`, ...), so sglang-router and SGLang
+clients can use our workers (docs/workers.md)."""
 
 from __future__ import annotations
 

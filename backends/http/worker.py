@@ -1,19 +1,6 @@
-"""The worker HTTP shell both our engines plug into (`urc worker --engine emulated|torch`).
-
-The shell serves OpenAI's and SGLang's APIs (openai_api.py, sglang_api.py), `POST
-/urc/invalidate`, `/metrics`, and the discovery document the gateway reads, `GET /urc/info`:
-
-    {"engine": "emulated" | "torch", "incarnation": <uuid hex per process>, "block_size": 16,
-     "models": [{"name", "kv_group", "fingerprint", "tokenizer", "max_model_len",
-                 "kv_events": {"endpoint", "replay_endpoint", "topic"}}],
-     "kv_events": {...},                 only when all models share one kv_group
-     "capacity_tokens": N, "load": {"running", "waiting", "queued_prefill_tokens"},
-     ...}                                the engine's own fields (torch: "device", "pools")
-
-Each kv_group has its own KV-event stream (a PUB socket and a replay socket, core/
-kv_publisher.py): the events carry no model, so one stream must mean one kv_group. Block hashes
-are our own block keys. The process prints `ready: http://HOST:PORT` once it serves, and exits
-cleanly on SIGINT or SIGTERM. An engine offers the shell what engine.py's `Engine` lists.
+"""The worker HTTP shell both our engines plug into (`urc worker --engine emulated|torch`):
+OpenAI's and SGLang's APIs, `/urc/info`, `/urc/invalidate`, `/metrics`, one KV-event stream
+per kv_group (docs/workers.md).
 """
 
 from __future__ import annotations

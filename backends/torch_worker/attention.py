@@ -1,18 +1,6 @@
-"""Paged attention over the KV pool: each sequence's K/V live in its pages, wherever they are.
-
-A forward batch holds, in order, the decode sequences (one new token each) and then the prefill
-chunks (several new tokens each). Every sequence is described by its page table and its
-length; the new tokens are the last `q_len` of its `kv_len` tokens, so a query at offset i of
-its chunk sees keys [0, kv_len - q_len + i].
-
-Two implementations of one contract (`attend(layer, q, k_cache, v_cache) -> out`):
-- `TorchPagedAttention`: gather the sequence's pages, then scaled dot product attention;
-  decodes in one padded batch (padding reads the reserved page 0 and is masked), chunks one
-  by one.
-  Runs on CPU and CUDA; it is the tested path.
-- `FlashInferPagedAttention`: FlashInfer's batch prefill kernel over the same NHD pages (CUDA,
-  when `flashinfer` imports).
-"""
+"""Paged attention over the KV pool: a batch of decodes then prefill chunks, each sequence
+described by its page table and length. Two implementations of one contract: torch (tested)
+and FlashInfer (CUDA); docs/workers.md."""
 
 from __future__ import annotations
 

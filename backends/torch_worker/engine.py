@@ -1,12 +1,7 @@
 """The torch engine: several models, one radix cache per page pool, continuous batching.
 
-A pure synchronous state machine around real forward passes: `submit`, `abort`, and `step()`,
-which runs at most one forward pass per model (per set of weights: aliases share one batch)
-and returns what happened, the KV events of each kv_group included. Whoever drives it (the
-worker's engine thread, a benchmark, a test) owns the only thread that touches it.
-
-Models whose KV layout (layers, KV heads, head dim, page size, dtype) is equal draw pages from
-one pool; each other layout gets its own pool, the memory budget split evenly between them.
+A synchronous state machine around real forward passes (`submit`, `abort`, `step`); whoever
+drives it owns the only thread that touches it. Pools and steps: docs/workers.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""Models the worker serves: a preset shape with random weights, or a Hugging Face directory.
-
-"tiny"           PRESETS["tiny"] + the byte tokenizer, random weights drawn from `seed`:
-                 the same model on every machine, nothing downloaded
-"llama-3.2-1b"   the real model's shape with random weights (throughput runs)
-DIR              config.json + *.safetensors + tokenizer.json (`load_format="dummy"`:
-                 random weights of DIR's shape, DIR's tokenizer)
-"""
+"""Models the worker serves: a preset shape (`tiny`, `llama-3.2-1b`) with random weights, or a
+Hugging Face directory (docs/workers.md)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV.
-
-Parameter names are Hugging Face's (`model.layers.0.self_attn.k_proj.weight`, ...), so a
-checkpoint loads with `load_state_dict`. A forward takes the batch's new tokens flattened
-(`[tokens]`), writes their K/V into the pool at `layout.write_slots`, and attends over each
-sequence's pages (attention.py). It returns the last hidden state; `logits` projects the rows
-that get sampled.
-"""
+"""A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV,
+with Hugging Face's parameter names. `forward` writes the new tokens' K/V into the pool and
+returns the last hidden state; `logits` projects the rows that get sampled."""
 
 from __future__ import annotations
 

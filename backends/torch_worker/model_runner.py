@@ -1,9 +1,5 @@
-"""Turns one model's batch of (request, new tokens) into tensors and runs one forward pass.
-
-The batch is ordered decodes first (one new token each), then prefill chunks, as attention.py
-expects. Every request's page table must already cover its `computed + n` tokens. Returns the
-logits of the requests whose chunk reaches the end of their tokens (they get a next token).
-"""
+"""Turns one model's batch of (request, new tokens) into tensors (decodes first, as attention.py
+expects) and runs one forward pass; the logits of requests that get a next token."""
 
 from __future__ import annotations
 

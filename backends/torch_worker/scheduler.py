@@ -1,15 +1,5 @@
-"""What runs: for one model per step, its batch of decodes and prefill chunks.
-
-- Running requests first, in admission order: a decode costs one token; a prefill (or a
-  recomputation after preemption) takes a chunk of what is left of `chunk_size` tokens.
-- Then waiting requests of the model are admitted, longest cached prefix first (FCFS when the
-  queue is longer than `lpf_limit`, where matching them all would cost more than it saves),
-  while the batch has room, the budget has tokens and the pool has pages for the chunk plus
-  one page for every decoding request of the pool (so admitting does not at once preempt).
-- When pages run out for a running request, the newest running request of the pool (of any
-  model) is preempted: its full blocks are already cached, its private pages are freed and it
-  goes back to the front of its queue, to find its own blocks again when readmitted.
-"""
+"""What runs: for one model per step, its batch of decodes and prefill chunks; admission longest
+cached prefix first, preemption of the pool's newest request (docs/workers.md)."""
 
 from __future__ import annotations
 

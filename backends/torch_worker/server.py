@@ -1,14 +1,5 @@
-"""`urc worker --engine torch`: TorchEngine (engine.py) in the worker HTTP shell
-(backends/http/worker.py); its forward passes run on a thread of their own (backends/http/
-runner.py).
-
-One or more models on one device (`--model [NAME=]SPEC`, repeatable; SPEC a preset such as
-`tiny` or a Hugging Face directory), all drawing KV pages from one pool per KV layout; each
-kv_group publishes its own KV-event stream. Its own fields of `/urc/info`:
-
-    "device": "cpu",
-    "pools": [{"kv_groups", "pages", "page_size", "layers", "kv_heads", "head_dim", "dtype"}]
-"""
+"""`urc worker --engine torch`: TorchEngine in the worker HTTP shell, its forward passes on a
+thread of their own; several models share one KV page pool per layout (docs/workers.md)."""
 
 from __future__ import annotations
 
