@@ -4,7 +4,9 @@ one model on the byte tokenizer (docs/workers.md)."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
+import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -15,13 +17,14 @@ from prometheus_client.core import Metric
 from backends.cache.scopes import invalidate
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
-from backends.emulated.model import ENGINE, served_model
 from backends.emulated.request import Request, output_bytes
-from backends.http.engine import Events, InvalidateRequest
+from backends.http.engine import Events, InvalidateRequest, counter, gauge
 from backends.http.generation import Generation, WorkerLoad
-from backends.http.metrics import counter, gauge
 from backends.http.served_model import ServedModel
 from backends.http.worker import add_flags, run_worker, worker_parser
+from core.tokenizer import ByteTokenizer
+
+ENGINE = "emulated"
 
 
 class EmulatedSide:
@@ -191,9 +194,19 @@ def build_engine(args: argparse.Namespace) -> EmulatedSide:
         max_batch=args.max_batch,
         chunk_tokens=args.chunk_tokens,
     )
-    max_len = args.max_model_len or min(config.capacity_tokens, 131_072)
-    model = served_model(
-        args.model, args.kv_group or args.model, config.block_size, max_len, args.default_max_tokens
+    kv_group, tokenizer = args.kv_group or args.model, ByteTokenizer()
+    # workers that agree on it produce identical K/V for identical tokens (same emulated
+    # weights, tokenizer and block size)
+    ident = json.dumps([ENGINE, kv_group, config.block_size, tokenizer.fingerprint])
+    model = ServedModel(
+        name=args.model,
+        kv_group=kv_group,
+        fingerprint=hashlib.blake2b(ident.encode(), digest_size=16).hexdigest(),
+        tokenizer=tokenizer,
+        tokenizer_spec="byte",
+        max_model_len=args.max_model_len or min(config.capacity_tokens, 131_072),
+        default_max_tokens=args.default_max_tokens,
+        vocab_size=tokenizer.vocab_size,
     )
     return EmulatedSide(config, model)
 

@@ -8,16 +8,17 @@ read (plain numbers).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple, Protocol
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from backends.http.generation import Generation, WorkerLoad
 from backends.http.served_model import ServedModel
 from core.kv_events import KVEvent
 
 Events = dict[str, list[KVEvent]]  # kv_group -> a batch for its stream, in order
+Samples = Iterable[tuple[str, float]]  # (label value, value) of a metric with one label
 
 
 class InvalidateRequest(NamedTuple):
@@ -49,4 +50,19 @@ class Engine(Protocol):
     def info(self) -> dict[str, Any]: ...  # its own fields of /urc/info
     def settings(self) -> dict[str, Any]: ...  # its part of /get_server_info (SGLang's names)
     def model_info(self, model: ServedModel) -> dict[str, Any]: ...  # of /get_model_info
-    def collect(self) -> Iterator[Metric]: ...  # its Prometheus metrics, at scrape time
+    # its Prometheus metrics, read at scrape time (never the process-global registry)
+    def collect(self) -> Iterator[Metric]: ...
+
+
+def counter(name: str, doc: str, label: str, samples: Samples) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in samples:
+        family.add_metric([key], value)
+    return family
+
+
+def gauge(name: str, doc: str, label: str, samples: Samples) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=[label])
+    for key, value in samples:
+        family.add_metric([key], value)
+    return family

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from backends.http.engine import Events, InvalidateRequest
+from backends.http.engine import Events, InvalidateRequest, counter, gauge
 from backends.http.generation import Generation, WorkerLoad
-from backends.http.metrics import counter, gauge
 from backends.http.served_model import ServedModel
 from backends.http.worker import add_flags, run_worker, worker_parser
 from backends.torch_worker.engine import (
