@@ -23,15 +23,12 @@ CHAT_TEMPLATE = (
 )
 
 
-# the load generator's vocabulary: the tokenizer is trained on the words it will see
-WORDS = VOCAB
-
-
 def corpus(variant: str, lines: int = 400) -> list[str]:
     """Deterministic English-like lines (common words, punctuation, digits); another `variant`
     spells every word backwards, so its merges differ."""
     rng = random.Random(f"urc-tiny-checkpoint/{variant}")
-    words = list(WORDS) if variant == "default" else [w[::-1] for w in WORDS]
+    # the load generator's vocabulary: the tokenizer is trained on the words it will see
+    words = list(VOCAB) if variant == "default" else [w[::-1] for w in VOCAB]
     out = []
     for i in range(lines):
         line = " ".join(rng.choices(words, k=rng.randint(5, 20)))

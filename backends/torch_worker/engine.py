@@ -20,7 +20,7 @@ from backends.torch_worker.attention import make_attention
 from backends.torch_worker.loader import LoadedModel
 from backends.torch_worker.model_runner import ModelRunner, WorkItem
 from backends.torch_worker.page_pool import KVLayout, PagePool
-from backends.torch_worker.paging import cache_blocks, release
+from backends.torch_worker.paging import cache_blocks
 from backends.torch_worker.request import Request, SamplingParams, Status
 from backends.torch_worker.sampler import sample
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
@@ -178,9 +178,7 @@ class TorchEngine:
         if req.status is Status.WAITING:
             ms.waiting.remove(req)
         else:
-            release(ms.pool.cache, req)
-            ms.running.remove(req)
-            ms.pool.running.remove(req)
+            ms.drop(req)
         req.status = Status.ABORTED
         return True
 
@@ -255,9 +253,7 @@ class TorchEngine:
         return None
 
     def _finish(self, ms: ModelState, req: Request, reason: str) -> None:
-        release(ms.pool.cache, req)
-        ms.running.remove(req)
-        ms.pool.running.remove(req)
+        ms.drop(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         counters = self.counters[req.model]

@@ -34,6 +34,12 @@ class ModelState:
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)  # admission order
 
+    def drop(self, req: Request) -> None:
+        """A running request leaves the batch: its private pages and its lock go back."""
+        release(self.pool.cache, req)
+        self.running.remove(req)
+        self.pool.running.remove(req)
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -121,9 +127,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Back to the front of its queue; its cached blocks stay cached."""
         ms = self.models[req.kv_group]
-        release(ms.pool.cache, req)
-        ms.running.remove(req)
-        ms.pool.running.remove(req)
+        ms.drop(req)
         req.status = Status.WAITING
         req.preemptions += 1
         ms.waiting.appendleft(req)
