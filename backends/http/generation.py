@@ -13,21 +13,25 @@ from core.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
-class Sampling:
+class SamplingParams:
     max_tokens: int
-    limit_set: bool  # the client asked for max_tokens (else the model's default applies)
-    temperature: float = 1.0
+    temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     seed: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # run to max_tokens whatever is sampled
+    limit_set: bool = True  # the client asked for max_tokens (else the model's default applies)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("need max_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
 
 
 @dataclass(slots=True, eq=False)
 class Generation:
     model: ServedModel
     prompt: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     cache_salt: str | None
     chat: bool = False
     output: list[int] = field(default_factory=list)

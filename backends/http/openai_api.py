@@ -20,7 +20,7 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Generation, Sampling, TextStream, decode
+from backends.http.generation import Generation, SamplingParams, TextStream, decode
 from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
 from core.errors import APIError
@@ -89,7 +89,7 @@ def float_param(body: dict[str, Any], name: str, low: float, high: float, defaul
 
 def sampling(
     body: dict[str, Any], max_tokens: int, limit_set: bool, seed_field: str = "seed"
-) -> Sampling:
+) -> SamplingParams:
     """The sampling fields OpenAI and vLLM accept (SGLang's too: its seed is `sampling_seed`),
     checked. top_k -1 or 0 means no limit."""
     for name in ("top_k", seed_field):
@@ -99,7 +99,7 @@ def sampling(
     top_p = float_param(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise APIError(400, "'top_p' must be in (0, 1]", param="top_p")
-    return Sampling(
+    return SamplingParams(
         max_tokens=max_tokens,
         limit_set=limit_set,
         temperature=float_param(body, "temperature", 0.0, 2.0, 1.0),

@@ -18,7 +18,7 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Generation, Sampling, decode
+from backends.http.generation import Generation, SamplingParams, decode
 from backends.http.openai_api import respond, sampling, sse
 from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
@@ -59,7 +59,7 @@ class SGLangApi:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         model = next(iter(self.models.values()))
-        gen = Generation(model, [0], Sampling(1, True, temperature=0.0), None)
+        gen = Generation(model, [0], SamplingParams(1), None)
         self.backend.submit(gen)
         try:
             await asyncio.wait_for(gen.wait_done(), HEALTH_TIMEOUT_S)
@@ -124,7 +124,7 @@ class SGLangApi:
         raise APIError(400, "one prompt per request: a string or a list of token ids")
 
     @staticmethod
-    def _sampling(model: ServedModel, body: dict[str, Any], prompt_len: int) -> Sampling:
+    def _sampling(model: ServedModel, body: dict[str, Any], prompt_len: int) -> SamplingParams:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise APIError(400, "'sampling_params' must be an object", param="sampling_params")

@@ -24,7 +24,7 @@ from backends.torch_worker.engine import (
     default_device,
 )
 from backends.torch_worker.loader import LoadedModel, load_model
-from backends.torch_worker.request import Request, SamplingParams, Status
+from backends.torch_worker.request import Request, Status
 from backends.torch_worker.scheduler import SchedulerConfig
 
 ENGINE = "torch"
@@ -81,16 +81,7 @@ class TorchSide:
 
     def request(self, gen: Generation) -> Request:
         """Checked on the loop: `validate` reads only what never changes."""
-        s = gen.sampling
-        params = SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            ignore_eos=s.ignore_eos,
-        )
-        req = self.engine.new_request(gen.model.name, gen.prompt, params, gen.cache_salt)
+        req = self.engine.new_request(gen.model.name, gen.prompt, gen.sampling, gen.cache_salt)
         if gen.cache_salt:  # shared isolation: the public part, whole blocks of the prompt
             page = self.config.page_size
             req.public_blocks = min(gen.public_tokens // page, len(gen.prompt) // page)
