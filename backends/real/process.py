@@ -12,11 +12,10 @@ import os
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 KV_TOPIC = "kv"
 
@@ -61,7 +60,6 @@ class EngineLaunch:
     argv: list[str]
     env: dict[str, str]
     endpoints: EngineEndpoints
-    health_path: str = "/health"
 
 
 @dataclass(slots=True, eq=False)
@@ -71,19 +69,10 @@ class EngineProcess:
     launch: EngineLaunch
     popen: subprocess.Popen[bytes]
     log_path: Path
-    _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def endpoints(self) -> EngineEndpoints:
         return self.launch.endpoints
-
-    def healthy(self, timeout_s: float = 2.0) -> bool:
-        url = self.endpoints.url + self.launch.health_path
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-                return resp.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
 
     def wait_ready(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
         """Until /health answers 200; RuntimeError (with the log's tail) if it exits or the
@@ -94,8 +83,10 @@ class EngineProcess:
                 raise RuntimeError(
                     f"engine exited with {self.popen.returncode}:\n{self.log_tail()}"
                 )
-            if self.healthy():
-                return
+            health = self.endpoints.url + "/health"
+            with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2) as resp:
+                if resp.status == 200:
+                    return
             time.sleep(interval_s)
         raise RuntimeError(f"engine not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
@@ -109,7 +100,6 @@ class EngineProcess:
         as a crash: no goodbye on any socket."""
         self._signal_group(signal.SIGKILL)
         self.popen.wait(30)
-        self._close_log()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM, then SIGKILL to whatever of the engine is left (children included)."""
@@ -117,33 +107,26 @@ class EngineProcess:
             self._signal_group(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout_s)
-        self._signal_group(signal.SIGKILL)
-        self.popen.wait(30)
-        self._close_log()
+        self.kill()
 
     def _signal_group(self, sig: signal.Signals) -> None:
         # start_engine made the engine a session (and process group) leader
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
 
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
 
 def start_engine(launch: EngineLaunch, log_path: str | Path) -> EngineProcess:
     """Start `launch` in its own process group, output to `log_path`; does not wait."""
     path = Path(log_path)
-    log = path.open("wb")
-    popen = subprocess.Popen(
-        launch.argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **launch.env},
-        start_new_session=True,
-    )
-    return EngineProcess(launch, popen, path, log)
+    with path.open("wb") as log:  # the child writes to its own copy of the descriptor
+        popen = subprocess.Popen(
+            launch.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **launch.env},
+            start_new_session=True,
+        )
+    return EngineProcess(launch, popen, path)
 
 
 def kv_events_config(events_port: int, replay_port: int, **extra: Any) -> str:
