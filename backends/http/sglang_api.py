@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -20,28 +19,22 @@ from backends.http.errors import (
 )
 from backends.http.generation import Generation, SamplingParams, decode
 from backends.http.openai_api import respond, sampling, sse
-from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
 from core.errors import APIError
+
+if TYPE_CHECKING:
+    from backends.http.worker import Worker
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 HEALTH_TIMEOUT_S = 20.0
 
 
 class SGLangApi:
-    def __init__(
-        self,
-        backend: EngineRunner,
-        models: dict[str, ServedModel],
-        server_args: Callable[[], dict[str, Any]],
-        model_info: Callable[[ServedModel], dict[str, Any]],
-        version: str,
-    ) -> None:
-        self.backend = backend
-        self.models = models
-        self.server_args = server_args  # the worker's settings, SGLang's names
-        self.model_info_of = model_info  # the engine's part of /get_model_info
-        self.version = version
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.backend = worker.runner
+        self.engine = worker.engine
+        self.models = worker.engine.models
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
@@ -80,7 +73,7 @@ class SGLangApi:
                 "weight_version": "default",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
-                **self.model_info_of(model),
+                **self.engine.model_info(model),
             }
         )
 
@@ -92,8 +85,29 @@ class SGLangApi:
             "token_usage": load.used_tokens / max(1, load.capacity_tokens),
         }
         return json_response(
-            {**self.server_args(), "internal_states": [internal], "version": self.version}
+            {**self.server_args(), "internal_states": [internal], "version": self.engine.version}
         )
+
+    def server_args(self) -> dict[str, Any]:
+        """The worker's settings under SGLang's names (for /get_server_info)."""
+        first = next(iter(self.models.values()))
+        return {
+            "model_path": first.name,
+            "served_model_name": first.name,
+            "tokenizer_path": first.tokenizer_spec,
+            "host": self.worker.config.host,
+            "port": self.worker.port,
+            "context_length": first.max_model_len,
+            "max_req_input_len": first.max_model_len - 1,
+            "tp_size": 1,
+            "dp_size": 1,
+            "disaggregation_mode": "null",
+            "page_size": self.engine.block_size,
+            "max_total_num_tokens": self.backend.load().capacity_tokens,
+            **self.engine.settings(),
+            "kv_group": first.kv_group,
+            "incarnation": self.worker.incarnation,
+        }
 
     async def get_load(self, request: web.Request) -> web.Response:
         load = self.backend.load()

@@ -68,11 +68,8 @@ class Worker:
             )
         self.runner.start()
         app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
-        models = engine.models
-        OpenAIApi(self.runner, models, int(time.time())).add_routes(app)
-        SGLangApi(
-            self.runner, models, self.server_args, engine.model_info, engine.version
-        ).add_routes(app)
+        OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
+        SGLangApi(self).add_routes(app)
         app.router.add_get("/urc/info", self.info)
         app.router.add_post("/urc/invalidate", self.invalidate)
         app.router.add_get("/metrics", self.metrics)
@@ -122,27 +119,6 @@ class Worker:
         if len(self.groups) == 1:
             doc["kv_events"] = streams[self.groups[0]]
         return json_response(doc)
-
-    def server_args(self) -> dict[str, Any]:
-        """The worker's settings under SGLang's names (for /get_server_info)."""
-        first = next(iter(self.engine.models.values()))
-        return {
-            "model_path": first.name,
-            "served_model_name": first.name,
-            "tokenizer_path": first.tokenizer_spec,
-            "host": self.config.host,
-            "port": self.port,
-            "context_length": first.max_model_len,
-            "max_req_input_len": first.max_model_len - 1,
-            "tp_size": 1,
-            "dp_size": 1,
-            "disaggregation_mode": "null",
-            "page_size": self.engine.block_size,
-            "max_total_num_tokens": self.runner.load().capacity_tokens,
-            **self.engine.settings(),
-            "kv_group": first.kv_group,
-            "incarnation": self.incarnation,
-        }
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.engine)  # type: ignore[arg-type]  # it has collect()

@@ -92,16 +92,7 @@ class TorchEngine:
             self.pools[layout] = PoolState(pool, cache)
         self.models: dict[str, ModelState] = {}
         for group, loaded in groups.items():
-            cfg_m = loaded.config
-            attention = make_attention(
-                cfg.attention,
-                cfg_m.head_dim**-0.5,
-                cfg_m.num_attention_heads,
-                cfg_m.num_key_value_heads,
-                cfg_m.head_dim,
-                loaded.dtype,
-                loaded.device,
-            )
+            attention = make_attention(cfg.attention, loaded.config, loaded.dtype, loaded.device)
             runner = ModelRunner(loaded.model, attention, loaded.device)
             self.models[group] = ModelState(loaded, runner, self.pools[loaded.layout])
             self.pools[loaded.layout].cache.root(group)  # every group's tree exists from now
