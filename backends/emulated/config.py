@@ -31,11 +31,3 @@ class EngineConfig:
             raise ValueError("need decode_per_request_s >= 0 and capacity_tokens >= block_size")
         if self.decode_base_s + self.decode_per_request_s <= 0:
             raise ValueError("a decode step must take time")
-
-    def step_time(self, decoding: int, prefill_tokens: int) -> float:
-        """Seconds of one forward pass with `decoding` requests and `prefill_tokens` to fill."""
-        return (
-            self.decode_base_s
-            + self.decode_per_request_s * decoding
-            + prefill_tokens / self.prefill_tokens_per_s
-        )

@@ -119,17 +119,14 @@ class EmulatedEngine:
 
     # -- the driver's API --------------------------------------------------------------------
 
-    def footprint(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Tokens of KV a request holds at its peak (the last output token has none)."""
-        return prompt_tokens + max_tokens - 1
-
     def submit(self, req: Request) -> None:
         """Queue `req` (arrived at `req.arrival`). ValueError when it can never run."""
         cfg = self.config
         prompt_len = len(req.prompt)
         if not prompt_len or req.max_tokens < 1:
             raise ValueError("a request needs a prompt and max_tokens >= 1")
-        if self.footprint(prompt_len, req.max_tokens) > self.cache.capacity_tokens:
+        # its footprint: the KV it holds at its peak (the last output token has none)
+        if prompt_len + req.max_tokens - 1 > self.cache.capacity_tokens:
             raise ValueError(
                 f"prompt + max_tokens ({prompt_len} + {req.max_tokens}) exceeds the KV "
                 f"capacity of {self.cache.capacity_tokens} tokens"
@@ -203,9 +200,6 @@ class EmulatedEngine:
         return EngineLoad(
             len(self._prefilling) + len(self._decoding), len(self._queue), self._queued_prefill
         )
-
-    def idle(self) -> bool:
-        return not self._active and not self._queue
 
     def step(self, now: float) -> StepResult:
         """Account the steps completed by `now`; at the end of the segment, finish what it
@@ -329,7 +323,7 @@ class EmulatedEngine:
         decoding = len(self._decoding)
         if not chunks and not decoding:
             return
-        d = (  # cfg.step_time, inlined
+        d = (  # the step's time (docs/workers.md)
             cfg.decode_base_s
             + cfg.decode_per_request_s * decoding
             + (cfg.chunk_tokens - budget) / cfg.prefill_tokens_per_s
