@@ -237,25 +237,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="a served model (repeatable): a preset (tiny, llama-3.2-1b: random weights) or a "
         "Hugging Face directory; NAME=SPEC serves SPEC as NAME (default: tiny)",
     )
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if any)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument(
+        "--load-format",
+        choices=["auto", "safetensors", "dummy"],
+        default="auto",
+        help="dummy: random weights of the model's shape",
+    )
     add_flags(
         parser,
         [
-            ("--device", str, "auto", "cpu, cuda, cuda:N (auto: cuda if any)"),
-            ("--dtype", str, "auto", "auto, float32, bfloat16, float16"),
             ("--seed", int, 0, "seed of random (dummy) weights"),
             ("--page-size", int, d.page_size, "tokens per KV page"),
             ("--kv-cache-mb", float, d.kv_cache_mb, "KV memory, all pools together"),
             ("--num-pages", int, 0, "pages per pool (overrides --kv-cache-mb)"),
             ("--chunk-size", int, s.chunk_size, "prefill tokens per forward pass"),
             ("--max-running", int, s.max_running, "requests in a model's batch"),
-            ("--threads", int, 0, "torch CPU threads (0: torch's)"),
         ],
-    )
-    parser.add_argument(
-        "--load-format",
-        choices=["auto", "safetensors", "dummy"],
-        default="auto",
-        help="dummy: random weights of the model's shape",
     )
     parser.add_argument(
         "--disable-prefix-cache", action="store_true", help="compute every prompt token"
@@ -263,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--attention", choices=["auto", "torch", "flashinfer"], default="auto", help="kernels"
     )
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     return parser
 
 
