@@ -1,12 +1,8 @@
-"""A tiny random-weight Llama checkpoint that real engines (vLLM, SGLang) load as they load any
-Hugging Face model directory: config.json, model.safetensors, a byte-level BPE `tokenizer.json`
-trained here on local text, and `tokenizer_config.json` with a chat template. Nothing is
-downloaded; the same arguments always write the same files.
+"""A tiny random-weight Llama checkpoint that real engines load as any Hugging Face directory
+(config.json, model.safetensors, a byte-level BPE tokenizer.json trained here, a chat
+template). Nothing is downloaded; the same arguments write the same files.
 
     python -m backends.tiny_checkpoint DIR [--seed N] [--vocab-size N] [--variant NAME]
-
-`variant` trains on other text: a tokenizer that differs from the default one (for testing
-the gateway's tokenizer-parity probe).
 """
 
 from __future__ import annotations
@@ -27,15 +23,12 @@ CHAT_TEMPLATE = (
 )
 
 
-# the load generator's vocabulary: the tokenizer is trained on the words it will see
-WORDS = VOCAB
-
-
 def corpus(variant: str, lines: int = 400) -> list[str]:
     """Deterministic English-like lines (common words, punctuation, digits); another `variant`
     spells every word backwards, so its merges differ."""
     rng = random.Random(f"urc-tiny-checkpoint/{variant}")
-    words = list(WORDS) if variant == "default" else [w[::-1] for w in WORDS]
+    # the load generator's vocabulary: the tokenizer is trained on the words it will see
+    words = list(VOCAB) if variant == "default" else [w[::-1] for w in VOCAB]
     out = []
     for i in range(lines):
         line = " ".join(rng.choices(words, k=rng.randint(5, 20)))
@@ -83,8 +76,8 @@ def write_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from backends.engine.config import LlamaConfig
-    from backends.engine.model import LlamaForCausalLM
+    from backends.torch_worker.config import LlamaConfig
+    from backends.torch_worker.model import LlamaForCausalLM
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

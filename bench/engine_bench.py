@@ -22,11 +22,11 @@ import time
 import harness  # noqa: F401  (puts the repository root on sys.path)
 import torch
 
-from backends.engine.config import PRESETS, LlamaConfig
-from backends.engine.engine import EngineConfig, TorchEngine, default_device
-from backends.engine.loader import LoadedModel, load_model
-from backends.engine.request import Request, SamplingParams
-from backends.engine.scheduler import SchedulerConfig
+from backends.torch_worker.config import PRESETS, LlamaConfig
+from backends.torch_worker.engine import EngineConfig, TorchEngine, default_device
+from backends.torch_worker.loader import LoadedModel, load_model
+from backends.torch_worker.request import Request, SamplingParams
+from backends.torch_worker.scheduler import SchedulerConfig
 
 # big enough that a forward pass is compute, not Python overhead, small enough for 2 CPU cores
 PRESETS.setdefault(

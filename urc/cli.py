@@ -18,7 +18,7 @@ SUBCOMMANDS: dict[str, str] = {  # subcommand -> its one-line help
 # Subcommands whose arguments belong to another package (loaded only when asked for): the
 # module whose `main(argv)` takes everything after the name.
 DELEGATED = {"bench": "loadgen.cli", "replay": "simulation.cli"}
-ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.engine.server"}
+ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.torch_worker.server"}
 
 
 def _gateway(args: argparse.Namespace) -> int:

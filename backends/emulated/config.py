@@ -1,4 +1,4 @@
-"""The emulated engine's time model (engine.py): what a forward pass costs, and the pool."""
+"""The emulated engine's time model: what a forward pass costs, and the pool."""
 
 from __future__ import annotations
 
@@ -7,22 +7,7 @@ from dataclasses import dataclass
 
 @dataclass(slots=True)
 class EngineConfig:
-    """The time model. Defaults: an 8B model in bf16 (Llama-3.1-8B) on one H100 SXM 80 GB.
-
-    - decode_base_s 8 ms: a decode step reads all 16 GB of weights; at ~70% of the 3.35 TB/s
-      HBM bandwidth that is ~6.8 ms, plus sampling and scheduling (vLLM/SGLang measure a
-      7-8 ms inter-token latency at batch 1).
-    - decode_per_request_s 0.08 ms: each running request reads its KV every step; 128 KiB
-      per token (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes) x ~2k tokens of context
-      = 256 MiB, ~0.08 ms at full bandwidth.
-    - prefill_tokens_per_s 15k: ~16 GFLOP per token for the weights plus ~2 GFLOP of
-      attention at a few thousand tokens of context, so ~270 TFLOP/s, 27% of the 989 TFLOP/s
-      dense bf16 peak: a conservative end-to-end figure (the kernels alone reach about twice).
-    - capacity_tokens 400k: 80 GB x 0.9 (memory fraction) - 16 GB weights - ~4 GB
-      activations and graphs = ~52 GB of KV pool / 128 KiB per token.
-    - max_batch 256 and chunk_tokens 8192: vLLM's max_num_seqs and SGLang's chunked prefill
-      size on an H100.
-    """
+    """The time model; the defaults model an 8B bf16 model on one H100 (docs/workers.md)."""
 
     block_size: int = 16
     capacity_tokens: int = 400_000
@@ -46,11 +31,3 @@ class EngineConfig:
             raise ValueError("need decode_per_request_s >= 0 and capacity_tokens >= block_size")
         if self.decode_base_s + self.decode_per_request_s <= 0:
             raise ValueError("a decode step must take time")
-
-    def step_time(self, decoding: int, prefill_tokens: int) -> float:
-        """Seconds of one forward pass with `decoding` requests and `prefill_tokens` to fill."""
-        return (
-            self.decode_base_s
-            + self.decode_per_request_s * decoding
-            + prefill_tokens / self.prefill_tokens_per_s
-        )

@@ -1,26 +1,8 @@
 """The emulated GPU engine: continuous batching over a real radix KV cache, in modelled time.
 
-A pure state machine: no I/O, no clock reads. Whoever drives it passes the time in: the HTTP
-worker its event loop's monotonic clock, the simulator its virtual time. The model:
-
-- A request is admitted from the FCFS queue when the batch has room (`max_batch` running) and
-  the pool has room for its whole footprint (prompt + max_tokens - 1 tokens of KV) beyond the
-  cached prefix it matched; otherwise it waits (the head blocks the queue, so none starves).
-  Reserving the footprint up front means nothing is ever preempted and nothing deadlocks: what
-  a waiting request needs is freed when running requests finish.
-- Each step is one forward pass: every decoding request gets one token, and up to
-  `chunk_tokens` uncached prompt tokens are prefilled (chunked prefill, mixed with decode as in
-  SGLang and vLLM). It lasts `decode_base_s + decode_per_request_s * decoding
-  + prefill_tokens / prefill_tokens_per_s`. A prompt's last chunk yields its first token.
-- Full prompt blocks enter the cache as their chunk completes (a later request with the same
-  prefix hits them); the full blocks of prompt + output (all but the last output token, whose
-  KV is never computed) enter it when the request finishes, so the next turn of a chat hits.
-- Output is deterministic: exactly `max_tokens` tokens of OUTPUT_TEXT repeated (request.py).
-
-Decode-only stretches are planned as one *segment* of equal steps that lasts until the next
-request finishes; `next_time()` is its end, so a simulator jumps over it in one call, while a
-real-time loop can call `step(now)` at every `next_step_time()` to stream tokens as they come.
-A submission (or an abort) cuts the segment at the first step boundary after it.
+A pure state machine (no I/O, no clock reads: the driver passes the time in). Requests reserve
+their whole footprint on admission, so nothing is preempted; decode-only stretches run as one
+segment of equal steps until the next finish. The model: docs/workers.md.
 """
 
 from __future__ import annotations
@@ -137,17 +119,14 @@ class EmulatedEngine:
 
     # -- the driver's API --------------------------------------------------------------------
 
-    def footprint(self, prompt_tokens: int, max_tokens: int) -> int:
-        """Tokens of KV a request holds at its peak (the last output token has none)."""
-        return prompt_tokens + max_tokens - 1
-
     def submit(self, req: Request) -> None:
         """Queue `req` (arrived at `req.arrival`). ValueError when it can never run."""
         cfg = self.config
         prompt_len = len(req.prompt)
         if not prompt_len or req.max_tokens < 1:
             raise ValueError("a request needs a prompt and max_tokens >= 1")
-        if self.footprint(prompt_len, req.max_tokens) > self.cache.capacity_tokens:
+        # its footprint: the KV it holds at its peak (the last output token has none)
+        if prompt_len + req.max_tokens - 1 > self.cache.capacity_tokens:
             raise ValueError(
                 f"prompt + max_tokens ({prompt_len} + {req.max_tokens}) exceeds the KV "
                 f"capacity of {self.cache.capacity_tokens} tokens"
@@ -221,9 +200,6 @@ class EmulatedEngine:
         return EngineLoad(
             len(self._prefilling) + len(self._decoding), len(self._queue), self._queued_prefill
         )
-
-    def idle(self) -> bool:
-        return not self._active and not self._queue
 
     def step(self, now: float) -> StepResult:
         """Account the steps completed by `now`; at the end of the segment, finish what it
@@ -347,7 +323,7 @@ class EmulatedEngine:
         decoding = len(self._decoding)
         if not chunks and not decoding:
             return
-        d = (  # cfg.step_time, inlined
+        d = (  # the step's time (docs/workers.md)
             cfg.decode_base_s
             + cfg.decode_per_request_s * decoding
             + (cfg.chunk_tokens - budget) / cfg.prefill_tokens_per_s

@@ -1,7 +1,6 @@
 """A request's room through its life in the emulated engine: admit (match + lock + reserve its
-footprint), cache its prompt's full blocks as chunks complete, cache the full blocks of prompt
-+ output when it finishes, release. The only code that moves room between a request and the
-radix cache (backends/engine/paging.py does it for the torch worker's pages):
+footprint), cache its full blocks, release. The only code that moves room between a request
+and the radix cache:
 
     [0, node_blocks)   its cached prefix, on the path `node` locks
     reserved           private room for the rest of its footprint (prompt + max_tokens - 1)

@@ -1,14 +1,12 @@
-"""`urc worker --engine emulated`: EmulatedEngine (engine.py) in the worker HTTP shell
-(backends/http/worker.py), stepped in real time by its runner (backends/http/runner.py).
-
-One model on the byte tokenizer, so one kv_group and one KV-event stream (map encoding so
-that `cache_salt` travels).
-"""
+"""`urc worker --engine emulated`: EmulatedEngine in the worker HTTP shell, stepped in real time;
+one model on the byte tokenizer (docs/workers.md)."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
+import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -19,13 +17,14 @@ from prometheus_client.core import Metric
 from backends.cache.scopes import invalidate
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
-from backends.emulated.model import ENGINE, served_model
 from backends.emulated.request import Request, output_bytes
-from backends.http.engine import Events, InvalidateRequest
+from backends.http.engine import Events, InvalidateRequest, counter, gauge
 from backends.http.generation import Generation, WorkerLoad
-from backends.http.metrics import counter, gauge
 from backends.http.served_model import ServedModel
-from backends.http.worker import run_worker, worker_parser
+from backends.http.worker import add_flags, run_worker, worker_parser
+from core.tokenizer import ByteTokenizer
+
+ENGINE = "emulated"
 
 
 class EmulatedSide:
@@ -117,7 +116,7 @@ class EmulatedSide:
         used = stats.capacity_tokens and (
             (stats.capacity_tokens - stats.free_tokens) / stats.capacity_tokens
         )
-        for metric, doc, value in (
+        counters = (
             ("urc_worker_requests", "Requests finished", engine.finished_requests),
             ("urc_worker_prompt_tokens", "Prompt tokens admitted", engine.prompt_tokens),
             (
@@ -128,9 +127,8 @@ class EmulatedSide:
             ("urc_worker_generated_tokens", "Output tokens generated", engine.generated_tokens),
             ("urc_worker_evicted_blocks", "KV blocks evicted", stats.evicted_blocks),
             ("urc_worker_stored_blocks", "KV blocks cached", stats.stored_blocks),
-        ):
-            yield counter(metric, doc, "model", [(name, value)])
-        for metric, doc, value in (
+        )
+        gauges = (
             ("urc_worker_running_requests", "Requests in the batch", load.running),
             ("urc_worker_waiting_requests", "Requests in the queue", load.waiting),
             (
@@ -144,8 +142,10 @@ class EmulatedSide:
                 used,
             ),
             ("urc_worker_cached_blocks", "KV blocks in the cache", stats.cached_blocks),
-        ):
-            yield gauge(metric, doc, "model", [(name, value)])
+        )
+        for family, table in ((counter, counters), (gauge, gauges)):
+            for metric, doc, value in table:
+                yield family(metric, doc, "model", [(name, value)])
 
 
 def _catch_up(gen: Generation, n: int) -> None:
@@ -165,29 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
         "8 ms + 0.08 ms per running request, 400k tokens of KV, batch 256, chunks of 8192.",
         "context length (0: min(capacity, 131072))",
     )
-    parser.add_argument("--model", default="emulated", help="the served model name")
-    parser.add_argument(
-        "--kv-group", default=None, help="KV-identity group (unset: the model name)"
-    )
-    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
-    parser.add_argument(
-        "--capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool size in tokens"
-    )
-    parser.add_argument(
-        "--prefill-tps", type=float, default=d.prefill_tokens_per_s, help="prefill tokens/s"
-    )
-    parser.add_argument(
-        "--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="decode step, ms"
-    )
-    parser.add_argument(
-        "--decode-per-request-ms",
-        type=float,
-        default=d.decode_per_request_s * 1e3,
-        help="added to a decode step per running request, ms",
-    )
-    parser.add_argument("--max-batch", type=int, default=d.max_batch, help="running requests")
-    parser.add_argument(
-        "--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step"
+    per_request = "added to a decode step per running request, ms"
+    add_flags(
+        parser,
+        [
+            ("--model", str, "emulated", "the served model name"),
+            ("--kv-group", str, None, "KV-identity group (unset: the model name)"),
+            ("--block-size", int, d.block_size, "tokens per block"),
+            ("--capacity-tokens", int, d.capacity_tokens, "KV pool size in tokens"),
+            ("--prefill-tps", float, d.prefill_tokens_per_s, "prefill tokens/s"),
+            ("--decode-base-ms", float, d.decode_base_s * 1e3, "decode step, ms"),
+            ("--decode-per-request-ms", float, d.decode_per_request_s * 1e3, per_request),
+            ("--max-batch", int, d.max_batch, "running requests"),
+            ("--chunk-tokens", int, d.chunk_tokens, "prefill tokens per step"),
+        ],
     )
     return parser
 
@@ -203,9 +194,19 @@ def build_engine(args: argparse.Namespace) -> EmulatedSide:
         max_batch=args.max_batch,
         chunk_tokens=args.chunk_tokens,
     )
-    max_len = args.max_model_len or min(config.capacity_tokens, 131_072)
-    model = served_model(
-        args.model, args.kv_group or args.model, config.block_size, max_len, args.default_max_tokens
+    kv_group, tokenizer = args.kv_group or args.model, ByteTokenizer()
+    # workers that agree on it produce identical K/V for identical tokens (same emulated
+    # weights, tokenizer and block size)
+    ident = json.dumps([ENGINE, kv_group, config.block_size, tokenizer.fingerprint])
+    model = ServedModel(
+        name=args.model,
+        kv_group=kv_group,
+        fingerprint=hashlib.blake2b(ident.encode(), digest_size=16).hexdigest(),
+        tokenizer=tokenizer,
+        tokenizer_spec="byte",
+        max_model_len=args.max_model_len or min(config.capacity_tokens, 131_072),
+        default_max_tokens=args.default_max_tokens,
+        vocab_size=tokenizer.vocab_size,
     )
     return EmulatedSide(config, model)
 

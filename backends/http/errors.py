@@ -1,8 +1,5 @@
-"""Client errors as OpenAI shapes them: `{"error": {"message", "type", "param", "code"}}`.
-
-Handlers raise `APIError`; the middleware turns it, and aiohttp's own HTTP errors (unknown
-route, wrong method, body too large), into that JSON. Bad input is never a 500.
-"""
+"""The worker's JSON in and out: OpenAI-shaped errors (never a 500 for bad input) and the
+checked request parameters."""
 
 from __future__ import annotations
 

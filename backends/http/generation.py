@@ -1,10 +1,5 @@
-"""One generation between an HTTP handler and an engine.
-
-The handler builds a `Generation` and hands it to the runner (runner.py); the engine side fills
-in `cached_tokens` and `admitted`, appends to `output`, sets `finish_reason` (or `aborted`), and
-sets `changed` after every change, from the event loop's thread (an engine on another thread
-goes through `loop.call_soon_threadsafe`). Handlers only read.
-"""
+"""One generation between an HTTP handler and an engine: the engine side fills it in and sets
+`changed` after every change, on the loop's thread; handlers only read."""
 
 from __future__ import annotations
 
@@ -18,21 +13,25 @@ from core.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
-class Sampling:
+class SamplingParams:
     max_tokens: int
-    limit_set: bool  # the client asked for max_tokens (else the model's default applies)
-    temperature: float = 1.0
+    temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: no limit
     seed: int | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # run to max_tokens whatever is sampled
+    limit_set: bool = True  # the client asked for max_tokens (else the model's default applies)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError("need max_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
 
 
 @dataclass(slots=True, eq=False)
 class Generation:
     model: ServedModel
     prompt: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     cache_salt: str | None
     chat: bool = False
     output: list[int] = field(default_factory=list)

@@ -1,11 +1,5 @@
-"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` over an engine.
-
-Responses and SSE chunks have OpenAI's shapes (streams end with `data: [DONE]`); usage carries
-`prompt_tokens_details.cached_tokens`, and every response the header `x-urc-cached-tokens`
-(sent with the headers of a stream, once the request is admitted), so a gateway learns what
-was reused even from a stream without usage. `cache_salt` (vLLM's field) partitions the cache.
-Sampling: `temperature`, `top_p`, `seed`, and vLLM's `top_k` and `ignore_eos`.
-"""
+"""OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models` over an engine, with
+the cached-token header and `cache_salt` (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +20,7 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Generation, Sampling, TextStream, decode
+from backends.http.generation import Generation, SamplingParams, TextStream, decode
 from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
 from core.errors import APIError
@@ -95,7 +89,7 @@ def float_param(body: dict[str, Any], name: str, low: float, high: float, defaul
 
 def sampling(
     body: dict[str, Any], max_tokens: int, limit_set: bool, seed_field: str = "seed"
-) -> Sampling:
+) -> SamplingParams:
     """The sampling fields OpenAI and vLLM accept (SGLang's too: its seed is `sampling_seed`),
     checked. top_k -1 or 0 means no limit."""
     for name in ("top_k", seed_field):
@@ -105,7 +99,7 @@ def sampling(
     top_p = float_param(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise APIError(400, "'top_p' must be in (0, 1]", param="top_p")
-    return Sampling(
+    return SamplingParams(
         max_tokens=max_tokens,
         limit_set=limit_set,
         temperature=float_param(body, "temperature", 0.0, 2.0, 1.0),

@@ -1,15 +1,5 @@
-"""The bridge between an engine and the event loop, the HTTP handlers' one way to it; both our
-workers run their engine through it.
-
-A task on the loop drives the engine one step at a time. It waits until a step is due (the
-engine says when: the emulated one at the end of its modelled step, the torch one as soon as it
-has work; a submission or an abort wakes it early), runs the step, inline when it is cheap or
-on a thread of its own when it blocks (a forward pass takes milliseconds to seconds), and hands
-the result to the engine on the loop, which moves the generations; its KV events are
-published. Submissions and aborts reach the engine at once when no step runs, else at the
-step's end; operator calls (`call`) wait for it. So the engine is only ever touched by one
-thread at a time, and `loads()` during a blocking step is the snapshot taken after the last.
-"""
+"""The bridge between an engine and the event loop: it steps the engine (inline, or on a thread
+when a step blocks), so only one thread at a time touches it (docs/workers.md)."""
 
 from __future__ import annotations
 

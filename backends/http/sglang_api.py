@@ -1,23 +1,12 @@
-"""SGLang's native endpoints, so sglang-router and SGLang clients can use our workers.
-
-- `/health` (alive), `/health_generate` (a one-token generation went through the engine)
-- `/get_model_info` and `/model_info`, `/get_server_info` and `/server_info` (sglang-router
-  0.3.x probes both spellings), `/get_load`
-- `/generate`: `{"text" | "input_ids", "sampling_params": {"max_new_tokens", "temperature",
-  "top_p", "top_k", "ignore_eos", "sampling_seed"}, "stream", "rid", "model"}` ->
-  `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-  "completion_tokens", "cached_tokens", "e2e_latency", ...}}`; streamed as SSE events that each
-  carry the whole output so far (SGLang's default, non-incremental), then `[DONE]`.
-  `cache_salt` (top level) partitions the cache as on the OpenAI endpoints.
-"""
+"""SGLang's native endpoints (`/generate`, `/get_server_info`, ...), so sglang-router and SGLang
+clients can use our workers (docs/workers.md)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -28,30 +17,24 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Generation, Sampling, decode
+from backends.http.generation import Generation, SamplingParams, decode
 from backends.http.openai_api import respond, sampling, sse
-from backends.http.runner import EngineRunner
 from backends.http.served_model import ServedModel, pick_model
 from core.errors import APIError
+
+if TYPE_CHECKING:
+    from backends.http.worker import Worker
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 HEALTH_TIMEOUT_S = 20.0
 
 
 class SGLangApi:
-    def __init__(
-        self,
-        backend: EngineRunner,
-        models: dict[str, ServedModel],
-        server_args: Callable[[], dict[str, Any]],
-        model_info: Callable[[ServedModel], dict[str, Any]],
-        version: str,
-    ) -> None:
-        self.backend = backend
-        self.models = models
-        self.server_args = server_args  # the worker's settings, SGLang's names
-        self.model_info_of = model_info  # the engine's part of /get_model_info
-        self.version = version
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        self.backend = worker.runner
+        self.engine = worker.engine
+        self.models = worker.engine.models
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/health", self.health)
@@ -69,7 +52,7 @@ class SGLangApi:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         model = next(iter(self.models.values()))
-        gen = Generation(model, [0], Sampling(1, True, temperature=0.0), None)
+        gen = Generation(model, [0], SamplingParams(1), None)
         self.backend.submit(gen)
         try:
             await asyncio.wait_for(gen.wait_done(), HEALTH_TIMEOUT_S)
@@ -90,7 +73,7 @@ class SGLangApi:
                 "weight_version": "default",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
-                **self.model_info_of(model),
+                **self.engine.model_info(model),
             }
         )
 
@@ -102,8 +85,29 @@ class SGLangApi:
             "token_usage": load.used_tokens / max(1, load.capacity_tokens),
         }
         return json_response(
-            {**self.server_args(), "internal_states": [internal], "version": self.version}
+            {**self.server_args(), "internal_states": [internal], "version": self.engine.version}
         )
+
+    def server_args(self) -> dict[str, Any]:
+        """The worker's settings under SGLang's names (for /get_server_info)."""
+        first = next(iter(self.models.values()))
+        return {
+            "model_path": first.name,
+            "served_model_name": first.name,
+            "tokenizer_path": first.tokenizer_spec,
+            "host": self.worker.config.host,
+            "port": self.worker.port,
+            "context_length": first.max_model_len,
+            "max_req_input_len": first.max_model_len - 1,
+            "tp_size": 1,
+            "dp_size": 1,
+            "disaggregation_mode": "null",
+            "page_size": self.engine.block_size,
+            "max_total_num_tokens": self.backend.load().capacity_tokens,
+            **self.engine.settings(),
+            "kv_group": first.kv_group,
+            "incarnation": self.worker.incarnation,
+        }
 
     async def get_load(self, request: web.Request) -> web.Response:
         load = self.backend.load()
@@ -134,7 +138,7 @@ class SGLangApi:
         raise APIError(400, "one prompt per request: a string or a list of token ids")
 
     @staticmethod
-    def _sampling(model: ServedModel, body: dict[str, Any], prompt_len: int) -> Sampling:
+    def _sampling(model: ServedModel, body: dict[str, Any], prompt_len: int) -> SamplingParams:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise APIError(400, "'sampling_params' must be an object", param="sampling_params")

@@ -1,19 +1,6 @@
-"""The worker HTTP shell both our engines plug into (`urc worker --engine emulated|torch`).
-
-The shell serves OpenAI's and SGLang's APIs (openai_api.py, sglang_api.py), `POST
-/urc/invalidate`, `/metrics`, and the discovery document the gateway reads, `GET /urc/info`:
-
-    {"engine": "emulated" | "torch", "incarnation": <uuid hex per process>, "block_size": 16,
-     "models": [{"name", "kv_group", "fingerprint", "tokenizer", "max_model_len",
-                 "kv_events": {"endpoint", "replay_endpoint", "topic"}}],
-     "kv_events": {...},                 only when all models share one kv_group
-     "capacity_tokens": N, "load": {"running", "waiting", "queued_prefill_tokens"},
-     ...}                                the engine's own fields (torch: "device", "pools")
-
-Each kv_group has its own KV-event stream (a PUB socket and a replay socket, core/
-kv_publisher.py): the events carry no model, so one stream must mean one kv_group. Block hashes
-are our own block keys. The process prints `ready: http://HOST:PORT` once it serves, and exits
-cleanly on SIGINT or SIGTERM. An engine offers the shell what engine.py's `Engine` lists.
+"""The worker HTTP shell both our engines plug into (`urc worker --engine emulated|torch`):
+OpenAI's and SGLang's APIs, `/urc/info`, `/urc/invalidate`, `/metrics`, one KV-event stream
+per kv_group (docs/workers.md).
 """
 
 from __future__ import annotations
@@ -25,15 +12,15 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import generate_latest
 
 from backends.http.engine import Engine, Events, InvalidateRequest
 from backends.http.errors import error_middleware, json_response, read_json
-from backends.http.metrics import CONTENT_TYPE, render
 from backends.http.openai_api import OpenAIApi
 from backends.http.runner import EngineRunner
 from backends.http.sglang_api import SGLangApi
@@ -45,6 +32,7 @@ log = logging.getLogger(__name__)
 
 KV_TOPIC = "kv"
 _ANY_HOST = ("0.0.0.0", "::", "*", "")
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 @dataclass(slots=True)
@@ -80,11 +68,8 @@ class Worker:
             )
         self.runner.start()
         app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
-        models = engine.models
-        OpenAIApi(self.runner, models, int(time.time())).add_routes(app)
-        SGLangApi(
-            self.runner, models, self.server_args, engine.model_info, engine.version
-        ).add_routes(app)
+        OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
+        SGLangApi(self).add_routes(app)
         app.router.add_get("/urc/info", self.info)
         app.router.add_post("/urc/invalidate", self.invalidate)
         app.router.add_get("/metrics", self.metrics)
@@ -135,31 +120,9 @@ class Worker:
             doc["kv_events"] = streams[self.groups[0]]
         return json_response(doc)
 
-    def server_args(self) -> dict[str, Any]:
-        """The worker's settings under SGLang's names (for /get_server_info)."""
-        first = next(iter(self.engine.models.values()))
-        return {
-            "model_path": first.name,
-            "served_model_name": first.name,
-            "tokenizer_path": first.tokenizer_spec,
-            "host": self.config.host,
-            "port": self.port,
-            "context_length": first.max_model_len,
-            "max_req_input_len": first.max_model_len - 1,
-            "tp_size": 1,
-            "dp_size": 1,
-            "disaggregation_mode": "null",
-            "page_size": self.engine.block_size,
-            "max_total_num_tokens": self.runner.load().capacity_tokens,
-            **self.engine.settings(),
-            "kv_group": first.kv_group,
-            "incarnation": self.incarnation,
-        }
-
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(
-            body=render(self.engine.collect), headers={"Content-Type": CONTENT_TYPE}
-        )
+        body = generate_latest(self.engine)  # type: ignore[arg-type]  # it has collect()
+        return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 
 def parse_invalidate(body: Any) -> InvalidateRequest:
@@ -198,6 +161,14 @@ def events_document(publisher: KVEventPublisher, request: web.Request) -> dict[s
 # -- the command line ------------------------------------------------------------------------
 
 
+Flag = tuple[str, Callable[[str], Any], Any, str]  # (flag, type, default, help)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
+    for flag, kind, default, help_text in flags:
+        parser.add_argument(flag, type=kind, default=default, help=help_text)
+
+
 def worker_parser(
     engine: str, description: str, max_model_len_help: str, kv_port_note: str = ""
 ) -> argparse.ArgumentParser:
@@ -208,28 +179,19 @@ def worker_parser(
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--engine", choices=[engine], default=engine, help="the engine")
-    parser.add_argument("--host", default="127.0.0.1", help="the address to serve on")
-    parser.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
-    parser.add_argument(
-        "--default-max-tokens", type=int, default=256, help="output length when a chat sets none"
+    add_flags(
+        parser,
+        [
+            ("--host", str, "127.0.0.1", "the address to serve on"),
+            ("--port", int, 0, "HTTP port (0: any free port)"),
+            ("--default-max-tokens", int, 256, "output length when a chat sets none"),
+            ("--kv-events-port", int, 0, f"ZMQ PUB port for KV events (0: any){kv_port_note}"),
+            ("--kv-replay-port", int, 0, f"ZMQ ROUTER port for replays (0: any){kv_port_note}"),
+            ("--max-body-mb", float, 32.0, "larger request bodies get 413"),
+            ("--log-level", str, "WARNING", "logging level"),
+            ("--max-model-len", int, 0, max_model_len_help),
+        ],
     )
-    parser.add_argument(
-        "--kv-events-port",
-        type=int,
-        default=0,
-        help=f"ZMQ PUB port for KV events (0: any){kv_port_note}",
-    )
-    parser.add_argument(
-        "--kv-replay-port",
-        type=int,
-        default=0,
-        help=f"ZMQ ROUTER port for replays (0: any){kv_port_note}",
-    )
-    parser.add_argument(
-        "--max-body-mb", type=float, default=32.0, help="larger request bodies get 413"
-    )
-    parser.add_argument("--log-level", default="WARNING", help="logging level")
-    parser.add_argument("--max-model-len", type=int, default=0, help=max_model_len_help)
     return parser
 
 

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from backends.engine.engine import EngineConfig, TorchEngine
-from backends.engine.loader import LoadedModel, load_model
-from backends.engine.request import Request, SamplingParams
-from backends.engine.scheduler import SchedulerConfig
+from backends.torch_worker.engine import EngineConfig, TorchEngine
+from backends.torch_worker.loader import LoadedModel, load_model
+from backends.torch_worker.request import Request, SamplingParams
+from backends.torch_worker.scheduler import SchedulerConfig
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")

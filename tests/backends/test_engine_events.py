@@ -9,10 +9,10 @@ import random
 
 import torch
 
-from backends.engine.engine import EngineConfig, TorchEngine
-from backends.engine.loader import load_model
-from backends.engine.request import SamplingParams
-from backends.engine.scheduler import SchedulerConfig
+from backends.torch_worker.engine import EngineConfig, TorchEngine
+from backends.torch_worker.loader import load_model
+from backends.torch_worker.request import SamplingParams
+from backends.torch_worker.scheduler import SchedulerConfig
 from core.blocks import block_keys
 from core.kv_events import EventBatch, decode_batch, encode_batch
 from router.index import UnifiedIndex

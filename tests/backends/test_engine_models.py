@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from backends.engine.config import PRESETS, LlamaConfig
-from backends.engine.engine import EngineConfig, TorchEngine
-from backends.engine.fingerprint import on_kv_path
-from backends.engine.loader import LoadedModel, load_model
-from backends.engine.model import LlamaForCausalLM
-from backends.engine.request import SamplingParams
-from backends.engine.rope import apply_rope, inv_frequencies
+from backends.torch_worker.config import PRESETS, LlamaConfig
+from backends.torch_worker.engine import EngineConfig, TorchEngine
+from backends.torch_worker.fingerprint import on_kv_path
+from backends.torch_worker.loader import LoadedModel, load_model
+from backends.torch_worker.model import LlamaForCausalLM
+from backends.torch_worker.request import SamplingParams
+from backends.torch_worker.rope import apply_rope, inv_frequencies
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")

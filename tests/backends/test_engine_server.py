@@ -31,7 +31,9 @@ BS = 16
 
 
 def running_worker(*args: str, **kwargs: Any) -> AbstractContextManager[Child]:
-    return processes.running_worker("backends.engine.server", "--threads", "1", *args, **kwargs)
+    return processes.running_worker(
+        "backends.torch_worker.server", "--threads", "1", *args, **kwargs
+    )
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backends.real_cluster import free_ports
-from backends.sglang import SGLangSpec, sglang_launch
-from backends.vllm import VLLMSpec, vllm_launch
+from backends.real.cluster import free_ports
+from backends.real.sglang import SGLangSpec, sglang_launch
+from backends.real.vllm import VLLMSpec, vllm_launch
 from core.blocks import block_keys
 from core.kv_events import decode_batch
 from router.gateway.config import ConfigError, parse_attach

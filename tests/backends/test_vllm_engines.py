@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from backends.engine_process import start_engine
+from backends.real.process import start_engine
 from backends.tiny_checkpoint import write_checkpoint, write_tokenizer
 from core.text import filler
 from tests.backends.vllm_fleet import (

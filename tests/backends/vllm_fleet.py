@@ -14,9 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from backends.engine_process import EngineProcess, start_engine
-from backends.real_cluster import free_ports
-from backends.vllm import VLLMSpec, vllm_launch
+from backends.real.cluster import free_ports
+from backends.real.process import EngineProcess, start_engine
+from backends.real.vllm import VLLMSpec, vllm_launch
 
 VLLM_PYTHON = os.environ.get("URC_VLLM_PYTHON", "")
 MODEL = "tiny"

@@ -12,17 +12,10 @@ environment that keeps its footprint small (`CPU_ENV`).
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 
-from backends.engine_process import (
-    EngineEndpoints,
-    EngineLaunch,
-    served_names,
-    tcp_bind,
-    tcp_connect,
-)
+from backends.real.process import EngineEndpoints, EngineLaunch, kv_events_config
 
 # the engine core in-process (quicker start, one process to kill), 1 GiB of KV cache, no hub
 CPU_ENV = {
@@ -30,7 +23,6 @@ CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "HF_HUB_OFFLINE": "1",
 }
-KV_TOPIC = "kv"
 
 
 @dataclass(slots=True)
@@ -39,7 +31,7 @@ class VLLMSpec:
     port: int
     events_port: int
     replay_port: int
-    served_model_names: list[str] = field(default_factory=list)
+    served_model_names: list[str] = field(default_factory=list)  # none: the model path
     host: str = "127.0.0.1"
     block_size: int = 16
     dtype: str = "auto"
@@ -51,40 +43,15 @@ class VLLMSpec:
     extra_args: list[str] = field(default_factory=list)
 
 
-def kv_events_config(events_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
-    return json.dumps(
-        {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": tcp_bind(events_port),
-            "replay_endpoint": tcp_bind(replay_port),
-            "topic": topic,
-        }
-    )
-
-
 def vllm_launch(spec: VLLMSpec) -> EngineLaunch:
-    names = served_names(spec.model, spec.served_model_names)
+    names = spec.served_model_names or [spec.model]
+    events = kv_events_config(spec.events_port, spec.replay_port, enable_kv_cache_events=True)
     argv = [
-        spec.python,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        spec.model,
-        "--served-model-name",
-        *names,
-        "--host",
-        spec.host,
-        "--port",
-        str(spec.port),
-        "--block-size",
-        str(spec.block_size),
-        "--enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-        "--kv-events-config",
-        kv_events_config(spec.events_port, spec.replay_port),
-        "--dtype",
-        "bfloat16" if spec.cpu and spec.dtype == "auto" else spec.dtype,
+        *(spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model),
+        *("--served-model-name", *names, "--host", spec.host, "--port", str(spec.port)),
+        *("--block-size", str(spec.block_size), "--enable-prefix-caching"),
+        *("--enable-prompt-tokens-details", "--kv-events-config", events),
+        *("--dtype", "bfloat16" if spec.cpu and spec.dtype == "auto" else spec.dtype),
     ]
     if spec.max_model_len is not None:
         argv += ["--max-model-len", str(spec.max_model_len)]
@@ -92,13 +59,7 @@ def vllm_launch(spec: VLLMSpec) -> EngineLaunch:
         argv += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks)]
     if spec.enforce_eager or spec.cpu:
         argv.append("--enforce-eager")
-    argv += spec.extra_args
-    endpoints = EngineEndpoints(
-        url=f"http://{spec.host}:{spec.port}",
-        models=names,
-        block_size=spec.block_size,
-        kv_events=tcp_connect(spec.host, spec.events_port),
-        kv_replay=tcp_connect(spec.host, spec.replay_port),
-        kv_topic=KV_TOPIC,
+    endpoints = EngineEndpoints.of(
+        spec.host, spec.port, names, spec.block_size, spec.events_port, spec.replay_port
     )
-    return EngineLaunch(argv, dict(CPU_ENV) if spec.cpu else {}, endpoints)
+    return EngineLaunch(argv + spec.extra_args, dict(CPU_ENV) if spec.cpu else {}, endpoints)

@@ -1,23 +1,23 @@
 """A real engine (vLLM, SGLang) as a child process, and what the gateway must know about it.
 
-Engines cannot be asked what they serve the way our workers can (/urc/info), so a launcher
-hands the gateway an `EngineEndpoints`: the worker's URL, its served model names, its KV-event
-and replay endpoints and block size (the `[[workers]]` entry of a gateway config, docs/cli.md).
+Real engines have no /urc/info, so a launcher hands the gateway an `EngineEndpoints` (the
+`[[workers]]` entry of a gateway config, docs/cli.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
+
+KV_TOPIC = "kv"
 
 
 @dataclass(slots=True)
@@ -29,7 +29,17 @@ class EngineEndpoints:
     block_size: int
     kv_events: str | None = None  # as the gateway connects to it (tcp://host:port)
     kv_replay: str | None = None
-    kv_topic: str = ""
+    kv_topic: str = KV_TOPIC
+
+    @classmethod
+    def of(
+        cls, host: str, port: int, models: list[str], block_size: int, events: int, replay: int
+    ) -> EngineEndpoints:
+        """An engine on `host` serving HTTP on `port`, publishing on `events` and `replay`."""
+        connect = f"tcp://{host}:"
+        return cls(
+            f"http://{host}:{port}", models, block_size, f"{connect}{events}", f"{connect}{replay}"
+        )
 
     def worker_entry(self) -> dict[str, Any]:
         """The `[[workers]]` table of a gateway config file."""
@@ -39,11 +49,8 @@ class EngineEndpoints:
             "block_size": self.block_size,
             "kv_topic": self.kv_topic,
         }
-        if self.kv_events:
-            entry["kv_events"] = self.kv_events
-        if self.kv_replay:
-            entry["kv_replay"] = self.kv_replay
-        return entry
+        optional = {"kv_events": self.kv_events, "kv_replay": self.kv_replay}
+        return entry | {k: v for k, v in optional.items() if v}
 
 
 @dataclass(slots=True)
@@ -53,7 +60,6 @@ class EngineLaunch:
     argv: list[str]
     env: dict[str, str]
     endpoints: EngineEndpoints
-    health_path: str = "/health"
 
 
 @dataclass(slots=True, eq=False)
@@ -63,19 +69,10 @@ class EngineProcess:
     launch: EngineLaunch
     popen: subprocess.Popen[bytes]
     log_path: Path
-    _log: IO[bytes] | None = field(default=None, repr=False)
 
     @property
     def endpoints(self) -> EngineEndpoints:
         return self.launch.endpoints
-
-    def healthy(self, timeout_s: float = 2.0) -> bool:
-        url = self.endpoints.url + self.launch.health_path
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-                return resp.status == 200
-        except (OSError, urllib.error.URLError):
-            return False
 
     def wait_ready(self, timeout_s: float = 300.0, interval_s: float = 0.5) -> None:
         """Until /health answers 200; RuntimeError (with the log's tail) if it exits or the
@@ -86,8 +83,10 @@ class EngineProcess:
                 raise RuntimeError(
                     f"engine exited with {self.popen.returncode}:\n{self.log_tail()}"
                 )
-            if self.healthy():
-                return
+            health = self.endpoints.url + "/health"
+            with contextlib.suppress(OSError), urllib.request.urlopen(health, timeout=2) as resp:
+                if resp.status == 200:
+                    return
             time.sleep(interval_s)
         raise RuntimeError(f"engine not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
 
@@ -101,7 +100,6 @@ class EngineProcess:
         as a crash: no goodbye on any socket."""
         self._signal_group(signal.SIGKILL)
         self.popen.wait(30)
-        self._close_log()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM, then SIGKILL to whatever of the engine is left (children included)."""
@@ -109,43 +107,36 @@ class EngineProcess:
             self._signal_group(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.popen.wait(timeout_s)
-        self._signal_group(signal.SIGKILL)
-        self.popen.wait(30)
-        self._close_log()
+        self.kill()
 
     def _signal_group(self, sig: signal.Signals) -> None:
         # start_engine made the engine a session (and process group) leader
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, sig)
 
-    def _close_log(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
 
 def start_engine(launch: EngineLaunch, log_path: str | Path) -> EngineProcess:
     """Start `launch` in its own process group, output to `log_path`; does not wait."""
     path = Path(log_path)
-    log = path.open("wb")
-    popen = subprocess.Popen(
-        launch.argv,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, **launch.env},
-        start_new_session=True,
+    with path.open("wb") as log:  # the child writes to its own copy of the descriptor
+        popen = subprocess.Popen(
+            launch.argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **launch.env},
+            start_new_session=True,
+        )
+    return EngineProcess(launch, popen, path)
+
+
+def kv_events_config(events_port: int, replay_port: int, **extra: Any) -> str:
+    """The `--kv-events-config` both engines take: ZMQ PUB and replay on every interface."""
+    return json.dumps(
+        {
+            **extra,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{events_port}",
+            "replay_endpoint": f"tcp://*:{replay_port}",
+            "topic": KV_TOPIC,
+        }
     )
-    return EngineProcess(launch, popen, path, log)
-
-
-def tcp_bind(port: int) -> str:
-    return f"tcp://*:{port}"
-
-
-def tcp_connect(host: str, port: int) -> str:
-    return f"tcp://{host}:{port}"
-
-
-def served_names(model: str, names: Sequence[str] | None) -> list[str]:
-    """The names clients use: those given, else the model path as the engine reports it."""
-    return list(names) if names else [model]

@@ -1,15 +1,10 @@
 """A request's pages through its life: admit (match + lock), grow, cache its full blocks,
-release. The only code that moves pages between a request and the radix cache
-(backends/cache/radix.py, paged and keeping tokens here).
-
-With the prefix cache off, a request matches nothing, caches nothing and releases every page:
-the same engine then computes every token of every prompt (the baseline of the equality test).
-"""
+release. The only code that moves pages between a request and the radix cache."""
 
 from __future__ import annotations
 
 from backends.cache.radix import RadixCache
-from backends.engine.request import Request
+from backends.torch_worker.request import Request
 
 
 def matched_blocks(cache: RadixCache, req: Request, kv_group: str) -> int:

@@ -1,18 +1,6 @@
-"""Paged attention over the KV pool: each sequence's K/V live in its pages, wherever they are.
-
-A forward batch holds, in order, the decode sequences (one new token each) and then the prefill
-chunks (several new tokens each). Every sequence is described by its page table and its
-length; the new tokens are the last `q_len` of its `kv_len` tokens, so a query at offset i of
-its chunk sees keys [0, kv_len - q_len + i].
-
-Two implementations of one contract (`attend(layer, q, k_cache, v_cache) -> out`):
-- `TorchPagedAttention`: gather the sequence's pages, then scaled dot product attention;
-  decodes in one padded batch (padding reads the reserved page 0 and is masked), chunks one
-  by one.
-  Runs on CPU and CUDA; it is the tested path.
-- `FlashInferPagedAttention`: FlashInfer's batch prefill kernel over the same NHD pages (CUDA,
-  when `flashinfer` imports).
-"""
+"""Paged attention over the KV pool: a batch of decodes then prefill chunks, each sequence
+described by its page table and length. Two implementations of one contract: torch (tested)
+and FlashInfer (CUDA); docs/workers.md."""
 
 from __future__ import annotations
 
@@ -21,6 +9,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from backends.torch_worker.config import LlamaConfig
 
 try:  # optional: only on CUDA machines that have it
     import flashinfer  # type: ignore[import-not-found]
@@ -119,19 +109,11 @@ class FlashInferPagedAttention:  # pragma: no cover - needs CUDA and flashinfer
     """FlashInfer's BatchPrefillWithPagedKVCacheWrapper: one plan per forward, one run per
     layer. Decodes are prefills of one token, so the whole mixed batch is one kernel call."""
 
-    def __init__(
-        self,
-        scale: float,
-        q_heads: int,
-        kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device) -> None:
         if flashinfer is None:
             raise RuntimeError("flashinfer is not installed")
-        self.scale = scale
-        self.shape = (q_heads, kv_heads, head_dim)
+        self.scale = cfg.head_dim**-0.5
+        self.shape = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
         self.dtype = dtype
         workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=device)
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
@@ -171,13 +153,7 @@ class FlashInferPagedAttention:  # pragma: no cover - needs CUDA and flashinfer
 
 
 def make_attention(
-    backend: str,
-    scale: float,
-    q_heads: int,
-    kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
+    backend: str, cfg: LlamaConfig, dtype: torch.dtype, device: torch.device
 ) -> PagedAttention:
     """`backend`: "torch", "flashinfer", or "auto" (FlashInfer on CUDA when it imports and
     the dtype is one its kernels take)."""
@@ -188,7 +164,7 @@ def make_attention(
         and dtype in (torch.float16, torch.bfloat16)
     )
     if use_flashinfer:
-        return FlashInferPagedAttention(scale, q_heads, kv_heads, head_dim, dtype, device)
+        return FlashInferPagedAttention(cfg, dtype, device)
     if backend not in ("torch", "auto"):
         raise ValueError(f"unknown attention backend {backend!r}")
-    return TorchPagedAttention(scale)
+    return TorchPagedAttention(cfg.head_dim**-0.5)

@@ -1,12 +1,7 @@
 """The torch engine: several models, one radix cache per page pool, continuous batching.
 
-A pure synchronous state machine around real forward passes: `submit`, `abort`, and `step()`,
-which runs at most one forward pass per model (per set of weights: aliases share one batch)
-and returns what happened, the KV events of each kv_group included. Whoever drives it (the
-worker's engine thread, a benchmark, a test) owns the only thread that touches it.
-
-Models whose KV layout (layers, KV heads, head dim, page size, dtype) is equal draw pages from
-one pool; each other layout gets its own pool, the memory budget split evenly between them.
+A synchronous state machine around real forward passes (`submit`, `abort`, `step`); whoever
+drives it owns the only thread that touches it. Pools and steps: docs/workers.md.
 """
 
 from __future__ import annotations
@@ -21,14 +16,14 @@ import torch
 from backends.cache.check import check, check_locks
 from backends.cache.radix import RadixCache
 from backends.cache.scopes import Invalidated, invalidate
-from backends.engine.attention import make_attention
-from backends.engine.loader import LoadedModel
-from backends.engine.model_runner import ModelRunner, WorkItem
-from backends.engine.page_pool import KVLayout, PagePool
-from backends.engine.paging import cache_blocks, release
-from backends.engine.request import Request, SamplingParams, Status
-from backends.engine.sampler import sample
-from backends.engine.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
+from backends.torch_worker.attention import make_attention
+from backends.torch_worker.loader import LoadedModel
+from backends.torch_worker.model_runner import ModelRunner, WorkItem
+from backends.torch_worker.page_pool import KVLayout, PagePool
+from backends.torch_worker.paging import cache_blocks
+from backends.torch_worker.request import Request, SamplingParams, Status
+from backends.torch_worker.sampler import sample
+from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
 from core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 
@@ -97,16 +92,7 @@ class TorchEngine:
             self.pools[layout] = PoolState(pool, cache)
         self.models: dict[str, ModelState] = {}
         for group, loaded in groups.items():
-            cfg_m = loaded.config
-            attention = make_attention(
-                cfg.attention,
-                cfg_m.head_dim**-0.5,
-                cfg_m.num_attention_heads,
-                cfg_m.num_key_value_heads,
-                cfg_m.head_dim,
-                loaded.dtype,
-                loaded.device,
-            )
+            attention = make_attention(cfg.attention, loaded.config, loaded.dtype, loaded.device)
             runner = ModelRunner(loaded.model, attention, loaded.device)
             self.models[group] = ModelState(loaded, runner, self.pools[loaded.layout])
             self.pools[loaded.layout].cache.root(group)  # every group's tree exists from now
@@ -183,9 +169,7 @@ class TorchEngine:
         if req.status is Status.WAITING:
             ms.waiting.remove(req)
         else:
-            release(ms.pool.cache, req)
-            ms.running.remove(req)
-            ms.pool.running.remove(req)
+            ms.drop(req)
         req.status = Status.ABORTED
         return True
 
@@ -260,9 +244,7 @@ class TorchEngine:
         return None
 
     def _finish(self, ms: ModelState, req: Request, reason: str) -> None:
-        release(ms.pool.cache, req)
-        ms.running.remove(req)
-        ms.pool.running.remove(req)
+        ms.drop(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
         counters = self.counters[req.model]

@@ -1,9 +1,5 @@
-"""A Llama-architecture model's shape, read from (and written as) a Hugging Face config.json.
-
-`PRESETS` are shapes the worker can build with random weights and nothing downloaded: `tiny`
-(the byte tokenizer's 260 ids, small enough for CI) and `llama-3.2-1b` (the real model's shape,
-for throughput runs on a GPU).
-"""
+"""A Llama-architecture model's shape, read from (and written as) a Hugging Face config.json;
+`PRESETS` are shapes built with random weights, nothing downloaded."""
 
 from __future__ import annotations
 

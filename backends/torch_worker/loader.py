@@ -1,11 +1,5 @@
-"""Models the worker serves: a preset shape with random weights, or a Hugging Face directory.
-
-"tiny"           PRESETS["tiny"] + the byte tokenizer, random weights drawn from `seed`:
-                 the same model on every machine, nothing downloaded
-"llama-3.2-1b"   the real model's shape with random weights (throughput runs)
-DIR              config.json + *.safetensors + tokenizer.json (`load_format="dummy"`:
-                 random weights of DIR's shape, DIR's tokenizer)
-"""
+"""Models the worker serves: a preset shape (`tiny`, `llama-3.2-1b`) with random weights, or a
+Hugging Face directory (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -16,15 +10,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backends.engine.config import PRESETS, LlamaConfig
-from backends.engine.fingerprint import (
+from backends.torch_worker.config import PRESETS, LlamaConfig
+from backends.torch_worker.fingerprint import (
     dummy_digest,
     kv_group_of,
     model_fingerprint,
     safetensors_digest,
 )
-from backends.engine.model import LlamaForCausalLM
-from backends.engine.page_pool import KVLayout
+from backends.torch_worker.model import LlamaForCausalLM
+from backends.torch_worker.page_pool import KVLayout
 from core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,14 +1,5 @@
-"""`urc worker --engine torch`: TorchEngine (engine.py) in the worker HTTP shell
-(backends/http/worker.py); its forward passes run on a thread of their own (backends/http/
-runner.py).
-
-One or more models on one device (`--model [NAME=]SPEC`, repeatable; SPEC a preset such as
-`tiny` or a Hugging Face directory), all drawing KV pages from one pool per KV layout; each
-kv_group publishes its own KV-event stream. Its own fields of `/urc/info`:
-
-    "device": "cpu",
-    "pools": [{"kv_groups", "pages", "page_size", "layers", "kv_heads", "head_dim", "dtype"}]
-"""
+"""`urc worker --engine torch`: TorchEngine in the worker HTTP shell, its forward passes on a
+thread of their own; several models share one KV page pool per layout (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -21,21 +12,20 @@ from typing import Any
 import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from backends.engine.engine import (
+from backends.http.engine import Events, InvalidateRequest, counter, gauge
+from backends.http.generation import Generation, WorkerLoad
+from backends.http.served_model import ServedModel
+from backends.http.worker import add_flags, run_worker, worker_parser
+from backends.torch_worker.engine import (
     EngineConfig,
     EngineLoad,
     StepResult,
     TorchEngine,
     default_device,
 )
-from backends.engine.loader import LoadedModel, load_model
-from backends.engine.request import Request, SamplingParams, Status
-from backends.engine.scheduler import SchedulerConfig
-from backends.http.engine import Events, InvalidateRequest
-from backends.http.generation import Generation, WorkerLoad
-from backends.http.metrics import counter, gauge
-from backends.http.served_model import ServedModel
-from backends.http.worker import run_worker, worker_parser
+from backends.torch_worker.loader import LoadedModel, load_model
+from backends.torch_worker.request import Request, Status
+from backends.torch_worker.scheduler import SchedulerConfig
 
 ENGINE = "torch"
 
@@ -91,16 +81,7 @@ class TorchSide:
 
     def request(self, gen: Generation) -> Request:
         """Checked on the loop: `validate` reads only what never changes."""
-        s = gen.sampling
-        params = SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed,
-            ignore_eos=s.ignore_eos,
-        )
-        req = self.engine.new_request(gen.model.name, gen.prompt, params, gen.cache_salt)
+        req = self.engine.new_request(gen.model.name, gen.prompt, gen.sampling, gen.cache_salt)
         if gen.cache_salt:  # shared isolation: the public part, whole blocks of the prompt
             page = self.config.page_size
             req.public_blocks = min(gen.public_tokens // page, len(gen.prompt) // page)
@@ -264,19 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="dummy: random weights of the model's shape",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of random (dummy) weights")
-    parser.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page")
-    parser.add_argument(
-        "--kv-cache-mb", type=float, default=d.kv_cache_mb, help="KV memory, all pools together"
-    )
-    parser.add_argument(
-        "--num-pages", type=int, default=0, help="pages per pool (overrides --kv-cache-mb)"
-    )
-    parser.add_argument(
-        "--chunk-size", type=int, default=s.chunk_size, help="prefill tokens per forward pass"
-    )
-    parser.add_argument(
-        "--max-running", type=int, default=s.max_running, help="requests in a model's batch"
+    add_flags(
+        parser,
+        [
+            ("--seed", int, 0, "seed of random (dummy) weights"),
+            ("--page-size", int, d.page_size, "tokens per KV page"),
+            ("--kv-cache-mb", float, d.kv_cache_mb, "KV memory, all pools together"),
+            ("--num-pages", int, 0, "pages per pool (overrides --kv-cache-mb)"),
+            ("--chunk-size", int, s.chunk_size, "prefill tokens per forward pass"),
+            ("--max-running", int, s.max_running, "requests in a model's batch"),
+        ],
     )
     parser.add_argument(
         "--disable-prefix-cache", action="store_true", help="compute every prompt token"

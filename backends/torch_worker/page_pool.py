@@ -1,15 +1,5 @@
-"""One preallocated KV tensor per KV layout, cut into pages that any model of that layout uses.
-
-    kv[0, layer] is K, kv[1, layer] is V: [pages, page_size, kv_heads, head_dim]
-
-Page 0 is reserved: padded gathers read it and the mask drops it. The whole pool starts
-zeroed, because attention gathers whole pages and masks what is past a sequence's end: a
-masked score weighs 0, but 0 x NaN (uninitialized memory) is NaN. Pages only ever hold zeros
-or K/V a forward wrote, so every value read is finite.
-
-The pool only holds the memory; which pages are free, what a page holds and who may reuse it is
-the radix cache's business (backends/cache/radix.py), to which `page_ids` hands them all.
-"""
+"""One preallocated, zeroed KV tensor per KV layout, cut into pages, page 0 reserved
+(docs/workers.md). Which pages are free is the radix cache's business."""
 
 from __future__ import annotations
 

@@ -1,15 +1,5 @@
-"""What runs: for one model per step, its batch of decodes and prefill chunks.
-
-- Running requests first, in admission order: a decode costs one token; a prefill (or a
-  recomputation after preemption) takes a chunk of what is left of `chunk_size` tokens.
-- Then waiting requests of the model are admitted, longest cached prefix first (FCFS when the
-  queue is longer than `lpf_limit`, where matching them all would cost more than it saves),
-  while the batch has room, the budget has tokens and the pool has pages for the chunk plus
-  one page for every decoding request of the pool (so admitting does not at once preempt).
-- When pages run out for a running request, the newest running request of the pool (of any
-  model) is preempted: its full blocks are already cached, its private pages are freed and it
-  goes back to the front of its queue, to find its own blocks again when readmitted.
-"""
+"""What runs: for one model per step, its batch of decodes and prefill chunks; admission longest
+cached prefix first, preemption of the pool's newest request (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -18,11 +8,11 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from backends.cache.radix import RadixCache
-from backends.engine.loader import LoadedModel
-from backends.engine.model_runner import ModelRunner, WorkItem
-from backends.engine.page_pool import PagePool
-from backends.engine.paging import admit, grow, matched_blocks, pages_needed, release
-from backends.engine.request import Request, Status
+from backends.torch_worker.loader import LoadedModel
+from backends.torch_worker.model_runner import ModelRunner, WorkItem
+from backends.torch_worker.page_pool import PagePool
+from backends.torch_worker.paging import admit, grow, matched_blocks, pages_needed, release
+from backends.torch_worker.request import Request, Status
 
 
 @dataclass(slots=True, eq=False)
@@ -43,6 +33,12 @@ class ModelState:
     pool: PoolState
     waiting: deque[Request] = field(default_factory=deque)
     running: list[Request] = field(default_factory=list)  # admission order
+
+    def drop(self, req: Request) -> None:
+        """A running request leaves the batch: its private pages and its lock go back."""
+        release(self.pool.cache, req)
+        self.running.remove(req)
+        self.pool.running.remove(req)
 
 
 @dataclass(slots=True)
@@ -131,9 +127,7 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         """Back to the front of its queue; its cached blocks stay cached."""
         ms = self.models[req.kv_group]
-        release(ms.pool.cache, req)
-        ms.running.remove(req)
-        ms.pool.running.remove(req)
+        ms.drop(req)
         req.status = Status.WAITING
         req.preemptions += 1
         ms.waiting.appendleft(req)

@@ -1,11 +1,6 @@
-"""A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV.
-
-Parameter names are Hugging Face's (`model.layers.0.self_attn.k_proj.weight`, ...), so a
-checkpoint loads with `load_state_dict`. A forward takes the batch's new tokens flattened
-(`[tokens]`), writes their K/V into the pool at `layout.write_slots`, and attends over each
-sequence's pages (attention.py). It returns the last hidden state; `logits` projects the rows
-that get sampled.
-"""
+"""A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV,
+with Hugging Face's parameter names. `forward` writes the new tokens' K/V into the pool and
+returns the last hidden state; `logits` projects the rows that get sampled."""
 
 from __future__ import annotations
 
@@ -13,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.engine.attention import PagedAttention
-from backends.engine.config import LlamaConfig
-from backends.engine.rope import RotaryEmbedding, apply_rope
+from backends.torch_worker.attention import PagedAttention
+from backends.torch_worker.config import LlamaConfig
+from backends.torch_worker.rope import RotaryEmbedding, apply_rope
 
 Device = torch.device | str | None
 

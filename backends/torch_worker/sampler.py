@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from backends.engine.request import Request
+from backends.torch_worker.request import Request
 
 
 def sample(req: Request, logits: torch.Tensor) -> int:

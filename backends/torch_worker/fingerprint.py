@@ -1,14 +1,5 @@
-"""A model's KV identity: the hash of everything that decides the K/V of a token sequence.
-
-    fingerprint = blake2b(config, dtype, page size, tokenizer fingerprint, KV-path weights)
-
-The weights on the KV path are those a layer's K and V depend on: the embeddings, every layer
-but the last, and the last layer's input norm and K/V projections (not its query, output or
-MLP, nor the final norm or the LM head). Two served names of one model directory share the
-fingerprint, hence the kv_group and the cached pages; different weights never do. Checkpoint
-weights are hashed as stored in the safetensors files (dtype, shape, raw bytes, by name);
-random weights by how they were drawn.
-"""
+"""A model's KV identity: the hash of everything that decides the K/V of a token sequence
+(config, dtype, page size, tokenizer, the weights on the KV path; docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from backends.engine.config import LlamaConfig
+from backends.torch_worker.config import LlamaConfig
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _LAST_LAYER_KV = ("input_layernorm.", "self_attn.k_proj.", "self_attn.v_proj.")

@@ -1,9 +1,5 @@
-"""Turns one model's batch of (request, new tokens) into tensors and runs one forward pass.
-
-The batch is ordered decodes first (one new token each), then prefill chunks, as attention.py
-expects. Every request's page table must already cover its `computed + n` tokens. Returns the
-logits of the requests whose chunk reaches the end of their tokens (they get a next token).
-"""
+"""Turns one model's batch of (request, new tokens) into tensors (decodes first, as attention.py
+expects) and runs one forward pass; the logits of requests that get a next token."""
 
 from __future__ import annotations
 
@@ -11,10 +7,15 @@ from typing import NamedTuple
 
 import torch
 
-from backends.engine.attention import BatchLayout, PagedAttention, SequenceView, new_token_slots
-from backends.engine.model import LlamaForCausalLM
-from backends.engine.page_pool import PagePool
-from backends.engine.request import Request
+from backends.torch_worker.attention import (
+    BatchLayout,
+    PagedAttention,
+    SequenceView,
+    new_token_slots,
+)
+from backends.torch_worker.model import LlamaForCausalLM
+from backends.torch_worker.page_pool import PagePool
+from backends.torch_worker.request import Request
 
 
 class WorkItem(NamedTuple):

@@ -8,19 +8,10 @@ weights of the model's config (no checkpoint needed: a GPU check with a small Ll
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 
-from backends.engine_process import (
-    EngineEndpoints,
-    EngineLaunch,
-    served_names,
-    tcp_bind,
-    tcp_connect,
-)
-
-KV_TOPIC = "kv"
+from backends.real.process import EngineEndpoints, EngineLaunch, kv_events_config
 
 
 @dataclass(slots=True)
@@ -29,7 +20,7 @@ class SGLangSpec:
     port: int
     events_port: int
     replay_port: int
-    served_model_name: str | None = None  # SGLang serves one name
+    served_model_name: str | None = None  # SGLang serves one name (none: the model path)
     host: str = "127.0.0.1"
     page_size: int = 16
     load_format: str | None = None  # "dummy": random weights
@@ -40,36 +31,13 @@ class SGLangSpec:
     extra_args: list[str] = field(default_factory=list)
 
 
-def kv_events_config(events_port: int, replay_port: int, topic: str = KV_TOPIC) -> str:
-    return json.dumps(
-        {
-            "publisher": "zmq",
-            "endpoint": tcp_bind(events_port),
-            "replay_endpoint": tcp_bind(replay_port),
-            "topic": topic,
-        }
-    )
-
-
 def sglang_launch(spec: SGLangSpec) -> EngineLaunch:
-    names = served_names(spec.model, [spec.served_model_name] if spec.served_model_name else None)
+    name = spec.served_model_name or spec.model
     argv = [
-        spec.python,
-        "-m",
-        "sglang.launch_server",
-        "--model-path",
-        spec.model,
-        "--served-model-name",
-        names[0],
-        "--host",
-        spec.host,
-        "--port",
-        str(spec.port),
-        "--page-size",
-        str(spec.page_size),
-        "--enable-cache-report",
-        "--kv-events-config",
-        kv_events_config(spec.events_port, spec.replay_port),
+        *(spec.python, "-m", "sglang.launch_server", "--model-path", spec.model),
+        *("--served-model-name", name, "--host", spec.host, "--port", str(spec.port)),
+        *("--page-size", str(spec.page_size), "--enable-cache-report"),
+        *("--kv-events-config", kv_events_config(spec.events_port, spec.replay_port)),
     ]
     optional = {
         "--load-format": spec.load_format,
@@ -80,13 +48,7 @@ def sglang_launch(spec: SGLangSpec) -> EngineLaunch:
     for flag, value in optional.items():
         if value is not None:
             argv += [flag, str(value)]
-    argv += spec.extra_args
-    endpoints = EngineEndpoints(
-        url=f"http://{spec.host}:{spec.port}",
-        models=names,
-        block_size=spec.page_size,
-        kv_events=tcp_connect(spec.host, spec.events_port),
-        kv_replay=tcp_connect(spec.host, spec.replay_port),
-        kv_topic=KV_TOPIC,
+    endpoints = EngineEndpoints.of(
+        spec.host, spec.port, [name], spec.page_size, spec.events_port, spec.replay_port
     )
-    return EngineLaunch(argv, {}, endpoints)
+    return EngineLaunch(argv + spec.extra_args, {}, endpoints)

@@ -16,21 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from backends.cache.nodes import Run
+from backends.http.generation import SamplingParams
 from core.blocks import block_keys, chain_keys, continue_after
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0: no limit
-    seed: int | None = None
-    ignore_eos: bool = False  # run to max_tokens whatever is sampled
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("need max_tokens >= 1, temperature >= 0 and 0 < top_p <= 1")
 
 
 class Status(enum.Enum):

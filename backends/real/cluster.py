@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
-from backends.engine_process import EngineLaunch, EngineProcess, start_engine
-from backends.sglang import SGLangSpec, sglang_launch
-from backends.vllm import VLLMSpec, vllm_launch
-
-REAL_ENGINES = ("vllm", "sglang")
+from backends.real.process import EngineLaunch, EngineProcess, start_engine
+from backends.real.sglang import SGLangSpec, sglang_launch
+from backends.real.vllm import VLLMSpec, vllm_launch
 
 
 def free_ports(n: int) -> list[int]:
@@ -46,34 +45,30 @@ def add_real_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_launch(args: argparse.Namespace, ports: list[int]) -> EngineLaunch:
     if not args.model:
         raise ValueError(f"--engine {args.engine} needs --model")
-    port, events, replay = ports
-    python = args.engine_python or None
+    python, extra = args.engine_python or sys.executable, list(args.worker_arg)
     if args.engine == "vllm":
-        spec = VLLMSpec(
-            args.model,
-            port,
-            events,
-            replay,
-            served_model_names=[args.served_model_name] if args.served_model_name else [],
-            block_size=args.block_size or (32 if args.cpu else 16),
-            cpu=args.cpu,
-            extra_args=list(args.worker_arg),
+        names = [args.served_model_name] if args.served_model_name else []
+        block_size = args.block_size or (32 if args.cpu else 16)
+        return vllm_launch(
+            VLLMSpec(
+                args.model,
+                *ports,
+                names,
+                block_size=block_size,
+                cpu=args.cpu,
+                python=python,
+                extra_args=extra,
+            )
         )
-        if python:
-            spec.python = python
-        return vllm_launch(spec)
-    sg = SGLangSpec(
+    spec = SGLangSpec(
         args.model,
-        port,
-        events,
-        replay,
-        served_model_name=args.served_model_name,
+        *ports,
+        args.served_model_name,
         page_size=args.block_size or 16,
-        extra_args=list(args.worker_arg),
+        python=python,
+        extra_args=extra,
     )
-    if python:
-        sg.python = python
-    return sglang_launch(sg)
+    return sglang_launch(spec)
 
 
 async def start_real_engines(

@@ -1,0 +1,1 @@
+"""Launchers of real engines (vLLM, SGLang) as worker processes."""
