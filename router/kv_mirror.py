@@ -1,21 +1,10 @@
 """One worker's KV event stream mirrored into the unified index (docs/kv-events.md). Pure: no I/O.
 
 The engine's block hashes are never trusted as index keys: every BlockStored is re-keyed from
-its token ids with core/blocks.py, continuing the chain from our key of its parent. A
-per-worker map remembers engine hash -> our key so that later events (children, removals) can
-be translated. Our own workers hash exactly as we do; for them the map stays empty (a missing
-entry means "the engine hash is our key") and the index itself says whether a parent is held.
-
-Sequence numbers decide what a batch means (`Apply`):
-
-    seq == last + 1 (or the first seen)      OK         applied
-    seq >  last + 1                          GAP        not applied; replay from resume_from
-    seq <= last, same batch as applied       DUPLICATE  ignored (replay/live overlap)
-    seq <= last, another batch               RESTART    a new incarnation: the worker is cleared;
-      (or one older than `dedup_window`)                seq 0 is applied, else replay from 0
-
-A caller that cannot replay calls `reset()` and goes on: after a reset the next batch is
-accepted as a fresh start, so the mirror holds a subset of the truth, never stale blocks.
+its token ids (core/blocks.py), continuing the chain from our key of its parent. A per-worker
+map remembers engine hash -> our key for later events; for our own workers, which hash as we
+do, it stays empty (a missing entry means "the engine hash is our key").
+Sequence numbers decide what a batch means (`Apply`, the table in docs/kv-events.md).
 """
 
 from __future__ import annotations
@@ -343,23 +332,5 @@ class WorkerMirror:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def mapped_hashes(self) -> int:
-        """Engine hashes held in the map (identity hashes take none)."""
-        return len(self._keys) + len(self._other)
-
     def stats(self) -> MirrorStats:
-        return MirrorStats(
-            applied_batches=self.applied_batches,
-            blocks_stored=self.blocks_stored,
-            blocks_removed=self.blocks_removed,
-            gaps=self.gaps,
-            restarts=self.restarts,
-            duplicates=self.duplicates,
-            resets=self.resets,
-            skipped_orphans=self.skipped_orphans,
-            skipped_unkeyable=self.skipped_unkeyable,
-            unknown_events=self.unknown_events,
-            decode_errors=self.decode_errors,
-            last_seq=self.last_seq,
-            last_event_ts=self.last_event_ts,
-        )
+        return MirrorStats(*[getattr(self, name) for name in MirrorStats._fields])

@@ -1,19 +1,9 @@
 """The gateway side of a worker's KV events (docs/kv-events.md): a WorkerMirror's asyncio shell.
 
 A SUB socket follows the worker's stream; a DEALER (a fresh one per request, so that a late
-answer to a timed-out request is never taken for the next one) asks its replay socket for
-what was missed. Whenever the mirror may be behind (start-up, a gap in seq, a new incarnation,
-the SUB socket reconnecting) the subscriber *catches up*: it replays from the last seq it
-applied (one batch of overlap, which proves the worker is the same incarnation), or from 0.
-
-    replay starts with our last seq, same batch     same incarnation: apply what follows
-    replay starts with our last seq, other batch    new incarnation: clear, replay from 0
-    replay holds nothing from our last seq on       new incarnation: clear, replay from 0
-    replay starts later / has a hole / none / late  history lost: reset, keep what came
-
-So the mirror holds at most what the worker holds: after a loss it holds less, never stale
-blocks. Live messages that arrive during a replay wait in the SUB queue (`rcvhwm`) and are
-applied after it; those the replay covered are dropped as duplicates by seq.
+answer to a timed-out request is never taken for the next one) asks its replay socket for what
+was missed. Whenever the mirror may be behind it *catches up* by a replay from the last seq it
+applied (the table in docs/kv-events.md): after a loss the mirror holds less, never stale blocks.
 """
 
 from __future__ import annotations
@@ -105,11 +95,9 @@ class KVEventSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poll_ms = max(1, int(self.poll_interval_s * 1000))
-        # what is waiting is read through plain views of the same sockets, without awaiting:
-        # one C call a message, where an asyncio socket's costs a future and loop callbacks
-        # (on a busy fleet a message comes with nearly every request); the poller is awaited
-        # only once both are drained, and the loop is given a turn every YIELD_EVERY messages
-        # (applying one takes no await: a backlog would otherwise hold the requests up)
+        # plain views of the same sockets read what is waiting in one C call a message (an
+        # asyncio socket's recv costs a future and loop callbacks); the poller is awaited only
+        # once both are drained, and the loop gets a turn every YIELD_EVERY messages
         live = zmq.Socket.shadow(sub.underlying)
         changes = zmq.Socket.shadow(monitor.underlying)
         in_a_row = 0

@@ -1,11 +1,7 @@
-"""Who holds what in the unified index (router/index.py): residents, their holds, and every way
-a hold ends.
+"""Who holds what in the unified index (docs/index.md): residents, their holds, and every way
+a hold ends (remove, clear, expiry, eviction from the tails of the least recently used leaves).
 
-Residency is a bitmask per run (router/run_tree.py): each `(worker, kv_group)` pair (a
-*resident*) owns one bit. Exact residency lasts until removed; approximate residency expires
-its TTL after it was last confirmed; *pending* residency is approximate residency awaiting a
-worker's own KV events. Memory is bounded by `max_blocks`: blocks go from the tail of the least
-recently used leaf run, only as many as the shortfall, so eviction never scans the tree.
+Each `(worker, kv_group)` pair (a *resident*) owns one bit of a run's mask (router/run_tree.py).
 """
 
 from __future__ import annotations
@@ -88,9 +84,6 @@ class ResidencyTree(RunTree):
             self._group_mask[resident.kv_group] = group_mask
         else:
             del self._group_mask[resident.kv_group]
-
-    def residents(self) -> list[Resident]:
-        return [r for r in self._resident_of if r is not None]
 
     def blocks_held(self, worker: str, kv_group: str) -> int:
         bit = self._find(worker, kv_group)
