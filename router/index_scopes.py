@@ -1,11 +1,5 @@
-"""Scoped invalidation of the unified index: an operator's call, never the request path.
-
-A namespace (a tenant's, a user's, a session's) starts at a tagged key (`tag_namespace`): a
-root block keyed in its salt, or the first private block after a public prefix. Every block
-under such a key is in that namespace, because keys are chained. Dropping a scope is: find
-the tagged keys whose salt the scope matches, cut their runs there, and release every
-resident's hold on those runs and all runs below them. It walks the runs once, as `clear`
-does; it lives here, beside the index, to keep index.py about the hot paths.
+"""Scoped invalidation of the unified index (docs/index.md): an operator's call, never the
+request path, so it lives beside the index rather than in its hot module.
 """
 
 from __future__ import annotations

@@ -174,7 +174,7 @@ class KVEventSubscriber:
         return result
 
     async def _catch_up(self) -> None:
-        """Replay from our last seq (or 0) until the mirror is current; see the module doc."""
+        """Replay from our last seq (or 0) until the mirror is current (docs/kv-events.md)."""
         mirror = self.mirror
         for _ in range(2):  # the second round only after finding a new incarnation
             last = mirror.last_seq

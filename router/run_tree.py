@@ -1,10 +1,8 @@
-"""The compressed tree under the unified index (router/index.py): runs of chained block keys.
+"""The compressed tree under the unified index (docs/index.md): runs of chained block keys.
 
-A node is a *run* of consecutive blocks with the same residency, as in SGLang's radix cache;
-`_where` maps every key to its run (by id), so matching a prompt costs one dict lookup per run
-plus a list comparison of its keys. Leaf runs sit in an intrusive doubly linked list, oldest at
-the head, so that LRU eviction never scans the tree. What a run's `mask` means (which residents
-hold it) is the index's business; this module only keeps the shape.
+A node is a *run* of consecutive blocks with the same residency; `_where` maps every key to its
+run. Leaf runs sit in an intrusive doubly linked list, oldest at the head, so that LRU eviction
+never scans the tree. What a run's `mask` means is the index's business (router/residency.py).
 """
 
 from __future__ import annotations

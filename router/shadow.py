@@ -1,15 +1,6 @@
-"""Shadow policies: choose on every request without acting, and count what the choice predicts.
-
-The gateway (router/gateway/modes.py) and `urc replay --shadow` (simulation/shadow.py) both call
-`ShadowPolicies.watch` with the candidates the live policy saw, so their numbers cannot drift.
-Per policy, over the requests watched:
-
-    predicted_hit_tokens   tokens of the prompt the index says its choice holds
-    predicted_ttft_s       the cache_aware estimator's TTFT at its choice (CacheAwarePolicy.ttft
-                           with the operator's prefill rate and its other defaults)
-    disagreements          requests where it chose another worker than the live decision
-
-Pure and synchronous, like the policies themselves.
+"""Shadow policies (docs/policies.md): choose on every request without acting, and count what
+each choice predicts. The gateway (router/gateway/modes.py) and `urc replay --shadow`
+(simulation/shadow.py) both call `ShadowPolicies.watch`, so their numbers cannot drift.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ class RouteRequest:
 
     def matched_tokens(self, blocks: int) -> int:
         """The prompt tokens a worker holding its first `blocks` blocks can reuse: whole
-        blocks, less the last one of a prompt it holds whole (router/dispatch.py says why)."""
+        blocks, less the last one of a prompt it holds whole (docs/dispatch.md says why)."""
         usable = (self.prompt_tokens - 1) // self.block_size  # the last token is computed
         if blocks > usable:
             blocks = usable
