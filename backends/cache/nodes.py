@@ -42,10 +42,6 @@ class Run:
         self.pages: list[int] | None = None  # pages[i] backs keys[i] (a paged cache)
         self.tokens: list[int] | None = None  # exactly the blocks' token ids (keep_tokens)
 
-    @property
-    def last_key(self) -> int | None:
-        return self.keys[-1] if self.keys else None
-
 
 class Tree:
     """The blocks of one kv_group: models of a group produce identical K/V for identical

@@ -2,21 +2,15 @@
 
 As in SGLang's radix cache, but block-granular and keyed by the gateway's own block keys
 (core/blocks.py): a block's key IS its identity here and the hash in the KV events it
-publishes, so the gateway's mirror maps it by identity. Keys are chained, so a key names its
-whole prefix and the cached keys of a prompt always form a prefix of its chain. The emulated
-worker counts tokens only; the torch worker's cache is paged (a page id backs every block) and
-keeps the blocks' tokens, so a match is confirmed token by token, never on the hash alone.
+publishes. The emulated worker counts tokens only; the torch worker's cache is paged (a page id
+backs every block) and keeps the blocks' tokens, so a match is confirmed token by token.
 
-The tree is compressed (nodes.py): a node (`Run`) is a run of consecutive blocks; a tree's
-`heads` maps the first key of every run to the run, so matching costs one dict lookup and one
-list comparison per run, and storing or evicting a run one dict operation, whatever its
-length. Chained keys make that enough: a lookup always starts right after a run's last key, so
-it finds a run's first key or nothing. A namespace that starts inside new blocks starts a run
-of its own, so that scoped invalidation (scopes.py) finds it by its first key too.
-
-Locks walk to the root, so every ancestor of a locked run is locked and all evictable tokens
-can be reached by evicting leaves (pool.py: the room, its four states, and eviction). Recency
-is a logical tick, bumped by `match`, `insert` and `unlock`, that stamps the path used.
+A node (`Run`, nodes.py) is a run of consecutive blocks; a tree's `heads` maps the first key of
+every run to it, so matching costs one dict lookup and one list comparison per run. Chained keys
+make that enough: a lookup always starts right after a run's last key, so it finds a run's
+first key or nothing; a namespace that starts inside new blocks starts a run of its own, for
+scoped invalidation (scopes.py). Locks walk to the root, so all evictable tokens can be reached
+by evicting leaves (pool.py). Recency is a tick, bumped by `match`, `insert` and `unlock`.
 """
 
 from __future__ import annotations
@@ -202,8 +196,12 @@ class RadixCache(Pool):
 
     def lock(self, node: Run) -> None:
         """Protect `node` and its ancestors from eviction (counted: lock as often as unlock)."""
+        self._lock_path(node, None)
+
+    def _lock_path(self, node: Run, top: Run | None) -> None:
+        """Lock the runs from `node` up to, not including, `top` (None: the root)."""
         bs = self.block_size
-        while node.parent is not None:
+        while node is not top and node.parent is not None:
             if node.lock_ref == 0:
                 tokens = len(node.keys) * bs
                 self.evictable_tokens -= tokens
@@ -233,16 +231,7 @@ class RadixCache(Pool):
     def move_lock(self, node: Run, down_to: Run) -> None:
         """`lock(down_to)` then `unlock(node)`, for `down_to` at or below the locked `node`: one
         walk. `node`'s path stays locked (only used now), so nothing becomes evictable."""
-        bs = self.block_size
-        while down_to is not node:
-            if down_to.lock_ref == 0:
-                tokens = len(down_to.keys) * bs
-                self.evictable_tokens -= tokens
-                self.protected_tokens += tokens
-                if down_to.prev is not None:
-                    self._unlink(down_to)
-            down_to.lock_ref += 1
-            down_to = down_to.parent  # type: ignore[assignment]
+        self._lock_path(down_to, node)
         self._tick += 1
         tick = self._tick
         while node.parent is not None:
@@ -325,7 +314,7 @@ class RadixCache(Pool):
             assert tokens is not None, "this cache keeps the blocks' tokens"
             kept = list(tokens[i * bs : end * bs])
         part = _part(pages, i, end)
-        parent_key = node.last_key
+        parent_key = node.keys[-1] if node.keys else None
         if public:  # the namespace starts a run of its own (the module doc)
             head = self._add_run(node, fresh[:at], _part(part, 0, at), _part(kept, 0, at * bs))
             run = self._add_run(head, fresh[at:], _part(part, at, end), _part(kept, at * bs, None))
