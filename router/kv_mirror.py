@@ -14,13 +14,7 @@ from collections.abc import Callable, Collection, Hashable
 from typing import NamedTuple
 
 from core.blocks import chain_keys, namespace, parent_prefix, salted_after
-from core.kv_events import (
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-)
+from core.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from router.index import UnifiedIndex
 
 LoraId = int | str | None

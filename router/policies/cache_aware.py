@@ -233,12 +233,7 @@ class CacheAwarePolicy:
             costs.append(cost)
         return costs
 
-    def _place_new(
-        self,
-        request: RouteRequest,
-        candidates: Sequence[Candidate],
-        key: int,
-    ) -> int:
+    def _place_new(self, request: RouteRequest, candidates: Sequence[Candidate], key: int) -> int:
         """The worker within the wait bound whose cache took the least new content lately:
         blocks stored over the last turnover plus blocks routed to it and not yet prefilled;
         ties by rendezvous."""
