@@ -1,11 +1,7 @@
 """What every routing policy sees and returns (docs/policies.md).
 
-A policy is a synchronous object with no I/O and no clock reads: the gateway and the
-simulator hand it the same `RouteRequest` and `Candidate`s and get the same `Decision`.
-
-These are dataclasses with a written-out `__init__`: compiled (docs/compiled.md), such a class
-is built and read natively, where a NamedTuple or a generated `__init__` would run Python code
-on every request. `dataclasses.replace` and `dataclasses.asdict` work on them.
+Dataclasses with a written-out `__init__`: compiled, they are built and read natively, where a
+NamedTuple or a generated `__init__` would run Python code on every request (docs/compiled.md).
 """
 
 from __future__ import annotations

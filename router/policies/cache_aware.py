@@ -33,11 +33,8 @@ class Inflow:
 
 @dataclass(slots=True)
 class RoutingHistory:
-    """One kv_group's recent routing outcomes (decisions are its only clock).
-
-    Reuse is counted over the last fleet cache's worth of prompt tokens routed; the free share
-    and each worker's cache inflow over the last fleet cache's worth of new blocks (one turnover
-    of the caches)."""
+    """One kv_group's recent routing outcomes, decayed over one turnover of the fleet's caches
+    (decisions are its only clock)."""
 
     hit_tokens: float = 0.0  # matched tokens at the chosen workers
     miss_tokens: float = 0.0  # uncached tokens routed, on the same clock as hit_tokens
@@ -56,9 +53,7 @@ class RoutingHistory:
         self.free_tokens = self.free_tokens * decay + (miss if free else 0)
 
     def observe(self, candidates: Sequence[Candidate]) -> None:
-        """Add the blocks each worker stored since last seen to its recent inflow. A count
-        that went down is a worker the index forgot and met again: it starts over, from no
-        inflow at all."""
+        """Add the blocks each worker stored since last seen to its recent inflow."""
         workers = self.inflow
         seen: list[Inflow] = []
         added: list[int] = []
@@ -132,9 +127,11 @@ class CacheAwarePolicy:
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
         """Estimated seconds to this request's first token on `candidate` (its own queue)."""
         matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
-        return self._wait(
-            candidate.queued_prefill_tokens + request.prompt_tokens - matched, candidate
-        )
+        work: float = candidate.queued_prefill_tokens + request.prompt_tokens - matched
+        steps = -(-work // self.chunk_tokens)  # chunks; at least one step (no builtins: hot)
+        if steps < 1.0:
+            steps = 1.0
+        return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
 
     def history(self, kv_group: str) -> RoutingHistory:
         """What the policy has learnt of `kv_group` from its own decisions (made on first use)."""
@@ -142,12 +139,6 @@ class CacheAwarePolicy:
         if history is None:
             history = self._history[kv_group] = RoutingHistory()
         return history
-
-    def _wait(self, work: float, candidate: Candidate) -> float:
-        steps = -(-work // self.chunk_tokens)  # chunks; at least one step (no builtins: hot)
-        if steps < 1.0:
-            steps = 1.0
-        return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         block_size, prompt = request.block_size, request.prompt_tokens
