@@ -53,8 +53,7 @@ class ResidencyTree(RunTree):
 
     def _bit(self, worker: str, kv_group: str) -> int:
         """The resident's bit, given one if it has none."""
-        groups = self._bit_of.get(worker)
-        bit = None if groups is None else groups.get(kv_group)
+        bit = self._find(worker, kv_group)
         if bit is None:
             resident = Resident(worker, kv_group)
             if self._free_bits:
@@ -108,8 +107,10 @@ class ResidencyTree(RunTree):
         if run.mask == 0 and run.children == 0:
             self._delete(run)
 
-    def _drop_approx(self, keys: list[int], bit: int) -> None:
+    def _drop_approx(self, keys: list[int], bit: int) -> int:
+        """Drop the resident's approximate marks on `keys`; returns how many were pending."""
         approx, pending = self._approx, self._pending
+        unpended = 0
         for key in keys:
             times = approx.get(key)
             if times is not None and times.pop(bit, None) is not None:
@@ -117,6 +118,8 @@ class ResidencyTree(RunTree):
                     del approx[key]
                 if pending and pending.get(key, 0) >> bit & 1:
                     self._unpend(key, bit)
+                    unpended += 1
+        return unpended
 
     def _release_tails(self, keys: list[int], bit: int) -> int:
         """Release the leading keys that are tails of runs the resident holds, deepest key
@@ -214,24 +217,14 @@ class ResidencyTree(RunTree):
     def _confirm(self, keys: list[int], bit: int, expiry: float | None) -> int:
         """Keys already held: refresh approximate ones, or make them exact (expiry None).
         Returns how many pending ones that made exact."""
+        if expiry is None:
+            return self._drop_approx(keys, bit)
         approx = self._approx
-        pending = self._pending
-        confirmed = 0
-        for key in keys:
+        for key in keys:  # exact ones stay exact: an approximate sighting does not demote them
             times = approx.get(key)
-            if times is None or bit not in times:
-                continue  # exact already: an approximate sighting does not demote it
-            if expiry is not None:
-                if expiry > times[bit]:  # TTLs differ (pending vs approximate): keep the later
-                    times[bit] = expiry
-                continue
-            del times[bit]
-            if not times:
-                del approx[key]
-            if pending and pending.get(key, 0) >> bit & 1:
-                self._unpend(key, bit)
-                confirmed += 1
-        return confirmed
+            if times is not None and bit in times and expiry > times[bit]:
+                times[bit] = expiry  # TTLs differ (pending vs approximate): keep the later
+        return 0
 
     def _unpend(self, key: int, bit: int) -> None:
         mask = self._pending[key] & ~(1 << bit)

@@ -64,18 +64,14 @@ def _policy_class(name: str) -> type:
 def _convert(policy: str, key: str, value: Any, default: Any) -> Any:
     kind = type(default)
     try:
+        if kind in (int, float) and isinstance(value, bool):
+            raise ValueError(value)  # an int to Python, never a number here
         if kind is bool:
-            if isinstance(value, bool):
-                return value
             text = str(value).strip().lower()
-            if text in _TRUE or text in _FALSE:
-                return text in _TRUE
-            raise ValueError(value)
-        if kind is int:
-            if isinstance(value, bool):
+            if text not in _TRUE and text not in _FALSE:
                 raise ValueError(value)
-            if isinstance(value, int):
-                return value
+            return text in _TRUE
+        if kind is int and not isinstance(value, int):
             try:
                 return int(str(value).strip())
             except ValueError:
@@ -84,8 +80,6 @@ def _convert(policy: str, key: str, value: Any, default: Any) -> Any:
                 raise ValueError(value)
             return int(number)
         if kind is float:
-            if isinstance(value, bool):
-                raise ValueError(value)
             number = float(value)
             if not math.isfinite(number):
                 raise ValueError(value)

@@ -68,32 +68,21 @@ class SGLangCacheAwarePolicy:
             max_load - min_load > self.balance_abs_threshold
             and max_load > min_load * self.balance_rel_threshold
         ):
-            chosen, reason, cost = least, "imbalanced", _LOAD
+            chosen, reason = least, "imbalanced"
+            costs = [float(c.in_flight) for c in candidates]
         else:
             matched = min(candidates[best_match].matched_blocks * block_size, prompt)
             match_rate = matched / prompt if prompt > 0 else 0.0
             if match_rate > self.cache_threshold:
-                chosen, reason, cost = best_match, "cache_hit", _UNCACHED
+                chosen, reason = best_match, "cache_hit"
+                costs = [
+                    float(prompt - min(c.matched_blocks * block_size, prompt)) for c in candidates
+                ]
             else:
-                chosen, reason, cost = smallest, "smallest_tree", _TREE
+                chosen, reason = smallest, "smallest_tree"
+                costs = [float(size) for size in sizes]
 
         worker = candidates[chosen]
         uncached = prompt - min(worker.matched_blocks * block_size, prompt)
         routed[worker.worker] = routed.get(worker.worker, 0) + uncached  # SGLang's tree.insert
-        costs = _costs(request, candidates, sizes, cost)
         return Decision(worker.worker, reason, request, candidates, costs)
-
-
-_LOAD, _UNCACHED, _TREE = range(3)
-
-
-def _costs(
-    request: RouteRequest, candidates: Sequence[Candidate], sizes: list[int], cost: int
-) -> list[float]:
-    """The explanation; `cost` says which quantity the branch taken minimised."""
-    block_size, prompt = request.block_size, request.prompt_tokens
-    if cost == _LOAD:
-        return [float(c.in_flight) for c in candidates]
-    if cost == _UNCACHED:
-        return [float(prompt - min(c.matched_blocks * block_size, prompt)) for c in candidates]
-    return [float(size) for size in sizes]
