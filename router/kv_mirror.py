@@ -154,17 +154,14 @@ class WorkerMirror:
         """The worker restarted (its stream no longer has our last seq): clear it and expect
         the new stream from seq 0."""
         self.restarts += 1
-        self._clear()
+        self._forget_all()
         self._recent.clear()
         self.last_seq = -1
 
     def reset(self) -> None:
-        """Forget everything about the worker (resync): its residency, the hash map, the seq."""
+        """Forget everything about the worker (resync): its residency, the hash map, the seq.
+        `_recent` survives: replayed copies of batches applied before stay duplicates."""
         self.resets += 1
-        self._clear()
-
-    def _clear(self) -> None:
-        # _recent survives: replayed copies of batches applied before a reset stay duplicates
         self._forget_all()
         self.last_seq = None
 

@@ -9,10 +9,9 @@ Every token of the pool is in exactly one of four states (check.py asserts it):
 
 Eviction runs only inside `allocate`, only for the shortfall, oldest unlocked leaf first across
 all trees (a kv_group's share of the pool follows its traffic), from the tail of that leaf's
-run. The unlocked leaves sit in an intrusive doubly linked list in stamp order, never found by
-scanning a tree: a leaf used or unlocked takes the newest tick, so it moves to the newest end;
-only a parent left a leaf by an eviction keeps an older stamp, and it goes in before the first
-newer leaf. No two leaves share a stamp (one tick stamps one path), so the order is exact.
+run. The unlocked leaves sit in an intrusive linked list in stamp order: a leaf used or unlocked
+takes the newest tick; a parent left a leaf by an eviction keeps its older stamp and goes in
+by it. No two leaves share a stamp (one tick stamps one path), so the order is exact.
 """
 
 from __future__ import annotations
@@ -124,6 +123,13 @@ class Pool:
         after.next.prev = run  # type: ignore[union-attr]
         after.next = run
 
+    def _relist(self, run: Run) -> None:
+        """List `run` if it has just become an unlocked leaf."""
+        if run.parent is None or run.prev is not None or not run.alive:
+            return  # a root, listed already, or gone
+        if run.children == 0 and run.lock_ref == 0:
+            self._link_by_stamp(run)
+
     def _evict(self, blocks: int) -> None:
         """Drop `blocks` blocks from the tails of the least recently used unlocked leaves."""
         lru = self._lru
@@ -144,8 +150,7 @@ class Pool:
             parent = run.parent
             assert parent is not None
             self._cut_tail(run, take)
-            if parent.parent is not None and parent.children == 0 and parent.lock_ref == 0:
-                self._link_by_stamp(parent)
+            self._relist(parent)
             blocks -= take
         if tree is not None:
             self._removed(tree, removed)

@@ -72,16 +72,8 @@ def _drop(cache: RadixCache, tree: Tree, scope: SaltTest | None) -> Invalidated:
             freed += len(run.keys)
             cache._cut_tail(run, len(run.keys))
     for run in doomed:  # parents left without children become evictable leaves
-        parent = run.parent
-        if (
-            parent is not None
-            and parent.parent is not None
-            and parent.alive
-            and parent.children == 0
-            and parent.lock_ref == 0
-            and parent.prev is None
-        ):
-            cache._link_by_stamp(parent)
+        if run.parent is not None:
+            cache._relist(run.parent)
     cache.evicted_blocks += freed
     if cache.on_removed is not None and removed:
         cache.on_removed(tree.kv_group, removed)
