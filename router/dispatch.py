@@ -24,17 +24,9 @@ def candidates(
     seen: list[Candidate] = []
     for w in loads:
         held, stored = index.sizes(w.worker, group)
-        seen.append(
-            Candidate(
-                w.worker,
-                matched.get(w.worker, 0),
-                w.in_flight,
-                w.queued_prefill_tokens,
-                w.running_decode,
-                held,
-                stored,
-            )
-        )
+        found = matched.get(w.worker, 0)
+        queued, running = w.queued_prefill_tokens, w.running_decode
+        seen.append(Candidate(w.worker, found, w.in_flight, queued, running, held, stored))
     return seen
 
 

@@ -73,12 +73,9 @@ class KVEventSubscriber:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._stopping = False
         self.synced = asyncio.Event()  # set once the start-up catch-up is done (or impossible)
-        self.messages = 0
-        self.bad_frames = 0
-        self.reconnects = 0
+        self.messages = self.bad_frames = self.reconnects = 0
+        self.replays = self.replay_failures = 0
         self.connected = False  # the SUB socket's connection to the worker is up
-        self.replays = 0
-        self.replay_failures = 0
 
     def stop(self) -> None:
         """Ask run() to return; it does within `poll_interval_s` (or after a replay)."""

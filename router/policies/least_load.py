@@ -24,25 +24,20 @@ class LeastLoadPolicy:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         best = candidates[0]
         for c in candidates:
-            if c.in_flight < best.in_flight or (
-                c.in_flight == best.in_flight
-                and (
-                    c.queued_prefill_tokens < best.queued_prefill_tokens
-                    or (
-                        c.queued_prefill_tokens == best.queued_prefill_tokens
-                        and c.worker < best.worker
-                    )
-                )
-            ):
+            if c.in_flight != best.in_flight:
+                better = c.in_flight < best.in_flight
+            elif c.queued_prefill_tokens != best.queued_prefill_tokens:
+                better = c.queued_prefill_tokens < best.queued_prefill_tokens
+            else:
+                better = c.worker < best.worker
+            if better:
                 best = c
         return Decision(best.worker, "least_load", request, candidates, _loads(candidates))
 
 
 class PowerOfTwoPolicy:
-    """Sample two distinct candidates with the instance's RNG; keep the one with fewer in flight.
-
-    On equal load the first sample wins (SGLang's `power_of_two`: `load1 <= load2`).
-    """
+    """Sample two distinct candidates with the instance's RNG; keep the one with fewer in flight,
+    the first on a tie (SGLang's `power_of_two`: `load1 <= load2`)."""
 
     name: ClassVar[str] = "power_of_two"
 
