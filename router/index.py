@@ -65,9 +65,8 @@ class UnifiedIndex(ResidencyTree):
         pending: bool = False,
     ) -> int:
         """Mark a chain of keys (keys[0] a child of `parent`, None: a root) as held by the
-        resident; exact residency overrides approximate. `pending`: the keys of a request just
-        sent to a worker whose KV events will confirm them: approximate for `pending_ttl_s`,
-        stored once confirmed. Returns blocks newly held, plus pending blocks it confirmed."""
+        resident (docs/index.md: exact, approximate or pending). Returns blocks newly held,
+        plus pending blocks it confirmed."""
         chain = keys if isinstance(keys, list) else list(keys)  # native indexing below
         n = len(chain)
         if n == 0 or pending and not self.pending_ttl_s:
@@ -261,8 +260,7 @@ class UnifiedIndex(ResidencyTree):
         return key in self._where
 
     def check(self) -> None:
-        """Integrity check (tests): the tree (router/run_tree.py), held counts, approximate
-        and pending residency agree."""
+        """Integrity check (tests): the tree, held counts, approximate and pending marks agree."""
         self._check_tree()
         held = [0] * len(self._held)
         for run in self._runs.values():

@@ -75,12 +75,9 @@ def _engine_salt(ev: BlockStored) -> str | None:
 
 
 class WorkerMirror:
-    """Applies one worker's event batches to `index` under `worker`.
-
-    `kv_group` names the group of the worker's base model, or maps an event's LoRA (its
-    lora_name, else lora_id, else None) to a kv_group. `block_size` (None: trust the event's)
-    must be the block size the gateway keys prompts with; other stores are skipped.
-    """
+    """Applies one worker's event batches to `index` under `worker`. `kv_group` names the group
+    of its base model, or maps an event's LoRA (lora_name, else lora_id, else None) to one.
+    `block_size` (None: trust the event's) must be the one the gateway keys prompts with."""
 
     def __init__(
         self,
@@ -151,8 +148,7 @@ class WorkerMirror:
         self._record(seq, _UNDECODABLE)
 
     def new_incarnation(self) -> None:
-        """The worker restarted (its stream no longer has our last seq): clear it and expect
-        the new stream from seq 0."""
+        """The worker restarted (its stream lacks our last seq): clear it, expect seq 0 next."""
         self.restarts += 1
         self._forget_all()
         self._recent.clear()
@@ -320,8 +316,6 @@ class WorkerMirror:
         if base_keys:
             removed += self.index.remove(base_keys, self.worker, self.base_group)
         self.blocks_removed += removed
-
-    # -- reading -----------------------------------------------------------------------------
 
     def stats(self) -> MirrorStats:
         return MirrorStats(*[getattr(self, name) for name in MirrorStats._fields])

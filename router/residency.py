@@ -26,8 +26,7 @@ def _bits(mask: int) -> Iterator[int]:
 
 
 class ResidencyTree(RunTree):
-    """The run tree with each run's residents: bits, held and stored counts, approximate and
-    pending marks, and their release (remove, clear, expiry, eviction)."""
+    """The run tree with each run's residents: bits, counts, approximate and pending marks."""
 
     def __init__(self, max_blocks: int) -> None:
         super().__init__()
@@ -116,16 +115,20 @@ class ResidencyTree(RunTree):
             if times is not None and times.pop(bit, None) is not None:
                 if not times:
                     del approx[key]
-                if pending and pending.get(key, 0) >> bit & 1:
-                    self._unpend(key, bit)
+                mask = pending.get(key, 0) if pending else 0
+                if mask >> bit & 1:
+                    mask &= ~(1 << bit)
+                    if mask:
+                        pending[key] = mask
+                    else:
+                        del pending[key]
                     unpended += 1
         return unpended
 
     def _release_tails(self, keys: list[int], bit: int) -> int:
         """Release the leading keys that are tails of runs the resident holds, deepest key
-        first: what an LRU cache evicts, so what most BlockRemoved events say. One lookup per
-        run, and a leaf only this resident holds is trimmed in place. Returns how many keys
-        it released (the rest takes `_release_keys`'s general path)."""
+        first, as an LRU cache evicts (most BlockRemoved events): one lookup per run. Returns
+        how many keys it released (the rest takes `_release_keys`'s general path)."""
         flag = 1 << bit
         where, by_id = self._where, self._runs
         boxed = cast(list[object], keys)
@@ -226,13 +229,6 @@ class ResidencyTree(RunTree):
                 times[bit] = expiry  # TTLs differ (pending vs approximate): keep the later
         return 0
 
-    def _unpend(self, key: int, bit: int) -> None:
-        mask = self._pending[key] & ~(1 << bit)
-        if mask:
-            self._pending[key] = mask
-        else:
-            del self._pending[key]
-
     def remove(self, keys: Iterable[int], worker: str, kv_group: str) -> int:
         """The resident no longer holds these keys. Returns how many it held."""
         bit = self._find(worker, kv_group)
@@ -261,8 +257,7 @@ class ResidencyTree(RunTree):
         return removed
 
     def expire(self, now: float) -> int:
-        """Drop approximate (and pending) residency not confirmed within its TTL. Cheap when
-        nothing is due."""
+        """Drop approximate (and pending) residency past its TTL; cheap when nothing is due."""
         return self._expire(self._approx_queue, now) + self._expire(self._pending_queue, now)
 
     def _expire(self, queue: deque[tuple[float, int, tuple[int, ...]]], now: float) -> int:

@@ -7,9 +7,8 @@ from backends.cache.radix import RadixCache
 
 
 def check(cache: RadixCache) -> set[int]:
-    """Assert the invariants: token states add up to the capacity, counts match the runs, keys
-    map to live runs, unlocked leaves are listed in stamp order, no page is in two places.
-    Returns the pages in the trees (empty when the cache is not paged)."""
+    """Assert the invariants (token states, counts, keys, the LRU list, pages); returns the
+    pages in the trees (empty when the cache is not paged)."""
     assert cache.free_tokens >= 0 and cache.allocated_tokens >= 0
     assert (
         cache.free_tokens + cache.evictable_tokens + cache.protected_tokens + cache.allocated_tokens

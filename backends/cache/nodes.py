@@ -1,8 +1,5 @@
 """The records of the radix cache (radix.py): its runs of blocks, its trees, its results.
-
-Plain classes with written-out `__init__`s, not NamedTuples: compiled, they are built and read
-natively (core/native.py).
-"""
+Plain classes with written-out `__init__`s: compiled, they are built and read natively."""
 
 from __future__ import annotations
 
@@ -10,8 +7,8 @@ from typing import NamedTuple
 
 
 class Run:
-    """A node of a tree: consecutive blocks that share a parent chain and a lock count, with
-    the pages that back them and their token ids where the cache keeps those."""
+    """A node of a tree: consecutive blocks that share a lock count, with their pages and
+    token ids where the cache keeps those."""
 
     __slots__ = (
         "keys",

@@ -31,11 +31,9 @@ def _part(items: list[int] | None, start: int, stop: int | None) -> list[int] | 
 
 
 class RadixCache(Pool):
-    """Blocks of `block_size` tokens in a pool of `capacity_tokens` tokens (rounded down to
-    whole blocks). `page_ids` (one page per block of the capacity) makes it paged: `allocate_
-    pages` hands them out and eviction takes them back. `keep_tokens` stores the blocks' token
-    ids and confirms matches on them. `on_stored` / `on_removed` hear every change to the set
-    of cached keys, in order: exactly what a KV event stream must say."""
+    """The pool (pool.py) with its trees. `keep_tokens` stores the blocks' token ids and confirms
+    matches on them. `on_stored` / `on_removed` hear every change to the set of cached keys, in
+    order: exactly what a KV event stream must say."""
 
     def __init__(
         self,
@@ -69,8 +67,7 @@ class RadixCache(Pool):
         return tree.root
 
     def starts_run(self, key: int, kv_group: str = "") -> bool:
-        """Whether a cached run starts at `key`: where a cached prefix that ends right before
-        `key` goes on, if it does (chained keys)."""
+        """Whether a cached run starts at `key` (a cached prefix ending before it goes on)."""
         tree = self.trees.get(kv_group)
         return tree is not None and key in tree.heads
 

@@ -1,16 +1,12 @@
-"""Scoped invalidation of the radix cache (radix.py): an operator's call.
-
-A namespace starts at a key the cache noted on insert (`RadixCache.namespaces`): a salted root
-block, or the first private block after a public prefix; every block below it is in it. The
-runs of the matching namespaces (all runs when the scope is everything) go at once:
+"""Scoped invalidation of the radix cache (radix.py; namespaces as in core/scopes.py): the runs
+of the matching namespaces (all runs when the scope is everything) go at once:
 
     unlocked   freed now: their room (pages) goes back to the pool, BlockRemoved is announced
     locked     re-keyed below zero, so no request can match them and nothing is cached under
                them; they stay protected while locked and are evicted like any leaf after.
                BlockRemoved is announced now for their real keys.
 
-Locks walk to the root, so the unlocked runs of a subtree are whole subtrees themselves. The
-torch worker calls it on the thread that owns its engine.
+The torch worker calls it on the thread that owns its engine.
 """
 
 from __future__ import annotations

@@ -87,13 +87,10 @@ class RoutingHistory:
 
 
 class CacheAwarePolicy:
-    """Minimise the fleet's time to first token; spread what is new over the caches.
-
-    Defaults describe an 8B model in bf16 on one H100 (docs/policies.md). Reasons: "cache_hit"
-    (the chosen worker holds the longest match; "cold_miss" when no one holds anything) or
-    "load" (a worker holding more of the prompt lost on its cost). Like SGLang's router, it
-    remembers its decisions (a `RoutingHistory` per kv_group); time is what it routed.
-    """
+    """Minimise the fleet's time to first token; spread what is new over the caches. Reasons:
+    "cache_hit" (the longest match; "cold_miss" when no one holds anything) or "load" (a worker
+    holding more lost on its cost). It remembers its decisions (a `RoutingHistory` per
+    kv_group), as SGLang's router does; time is what it routed."""
 
     name: ClassVar[str] = "cache_aware"
 
@@ -225,9 +222,8 @@ class CacheAwarePolicy:
         return costs
 
     def _place_new(self, request: RouteRequest, candidates: Sequence[Candidate], key: int) -> int:
-        """The worker within the wait bound whose cache took the least new content lately:
-        blocks stored over the last turnover plus blocks routed to it and not yet prefilled;
-        ties by rendezvous."""
+        """The worker within the wait bound whose cache took the least new content lately
+        (stored over the last turnover, plus routed and not yet prefilled); ties by rendezvous."""
         waits = [self.ttft(request, c) for c in candidates]  # the same new tokens for all
         fastest = min(waits)
         bound = fastest + max(self.rendezvous_slack_s, self.rendezvous_factor * fastest)
