@@ -239,8 +239,7 @@ class WorkerMirror:
             if n == 0:
                 return
         keys = chain_keys(ev.token_ids[: n * bs], bs, first)
-        if group not in self._groups:
-            self._groups.add(group)
+        self._groups.add(group)
         self._remember(hashes[:n], keys, group)
         if salt:  # ours, or vLLM's root-block extra key
             self.index.tag_namespace(keys[0], salt)
@@ -287,12 +286,9 @@ class WorkerMirror:
     def _forget_other_key(self, engine_hash: BlockHash, key: int) -> None:
         """An engine hash stored again under another key (should not happen): drop the old."""
         old = self._other.get(engine_hash)
-        if old is None:
-            old_key = self._keys.get(engine_hash)
-            if old_key is None:
-                return
+        if old is None and (old_key := self._keys.get(engine_hash)) is not None:
             old = (old_key, self.base_group)
-        if old[0] != key:
+        if old is not None and old[0] != key:
             self.index.remove((old[0],), self.worker, old[1])
             self._other.pop(engine_hash, None)
             self._keys.pop(engine_hash, None)

@@ -62,14 +62,10 @@ class Pool:
     def allocate(self, tokens: int) -> bool:
         """Take `tokens` of private room, evicting unlocked leaves for the shortfall only.
         False (and nothing evicted) when even evicting everything unlocked would not do."""
-        if tokens <= self.free_tokens:
-            self.free_tokens -= tokens
-            self.allocated_tokens += tokens
-            return True
-        if tokens > self.free_tokens + self.evictable_tokens:
-            return False
-        shortfall = tokens - self.free_tokens
-        self._evict(-(-shortfall // self.block_size))
+        if tokens > self.free_tokens:
+            if tokens > self.free_tokens + self.evictable_tokens:
+                return False
+            self._evict(-(-(tokens - self.free_tokens) // self.block_size))  # the shortfall
         self.free_tokens -= tokens
         self.allocated_tokens += tokens
         return True
