@@ -51,8 +51,6 @@ class UnifiedIndex(ResidencyTree):
             self.namespaces = {k: v for k, v in ns.items() if k in where}
             self.namespaces.update(recent)
 
-    # -- writes ------------------------------------------------------------------------------
-
     def insert(
         self,
         keys: Sequence[int],
@@ -166,8 +164,6 @@ class UnifiedIndex(ResidencyTree):
             marks = self._pending
             for key in keys:
                 marks[key] = marks.get(key, 0) | flag
-
-    # -- reads -------------------------------------------------------------------------------
 
     def match(self, keys: Sequence[int], kv_group: str, now: float | None = None) -> dict[str, int]:
         """Leading blocks of `keys` held by each worker of `kv_group` (workers with none are

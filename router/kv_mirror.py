@@ -117,8 +117,6 @@ class WorkerMirror:
         self.skipped_orphans = self.skipped_unkeyable = 0
         self.unknown_events = self.decode_errors = 0
 
-    # -- sequencing --------------------------------------------------------------------------
-
     def apply(self, seq: int, batch: EventBatch, now: float) -> Apply:
         """Apply batch `seq` if it is the next one; otherwise say what the caller must do."""
         last = self.last_seq
@@ -190,8 +188,6 @@ class WorkerMirror:
         self.last_seq = seq
         self.last_event_ts = batch.ts
         self._record(seq, _fingerprint(batch))
-
-    # -- events ------------------------------------------------------------------------------
 
     def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
         """Our key and kv_group of a block this worker holds, None when we do not know it."""

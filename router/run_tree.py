@@ -40,8 +40,6 @@ class RunTree:
         """The run holding `key`."""
         return self._runs.get(self._where.get(key, 0))  # 0: no object's id
 
-    # -- LRU leaf list -----------------------------------------------------------------------
-
     def _unlink(self, run: Run) -> None:
         if run.prev is not None:
             run.prev.next = run.next
@@ -60,8 +58,6 @@ class RunTree:
         run.prev, run.next = head, head.next
         head.next.prev = run  # type: ignore[union-attr]
         head.next = run
-
-    # -- structure ---------------------------------------------------------------------------
 
     def _register(self, run: Run) -> Run:
         """List `run` and map its keys to it."""

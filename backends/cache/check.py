@@ -92,5 +92,6 @@ def check_locks(cache: RadixCache, holders: list[Run]) -> None:
         while node.parent is not None:
             expected[id(node)] = expected.get(id(node), 0) + 1
             node = node.parent
-    for run in cache.runs():
-        assert run.lock_ref == expected.get(id(run), 0), "lock counts != the holders' paths"
+    for tree in cache.trees.values():
+        for run in tree.runs:
+            assert run.lock_ref == expected.get(id(run), 0), "lock counts != the holders' paths"

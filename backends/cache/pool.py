@@ -54,8 +54,6 @@ class Pool:
         self._lru.prev = self._lru.next = self._lru
         self.next_tombstone = -1  # invalidated locked runs are re-keyed below zero
 
-    # -- room --------------------------------------------------------------------------------
-
     def can_allocate(self, tokens: int) -> bool:
         return tokens <= self.free_tokens + self.evictable_tokens
 
@@ -91,8 +89,6 @@ class Pool:
         assert self.page_ids is not None, "a cache without pages"
         self.free(len(pages) * self.block_size)
         self.page_ids.extend(pages)
-
-    # -- eviction ----------------------------------------------------------------------------
 
     def _unlink(self, run: Run) -> None:
         run.prev.next = run.next  # type: ignore[union-attr]

@@ -54,8 +54,6 @@ class RadixCache(Pool):
         # key that starts a salted namespace -> its salt (may name evicted keys; scopes.py)
         self.namespaces: dict[int, str] = {}
 
-    # -- reading -----------------------------------------------------------------------------
-
     def __len__(self) -> int:
         return self._blocks
 
@@ -75,9 +73,6 @@ class RadixCache(Pool):
         """Every key the group's tree holds, invalidated ones not (walks its runs)."""
         tree = self.trees.get(kv_group)
         return set() if tree is None else {k for run in tree.runs for k in run.keys if k >= 0}
-
-    def runs(self) -> list[Run]:
-        return [run for tree in self.trees.values() for run in tree.runs]
 
     def stats(self) -> CacheStats:
         return CacheStats(
@@ -189,8 +184,6 @@ class RadixCache(Pool):
         tree.runs.add(head)
         return head
 
-    # -- locks -------------------------------------------------------------------------------
-
     def lock(self, node: Run) -> None:
         """Protect `node` and its ancestors from eviction (counted: lock as often as unlock)."""
         self._lock_path(node, None)
@@ -235,8 +228,6 @@ class RadixCache(Pool):
             assert node.lock_ref > 0, "unlock without lock"
             node.stamp = tick
             node = node.parent
-
-    # -- insert ------------------------------------------------------------------------------
 
     def insert(
         self,
