@@ -1,16 +1,12 @@
-"""The workers' KV cache: a radix tree of blocks per kv_group in one pool of `capacity_tokens`.
+"""The workers' KV cache: a radix tree of blocks per kv_group in one pool (pool.py).
 
-As in SGLang's radix cache, but block-granular and keyed by the gateway's own block keys
-(core/blocks.py): a block's key IS its identity here and the hash in the KV events it
-publishes. The emulated worker counts tokens only; the torch worker's cache is paged (a page id
-backs every block) and keeps the blocks' tokens, so a match is confirmed token by token.
-
-A node (`Run`, nodes.py) is a run of consecutive blocks; a tree's `heads` maps the first key of
-every run to it, so matching costs one dict lookup and one list comparison per run. Chained keys
-make that enough: a lookup always starts right after a run's last key, so it finds a run's
-first key or nothing; a namespace that starts inside new blocks starts a run of its own, for
-scoped invalidation (scopes.py). Locks walk to the root, so all evictable tokens can be reached
-by evicting leaves (pool.py). Recency is a tick, bumped by `match`, `insert` and `unlock`.
+As SGLang's radix cache, but block-granular and keyed by the gateway's own chained block keys
+(core/blocks.py), which are also the hashes of its KV events. The emulated worker counts tokens
+only; the torch worker's cache is paged and keeps the blocks' tokens, so a match is confirmed
+token by token. A node (`Run`, nodes.py) is a run of blocks; a tree's `heads` maps the first key
+of every run to it: a lookup always starts right after a run's last key, so it finds a run's
+first key or nothing. A namespace starts a run of its own, for scoped invalidation (scopes.py).
+Locks walk to the root. Recency is a tick, bumped by `match`, `insert` and `unlock`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Load-only baselines: the least loaded candidate, and the better of two random ones.
-
-Load is in-flight requests, as in SGLang's router; cached prefixes are ignored.
-"""
+"""Load-only baselines (load: in-flight requests, as in SGLang's router; prefixes ignored)."""
 
 from __future__ import annotations
 

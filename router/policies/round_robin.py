@@ -1,8 +1,5 @@
-"""Round robin: the next worker name after the last one chosen, in sorted order.
-
-Rotating over names rather than positions keeps the rotation stable when the candidate set
-changes: a worker leaving or joining does not make the others skip or repeat a turn.
-"""
+"""Round robin over worker names, not positions: a worker leaving or joining does not make the
+others skip or repeat a turn."""
 
 from __future__ import annotations
 

@@ -1,12 +1,7 @@
-"""SGLang router's `cache_aware` decision, re-implemented over our unified index.
-
-    imbalanced = max - min > balance_abs_threshold and max > min * balance_rel_threshold
-    imbalanced                        -> least loaded worker       ("imbalanced")
-    longest match / prompt > cache_threshold -> a worker with it   ("cache_hit")
-    else                              -> smallest tree             ("smallest_tree")
-
-Ties go to the first candidate in order. The original's code, its ties, its tree size and how
-ours differs: docs/policies.md.
+"""SGLang router's `cache_aware` decision, re-implemented over our unified index: the least
+loaded worker when loads are imbalanced, else the longest match when it is long enough, else the
+smallest tree. The original's code, its ties, its tree size and how ours differs:
+docs/policies.md.
 """
 
 from __future__ import annotations
