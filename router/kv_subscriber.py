@@ -26,7 +26,6 @@ log = logging.getLogger(__name__)
 _END = -1
 YIELD_EVERY = 32  # messages applied in a row before the event loop gets a turn
 
-
 # the backend's getsockopt: an int, where the socket's own wraps it in an enum (~1 µs more)
 _get = zmq.backend.Socket.get
 _EVENTS = int(zmq.EVENTS)

@@ -22,12 +22,10 @@ class ShadowStats:
 
     def summary(self) -> dict[str, Any]:
         """Rates and means (None before the first request), as /admin/mode reports them."""
-        n = self.requests
+        n, prompt = self.requests, self.prompt_tokens
         return {
             "requests": n,
-            "predicted_hit_rate": self.predicted_hit_tokens / self.prompt_tokens
-            if self.prompt_tokens
-            else None,
+            "predicted_hit_rate": self.predicted_hit_tokens / prompt if prompt else None,
             "predicted_ttft_mean_s": self.predicted_ttft_s / n if n else None,
             "disagreement_rate": self.disagreements / n if n else None,
         }
