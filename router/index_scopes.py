@@ -29,15 +29,8 @@ def invalidate(index: UnifiedIndex, scope: SaltTest | None, kv_group: str | None
         if kv_group is None:
             for key in [k for k, s in index.namespaces.items() if scope(s)]:
                 del index.namespaces[key]
-    dropped = 0
-    touched: set[int] = set()
-    for run in doomed:
-        held = run.mask & mask  # a run deleted on the way has an empty mask
-        for bit in _bits(held):
-            dropped += len(run.keys)
-            touched.add(bit)
-            index._release(run, bit)
-    for bit in touched:
+    dropped, touched = index._release_runs(doomed, mask)
+    for bit in _bits(touched):
         if index._resident_of[bit] is not None and index._held[bit] == 0:
             index._forget(bit)
     return dropped

@@ -245,16 +245,22 @@ class ResidencyTree(RunTree):
         bits = [bit for group, bit in groups.items() if kv_group in (None, group)]
         if not bits:
             return 0
-        mask = sum(1 << b for b in bits)
-        removed = 0
-        for run in list(self._runs.values()):
-            if run.mask & mask:  # a run deleted on the way has an empty mask
-                for bit in _bits(run.mask & mask):
-                    removed += len(run.keys)
-                    self._release(run, bit)
+        removed, _ = self._release_runs(list(self._runs.values()), sum(1 << b for b in bits))
         for bit in bits:
             self._forget(bit)
         return removed
+
+    def _release_runs(self, runs: Iterable[Run], mask: int) -> tuple[int, int]:
+        """Release every hold of the residents in `mask` on `runs`. Returns the residencies
+        dropped and the mask of residents that lost any."""
+        dropped = touched = 0
+        for run in runs:
+            held = run.mask & mask  # a run deleted on the way has an empty mask
+            touched |= held
+            for bit in _bits(held):
+                dropped += len(run.keys)
+                self._release(run, bit)
+        return dropped, touched
 
     def expire(self, now: float) -> int:
         """Drop approximate (and pending) residency past its TTL; cheap when nothing is due."""
