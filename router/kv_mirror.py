@@ -153,8 +153,8 @@ class WorkerMirror:
         self.last_seq = -1
 
     def reset(self) -> None:
-        """Forget everything about the worker (resync): its residency, the hash map, the seq.
-        `_recent` survives: replayed copies of batches applied before stay duplicates."""
+        """Forget the worker (resync): its residency, the hash map, the seq; not `_recent`, so
+        that replayed copies of batches applied before stay duplicates."""
         self.resets += 1
         self._forget_all()
         self.last_seq = None

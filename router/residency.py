@@ -251,8 +251,7 @@ class ResidencyTree(RunTree):
         return removed
 
     def _release_runs(self, runs: Iterable[Run], mask: int) -> tuple[int, int]:
-        """Release every hold of the residents in `mask` on `runs`. Returns the residencies
-        dropped and the mask of residents that lost any."""
+        """Release all holds in `mask` on `runs`: (residencies dropped, bits that lost any)."""
         dropped = touched = 0
         for run in runs:
             held = run.mask & mask  # a run deleted on the way has an empty mask

@@ -76,9 +76,8 @@ class RunTree:
         return run
 
     def _claim(self, keys: list[int], i: int, run: Run) -> int:
-        """Map keys[i:] to `run` up to the first key mapped already, to any run or twice in
-        `keys` (one dict operation per key); returns where it stopped. The caller appends
-        keys[i:stop] to `run.keys`."""
+        """Map keys[i:] to `run` up to the first key mapped already (one dict operation per
+        key); returns where it stopped. The caller appends keys[i:stop] to `run.keys`."""
         where = self._where
         rid: object = id(run)
         boxed = cast(list[object], keys)

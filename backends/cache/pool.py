@@ -26,8 +26,7 @@ RemovedCallback = Callable[[str, list[int]], None]  # (kv_group, keys)
 
 class Pool:
     """`capacity_tokens` tokens in blocks of `block_size` (rounded down to whole blocks);
-    `page_ids`, one per block, make it paged: `allocate_pages` hands them out and eviction
-    takes them back."""
+    `page_ids`, one per block, make it paged (`allocate_pages`, eviction takes them back)."""
 
     def __init__(
         self,
