@@ -18,8 +18,6 @@ from core.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStore
 from router.index import UnifiedIndex
 
 LoraId = int | str | None
-DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
-DEFAULT_CACHE_GROUPS: frozenset[int | None] = frozenset({None, 0})
 
 
 class Outcome(enum.Enum):
@@ -86,8 +84,8 @@ class WorkerMirror:
         kv_group: str | Callable[[LoraId], str],
         block_size: int | None = None,
         *,
-        media: Collection[str | None] = DEFAULT_MEDIA,
-        cache_groups: Collection[int | None] = DEFAULT_CACHE_GROUPS,
+        media: Collection[str | None] = frozenset({"GPU", None}),
+        cache_groups: Collection[int | None] = frozenset({None, 0}),
         dedup_window: int = 2048,
     ) -> None:
         self.index = index

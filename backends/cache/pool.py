@@ -8,10 +8,8 @@ Every token of the pool is in exactly one of four states (check.py asserts it):
     allocated    private to a request (not in a tree): computed KV not yet inserted
 
 Eviction runs only inside `allocate`, only for the shortfall, oldest unlocked leaf first across
-all trees (a kv_group's share of the pool follows its traffic), from the tail of that leaf's
-run. The unlocked leaves sit in an intrusive linked list in stamp order: a leaf used or unlocked
-takes the newest tick; a parent left a leaf by an eviction keeps its older stamp and goes in
-by it. No two leaves share a stamp (one tick stamps one path), so the order is exact.
+all trees (a kv_group's share of the pool follows its traffic), from the tail of its run. The
+unlocked leaves sit in an intrusive linked list in stamp order, never found by a scan.
 """
 
 from __future__ import annotations
@@ -102,7 +100,8 @@ class Pool:
         head.prev = run
 
     def _link_by_stamp(self, run: Run) -> None:
-        """List a run that became an unlocked leaf under an older stamp, in stamp order."""
+        """List a run that became an unlocked leaf under an older stamp (a parent left a leaf by
+        an eviction) in stamp order: one tick stamps one path, so no two leaves share one."""
         head = self._lru
         if run.stamp > head.prev.stamp:  # type: ignore[union-attr]
             self._link_newest(run)

@@ -1,12 +1,7 @@
-"""Scoped invalidation of the radix cache (radix.py; namespaces as in core/scopes.py): the runs
-of the matching namespaces (all runs when the scope is everything) go at once:
-
-    unlocked   freed now: their room (pages) goes back to the pool, BlockRemoved is announced
-    locked     re-keyed below zero, so no request can match them and nothing is cached under
-               them; they stay protected while locked and are evicted like any leaf after.
-               BlockRemoved is announced now for their real keys.
-
-The torch worker calls it on the thread that owns its engine.
+"""Scoped invalidation of the radix cache (radix.py; docs/isolation.md): unlocked runs of the
+scope are freed now; locked ones are re-keyed below zero, unmatchable, and evicted like any leaf
+once released. BlockRemoved is announced at once for all. The torch worker calls it on the
+thread that owns its engine.
 """
 
 from __future__ import annotations
