@@ -172,9 +172,7 @@ class UnifiedIndex(ResidencyTree):
         n = len(keys)
         if not active or not n:
             return {}
-        where = self._where
-        by_id = self._runs
-        resident_of = self._resident_of
+        where, by_id, resident_of = self._where, self._runs, self._resident_of
         matched: dict[str, int] = {}
         depth = 0
         boxed = cast(Sequence[object], keys)  # keys stay objects (docs/compiled.md)

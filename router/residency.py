@@ -280,8 +280,7 @@ class ResidencyTree(RunTree):
     def _evict(self) -> None:
         """Drop the blocks over `max_blocks`, from the tails of the least recently used leaves."""
         count = len(self._where) - self.max_blocks if self.max_blocks else 0
-        head = self._lru
-        where = self._where
+        head, where = self._lru, self._where
         while count > 0 and head.next is not head:
             run = head.next
             assert run is not None and run.children == 0
