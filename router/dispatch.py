@@ -1,31 +1,8 @@
-"""A request's dispatch, written once for the gateway (routing.py, proxy.py, app.py) and the
-replay (simulation/replay.py): the candidates a policy sees, the load the request adds to its
-worker, and the residency the gateway writes into the index itself.
-
-Matched tokens are the prompt tokens whose KV the worker can reuse:
-`RouteRequest.matched_tokens(blocks)` = min(blocks, (prompt_tokens - 1) // block_size) *
-block_size. Whole blocks only, and never the whole prompt: vLLM, SGLang and our workers compute
-at least the last prompt token (its logits start the output), so a prompt held whole still has
-its last block computed. The `x-urc-route` header, the prediction metrics, recordings, shadow
-policies, scores and the replay's predicted tokens all read this one number.
-
-Load, per worker (`WorkerLoad`, what the policies see), moved by each request's `LoadShare`:
-
-    dispatched    in_flight += 1, queued_prefill_tokens += its uncached tokens
-    first token   queued_prefill_tokens -= them, running_decode += 1
-    finished      in_flight -= 1, running_decode -= 1 (or the queued tokens, if never started)
-
-Each transition happens at most once: a timer and a stream may both say "first token".
-Uncached tokens are the prompt less the matched tokens the worker holds confirmed: blocks held
-only pending (another request's prefix, maybe not computed yet) count as work.
-
-Residency the gateway writes itself, beside the workers' KV events (`RoutedResidency`):
-
-    pending       a worker with KV events: the request's keys at dispatch, until its events
-                  confirm them or `pending_ttl_s` passes (UnifiedIndex: 0 turns it off)
-    approximate   a worker without: the keys after a success, for `approx_ttl_s`, unless an
-                  admin invalidation began after the request was routed (it would bring back
-                  what the invalidation dropped)
+"""A request's dispatch (docs/dispatch.md), written once for the gateway (routing.py, proxy.py,
+app.py) and the replay (simulation/replay.py): the candidates a policy sees, the load the request
+adds to its worker (`LoadShare`, each transition at most once), and the residency the gateway
+writes into the index itself (`RoutedResidency`: pending at dispatch, approximate after a
+success on a worker without KV events).
 """
 
 from __future__ import annotations
@@ -47,17 +24,9 @@ def candidates(
     seen: list[Candidate] = []
     for w in loads:
         held, stored = index.sizes(w.worker, group)
-        seen.append(
-            Candidate(
-                w.worker,
-                matched.get(w.worker, 0),
-                w.in_flight,
-                w.queued_prefill_tokens,
-                w.running_decode,
-                held,
-                stored,
-            )
-        )
+        found = matched.get(w.worker, 0)
+        queued, running = w.queued_prefill_tokens, w.running_decode
+        seen.append(Candidate(w.worker, found, w.in_flight, queued, running, held, stored))
     return seen
 
 
@@ -69,7 +38,7 @@ def candidate(candidates: Sequence[Candidate], worker: str) -> Candidate:
 
 
 class LoadShare:
-    """One request's share of its worker's load (module doc): dispatched when made."""
+    """One request's share of its worker's load (docs/dispatch.md: the load ledger)."""
 
     __slots__ = ("load", "uncached", "started", "done")
 
@@ -109,7 +78,7 @@ def dispatch(
 
 
 class RoutedResidency:
-    """The residency the gateway writes into `index` itself (module doc)."""
+    """The residency the gateway writes into `index` itself (docs/dispatch.md)."""
 
     __slots__ = ("index", "invalidated_at")
 

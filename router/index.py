@@ -1,16 +1,7 @@
-"""The unified radix index (docs/index.md): one tree of block keys for the whole fleet.
+"""The unified index (docs/index.md): one compressed tree of block keys for the whole fleet.
 
-Keys are chained (core/blocks.py), so a key names its whole prefix and the token path of a
-prompt is stored once however many workers and models hold it. The tree is compressed
-(router/run_tree.py): matching a prompt costs one dict lookup per run plus a list comparison of
-the run's keys, not a lookup per block. Who holds each run lives in router/residency.py.
-
-Exact residency comes from KV events; approximate residency comes from routing history and
-expires `approx_ttl_s` after it was last confirmed. A run's `ts` is the last time it was
-confirmed or matched. *Pending* residency bridges the gap between sending a request to a worker
-with KV events and its events arriving: the request's keys are held at once, approximate with
-the short `pending_ttl_s`, until the worker's own store confirms them (exact) or they expire. A
-pending block counts as stored (`blocks_stored`) only when confirmed.
+The tree's shape is router/run_tree.py, who holds each run router/residency.py. A pending
+block counts as stored (`blocks_stored`) only when its worker's events confirm it.
 """
 
 from __future__ import annotations
@@ -33,11 +24,7 @@ class IndexStats(NamedTuple):
 
 
 class UnifiedIndex(ResidencyTree):
-    """Residency of every block on every `(worker, kv_group)` in one tree.
-
-    All methods are synchronous and take time as an argument: the gateway passes its clock,
-    the simulator its virtual time.
-    """
+    """Residency of every block on every `(worker, kv_group)`; time is always an argument."""
 
     def __init__(
         self, max_blocks: int = 0, approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0
@@ -64,8 +51,6 @@ class UnifiedIndex(ResidencyTree):
             self.namespaces = {k: v for k, v in ns.items() if k in where}
             self.namespaces.update(recent)
 
-    # -- writes ------------------------------------------------------------------------------
-
     def insert(
         self,
         keys: Sequence[int],
@@ -78,9 +63,8 @@ class UnifiedIndex(ResidencyTree):
         pending: bool = False,
     ) -> int:
         """Mark a chain of keys (keys[0] a child of `parent`, None: a root) as held by the
-        resident; exact residency overrides approximate. `pending`: the keys of a request just
-        sent to a worker whose KV events will confirm them: approximate for `pending_ttl_s`,
-        stored once confirmed. Returns blocks newly held, plus pending blocks it confirmed."""
+        resident (docs/index.md: exact, approximate or pending). Returns blocks newly held,
+        plus pending blocks it confirmed."""
         chain = keys if isinstance(keys, list) else list(keys)  # native indexing below
         n = len(chain)
         if n == 0 or pending and not self.pending_ttl_s:
@@ -181,8 +165,6 @@ class UnifiedIndex(ResidencyTree):
             for key in keys:
                 marks[key] = marks.get(key, 0) | flag
 
-    # -- reads -------------------------------------------------------------------------------
-
     def match(self, keys: Sequence[int], kv_group: str, now: float | None = None) -> dict[str, int]:
         """Leading blocks of `keys` held by each worker of `kv_group` (workers with none are
         absent). With `now`, the deepest matched run counts as used (LRU)."""
@@ -190,9 +172,7 @@ class UnifiedIndex(ResidencyTree):
         n = len(keys)
         if not active or not n:
             return {}
-        where = self._where
-        by_id = self._runs
-        resident_of = self._resident_of
+        where, by_id, resident_of = self._where, self._runs, self._resident_of
         matched: dict[str, int] = {}
         depth = 0
         boxed = cast(Sequence[object], keys)  # keys stay objects (docs/compiled.md)
@@ -244,11 +224,6 @@ class UnifiedIndex(ResidencyTree):
             return set()
         return {key for run in self._runs.values() if run.mask >> bit & 1 for key in run.keys}
 
-    def is_approximate(self, key: int, worker: str, kv_group: str) -> bool:
-        bit = self._find(worker, kv_group)
-        times = self._approx.get(key)
-        return bit is not None and times is not None and bit in times
-
     def confirmed_depth(self, keys: Sequence[int], worker: str, kv_group: str, depth: int) -> int:
         """Of the first `depth` keys (a match), how many lead before the first one the resident
         holds only pending: what it will find even if the request it awaits is not done."""
@@ -260,14 +235,6 @@ class UnifiedIndex(ResidencyTree):
             if pending.get(keys[i], 0) >> bit & 1:
                 return i
         return depth
-
-    def is_pending(self, key: int, worker: str, kv_group: str) -> bool:
-        bit = self._find(worker, kv_group)
-        return bit is not None and bool(self._pending.get(key, 0) >> bit & 1)
-
-    def last_confirmed(self, key: int) -> float | None:
-        run = self.run_of(key)
-        return None if run is None else run.ts
 
     def stats(self) -> IndexStats:
         return IndexStats(
@@ -287,8 +254,7 @@ class UnifiedIndex(ResidencyTree):
         return key in self._where
 
     def check(self) -> None:
-        """Integrity check (tests): the tree (router/run_tree.py), held counts, approximate
-        and pending residency agree."""
+        """Integrity check (tests): the tree, held counts, approximate and pending marks agree."""
         self._check_tree()
         held = [0] * len(self._held)
         for run in self._runs.values():

@@ -1,11 +1,5 @@
-"""Scoped invalidation of the unified index: an operator's call, never the request path.
-
-A namespace (a tenant's, a user's, a session's) starts at a tagged key (`tag_namespace`): a
-root block keyed in its salt, or the first private block after a public prefix. Every block
-under such a key is in that namespace, because keys are chained. Dropping a scope is: find
-the tagged keys whose salt the scope matches, cut their runs there, and release every
-resident's hold on those runs and all runs below them. It walks the runs once, as `clear`
-does; it lives here, beside the index, to keep index.py about the hot paths.
+"""Scoped invalidation of the unified index (docs/index.md): an operator's call, never the
+request path, so it lives beside the index rather than in its hot module.
 """
 
 from __future__ import annotations
@@ -35,15 +29,8 @@ def invalidate(index: UnifiedIndex, scope: SaltTest | None, kv_group: str | None
         if kv_group is None:
             for key in [k for k, s in index.namespaces.items() if scope(s)]:
                 del index.namespaces[key]
-    dropped = 0
-    touched: set[int] = set()
-    for run in doomed:
-        held = run.mask & mask  # a run deleted on the way has an empty mask
-        for bit in _bits(held):
-            dropped += len(run.keys)
-            touched.add(bit)
-            index._release(run, bit)
-    for bit in touched:
+    dropped, touched = index._release_runs(doomed, mask)
+    for bit in _bits(touched):
         if index._resident_of[bit] is not None and index._held[bit] == 0:
             index._forget(bit)
     return dropped

@@ -1,21 +1,10 @@
 """One worker's KV event stream mirrored into the unified index (docs/kv-events.md). Pure: no I/O.
 
 The engine's block hashes are never trusted as index keys: every BlockStored is re-keyed from
-its token ids with core/blocks.py, continuing the chain from our key of its parent. A
-per-worker map remembers engine hash -> our key so that later events (children, removals) can
-be translated. Our own workers hash exactly as we do; for them the map stays empty (a missing
-entry means "the engine hash is our key") and the index itself says whether a parent is held.
-
-Sequence numbers decide what a batch means (`Apply`):
-
-    seq == last + 1 (or the first seen)      OK         applied
-    seq >  last + 1                          GAP        not applied; replay from resume_from
-    seq <= last, same batch as applied       DUPLICATE  ignored (replay/live overlap)
-    seq <= last, another batch               RESTART    a new incarnation: the worker is cleared;
-      (or one older than `dedup_window`)                seq 0 is applied, else replay from 0
-
-A caller that cannot replay calls `reset()` and goes on: after a reset the next batch is
-accepted as a fresh start, so the mirror holds a subset of the truth, never stale blocks.
+its token ids (core/blocks.py), continuing the chain from our key of its parent. A per-worker
+map remembers engine hash -> our key for later events; for our own workers, which hash as we
+do, it stays empty (a missing entry means "the engine hash is our key").
+Sequence numbers decide what a batch means (`Apply`, the table in docs/kv-events.md).
 """
 
 from __future__ import annotations
@@ -25,18 +14,10 @@ from collections.abc import Callable, Collection, Hashable
 from typing import NamedTuple
 
 from core.blocks import chain_keys, namespace, parent_prefix, salted_after
-from core.kv_events import (
-    AllBlocksCleared,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-)
+from core.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from router.index import UnifiedIndex
 
 LoraId = int | str | None
-DEFAULT_MEDIA: frozenset[str | None] = frozenset({"GPU", None})
-DEFAULT_CACHE_GROUPS: frozenset[int | None] = frozenset({None, 0})
 
 
 class Outcome(enum.Enum):
@@ -92,12 +73,9 @@ def _engine_salt(ev: BlockStored) -> str | None:
 
 
 class WorkerMirror:
-    """Applies one worker's event batches to `index` under `worker`.
-
-    `kv_group` names the group of the worker's base model, or maps an event's LoRA (its
-    lora_name, else lora_id, else None) to a kv_group. `block_size` (None: trust the event's)
-    must be the block size the gateway keys prompts with; other stores are skipped.
-    """
+    """Applies one worker's event batches to `index` under `worker`. `kv_group` names the group
+    of its base model, or maps an event's LoRA (lora_name, else lora_id, else None) to one.
+    `block_size` (None: trust the event's) must be the one the gateway keys prompts with."""
 
     def __init__(
         self,
@@ -106,8 +84,8 @@ class WorkerMirror:
         kv_group: str | Callable[[LoraId], str],
         block_size: int | None = None,
         *,
-        media: Collection[str | None] = DEFAULT_MEDIA,
-        cache_groups: Collection[int | None] = DEFAULT_CACHE_GROUPS,
+        media: Collection[str | None] = frozenset({"GPU", None}),
+        cache_groups: Collection[int | None] = frozenset({None, 0}),
         dedup_window: int = 2048,
     ) -> None:
         self.index = index
@@ -136,8 +114,6 @@ class WorkerMirror:
         self.gaps = self.restarts = self.duplicates = self.resets = 0
         self.skipped_orphans = self.skipped_unkeyable = 0
         self.unknown_events = self.decode_errors = 0
-
-    # -- sequencing --------------------------------------------------------------------------
 
     def apply(self, seq: int, batch: EventBatch, now: float) -> Apply:
         """Apply batch `seq` if it is the next one; otherwise say what the caller must do."""
@@ -168,20 +144,16 @@ class WorkerMirror:
         self._record(seq, _UNDECODABLE)
 
     def new_incarnation(self) -> None:
-        """The worker restarted (its stream no longer has our last seq): clear it and expect
-        the new stream from seq 0."""
+        """The worker restarted (its stream lacks our last seq): clear it, expect seq 0 next."""
         self.restarts += 1
-        self._clear()
+        self._forget_all()
         self._recent.clear()
         self.last_seq = -1
 
     def reset(self) -> None:
-        """Forget everything about the worker (resync): its residency, the hash map, the seq."""
+        """Forget the worker (resync): its residency, the hash map, the seq; not `_recent`, so
+        that replayed copies of batches applied before stay duplicates."""
         self.resets += 1
-        self._clear()
-
-    def _clear(self) -> None:
-        # _recent survives: replayed copies of batches applied before a reset stay duplicates
         self._forget_all()
         self.last_seq = None
 
@@ -214,8 +186,6 @@ class WorkerMirror:
         self.last_seq = seq
         self.last_event_ts = batch.ts
         self._record(seq, _fingerprint(batch))
-
-    # -- events ------------------------------------------------------------------------------
 
     def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
         """Our key and kv_group of a block this worker holds, None when we do not know it."""
@@ -263,8 +233,7 @@ class WorkerMirror:
             if n == 0:
                 return
         keys = chain_keys(ev.token_ids[: n * bs], bs, first)
-        if group not in self._groups:
-            self._groups.add(group)
+        self._groups.add(group)
         self._remember(hashes[:n], keys, group)
         if salt:  # ours, or vLLM's root-block extra key
             self.index.tag_namespace(keys[0], salt)
@@ -311,12 +280,9 @@ class WorkerMirror:
     def _forget_other_key(self, engine_hash: BlockHash, key: int) -> None:
         """An engine hash stored again under another key (should not happen): drop the old."""
         old = self._other.get(engine_hash)
-        if old is None:
-            old_key = self._keys.get(engine_hash)
-            if old_key is None:
-                return
+        if old is None and (old_key := self._keys.get(engine_hash)) is not None:
             old = (old_key, self.base_group)
-        if old[0] != key:
+        if old is not None and old[0] != key:
             self.index.remove((old[0],), self.worker, old[1])
             self._other.pop(engine_hash, None)
             self._keys.pop(engine_hash, None)
@@ -341,25 +307,5 @@ class WorkerMirror:
             removed += self.index.remove(base_keys, self.worker, self.base_group)
         self.blocks_removed += removed
 
-    # -- reading -----------------------------------------------------------------------------
-
-    def mapped_hashes(self) -> int:
-        """Engine hashes held in the map (identity hashes take none)."""
-        return len(self._keys) + len(self._other)
-
     def stats(self) -> MirrorStats:
-        return MirrorStats(
-            applied_batches=self.applied_batches,
-            blocks_stored=self.blocks_stored,
-            blocks_removed=self.blocks_removed,
-            gaps=self.gaps,
-            restarts=self.restarts,
-            duplicates=self.duplicates,
-            resets=self.resets,
-            skipped_orphans=self.skipped_orphans,
-            skipped_unkeyable=self.skipped_unkeyable,
-            unknown_events=self.unknown_events,
-            decode_errors=self.decode_errors,
-            last_seq=self.last_seq,
-            last_event_ts=self.last_event_ts,
-        )
+        return MirrorStats(*[getattr(self, name) for name in MirrorStats._fields])

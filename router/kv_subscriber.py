@@ -1,19 +1,9 @@
 """The gateway side of a worker's KV events (docs/kv-events.md): a WorkerMirror's asyncio shell.
 
 A SUB socket follows the worker's stream; a DEALER (a fresh one per request, so that a late
-answer to a timed-out request is never taken for the next one) asks its replay socket for
-what was missed. Whenever the mirror may be behind (start-up, a gap in seq, a new incarnation,
-the SUB socket reconnecting) the subscriber *catches up*: it replays from the last seq it
-applied (one batch of overlap, which proves the worker is the same incarnation), or from 0.
-
-    replay starts with our last seq, same batch     same incarnation: apply what follows
-    replay starts with our last seq, other batch    new incarnation: clear, replay from 0
-    replay holds nothing from our last seq on       new incarnation: clear, replay from 0
-    replay starts later / has a hole / none / late  history lost: reset, keep what came
-
-So the mirror holds at most what the worker holds: after a loss it holds less, never stale
-blocks. Live messages that arrive during a replay wait in the SUB queue (`rcvhwm`) and are
-applied after it; those the replay covered are dropped as duplicates by seq.
+answer to a timed-out request is never taken for the next one) asks its replay socket for what
+was missed. Whenever the mirror may be behind it *catches up* by a replay from the last seq it
+applied (the table in docs/kv-events.md): after a loss the mirror holds less, never stale blocks.
 """
 
 from __future__ import annotations
@@ -35,7 +25,6 @@ log = logging.getLogger(__name__)
 
 _END = -1
 YIELD_EVERY = 32  # messages applied in a row before the event loop gets a turn
-
 
 # the backend's getsockopt: an int, where the socket's own wraps it in an enum (~1 µs more)
 _get = zmq.backend.Socket.get
@@ -83,12 +72,9 @@ class KVEventSubscriber:
         self._ctx = context or zmq.asyncio.Context.instance()
         self._stopping = False
         self.synced = asyncio.Event()  # set once the start-up catch-up is done (or impossible)
-        self.messages = 0
-        self.bad_frames = 0
-        self.reconnects = 0
+        self.messages = self.bad_frames = self.reconnects = 0
+        self.replays = self.replay_failures = 0
         self.connected = False  # the SUB socket's connection to the worker is up
-        self.replays = 0
-        self.replay_failures = 0
 
     def stop(self) -> None:
         """Ask run() to return; it does within `poll_interval_s` (or after a replay)."""
@@ -105,11 +91,9 @@ class KVEventSubscriber:
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
         poll_ms = max(1, int(self.poll_interval_s * 1000))
-        # what is waiting is read through plain views of the same sockets, without awaiting:
-        # one C call a message, where an asyncio socket's costs a future and loop callbacks
-        # (on a busy fleet a message comes with nearly every request); the poller is awaited
-        # only once both are drained, and the loop is given a turn every YIELD_EVERY messages
-        # (applying one takes no await: a backlog would otherwise hold the requests up)
+        # plain views of the same sockets read what is waiting in one C call a message (an
+        # asyncio socket's recv costs a future and loop callbacks); the poller is awaited only
+        # once both are drained, and the loop gets a turn every YIELD_EVERY messages
         live = zmq.Socket.shadow(sub.underlying)
         changes = zmq.Socket.shadow(monitor.underlying)
         in_a_row = 0
@@ -186,7 +170,7 @@ class KVEventSubscriber:
         return result
 
     async def _catch_up(self) -> None:
-        """Replay from our last seq (or 0) until the mirror is current; see the module doc."""
+        """Replay from our last seq (or 0) until the mirror is current (docs/kv-events.md)."""
         mirror = self.mirror
         for _ in range(2):  # the second round only after finding a new incarnation
             last = mirror.last_seq

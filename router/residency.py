@@ -1,11 +1,7 @@
-"""Who holds what in the unified index (router/index.py): residents, their holds, and every way
-a hold ends.
+"""Who holds what in the unified index (docs/index.md): residents, their holds, and every way
+a hold ends (remove, clear, expiry, eviction from the tails of the least recently used leaves).
 
-Residency is a bitmask per run (router/run_tree.py): each `(worker, kv_group)` pair (a
-*resident*) owns one bit. Exact residency lasts until removed; approximate residency expires
-its TTL after it was last confirmed; *pending* residency is approximate residency awaiting a
-worker's own KV events. Memory is bounded by `max_blocks`: blocks go from the tail of the least
-recently used leaf run, only as many as the shortfall, so eviction never scans the tree.
+Each `(worker, kv_group)` pair (a *resident*) owns one bit of a run's mask (router/run_tree.py).
 """
 
 from __future__ import annotations
@@ -30,8 +26,7 @@ def _bits(mask: int) -> Iterator[int]:
 
 
 class ResidencyTree(RunTree):
-    """The run tree with each run's residents: bits, held and stored counts, approximate and
-    pending marks, and their release (remove, clear, expiry, eviction)."""
+    """The run tree with each run's residents: bits, counts, approximate and pending marks."""
 
     def __init__(self, max_blocks: int) -> None:
         super().__init__()
@@ -57,8 +52,7 @@ class ResidencyTree(RunTree):
 
     def _bit(self, worker: str, kv_group: str) -> int:
         """The resident's bit, given one if it has none."""
-        groups = self._bit_of.get(worker)
-        bit = None if groups is None else groups.get(kv_group)
+        bit = self._find(worker, kv_group)
         if bit is None:
             resident = Resident(worker, kv_group)
             if self._free_bits:
@@ -89,9 +83,6 @@ class ResidencyTree(RunTree):
         else:
             del self._group_mask[resident.kv_group]
 
-    def residents(self) -> list[Resident]:
-        return [r for r in self._resident_of if r is not None]
-
     def blocks_held(self, worker: str, kv_group: str) -> int:
         bit = self._find(worker, kv_group)
         return 0 if bit is None else self._held[bit]
@@ -115,21 +106,29 @@ class ResidencyTree(RunTree):
         if run.mask == 0 and run.children == 0:
             self._delete(run)
 
-    def _drop_approx(self, keys: list[int], bit: int) -> None:
+    def _drop_approx(self, keys: list[int], bit: int) -> int:
+        """Drop the resident's approximate marks on `keys`; returns how many were pending."""
         approx, pending = self._approx, self._pending
+        unpended = 0
         for key in keys:
             times = approx.get(key)
             if times is not None and times.pop(bit, None) is not None:
                 if not times:
                     del approx[key]
-                if pending and pending.get(key, 0) >> bit & 1:
-                    self._unpend(key, bit)
+                mask = pending.get(key, 0) if pending else 0
+                if mask >> bit & 1:
+                    mask &= ~(1 << bit)
+                    if mask:
+                        pending[key] = mask
+                    else:
+                        del pending[key]
+                    unpended += 1
+        return unpended
 
     def _release_tails(self, keys: list[int], bit: int) -> int:
         """Release the leading keys that are tails of runs the resident holds, deepest key
-        first: what an LRU cache evicts, so what most BlockRemoved events say. One lookup per
-        run, and a leaf only this resident holds is trimmed in place. Returns how many keys
-        it released (the rest takes `_release_keys`'s general path)."""
+        first, as an LRU cache evicts (most BlockRemoved events): one lookup per run. Returns
+        how many keys it released (the rest takes `_release_keys`'s general path)."""
         flag = 1 << bit
         where, by_id = self._where, self._runs
         boxed = cast(list[object], keys)
@@ -221,31 +220,14 @@ class ResidencyTree(RunTree):
     def _confirm(self, keys: list[int], bit: int, expiry: float | None) -> int:
         """Keys already held: refresh approximate ones, or make them exact (expiry None).
         Returns how many pending ones that made exact."""
+        if expiry is None:
+            return self._drop_approx(keys, bit)
         approx = self._approx
-        pending = self._pending
-        confirmed = 0
-        for key in keys:
+        for key in keys:  # exact ones stay exact: an approximate sighting does not demote them
             times = approx.get(key)
-            if times is None or bit not in times:
-                continue  # exact already: an approximate sighting does not demote it
-            if expiry is not None:
-                if expiry > times[bit]:  # TTLs differ (pending vs approximate): keep the later
-                    times[bit] = expiry
-                continue
-            del times[bit]
-            if not times:
-                del approx[key]
-            if pending and pending.get(key, 0) >> bit & 1:
-                self._unpend(key, bit)
-                confirmed += 1
-        return confirmed
-
-    def _unpend(self, key: int, bit: int) -> None:
-        mask = self._pending[key] & ~(1 << bit)
-        if mask:
-            self._pending[key] = mask
-        else:
-            del self._pending[key]
+            if times is not None and bit in times and expiry > times[bit]:
+                times[bit] = expiry  # TTLs differ (pending vs approximate): keep the later
+        return 0
 
     def remove(self, keys: Iterable[int], worker: str, kv_group: str) -> int:
         """The resident no longer holds these keys. Returns how many it held."""
@@ -263,20 +245,24 @@ class ResidencyTree(RunTree):
         bits = [bit for group, bit in groups.items() if kv_group in (None, group)]
         if not bits:
             return 0
-        mask = sum(1 << b for b in bits)
-        removed = 0
-        for run in list(self._runs.values()):
-            if run.mask & mask:  # a run deleted on the way has an empty mask
-                for bit in _bits(run.mask & mask):
-                    removed += len(run.keys)
-                    self._release(run, bit)
+        removed, _ = self._release_runs(list(self._runs.values()), sum(1 << b for b in bits))
         for bit in bits:
             self._forget(bit)
         return removed
 
+    def _release_runs(self, runs: Iterable[Run], mask: int) -> tuple[int, int]:
+        """Release all holds in `mask` on `runs`: (residencies dropped, bits that lost any)."""
+        dropped = touched = 0
+        for run in runs:
+            held = run.mask & mask  # a run deleted on the way has an empty mask
+            touched |= held
+            for bit in _bits(held):
+                dropped += len(run.keys)
+                self._release(run, bit)
+        return dropped, touched
+
     def expire(self, now: float) -> int:
-        """Drop approximate (and pending) residency not confirmed within its TTL. Cheap when
-        nothing is due."""
+        """Drop approximate (and pending) residency past its TTL; cheap when nothing is due."""
         return self._expire(self._approx_queue, now) + self._expire(self._pending_queue, now)
 
     def _expire(self, queue: deque[tuple[float, int, tuple[int, ...]]], now: float) -> int:
@@ -294,8 +280,7 @@ class ResidencyTree(RunTree):
     def _evict(self) -> None:
         """Drop the blocks over `max_blocks`, from the tails of the least recently used leaves."""
         count = len(self._where) - self.max_blocks if self.max_blocks else 0
-        head = self._lru
-        where = self._where
+        head, where = self._lru, self._where
         while count > 0 and head.next is not head:
             run = head.next
             assert run is not None and run.children == 0

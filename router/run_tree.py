@@ -1,10 +1,8 @@
-"""The compressed tree under the unified index (router/index.py): runs of chained block keys.
+"""The compressed tree under the unified index (docs/index.md): runs of chained block keys.
 
-A node is a *run* of consecutive blocks with the same residency, as in SGLang's radix cache;
-`_where` maps every key to its run (by id), so matching a prompt costs one dict lookup per run
-plus a list comparison of its keys. Leaf runs sit in an intrusive doubly linked list, oldest at
-the head, so that LRU eviction never scans the tree. What a run's `mask` means (which residents
-hold it) is the index's business; this module only keeps the shape.
+A node is a *run* of consecutive blocks with the same residency; `_where` maps every key to its
+run. Leaf runs sit in an intrusive doubly linked list, oldest at the head, so that LRU eviction
+never scans the tree. What a run's `mask` means is the index's business (router/residency.py).
 """
 
 from __future__ import annotations
@@ -42,8 +40,6 @@ class RunTree:
         """The run holding `key`."""
         return self._runs.get(self._where.get(key, 0))  # 0: no object's id
 
-    # -- LRU leaf list -----------------------------------------------------------------------
-
     def _unlink(self, run: Run) -> None:
         if run.prev is not None:
             run.prev.next = run.next
@@ -63,8 +59,6 @@ class RunTree:
         head.next.prev = run  # type: ignore[union-attr]
         head.next = run
 
-    # -- structure ---------------------------------------------------------------------------
-
     def _register(self, run: Run) -> Run:
         """List `run` and map its keys to it."""
         where = self._where
@@ -82,9 +76,8 @@ class RunTree:
         return run
 
     def _claim(self, keys: list[int], i: int, run: Run) -> int:
-        """Map keys[i:] to `run` up to the first key mapped already, to any run or twice in
-        `keys` (one dict operation per key); returns where it stopped. The caller appends
-        keys[i:stop] to `run.keys`."""
+        """Map keys[i:] to `run` up to the first key mapped already (one dict operation per
+        key); returns where it stopped. The caller appends keys[i:stop] to `run.keys`."""
         where = self._where
         rid: object = id(run)
         boxed = cast(list[object], keys)

@@ -1,15 +1,6 @@
-"""Shadow policies: choose on every request without acting, and count what the choice predicts.
-
-The gateway (router/gateway/modes.py) and `urc replay --shadow` (simulation/shadow.py) both call
-`ShadowPolicies.watch` with the candidates the live policy saw, so their numbers cannot drift.
-Per policy, over the requests watched:
-
-    predicted_hit_tokens   tokens of the prompt the index says its choice holds
-    predicted_ttft_s       the cache_aware estimator's TTFT at its choice (CacheAwarePolicy.ttft
-                           with the operator's prefill rate and its other defaults)
-    disagreements          requests where it chose another worker than the live decision
-
-Pure and synchronous, like the policies themselves.
+"""Shadow policies (docs/policies.md): choose on every request without acting, and count what
+each choice predicts. The gateway (router/gateway/modes.py) and `urc replay --shadow`
+(simulation/shadow.py) both call `ShadowPolicies.watch`, so their numbers cannot drift.
 """
 
 from __future__ import annotations
@@ -31,12 +22,10 @@ class ShadowStats:
 
     def summary(self) -> dict[str, Any]:
         """Rates and means (None before the first request), as /admin/mode reports them."""
-        n = self.requests
+        n, prompt = self.requests, self.prompt_tokens
         return {
             "requests": n,
-            "predicted_hit_rate": self.predicted_hit_tokens / self.prompt_tokens
-            if self.prompt_tokens
-            else None,
+            "predicted_hit_rate": self.predicted_hit_tokens / prompt if prompt else None,
             "predicted_ttft_mean_s": self.predicted_ttft_s / n if n else None,
             "disagreement_rate": self.disagreements / n if n else None,
         }

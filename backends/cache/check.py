@@ -7,9 +7,8 @@ from backends.cache.radix import RadixCache
 
 
 def check(cache: RadixCache) -> set[int]:
-    """Assert the invariants: token states add up to the capacity, counts match the runs, keys
-    map to live runs, unlocked leaves are listed in stamp order, no page is in two places.
-    Returns the pages in the trees (empty when the cache is not paged)."""
+    """Assert the invariants (token states, counts, keys, the LRU list, pages); returns the
+    pages in the trees (empty when the cache is not paged)."""
     assert cache.free_tokens >= 0 and cache.allocated_tokens >= 0
     assert (
         cache.free_tokens + cache.evictable_tokens + cache.protected_tokens + cache.allocated_tokens
@@ -93,5 +92,6 @@ def check_locks(cache: RadixCache, holders: list[Run]) -> None:
         while node.parent is not None:
             expected[id(node)] = expected.get(id(node), 0) + 1
             node = node.parent
-    for run in cache.runs():
-        assert run.lock_ref == expected.get(id(run), 0), "lock counts != the holders' paths"
+    for tree in cache.trees.values():
+        for run in tree.runs:
+            assert run.lock_ref == expected.get(id(run), 0), "lock counts != the holders' paths"

@@ -1,8 +1,5 @@
 """The records of the radix cache (radix.py): its runs of blocks, its trees, its results.
-
-Plain classes with written-out `__init__`s, not NamedTuples: compiled, they are built and read
-natively (core/native.py).
-"""
+Plain classes with written-out `__init__`s: compiled, they are built and read natively."""
 
 from __future__ import annotations
 
@@ -10,8 +7,8 @@ from typing import NamedTuple
 
 
 class Run:
-    """A node of a tree: consecutive blocks that share a parent chain and a lock count, with
-    the pages that back them and their token ids where the cache keeps those."""
+    """A node of a tree: consecutive blocks that share a lock count, with their pages and
+    token ids where the cache keeps those."""
 
     __slots__ = (
         "keys",
@@ -41,10 +38,6 @@ class Run:
         self.tree = tree
         self.pages: list[int] | None = None  # pages[i] backs keys[i] (a paged cache)
         self.tokens: list[int] | None = None  # exactly the blocks' token ids (keep_tokens)
-
-    @property
-    def last_key(self) -> int | None:
-        return self.keys[-1] if self.keys else None
 
 
 class Tree:

@@ -8,11 +8,8 @@ Every token of the pool is in exactly one of four states (check.py asserts it):
     allocated    private to a request (not in a tree): computed KV not yet inserted
 
 Eviction runs only inside `allocate`, only for the shortfall, oldest unlocked leaf first across
-all trees (a kv_group's share of the pool follows its traffic), from the tail of that leaf's
-run. The unlocked leaves sit in an intrusive doubly linked list in stamp order, never found by
-scanning a tree: a leaf used or unlocked takes the newest tick, so it moves to the newest end;
-only a parent left a leaf by an eviction keeps an older stamp, and it goes in before the first
-newer leaf. No two leaves share a stamp (one tick stamps one path), so the order is exact.
+all trees (a kv_group's share of the pool follows its traffic), from the tail of its run. The
+unlocked leaves sit in an intrusive linked list in stamp order, never found by a scan.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ RemovedCallback = Callable[[str, list[int]], None]  # (kv_group, keys)
 
 class Pool:
     """`capacity_tokens` tokens in blocks of `block_size` (rounded down to whole blocks);
-    `page_ids`, one per block, make it paged: `allocate_pages` hands them out and eviction
-    takes them back."""
+    `page_ids`, one per block, make it paged (`allocate_pages`, eviction takes them back)."""
 
     def __init__(
         self,
@@ -55,22 +51,16 @@ class Pool:
         self._lru.prev = self._lru.next = self._lru
         self.next_tombstone = -1  # invalidated locked runs are re-keyed below zero
 
-    # -- room --------------------------------------------------------------------------------
-
     def can_allocate(self, tokens: int) -> bool:
         return tokens <= self.free_tokens + self.evictable_tokens
 
     def allocate(self, tokens: int) -> bool:
         """Take `tokens` of private room, evicting unlocked leaves for the shortfall only.
         False (and nothing evicted) when even evicting everything unlocked would not do."""
-        if tokens <= self.free_tokens:
-            self.free_tokens -= tokens
-            self.allocated_tokens += tokens
-            return True
-        if tokens > self.free_tokens + self.evictable_tokens:
-            return False
-        shortfall = tokens - self.free_tokens
-        self._evict(-(-shortfall // self.block_size))
+        if tokens > self.free_tokens:
+            if tokens > self.free_tokens + self.evictable_tokens:
+                return False
+            self._evict(-(-(tokens - self.free_tokens) // self.block_size))  # the shortfall
         self.free_tokens -= tokens
         self.allocated_tokens += tokens
         return True
@@ -97,8 +87,6 @@ class Pool:
         self.free(len(pages) * self.block_size)
         self.page_ids.extend(pages)
 
-    # -- eviction ----------------------------------------------------------------------------
-
     def _unlink(self, run: Run) -> None:
         run.prev.next = run.next  # type: ignore[union-attr]
         run.next.prev = run.prev  # type: ignore[union-attr]
@@ -112,7 +100,8 @@ class Pool:
         head.prev = run
 
     def _link_by_stamp(self, run: Run) -> None:
-        """List a run that became an unlocked leaf under an older stamp, in stamp order."""
+        """List a run that became an unlocked leaf under an older stamp (a parent left a leaf by
+        an eviction) in stamp order: one tick stamps one path, so no two leaves share one."""
         head = self._lru
         if run.stamp > head.prev.stamp:  # type: ignore[union-attr]
             self._link_newest(run)
@@ -123,6 +112,13 @@ class Pool:
         run.prev, run.next = after, after.next
         after.next.prev = run  # type: ignore[union-attr]
         after.next = run
+
+    def _relist(self, run: Run) -> None:
+        """List `run` if it has just become an unlocked leaf."""
+        if run.parent is None or run.prev is not None or not run.alive:
+            return  # a root, listed already, or gone
+        if run.children == 0 and run.lock_ref == 0:
+            self._link_by_stamp(run)
 
     def _evict(self, blocks: int) -> None:
         """Drop `blocks` blocks from the tails of the least recently used unlocked leaves."""
@@ -144,8 +140,7 @@ class Pool:
             parent = run.parent
             assert parent is not None
             self._cut_tail(run, take)
-            if parent.parent is not None and parent.children == 0 and parent.lock_ref == 0:
-                self._link_by_stamp(parent)
+            self._relist(parent)
             blocks -= take
         if tree is not None:
             self._removed(tree, removed)

@@ -1,22 +1,12 @@
-"""The workers' KV cache: a radix tree of blocks per kv_group in one pool of `capacity_tokens`.
+"""The workers' KV cache: a radix tree of blocks per kv_group in one pool (pool.py).
 
-As in SGLang's radix cache, but block-granular and keyed by the gateway's own block keys
-(core/blocks.py): a block's key IS its identity here and the hash in the KV events it
-publishes, so the gateway's mirror maps it by identity. Keys are chained, so a key names its
-whole prefix and the cached keys of a prompt always form a prefix of its chain. The emulated
-worker counts tokens only; the torch worker's cache is paged (a page id backs every block) and
-keeps the blocks' tokens, so a match is confirmed token by token, never on the hash alone.
-
-The tree is compressed (nodes.py): a node (`Run`) is a run of consecutive blocks; a tree's
-`heads` maps the first key of every run to the run, so matching costs one dict lookup and one
-list comparison per run, and storing or evicting a run one dict operation, whatever its
-length. Chained keys make that enough: a lookup always starts right after a run's last key, so
-it finds a run's first key or nothing. A namespace that starts inside new blocks starts a run
-of its own, so that scoped invalidation (scopes.py) finds it by its first key too.
-
-Locks walk to the root, so every ancestor of a locked run is locked and all evictable tokens
-can be reached by evicting leaves (pool.py: the room, its four states, and eviction). Recency
-is a logical tick, bumped by `match`, `insert` and `unlock`, that stamps the path used.
+As SGLang's radix cache, but block-granular and keyed by the gateway's own chained block keys
+(core/blocks.py), which are also the hashes of its KV events. The emulated worker counts tokens
+only; the torch worker's cache is paged and keeps the blocks' tokens, so a match is confirmed
+token by token. A node (`Run`, nodes.py) is a run of blocks; a tree's `heads` maps the first key
+of every run to it: a lookup always starts right after a run's last key, so it finds a run's
+first key or nothing. A namespace starts a run of its own, for scoped invalidation (scopes.py).
+Locks walk to the root. Recency is a tick, bumped by `match`, `insert` and `unlock`.
 """
 
 from __future__ import annotations
@@ -37,11 +27,9 @@ def _part(items: list[int] | None, start: int, stop: int | None) -> list[int] | 
 
 
 class RadixCache(Pool):
-    """Blocks of `block_size` tokens in a pool of `capacity_tokens` tokens (rounded down to
-    whole blocks). `page_ids` (one page per block of the capacity) makes it paged: `allocate_
-    pages` hands them out and eviction takes them back. `keep_tokens` stores the blocks' token
-    ids and confirms matches on them. `on_stored` / `on_removed` hear every change to the set
-    of cached keys, in order: exactly what a KV event stream must say."""
+    """The pool (pool.py) with its trees. `keep_tokens` stores the blocks' token ids and confirms
+    matches on them. `on_stored` / `on_removed` hear every change to the set of cached keys, in
+    order: exactly what a KV event stream must say."""
 
     def __init__(
         self,
@@ -62,8 +50,6 @@ class RadixCache(Pool):
         # key that starts a salted namespace -> its salt (may name evicted keys; scopes.py)
         self.namespaces: dict[int, str] = {}
 
-    # -- reading -----------------------------------------------------------------------------
-
     def __len__(self) -> int:
         return self._blocks
 
@@ -75,8 +61,7 @@ class RadixCache(Pool):
         return tree.root
 
     def starts_run(self, key: int, kv_group: str = "") -> bool:
-        """Whether a cached run starts at `key`: where a cached prefix that ends right before
-        `key` goes on, if it does (chained keys)."""
+        """Whether a cached run starts at `key` (a cached prefix ending before it goes on)."""
         tree = self.trees.get(kv_group)
         return tree is not None and key in tree.heads
 
@@ -84,9 +69,6 @@ class RadixCache(Pool):
         """Every key the group's tree holds, invalidated ones not (walks its runs)."""
         tree = self.trees.get(kv_group)
         return set() if tree is None else {k for run in tree.runs for k in run.keys if k >= 0}
-
-    def runs(self) -> list[Run]:
-        return [run for tree in self.trees.values() for run in tree.runs]
 
     def stats(self) -> CacheStats:
         return CacheStats(
@@ -198,12 +180,14 @@ class RadixCache(Pool):
         tree.runs.add(head)
         return head
 
-    # -- locks -------------------------------------------------------------------------------
-
     def lock(self, node: Run) -> None:
         """Protect `node` and its ancestors from eviction (counted: lock as often as unlock)."""
+        self._lock_path(node, None)
+
+    def _lock_path(self, node: Run, top: Run | None) -> None:
+        """Lock the runs from `node` up to, not including, `top` (None: the root)."""
         bs = self.block_size
-        while node.parent is not None:
+        while node is not top and node.parent is not None:
             if node.lock_ref == 0:
                 tokens = len(node.keys) * bs
                 self.evictable_tokens -= tokens
@@ -233,24 +217,13 @@ class RadixCache(Pool):
     def move_lock(self, node: Run, down_to: Run) -> None:
         """`lock(down_to)` then `unlock(node)`, for `down_to` at or below the locked `node`: one
         walk. `node`'s path stays locked (only used now), so nothing becomes evictable."""
-        bs = self.block_size
-        while down_to is not node:
-            if down_to.lock_ref == 0:
-                tokens = len(down_to.keys) * bs
-                self.evictable_tokens -= tokens
-                self.protected_tokens += tokens
-                if down_to.prev is not None:
-                    self._unlink(down_to)
-            down_to.lock_ref += 1
-            down_to = down_to.parent  # type: ignore[assignment]
+        self._lock_path(down_to, node)
         self._tick += 1
         tick = self._tick
         while node.parent is not None:
             assert node.lock_ref > 0, "unlock without lock"
             node.stamp = tick
             node = node.parent
-
-    # -- insert ------------------------------------------------------------------------------
 
     def insert(
         self,
@@ -325,7 +298,7 @@ class RadixCache(Pool):
             assert tokens is not None, "this cache keeps the blocks' tokens"
             kept = list(tokens[i * bs : end * bs])
         part = _part(pages, i, end)
-        parent_key = node.last_key
+        parent_key = node.keys[-1] if node.keys else None
         if public:  # the namespace starts a run of its own (the module doc)
             head = self._add_run(node, fresh[:at], _part(part, 0, at), _part(kept, 0, at * bs))
             run = self._add_run(head, fresh[at:], _part(part, at, end), _part(kept, at * bs, None))

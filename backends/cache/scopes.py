@@ -1,16 +1,7 @@
-"""Scoped invalidation of the radix cache (radix.py): an operator's call.
-
-A namespace starts at a key the cache noted on insert (`RadixCache.namespaces`): a salted root
-block, or the first private block after a public prefix; every block below it is in it. The
-runs of the matching namespaces (all runs when the scope is everything) go at once:
-
-    unlocked   freed now: their room (pages) goes back to the pool, BlockRemoved is announced
-    locked     re-keyed below zero, so no request can match them and nothing is cached under
-               them; they stay protected while locked and are evicted like any leaf after.
-               BlockRemoved is announced now for their real keys.
-
-Locks walk to the root, so the unlocked runs of a subtree are whole subtrees themselves. The
-torch worker calls it on the thread that owns its engine.
+"""Scoped invalidation of the radix cache (radix.py; docs/isolation.md): unlocked runs of the
+scope are freed now; locked ones are re-keyed below zero, unmatchable, and evicted like any leaf
+once released. BlockRemoved is announced at once for all. The torch worker calls it on the
+thread that owns its engine.
 """
 
 from __future__ import annotations
@@ -72,16 +63,8 @@ def _drop(cache: RadixCache, tree: Tree, scope: SaltTest | None) -> Invalidated:
             freed += len(run.keys)
             cache._cut_tail(run, len(run.keys))
     for run in doomed:  # parents left without children become evictable leaves
-        parent = run.parent
-        if (
-            parent is not None
-            and parent.parent is not None
-            and parent.alive
-            and parent.children == 0
-            and parent.lock_ref == 0
-            and parent.prev is None
-        ):
-            cache._link_by_stamp(parent)
+        if run.parent is not None:
+            cache._relist(run.parent)
     cache.evicted_blocks += freed
     if cache.on_removed is not None and removed:
         cache.on_removed(tree.kv_group, removed)

@@ -1,11 +1,7 @@
 """What every routing policy sees and returns (docs/policies.md).
 
-A policy is a synchronous object with no I/O and no clock reads: the gateway and the
-simulator hand it the same `RouteRequest` and `Candidate`s and get the same `Decision`.
-
-These are dataclasses with a written-out `__init__`: compiled (docs/compiled.md), such a class
-is built and read natively, where a NamedTuple or a generated `__init__` would run Python code
-on every request. `dataclasses.replace` and `dataclasses.asdict` work on them.
+Dataclasses with a written-out `__init__`: compiled, they are built and read natively, where a
+NamedTuple or a generated `__init__` would run Python code on every request (docs/compiled.md).
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ class RouteRequest:
 
     def matched_tokens(self, blocks: int) -> int:
         """The prompt tokens a worker holding its first `blocks` blocks can reuse: whole
-        blocks, less the last one of a prompt it holds whole (router/dispatch.py says why)."""
+        blocks, less the last one of a prompt it holds whole (docs/dispatch.md says why)."""
         usable = (self.prompt_tokens - 1) // self.block_size  # the last token is computed
         if blocks > usable:
             blocks = usable

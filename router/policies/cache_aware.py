@@ -1,58 +1,9 @@
 """Our policy: send each request where it costs the fleet least time to first token.
 
-The cost of sending a request to a worker is a queueing model of its engine, in seconds:
-
-    uncached = prompt_tokens - matched_tokens
-    backlog  = mean_queued + bound_share * (queued_prefill_tokens - mean_queued)
-    work     = backlog + uncached
-    wait     = work / prefill_tokens_per_s + max(1, ceil(work / chunk_tokens)) * running_decode
-               * decode_token_s
-    cost     = wait + uncached / prefill_tokens_per_s * (externality * waiting
-               + cache_value * reuse * full)
-
-`wait` is this request's own wait: the prefill routed to the worker and not yet done, plus its
-own uncached tokens, in chunks of at most `chunk_tokens` per engine step; every step also
-advances each running decode by a token (vLLM's chunked schedule, SGLang's mixed chunks).
-
-The backlog is pooled. Requests that every candidate holds equally (none, on a cold miss) are
-free to go anywhere, and they go where the backlog is short: the fleet levels its queues with
-them. So a worker's excess over the fleet's mean backlog persists only in the share of the work
-that is bound to a cache: `bound_share` = 1 - the free share of recently routed uncached tokens.
-A request that holds a prefix somewhere leaves it for another worker only for the excess that
-free traffic cannot level. A fleet where every request has a home (all bound) sees each queue
-as it is; one with much free traffic keeps prefixes home and levels with the rest.
-
-The rest is what the choice costs everyone else, in two parts:
-- Queueing. Uncached tokens are work that delays every request in flight where it runs: those
-  awaiting their first token wait for it, and decoding ones advance one token per engine step
-  while prefill chunks lengthen the steps. In a FIFO queue's steady state a job delays as many
-  requests as it finds (a departing job leaves behind as many as arrived during its stay), and
-  with backlogs level the fleet shares the delay as one pooled queue, so `waiting` is the mean,
-  over the candidates, of requests in flight.
-- Eviction. Every uncached block is stored where it runs; on a full cache (`full`: the worker
-  has evicted before, stored_blocks > cached_blocks) it evicts a block, which a later request
-  may need and recompute. `reuse` is the fleet's recent hit tokens per miss token: how often a
-  stored block has been used again, so how much recomputation an eviction costs, per token.
-Both are measured per kv_group from the policy's own decisions (`RoutingHistory`), decayed with
-the fleet's cached tokens as the time constant: reuse over the last cache's worth of prompt
-tokens routed, the free share over the last cache's worth of uncached ones (one turnover).
-
-Cache and load are priced in one unit: a cached block saves `block_size / prefill_tokens_per_s`
-seconds, a queued token costs as much. A hot prefix's holder with a long queue loses to an idle
-worker exactly when recomputing the prefix there is cheaper (herding).
-
-When every candidate holds the same prefix (none, on a cold miss), the rest of the prompt is new:
-among the workers whose own wait is within `max(rendezvous_slack_s, rendezvous_factor * best)`
-of the best, it goes to the one whose cache has taken the least new content lately (blocks
-stored over the last turnover of the caches, from KV events, plus the tokens routed to it and
-not yet prefilled): new content spreads evenly over the caches, so each keeps what it holds as
-long as the others (SGLang's router gets this from its smallest tree). Lately, not ever: a
-cache's contents are its last turnover's, and a worker that joins late fills up and then takes
-its share, instead of drawing every new prefix until its count catches up. Ties, as in an idle
-fleet, go to the rendezvous (highest-random-weight) winner of the first new block, so gateway
-replicas that see the same index agree without talking (each counts only the queued tokens it
-routed itself: under load two may place one new prefix apart until the index shows it). Exact
-ties elsewhere are broken by the same hash.
+The cost is a queueing model of each worker's engine, in seconds; docs/policies.md states it
+and says why each term is there. When every candidate holds the same prefix, the new content
+goes to the cache that took the least of it lately, ties by rendezvous hash of the first new
+block, so gateway replicas that see the same index agree without talking.
 """
 
 from __future__ import annotations
@@ -60,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Final, NamedTuple
+from typing import ClassVar, Final
 
 import xxhash
 
@@ -82,11 +33,8 @@ class Inflow:
 
 @dataclass(slots=True)
 class RoutingHistory:
-    """One kv_group's recent routing outcomes (decisions are its only clock).
-
-    Reuse is counted over the last fleet cache's worth of prompt tokens routed; the free share
-    and each worker's cache inflow over the last fleet cache's worth of new blocks (one turnover
-    of the caches)."""
+    """One kv_group's recent routing outcomes, decayed over one turnover of the fleet's caches
+    (decisions are its only clock)."""
 
     hit_tokens: float = 0.0  # matched tokens at the chosen workers
     miss_tokens: float = 0.0  # uncached tokens routed, on the same clock as hit_tokens
@@ -105,9 +53,7 @@ class RoutingHistory:
         self.free_tokens = self.free_tokens * decay + (miss if free else 0)
 
     def observe(self, candidates: Sequence[Candidate]) -> None:
-        """Add the blocks each worker stored since last seen to its recent inflow. A count
-        that went down is a worker the index forgot and met again: it starts over, from no
-        inflow at all."""
+        """Add the blocks each worker stored since last seen to its recent inflow."""
         workers = self.inflow
         seen: list[Inflow] = []
         added: list[int] = []
@@ -140,36 +86,11 @@ class RoutingHistory:
         return 1.0 - self.free_tokens / (self.inflow_tokens + block_size)
 
 
-class FleetView(NamedTuple):
-    """What a cost depends on besides the candidate itself (see the module docstring)."""
-
-    waiting: float  # mean requests in flight over the candidates
-    mean_queued: float  # mean queued_prefill_tokens over the candidates
-    bound_share: float  # share of recent uncached work bound to a cache (1 - free share)
-    reuse: float  # recent hit tokens per miss token
-
-
 class CacheAwarePolicy:
-    """Minimise the fleet's time to first token; spread what is new over the caches.
-
-    Defaults describe an 8B model in bf16 on one H100:
-      prefill_tokens_per_s = 15000  ~2*8e9 FLOP/token at ~25-40% of 989 TFLOP/s (10-20k tok/s)
-      decode_token_s = 2e-4         one decoding request's share of a step (its KV read and
-                                    scheduling); 64 of them make ~13 ms of a 10-30 ms step
-      chunk_tokens = 8192           prefill tokens per engine step (SGLang's chunked prefill
-                                    size, vLLM's max_num_batched_tokens)
-      externality = 1.0             weight of the queueing delay imposed on others: 1 is the
-                                    model, 0 is selfish (own TTFT only); a switch for ablations
-      cache_value = 1.0             weight of the recomputation an eviction causes: 1 is the
-                                    model, 0 ignores it; a switch for ablations
-      rendezvous_slack_s = 0.0      new prefixes may take a worker this much slower than the
-      rendezvous_factor = 0.1       best, or this fraction of the best wait if larger: within the
-                                    estimate's own error, an even spread is worth more
-    Reasons: "cache_hit" (the chosen worker holds the longest match; "cold_miss" when no one
-    holds anything) or "load" (a worker holding more of the prompt lost on its cost).
-    Like SGLang's router, the object remembers its decisions (a `RoutingHistory` per kv_group);
-    it reads no clock: time is what it routed.
-    """
+    """Minimise the fleet's time to first token; spread what is new over the caches. Reasons:
+    "cache_hit" (the longest match; "cold_miss" when no one holds anything) or "load" (a worker
+    holding more lost on its cost). It remembers its decisions (a `RoutingHistory` per
+    kv_group), as SGLang's router does; time is what it routed."""
 
     name: ClassVar[str] = "cache_aware"
 
@@ -203,9 +124,11 @@ class CacheAwarePolicy:
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
         """Estimated seconds to this request's first token on `candidate` (its own queue)."""
         matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
-        return self._wait(
-            candidate.queued_prefill_tokens + request.prompt_tokens - matched, candidate
-        )
+        work: float = candidate.queued_prefill_tokens + request.prompt_tokens - matched
+        steps = -(-work // self.chunk_tokens)  # chunks; at least one step (no builtins: hot)
+        if steps < 1.0:
+            steps = 1.0
+        return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
 
     def history(self, kv_group: str) -> RoutingHistory:
         """What the policy has learnt of `kv_group` from its own decisions (made on first use)."""
@@ -213,33 +136,6 @@ class CacheAwarePolicy:
         if history is None:
             history = self._history[kv_group] = RoutingHistory()
         return history
-
-    def fleet_view(self, request: RouteRequest, candidates: Sequence[Candidate]) -> FleetView:
-        """The fleet-wide terms of the next decision's costs."""
-        h = self.history(request.kv_group)
-        n = len(candidates)
-        return FleetView(
-            waiting=sum(c.in_flight for c in candidates) / n,
-            mean_queued=sum(c.queued_prefill_tokens for c in candidates) / n,
-            bound_share=h.bound_share(request.block_size),
-            reuse=h.reuse(request.block_size),
-        )
-
-    def cost(self, request: RouteRequest, candidate: Candidate, view: FleetView) -> float:
-        """What `choose` minimises (the score's cost), as the module docstring defines it."""
-        matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
-        uncached = request.prompt_tokens - matched
-        share = view.bound_share
-        backlog = view.mean_queued * (1.0 - share) + share * candidate.queued_prefill_tokens
-        full = candidate.stored_blocks > candidate.cached_blocks
-        others = self.externality * view.waiting + (self.cache_value * view.reuse if full else 0.0)
-        return self._wait(backlog + uncached, candidate) + uncached * self._s_per_token * others
-
-    def _wait(self, work: float, candidate: Candidate) -> float:
-        steps = -(-work // self.chunk_tokens)  # chunks; at least one step (no builtins: hot)
-        if steps < 1.0:
-            steps = 1.0
-        return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         block_size, prompt = request.block_size, request.prompt_tokens
@@ -325,15 +221,9 @@ class CacheAwarePolicy:
             costs.append(cost)
         return costs
 
-    def _place_new(
-        self,
-        request: RouteRequest,
-        candidates: Sequence[Candidate],
-        key: int,
-    ) -> int:
-        """The worker within the wait bound whose cache took the least new content lately:
-        blocks stored over the last turnover plus blocks routed to it and not yet prefilled;
-        ties by rendezvous."""
+    def _place_new(self, request: RouteRequest, candidates: Sequence[Candidate], key: int) -> int:
+        """The worker within the wait bound whose cache took the least new content lately
+        (stored over the last turnover, plus routed and not yet prefilled); ties by rendezvous."""
         waits = [self.ttft(request, c) for c in candidates]  # the same new tokens for all
         fastest = min(waits)
         bound = fastest + max(self.rendezvous_slack_s, self.rendezvous_factor * fastest)

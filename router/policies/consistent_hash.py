@@ -1,11 +1,8 @@
 """Consistent hashing of a prompt's first blocks onto a ring of worker virtual nodes.
 
-Each worker owns `virtual_nodes` points at `xxh3_64("<name>#<i>")`. A request's point is the
-chained key of its last block among the first `prefix_blocks` (keys are chained, so it already
-hashes all of them; 0 for a prompt without a full block). The request goes to the first point
-clockwise whose worker is a candidate: the candidate whose own nearest point clockwise is the
-closest. Each worker's points are hashed and sorted once, so the ring of any candidate set is
-never built, and removing a worker moves only the prompts that were on it.
+A request's point is the chained key of the last of its first `prefix_blocks` blocks (it hashes
+them all); it goes to the candidate whose nearest point clockwise is the closest. Each worker's
+points are hashed and sorted once: the ring of a candidate set is never built.
 """
 
 from __future__ import annotations

@@ -1,7 +1,4 @@
-"""Load-only baselines: the least loaded candidate, and the better of two random ones.
-
-Load is in-flight requests, as in SGLang's router; cached prefixes are ignored.
-"""
+"""Load-only baselines (load: in-flight requests, as in SGLang's router; prefixes ignored)."""
 
 from __future__ import annotations
 
@@ -24,25 +21,20 @@ class LeastLoadPolicy:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         best = candidates[0]
         for c in candidates:
-            if c.in_flight < best.in_flight or (
-                c.in_flight == best.in_flight
-                and (
-                    c.queued_prefill_tokens < best.queued_prefill_tokens
-                    or (
-                        c.queued_prefill_tokens == best.queued_prefill_tokens
-                        and c.worker < best.worker
-                    )
-                )
-            ):
+            if c.in_flight != best.in_flight:
+                better = c.in_flight < best.in_flight
+            elif c.queued_prefill_tokens != best.queued_prefill_tokens:
+                better = c.queued_prefill_tokens < best.queued_prefill_tokens
+            else:
+                better = c.worker < best.worker
+            if better:
                 best = c
         return Decision(best.worker, "least_load", request, candidates, _loads(candidates))
 
 
 class PowerOfTwoPolicy:
-    """Sample two distinct candidates with the instance's RNG; keep the one with fewer in flight.
-
-    On equal load the first sample wins (SGLang's `power_of_two`: `load1 <= load2`).
-    """
+    """Sample two distinct candidates with the instance's RNG; keep the one with fewer in flight,
+    the first on a tie (SGLang's `power_of_two`: `load1 <= load2`)."""
 
     name: ClassVar[str] = "power_of_two"
 

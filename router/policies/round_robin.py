@@ -1,8 +1,5 @@
-"""Round robin: the next worker name after the last one chosen, in sorted order.
-
-Rotating over names rather than positions keeps the rotation stable when the candidate set
-changes: a worker leaving or joining does not make the others skip or repeat a turn.
-"""
+"""Round robin over worker names, not positions: a worker leaving or joining does not make the
+others skip or repeat a turn."""
 
 from __future__ import annotations
 
@@ -22,9 +19,8 @@ class RoundRobinPolicy:
 
     def __init__(self) -> None:
         self._last: str | None = None
-        # candidate names as given -> (names sorted, each candidate's position in that order,
-        # name -> its position)
-        self._orders: dict[tuple[str, ...], tuple[list[str], list[int], dict[str, int]]] = {}
+        # candidate names as given -> (names sorted, each candidate's position in that order)
+        self._orders: dict[tuple[str, ...], tuple[list[str], list[int]]] = {}
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         names = tuple([c.worker for c in candidates])
@@ -34,14 +30,11 @@ class RoundRobinPolicy:
                 self._orders.clear()
             ring = sorted(names)
             position = {w: i for i, w in enumerate(ring)}
-            order = self._orders[names] = (ring, [position[w] for w in names], position)
-        ring, positions, position = order
+            order = self._orders[names] = (ring, [position[w] for w in names])
+        ring, positions = order
         n = len(ring)
-        if self._last is None:
-            start = 0
-        else:  # the next name after the last one chosen (which may have left the ring)
-            at = position.get(self._last)
-            start = bisect_right(ring, self._last) % n if at is None else (at + 1) % n
+        # the next name after the last one chosen (which may have left the ring)
+        start = 0 if self._last is None else bisect_right(ring, self._last) % n
         self._last = ring[start]
         costs = [float((p - start) % n) for p in positions]
         return Decision(ring[start], "round_robin", request, candidates, costs)

@@ -1,40 +1,7 @@
-"""SGLang router's `cache_aware` decision, re-implemented over our unified index.
-
-The original is `select_worker` in sgl-router `src/policies/cache_aware.rs` with its
-approximate tree in `src/policies/tree.rs`; defaults are those of the router's launcher
-(`sglang_router` RouterArgs: cache_threshold 0.3, balance_abs_threshold 64,
-balance_rel_threshold 1.5; the Rust `CacheAwareConfig::default()` has 0.5 / 32 / 1.1).
-
-    loads = in-flight requests per worker
-    imbalanced = max - min > balance_abs_threshold and max > min * balance_rel_threshold
-    imbalanced          -> least loaded worker               ("imbalanced")
-    else match_rate = longest match / prompt length
-    match_rate > cache_threshold -> a worker with that match ("cache_hit")
-    else                         -> smallest tree            ("smallest_tree")
-
-Ties, as the Rust code breaks them and how we stand in:
-- least loaded: `Iterator::min_by_key` returns the first minimum, so the first candidate in the
-  given order (SGLang's order is its worker list; ours is the gateway's candidate order).
-- best match: `Tree::prefix_match` returns the first tenant of the deepest matched node's
-  DashMap, an order fixed by a per-process random hasher; any holder of the longest match is
-  faithful, and we take the first in candidate order so runs are reproducible.
-- smallest tree: a strict `<` scan of a DashMap, so again the first minimum in hash order; we
-  take the first in candidate order.
-
-Tree size. SGLang's tree holds what the router *sent* to each worker: `insert(text, worker)`
-after every decision (imbalanced ones too) adds the characters that worker's part of the tree
-lacked, and it shrinks only when a worker passes `max_tree_size` (2^26 characters, far beyond any
-KV cache) at the periodic eviction. Its smallest tree is thus the worker sent the least new text,
-a running balance of work. `tree_size="routed"` (default) keeps that count per kv_group in the
-policy: each decision adds the chosen worker's uncached tokens (what our index says it lacked)
-and nothing is evicted. `tree_size="index"` uses the candidates' `cached_blocks`, the engines'
-real cache sizes; these saturate at capacity and tie, and the first-in-order tie-break then
-sends every low-match request to one worker, which SGLang's growing trees never do.
-
-Other differences: SGLang matches request *text* characters in its approximate per-model tree
-and counts loads over all workers, healthy or not; we match *tokens* (whole blocks) in the
-unified index, exact where workers publish KV events, and see only healthy candidates. Its
-comparisons are in f32, ours in f64; they differ only within f32 rounding of a threshold.
+"""SGLang router's `cache_aware` decision, re-implemented over our unified index: the least
+loaded worker when loads are imbalanced, else the longest match when it is long enough, else the
+smallest tree. The original's code, its ties, its tree size and how ours differs:
+docs/policies.md.
 """
 
 from __future__ import annotations
@@ -96,32 +63,21 @@ class SGLangCacheAwarePolicy:
             max_load - min_load > self.balance_abs_threshold
             and max_load > min_load * self.balance_rel_threshold
         ):
-            chosen, reason, cost = least, "imbalanced", _LOAD
+            chosen, reason = least, "imbalanced"
+            costs = [float(c.in_flight) for c in candidates]
         else:
             matched = min(candidates[best_match].matched_blocks * block_size, prompt)
             match_rate = matched / prompt if prompt > 0 else 0.0
             if match_rate > self.cache_threshold:
-                chosen, reason, cost = best_match, "cache_hit", _UNCACHED
+                chosen, reason = best_match, "cache_hit"
+                costs = [
+                    float(prompt - min(c.matched_blocks * block_size, prompt)) for c in candidates
+                ]
             else:
-                chosen, reason, cost = smallest, "smallest_tree", _TREE
+                chosen, reason = smallest, "smallest_tree"
+                costs = [float(size) for size in sizes]
 
         worker = candidates[chosen]
         uncached = prompt - min(worker.matched_blocks * block_size, prompt)
         routed[worker.worker] = routed.get(worker.worker, 0) + uncached  # SGLang's tree.insert
-        costs = _costs(request, candidates, sizes, cost)
         return Decision(worker.worker, reason, request, candidates, costs)
-
-
-_LOAD, _UNCACHED, _TREE = range(3)
-
-
-def _costs(
-    request: RouteRequest, candidates: Sequence[Candidate], sizes: list[int], cost: int
-) -> list[float]:
-    """The explanation; `cost` says which quantity the branch taken minimised."""
-    block_size, prompt = request.block_size, request.prompt_tokens
-    if cost == _LOAD:
-        return [float(c.in_flight) for c in candidates]
-    if cost == _UNCACHED:
-        return [float(prompt - min(c.matched_blocks * block_size, prompt)) for c in candidates]
-    return [float(size) for size in sizes]

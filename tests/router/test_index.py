@@ -107,6 +107,16 @@ op_st = st.one_of(
 )
 
 
+def _approximate(index: UnifiedIndex, key: int, worker: str, group: str) -> bool:
+    bit = index._find(worker, group)
+    return bit is not None and bit in index._approx.get(key, {})
+
+
+def _pending(index: UnifiedIndex, key: int, worker: str, group: str) -> bool:
+    bit = index._find(worker, group)
+    return bit is not None and bool(index._pending.get(key, 0) >> bit & 1)
+
+
 def _check_agree(index: UnifiedIndex, model: Model) -> None:
     index.check()
     for (w, g), held in model.held.items():
@@ -114,8 +124,8 @@ def _check_agree(index: UnifiedIndex, model: Model) -> None:
         assert index.blocks_held(w, g) == len(held)
         assert index.blocks_stored(w, g) == model.stored[(w, g)], (w, g)
         for key, state in held.items():
-            assert index.is_approximate(key, w, g) == (state is not None)
-            assert index.is_pending(key, w, g) == (state is not None and state[1])
+            assert _approximate(index, key, w, g) == (state is not None)
+            assert _pending(index, key, w, g) == (state is not None and state[1])
 
 
 @settings(max_examples=300, deadline=None)
@@ -241,11 +251,11 @@ def test_pending_blocks_match_at_once_and_events_confirm_them():
     assert index.insert(keys[:2], "w0", "g", 1.0) == 2
     assert index.insert(keys[2:3], "w0", "g", 1.0, parent=keys[1]) == 1
     assert index.blocks_stored("w0", "g") == 3 and index.blocks_held("w0", "g") == 4
-    assert not index.is_approximate(keys[0], "w0", "g") and index.is_pending(keys[3], "w0", "g")
+    assert not _approximate(index, keys[0], "w0", "g") and _pending(index, keys[3], "w0", "g")
     assert index.stats().pending == 1
     assert index.insert(keys[:3], "w0", "g", 1.5) == 0  # stored again: nothing new
     index.insert(keys, "w0", "g", 2.0, pending=True)  # another request: never demotes exact
-    assert not index.is_approximate(keys[0], "w0", "g")
+    assert not _approximate(index, keys[0], "w0", "g")
     assert index.expire(6.9) == 0  # keys[3] was refreshed at 2.0
     assert index.expire(7.0) == 1  # never confirmed: gone
     assert index.match(keys, "g") == {"w0": 3}

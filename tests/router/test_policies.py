@@ -28,7 +28,7 @@ from router.policies import (
     make_policy,
     policy_params,
 )
-from router.policies.cache_aware import FleetView, RoutingHistory
+from router.policies.cache_aware import RoutingHistory
 
 BS = 16
 
@@ -79,14 +79,13 @@ def test_cache_aware_cost_is_the_documented_model() -> None:
     assert policy.ttft(req, cands[0]) == pytest.approx(236 / 10_000 + 3 * 5 * 1e-3)
     assert policy.ttft(req, cands[1]) == pytest.approx(160 / 10_000)
     waiting = (7 + 1) / 2  # requests in flight, mean over the candidates
-    view = policy.fleet_view(req, cands)
     # no history yet: every queue counts in full, nothing is known to be reused
-    assert view == FleetView(waiting, 70.0, 1.0, 0.0)
+    history = policy.history("llama-8b")
+    assert (history.bound_share(BS), history.reuse(BS)) == (1.0, 0.0)
     decision = policy.choose(req, cands)
     for score, cand in zip(decision.scores, cands, strict=True):
         uncached = 160 - score.matched_tokens
         assert score.cost == pytest.approx(policy.ttft(req, cand) + waiting * uncached / 10_000)
-        assert score.cost == pytest.approx(policy.cost(req, cand, view))
 
 
 def test_cache_aware_cost_pools_backlogs_and_prices_evictions() -> None:
@@ -101,10 +100,9 @@ def test_cache_aware_cost_pools_backlogs_and_prices_evictions() -> None:
     room = Candidate(
         "room", 0, in_flight=1, queued_prefill_tokens=200, stored_blocks=3, cached_blocks=3
     )
-    view = policy.fleet_view(req, [full, room])
     share = 1 - 400 / (800 + BS)  # half the recent uncached work was free to go anywhere
     reuse = 600 / (800 + BS)  # hit tokens per miss token
-    assert view == pytest.approx(FleetView(2.0, 600.0, share, reuse))
+    assert (history.bound_share(BS), history.reuse(BS)) == pytest.approx((share, reuse))
     decision = policy.choose(req, [full, room])
     costs = {s.worker: s.cost for s in decision.scores}
     # full: backlog 600 + share * 400; 96 uncached tokens delay 2 requests each and evict
