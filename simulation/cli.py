@@ -1,16 +1,6 @@
-"""`urc replay`: replay a trace or a built-in workload through the gateway's policies offline.
-
-    urc replay TRACE | --workload NAME [--workers N] [--policy NAME|all|a,b]
-               [--kv-capacity-tokens N] [--prefill-tps N] [--time-scale X] [--requests N]
-               [--seed S] [--out DIR] [--json FILE]
-    urc replay RECORDING --shadow NAME [--shadow NAME ...] [--worker-names A,B,...]
-
-A trace replays its own timestamps (open loop); a workload runs closed-loop at --concurrency
-(default 8, as `urc bench`) or open-loop at --rate. Prints a table; --out DIR gets report.md,
-report.json, series.json and PNG plots (with matplotlib); --json FILE the report alone.
-With --shadow, a gateway recording is replayed on its recorded decisions while each named
-policy watches, as the gateway's --shadow-policy does (simulation/shadow.py); --policy then
-adds normal runs beside it.
+"""`urc replay`: a trace, a gateway recording (--shadow) or a built-in workload through the
+gateway's policies against emulated workers, offline (docs/cli.md). Prints a table; --out DIR
+gets report.md, report.json, series.json and PNG plots; --json FILE the report alone.
 Exit status: 0 on success, 2 on bad arguments or an unreadable trace.
 """
 
@@ -30,26 +20,11 @@ from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.policies import POLICY_NAMES
 from simulation import plots
-from simulation.compare import Comparison, compare, policy_names, split_params
+from simulation.compare import Comparison, Run, compare, policy_names, split_params
 from simulation.replay import FleetConfig
-from simulation.report import (
-    build_report,
-    format_table,
-    markdown,
-    markdown_table,
-    rounded,
-    table_rows,
-    write_json,
-)
+from simulation.report import build_report, format_table, markdown, rounded, table_rows, write_json
 from simulation.requests import SimRequest
-from simulation.shadow import (
-    LIVE,
-    ShadowReplay,
-    fleet_names,
-    recorded_lines,
-    replay_shadow,
-    shadow_rows,
-)
+from simulation.shadow import LIVE, ShadowReplay, fleet_names, replay_shadow, shadow_rows
 from simulation.traces import Trace, read_trace, trace_requests
 from simulation.workloads import DEFAULT_MODELS, workload_requests
 
@@ -59,9 +34,10 @@ DEFAULT_WORKLOAD_REQUESTS = 1000
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `replay` options, for a standalone parser or the `urc replay` subparser."""
     d = EngineConfig()
-    p.add_argument("trace", nargs="?", help="a Mooncake-format JSONL trace or a gateway recording")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), help="a built-in workload instead")
-    p.add_argument(
+    add = p.add_argument
+    add("trace", nargs="?", help="a Mooncake-format JSONL trace or a gateway recording")
+    add("--workload", choices=sorted(WORKLOADS), help="a built-in workload instead")
+    add(
         "-p",
         "--param",
         action="append",
@@ -69,30 +45,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a workload parameter, e.g. -p groups=5 (as urc bench)",
     )
-    p.add_argument("--model", action="append", default=[], help="workload model names")
-    p.add_argument("--rate", type=float, help="workload: open loop, Poisson at R requests/s")
-    p.add_argument(
-        "--concurrency", type=int, help="closed loop: C in flight (a workload without --rate: 8)"
-    )
-    p.add_argument("--requests", type=int, help="replay the first N requests")
-    p.add_argument("--seed", type=int, default=0, help="workload, arrivals and policy seed")
-    p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times")
-    p.add_argument("--max-output-tokens", type=int, help="trace: cap each request's output")
-    p.add_argument(
+    add("--model", action="append", default=[], help="workload model names")
+    add("--rate", type=float, help="workload: open loop, Poisson at R requests/s")
+    add("--concurrency", type=int, help="closed loop: C in flight (a workload without --rate: 8)")
+    add("--requests", type=int, help="replay the first N requests")
+    add("--seed", type=int, default=0, help="workload, arrivals and policy seed")
+    add("--time-scale", type=float, default=1.0, help="trace: multiply arrival times")
+    add("--max-output-tokens", type=int, help="trace: cap each request's output")
+    add(
         "--trace-kind",
         choices=("completion", "chat"),
         default="completion",
         help="trace: send the trace's requests as chats or completions",
     )
-    p.add_argument("--skip-bad-lines", action="store_true", help="trace: skip invalid lines")
-    fleet = p.add_argument_group("fleet")
-    fleet.add_argument("--workers", type=int, default=8, help="emulated workers")
-    fleet.add_argument("--worker-names", help="comma-separated names (rendezvous hashes them)")
-    fleet.add_argument(
+    add("--skip-bad-lines", action="store_true", help="trace: skip invalid lines")
+    add = p.add_argument_group("fleet").add_argument
+    add("--workers", type=int, default=8, help="emulated workers")
+    add("--worker-names", help="comma-separated names (rendezvous hashes them)")
+    add(
         "--policy",
         help="a policy, a comma-separated list, or 'all' (default: all; none with --shadow)",
     )
-    fleet.add_argument(
+    add(
         "--shadow",
         action="append",
         default=[],
@@ -101,53 +75,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="recording: follow its live decisions; NAME chooses beside them without acting "
         "(the gateway's --shadow-policy); repeatable",
     )
-    fleet.add_argument(
+    add(
         "--policy-param",
         action="append",
         default=[],
         metavar="[POLICY:]KEY=VALUE",
         help="a policy parameter; without POLICY: every listed policy that has KEY",
     )
-    fleet.add_argument(
-        "--kv-capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool per worker"
-    )
-    fleet.add_argument(
+    add("--kv-capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool per worker")
+    add(
         "--prefill-tps",
         type=float,
         default=d.prefill_tokens_per_s,
         help="prefill tokens/s per worker (policies that model it are told, as a gateway is)",
     )
-    fleet.add_argument(
-        "--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="a decode step, ms"
-    )
-    fleet.add_argument(
+    add("--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="a decode step, ms")
+    add(
         "--decode-per-request-ms",
         type=float,
         default=d.decode_per_request_s * 1e3,
         help="added to a decode step per running request, ms",
     )
-    fleet.add_argument(
-        "--max-batch", type=int, default=d.max_batch, help="running requests per worker"
-    )
-    fleet.add_argument(
-        "--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step"
-    )
-    fleet.add_argument("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
-    fleet.add_argument(
+    add("--max-batch", type=int, default=d.max_batch, help="running requests per worker")
+    add("--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step")
+    add("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
+    add(
         "--block-size",
         type=int,
         default=16,
         help="workload: tokens per block (a trace has its own)",
     )
-    fleet.add_argument(
-        "--event-delay-ms", type=float, default=2.0, help="KV events reach the index after this"
-    )
-    fleet.add_argument(
+    add("--event-delay-ms", type=float, default=2.0, help="KV events reach the index after this")
+    add(
         "--no-kv-events",
         action="store_true",
         help="workers publish no KV events: approximate residency from routing history",
     )
-    fleet.add_argument(
+    add(
         "--pending-ttl",
         type=float,
         default=FleetConfig().pending_ttl_s,
@@ -155,11 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a request's keys are held on its worker from dispatch until its KV events confirm "
         "them, or for S seconds, as `urc gateway --pending-ttl` does (0: off)",
     )
-    fleet.add_argument("--max-in-flight", type=int, default=1024, help="open loop cap")
-    out = p.add_argument_group("output")
-    out.add_argument("--out", help="directory for report.md, report.json, series.json, PNGs")
-    out.add_argument("--json", help="write the report as JSON here")
-    out.add_argument(
+    add("--max-in-flight", type=int, default=1024, help="open loop cap")
+    add = p.add_argument_group("output").add_argument
+    add("--out", help="directory for report.md, report.json, series.json, PNGs")
+    add("--json", help="write the report as JSON here")
+    add(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -288,24 +252,26 @@ def _misuse(args: argparse.Namespace) -> str | None:
 
 
 def _write_out(
-    out: Path, report: dict[str, Any], comparison: Comparison, shadow: ShadowReplay | None
+    out: Path,
+    report: dict[str, Any],
+    runs: dict[str, Run],
+    bound: float | None,
+    shadow: ShadowReplay | None,
 ) -> None:
     """--out DIR: report.json, series.json, the plots and report.md."""
     out.mkdir(parents=True, exist_ok=True)
     write_json(report, out / "report.json")
+    curves = {name: run.series for name, run in runs.items()}
     (out / "series.json").write_text(
-        json.dumps(rounded(comparison.series), sort_keys=True) + "\n", encoding="utf-8"
+        json.dumps(rounded(curves), sort_keys=True) + "\n", encoding="utf-8"
     )
-    ttfts = {name: r.ttft_s for name, r in comparison.results.items()}
-    written = plots.write_plots(out, ttfts, comparison.series, comparison.bound)
+    ttfts = {name: run.result.ttft_s for name, run in runs.items()}
+    written = plots.write_plots(out, ttfts, curves, bound)
     note = None if written else plots.MISSING
     if note:
         print(f"urc replay: {note}", file=sys.stderr)
-    page = markdown(report, written, note)
-    if shadow is not None:
-        page += "\nShadow policies on the recorded decisions:\n\n"
-        page += markdown_table(shadow_rows(shadow.section)) + "\n"
-    (out / "report.md").write_text(page, encoding="utf-8")
+    watched = None if shadow is None else shadow_rows(shadow.section)
+    (out / "report.md").write_text(markdown(report, written, note, watched), encoding="utf-8")
     print(f"report: {out / 'report.md'}")
 
 
@@ -316,15 +282,11 @@ def _report(
     fleet: FleetConfig,
     names: list[str],
     comparison: Comparison,
+    runs: dict[str, Run],
     shadow: ShadowReplay | None,
     trace: Trace | None,
 ) -> dict[str, Any]:
-    """The report of the runs (the shadow replay's joined to them as the live policy)."""
-    if shadow is not None:
-        comparison.results[LIVE] = shadow.result
-        comparison.summaries = {LIVE: shadow.summary, **comparison.summaries}
-        comparison.series[LIVE] = shadow.series
-        comparison.speeds[LIVE] = shadow.speed
+    """The report of the runs (the shadow replay's among them as the live policy)."""
     config = {
         **source,
         "requests": requests,
@@ -337,10 +299,9 @@ def _report(
     if shadow is not None:
         config["shadow"] = list(args.shadow)
     recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
-    report = build_report(config, comparison.summaries, comparison.bound, recorded)
-    if shadow is not None:
-        report["shadow"] = rounded(shadow.section)
-    return report
+    summaries = {name: run.summary for name, run in runs.items()}
+    section = None if shadow is None else shadow.section
+    return build_report(config, summaries, comparison.bound, recorded, section)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -354,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
         open_loop = args.trace is not None or args.rate is not None
         fleet = fleet_from_args(args, block_size, open_loop)
         if args.shadow and trace is not None:  # the simulated workers carry the recorded names
-            fleet.names = fleet_names(recorded_lines(trace, len(requests)), fleet.names)
+            fleet.names = fleet_names(trace, len(requests), fleet.names)
             fleet.workers = len(fleet.names)
         fleet.worker_names()
         fleet.engine_config()
@@ -378,16 +339,17 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.end()
-    report = _report(args, source, len(requests), fleet, names, comparison, shadow, trace)
-    rows = table_rows(report["policies"], report["bound"]["hit_rate"], comparison.speeds)
-    print(format_table(rows))
+    runs = comparison.runs if shadow is None else {LIVE: shadow.run, **comparison.runs}
+    report = _report(args, source, len(requests), fleet, names, comparison, runs, shadow, trace)
+    speeds = {name: run.speed for name, run in runs.items()}
+    print(format_table(table_rows(report["policies"], report["bound"]["hit_rate"], speeds)))
     if shadow is not None:
         print()
         print(format_table(shadow_rows(shadow.section)))
     if args.json:
         write_json(report, args.json)
     if args.out:
-        _write_out(Path(args.out), report, comparison, shadow)
+        _write_out(Path(args.out), report, runs, comparison.bound, shadow)
     return 0
 
 

@@ -12,25 +12,48 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.policies import POLICY_NAMES, make_policy, policy_params
+from router.policies import POLICY_NAMES, Policy, make_policy, policy_params
 from simulation.bound import infinite_cache_hit_rate
 from simulation.metrics import series, summarize
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
 from simulation.worker import max_model_len
 
-# what the policies may be told about the fleet, unless given explicitly
-_FLEET_PARAMS = {"prefill_tokens_per_s": "prefill_tokens_per_s", "chunk_tokens": "chunk_tokens"}
+
+@dataclass(slots=True)
+class Run:
+    """One policy's replay: its result, summary (the report's) and series (the plots')."""
+
+    result: RunResult
+    summary: dict[str, Any]
+    series: dict[str, Any]
+    speed: float  # simulated requests per second of wall time (not in the report)
 
 
 @dataclass(slots=True)
 class Comparison:
-    results: dict[str, RunResult]
-    summaries: dict[str, dict[str, Any]]
-    series: dict[str, dict[str, Any]]
-    speeds: dict[str, float]  # simulated requests per second of wall time (not in the report)
+    runs: dict[str, Run]
     bound: float | None
     params: dict[str, dict[str, Any]]  # the parameters each policy was built with
+
+    @property
+    def summaries(self) -> dict[str, dict[str, Any]]:
+        return {name: run.summary for name, run in self.runs.items()}
+
+
+def run_policy(
+    requests: Sequence[SimRequest],
+    policy: Policy,
+    fleet: FleetConfig,
+    progress: Callable[[int], None] | None = None,
+    buckets: int = 60,
+) -> Run:
+    """Replay `requests` under `policy` on a fresh `fleet`, timed."""
+    replay = Replay(requests, policy, fleet)
+    t0 = time.perf_counter()
+    result = replay.run(progress)
+    speed = len(requests) / max(time.perf_counter() - t0, 1e-9)
+    return Run(result, summarize(result, requests), series(result, requests, buckets), speed)
 
 
 def policy_names(spec: str) -> list[str]:
@@ -72,14 +95,12 @@ def build_params(
     """The policy's parameters: the given ones, the fleet's prefill rate and chunk size (an
     operator configures the gateway for its hardware) and the seed, where it takes them."""
     accepted = policy_params(name)
-    params: dict[str, Any] = {}
-    for key, attr in _FLEET_PARAMS.items():
-        if key in accepted:
-            params[key] = getattr(fleet, attr)
-    if "seed" in accepted:
-        params["seed"] = seed
-    params.update(given)
-    return params
+    told = {
+        "prefill_tokens_per_s": fleet.prefill_tokens_per_s,
+        "chunk_tokens": fleet.chunk_tokens,
+        "seed": seed,
+    }
+    return {**{k: v for k, v in told.items() if k in accepted}, **given}
 
 
 def compare(
@@ -93,25 +114,16 @@ def compare(
     progress: Callable[[str, int], None] | None = None,
 ) -> Comparison:
     """Replay `requests` under each policy in `names` on `fleet`."""
-    results: dict[str, RunResult] = {}
-    summaries: dict[str, dict[str, Any]] = {}
-    curves: dict[str, dict[str, Any]] = {}
-    speeds: dict[str, float] = {}
+    runs: dict[str, Run] = {}
     used: dict[str, dict[str, Any]] = {}
     for name in names:
         used[name] = build_params(name, (params or {}).get(name, {}), fleet, seed)
-        replay = Replay(requests, make_policy(name, **used[name]), fleet)
         report = None if progress is None else (lambda sent, n=name: progress(n, sent))
         if progress is not None:
             progress(name, 0)
-        t0 = time.perf_counter()
-        result = replay.run(report)
-        speeds[name] = len(requests) / max(time.perf_counter() - t0, 1e-9)
+        runs[name] = run_policy(requests, make_policy(name, **used[name]), fleet, report, buckets)
         if progress is not None:
             progress(name, len(requests))
-        results[name] = result
-        summaries[name] = summarize(result, requests)
-        curves[name] = series(result, requests, buckets)
     limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
     bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)
-    return Comparison(results, summaries, curves, speeds, bound, used)
+    return Comparison(runs, bound, used)

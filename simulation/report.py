@@ -42,6 +42,7 @@ def build_report(
     summaries: Mapping[str, Mapping[str, Any]],
     bound: float | None,
     recorded: Mapping[str, Any] | None = None,
+    shadow: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -51,6 +52,8 @@ def build_report(
     }
     if recorded is not None:
         report["recorded"] = dict(recorded)
+    if shadow is not None:
+        report["shadow"] = dict(shadow)
     return rounded(report)
 
 
@@ -77,7 +80,7 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _cell(value: Any, kind: str) -> str:
+def cell(value: Any, kind: str) -> str:
     if value is None:
         return "-"
     if kind == "pct":
@@ -101,11 +104,11 @@ def table_rows(
         header.append("sim req/s")
     rows = [header]
     for name, s in summaries.items():
-        row = [name, *(_cell(s.get(key), kind) for _, key, kind in COLUMNS)]
+        row = [name, *(cell(s.get(key), kind) for _, key, kind in COLUMNS)]
         if speeds is not None:
             row.append(f"{speeds.get(name, 0.0):,.0f}")
         rows.append(row)
-    tail = ["bound: 1 infinite cache", _cell(bound, "pct")]
+    tail = ["bound: 1 infinite cache", cell(bound, "pct")]
     rows.append(tail + ["-"] * (len(header) - len(tail)))
     return rows
 
@@ -129,8 +132,13 @@ def markdown_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(report: Mapping[str, Any], plots: Sequence[str], plot_note: str | None) -> str:
-    """A short page: what was replayed on what, the table, the plots."""
+def markdown(
+    report: Mapping[str, Any],
+    plots: Sequence[str],
+    plot_note: str | None,
+    shadow: Sequence[Sequence[str]] | None = None,
+) -> str:
+    """A short page: what was replayed on what, the table, the plots (and the shadow rows)."""
     cfg = report["config"]
     fleet = cfg.get("fleet", {})
     rows = table_rows(report["policies"], report["bound"]["hit_rate"])
@@ -168,4 +176,6 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], plot_note: str | N
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     elif plot_note:
         lines.append(plot_note)
+    if shadow is not None:
+        lines += ["", "Shadow policies on the recorded decisions:", "", markdown_table(shadow)]
     return "\n".join(lines) + "\n"

@@ -19,7 +19,6 @@ The report's "shadow" section:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,8 +26,9 @@ from typing import Any
 from loadgen.mooncake import TraceRecord
 from router.policies import Candidate, Decision, RouteRequest
 from router.shadow import ShadowPolicies, ShadowStats
-from simulation.metrics import series, summarize
-from simulation.replay import FleetConfig, Replay, RunResult
+from simulation.compare import Run, run_policy
+from simulation.replay import FleetConfig
+from simulation.report import cell
 from simulation.requests import SimRequest
 from simulation.traces import Trace
 
@@ -66,10 +66,7 @@ class RecordedChoice:
 
 @dataclass(slots=True)
 class ShadowReplay:
-    result: RunResult
-    summary: dict[str, Any]
-    series: dict[str, Any]
-    speed: float  # simulated requests per second of wall time (not in the report)
+    run: Run  # the followed live decisions
     section: dict[str, Any]  # the report's "shadow"
 
 
@@ -78,12 +75,12 @@ def recorded_lines(trace: Trace, limit: int | None = None) -> list[TraceRecord]:
     return sorted(trace.records, key=lambda r: r.timestamp_ms)[:limit]
 
 
-def fleet_names(lines: Sequence[TraceRecord], given: Sequence[str] | None) -> list[str]:
+def fleet_names(trace: Trace, limit: int, given: Sequence[str] | None) -> list[str]:
     """The simulated workers: `given` (the gateway's candidate order, GET /admin/workers), or
-    the recorded workers in order of first use. ValueError if a line names no worker or one
-    that is not in `given`."""
+    the workers of the first `limit` lines in order of first use. ValueError if a line names no
+    worker or one that is not in `given`."""
     used: dict[str, None] = {}
-    for rec in lines:
+    for rec in recorded_lines(trace, limit):
         if not rec.worker:
             raise ValueError(f"line {rec.line} of the recording names no worker")
         used.setdefault(rec.worker, None)
@@ -111,10 +108,7 @@ def replay_shadow(
         raise ValueError("--shadow replays a recording of one model (kv_group) for now")
     watch = ShadowPolicies(shadows, fleet.prefill_tokens_per_s)
     policy = RecordedChoice(requests, [rec.worker or "" for rec in lines], watch)
-    t0 = time.perf_counter()
-    result = Replay(requests, policy, fleet).run(progress)
-    speed = len(requests) / max(time.perf_counter() - t0, 1e-9)
-    summary = summarize(result, requests)
+    run = run_policy(requests, policy, fleet, progress)
     prompt = sum(rec.input_length for rec in lines)
     cached = [rec.cached_tokens for rec in lines]
     recorded_hit = sum(c or 0 for c in cached) / prompt if prompt and None not in cached else None
@@ -125,7 +119,7 @@ def replay_shadow(
             "requests": len(lines),
             "recorded_hit_rate": recorded_hit,
             "recorded_predicted_hit_rate": _recorded_predicted(trace, lines, prompt),
-            "hit_rate": summary["hit_rate"],
+            "hit_rate": run.summary["hit_rate"],
             "predicted_hit_rate": live["predicted_hit_rate"],
             "predicted_ttft_mean_s": live["predicted_ttft_mean_s"],
         },
@@ -138,7 +132,7 @@ def replay_shadow(
             for name, s in watch.stats.items()
         },
     }
-    return ShadowReplay(result, summary, series(result, requests), speed, section)
+    return ShadowReplay(run, section)
 
 
 def _recorded_predicted(trace: Trace, lines: Sequence[TraceRecord], prompt: int) -> float | None:
@@ -146,12 +140,6 @@ def _recorded_predicted(trace: Trace, lines: Sequence[TraceRecord], prompt: int)
     if len(lines) != len(trace.records) or trace.predicted_tokens is None or not prompt:
         return None
     return trace.predicted_tokens / prompt
-
-
-def _cell(value: float | None, kind: str) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 100:.1f}%" if kind == "pct" else f"{value * 1e3:.0f}ms"
 
 
 def shadow_rows(section: dict[str, Any]) -> list[list[str]]:
@@ -162,17 +150,17 @@ def shadow_rows(section: dict[str, Any]) -> list[list[str]]:
         header,
         [
             f"live {live['policy'] or '?'}, recorded",
-            _cell(live["recorded_hit_rate"], "pct"),
-            _cell(live["recorded_predicted_hit_rate"], "pct"),
+            cell(live["recorded_hit_rate"], "pct"),
+            cell(live["recorded_predicted_hit_rate"], "pct"),
             "-",
             "-",
         ],
         [
             f"live {live['policy'] or '?'}, replayed",
-            _cell(live["hit_rate"], "pct"),
-            _cell(live["predicted_hit_rate"], "pct"),
-            _cell(live["predicted_ttft_mean_s"], "ms"),
-            _cell(0.0, "pct"),
+            cell(live["hit_rate"], "pct"),
+            cell(live["predicted_hit_rate"], "pct"),
+            cell(live["predicted_ttft_mean_s"], "ms"),
+            cell(0.0, "pct"),
         ],
     ]
     for name, s in section["policies"].items():
@@ -180,9 +168,9 @@ def shadow_rows(section: dict[str, Any]) -> list[list[str]]:
             [
                 name,
                 "-",
-                _cell(s["predicted_hit_rate"], "pct"),
-                _cell(s["predicted_ttft_mean_s"], "ms"),
-                _cell(s["disagreement_rate"], "pct"),
+                cell(s["predicted_hit_rate"], "pct"),
+                cell(s["predicted_ttft_mean_s"], "ms"),
+                cell(s["disagreement_rate"], "pct"),
             ]
         )
     return rows
