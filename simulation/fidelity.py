@@ -1,13 +1,8 @@
-"""Live against offline: one seeded workload through `urc cluster` and through the replay.
-
-The live side is real processes on 127.0.0.1: `python -m urc.cli cluster` (the gateway and N
-emulated workers) and `python -m urc.cli bench` against it. The offline side replays the
-same specs with the same worker parameters, worker names (rendezvous hashes them) and candidate
-order (the gateway's, read from its admin API), so the two differ only in what real time adds:
-HTTP hops, event-loop wake-ups and KV events in flight.
-
-The live cluster runs without API keys, so its tenants share one namespace; the replay is told
-the same (`isolate_tenants=False`).
+"""Live against offline: one seeded workload through `urc cluster` (the gateway and emulated
+workers as real processes on 127.0.0.1, `urc bench` against it) and through the replay with the
+same worker parameters, worker names (rendezvous hashes them) and candidate order (read from the
+admin API), so the two differ only in what real time adds: HTTP hops, event-loop wake-ups and
+KV events in flight. The cluster has no API keys: the replay shares one namespace too.
 """
 
 from __future__ import annotations
@@ -92,30 +87,24 @@ class FidelityOutcome:
         return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
+def _urc(*args: str) -> list[str]:
+    return [sys.executable, "-m", "urc.cli", *args]
+
+
+def _start_cluster(case: FidelityCase) -> tuple[subprocess.Popen[str], str]:
+    with socket.socket() as sock:  # a free port
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_cluster(case: FidelityCase, port: int) -> tuple[subprocess.Popen[str], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "urc.cli",
+        port = sock.getsockname()[1]
+    cmd = _urc(
         "cluster",
-        "--workers",
-        str(case.workers),
-        "--port",
-        str(port),
-        "--policy",
-        case.policy,
-        "--admin-key",
-        ADMIN_KEY,
+        f"--workers={case.workers}",
+        f"--port={port}",
+        f"--policy={case.policy}",
+        f"--admin-key={ADMIN_KEY}",
         f"--worker-arg=--capacity-tokens={case.capacity_tokens}",
         f"--worker-arg=--prefill-tps={case.prefill_tps}",
         f"--pending-ttl={case.pending_ttl_s}",
-    ]
+    )
     if "prefill_tokens_per_s" in policy_params(case.policy):  # the gateway knows its hardware
         cmd.append(f"--policy-param=prefill_tokens_per_s={case.prefill_tps}")
     proc = subprocess.Popen(
@@ -157,9 +146,8 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 def _worker_names(url: str) -> list[str]:
     """The gateway's workers in its candidate order, all up."""
-    req = urllib.request.Request(
-        url + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-    )
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    req = urllib.request.Request(url + "/admin/workers", headers=auth)
     with urllib.request.urlopen(req, timeout=10) as resp:
         workers = json.load(resp)["workers"]
     if not all(w["up"] for w in workers):
@@ -169,34 +157,23 @@ def _worker_names(url: str) -> list[str]:
 
 def run_live(case: FidelityCase) -> tuple[dict[str, Any], list[str]]:
     """The bench summary of the case against a fresh cluster, and the worker names."""
-    proc, url = _start_cluster(case, _free_port())
+    proc, url = _start_cluster(case)
     try:
         names = _worker_names(url)
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "live.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "urc.cli",
+            cmd = _urc(
                 "bench",
-                "--target",
-                url,
-                "--workload",
-                case.workload,
-                "--requests",
-                str(case.requests),
-                "--concurrency",
-                str(case.concurrency),
-                "--seed",
-                str(case.seed),
-                "--model",
-                MODEL,
-                "--json",
-                str(out),
+                f"--target={url}",
+                f"--workload={case.workload}",
+                f"--requests={case.requests}",
+                f"--concurrency={case.concurrency}",
+                f"--seed={case.seed}",
+                f"--model={MODEL}",
+                f"--json={out}",
                 "--no-progress",
-            ]
-            for key, value in case.params.items():
-                cmd += ["-p", f"{key}={value}"]
+                *(f"--param={key}={value}" for key, value in case.params.items()),
+            )
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
             return json.loads(out.read_text()), names
     finally:

@@ -46,23 +46,18 @@ def build_report(
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "schema": SCHEMA,
-        "config": dict(config),
-        "policies": {name: dict(s) for name, s in summaries.items()},
+        "config": config,
+        "policies": summaries,
         "bound": {"hit_rate": bound},
     }
-    if recorded is not None:
-        report["recorded"] = dict(recorded)
-    if shadow is not None:
-        report["shadow"] = dict(shadow)
+    optional = {"recorded": recorded, "shadow": shadow}
+    report.update({key: value for key, value in optional.items() if value is not None})
     return rounded(report)
 
 
-def dumps(report: Mapping[str, Any]) -> str:
-    return json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
-
-
 def write_json(report: Mapping[str, Any], path: str | Path) -> None:
-    Path(path).write_text(dumps(report), encoding="utf-8")
+    text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    Path(path).write_text(text, encoding="utf-8")
 
 
 # -- the table -------------------------------------------------------------------------------

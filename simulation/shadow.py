@@ -1,18 +1,11 @@
-"""`urc replay REC --shadow NAME`: a gateway recording with the live and candidate policies
-side by side.
+"""`urc replay REC --shadow NAME`: a gateway recording replayed on its live decisions (each
+request to the worker the gateway chose, so the index and load view evolve as the gateway's
+did) while each candidate policy is asked beside them, counted as the gateway counts its
+--shadow-policy (router/shadow.py). The report's "shadow" section:
 
-The simulated fleet follows the recorded live decisions: each request goes to the worker the
-gateway chose (simulated workers carry the recorded names), so the replay's index and load view
-evolve as the gateway's did. At each request, every candidate policy is asked on the replay's
-index with the candidates the live decision saw, through the gateway's own counting
-(router/shadow.py): predicted hit tokens, predicted TTFT and disagreement with the live choice.
-
-The report's "shadow" section:
-
-    live       policy (the recording's), requests, recorded_hit_rate and
-               recorded_predicted_hit_rate (the lines' cached_tokens and predicted_tokens),
-               hit_rate (the replay's workers), predicted_hit_rate and predicted_ttft_mean_s
-               (the replay's index and the estimator at the live choice)
+    live       policy, requests, recorded_hit_rate and recorded_predicted_hit_rate (the lines'
+               cached_tokens, predicted_tokens), hit_rate (the replay's workers),
+               predicted_hit_rate and predicted_ttft_mean_s (the replay's index at the live choice)
     policies   {NAME: {requests, prompt_tokens, predicted_hit_tokens, predicted_hit_rate,
                predicted_ttft_mean_s, disagreement_rate}}: what /admin/mode exports live
 """
@@ -30,14 +23,13 @@ from simulation.compare import Run, run_policy
 from simulation.replay import FleetConfig
 from simulation.report import cell
 from simulation.requests import SimRequest
-from simulation.traces import Trace
+from simulation.traces import Trace, predicted_hit_rate
 
 LIVE = "recorded"  # the followed live decisions, as a row of the report's policies
 
 
 class RecordedChoice:
-    """The live policy of a recording, as a policy: each request goes to the worker the gateway
-    chose; the shadow policies watch the same candidates. Requests are known by their
+    """The recording's live choices as a policy, the shadows watching; a request is known by its
     `RouteRequest` object (the replay hands each request's own to `choose`)."""
 
     name = LIVE
@@ -118,7 +110,7 @@ def replay_shadow(
             "policy": trace.policy,
             "requests": len(lines),
             "recorded_hit_rate": recorded_hit,
-            "recorded_predicted_hit_rate": _recorded_predicted(trace, lines, prompt),
+            "recorded_predicted_hit_rate": predicted_hit_rate(trace, lines),
             "hit_rate": run.summary["hit_rate"],
             "predicted_hit_rate": live["predicted_hit_rate"],
             "predicted_ttft_mean_s": live["predicted_ttft_mean_s"],
@@ -133,13 +125,6 @@ def replay_shadow(
         },
     }
     return ShadowReplay(run, section)
-
-
-def _recorded_predicted(trace: Trace, lines: Sequence[TraceRecord], prompt: int) -> float | None:
-    """The recording's predicted hit rate, where it covers every line replayed."""
-    if len(lines) != len(trace.records) or trace.predicted_tokens is None or not prompt:
-        return None
-    return trace.predicted_tokens / prompt
 
 
 def shadow_rows(section: dict[str, Any]) -> list[list[str]]:

@@ -1,28 +1,13 @@
-"""Traces -> `SimRequest`s: Mooncake's published traces and the gateway's own recordings.
-
-Both are Mooncake's JSONL (docs/traces.md), one request a line:
-`{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`.
-
-- A published trace has one hash id per `block` tokens (512), chained so that equal ids mean
-  an equal prefix, the last one usually covering a partial block. Each hash id becomes ONE block
-  of that size in the index and the workers: keys are `chain_keys` over the ids as if each were
-  a block's only token, in the request's namespace, and only full blocks are keyed.
-- A gateway recording (`urc gateway --record FILE`) opens with a header line
-  `{"urc_record": 1, "block_size": 16}` (or carries `"block_size"` on each line) and adds
-  `model`, `tenant`, `worker`, `cached_tokens`, `predicted_tokens` and `policy`. Its hash ids
-  ARE the gateway's block keys of the prompt's full blocks (already chained and salted), and are
-  used as they are.
-
-A trace does not say what the model answered, yet a worker caches the blocks of prompt + output
-when a request finishes and the next turn of a conversation hits them. So a request's output
-blocks (`tail_keys`) are keyed as the next blocks of the first later request that extends its
-prompt (its next turn); without one they are blocks of its own that nothing else matches.
+"""Traces -> `SimRequest`s (docs/traces.md, "As keys"): Mooncake's published traces, each hash
+id ONE block keyed with `chain_keys` in the request's namespace, and the gateway's recordings,
+whose hash ids ARE its block keys. A request's output blocks (`tail_keys`) are keyed as the
+blocks that follow its prompt in its next turn (a trace does not say what the model answered).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,14 +41,20 @@ class Trace:
 
     def recorded_summary(self) -> dict[str, object]:
         """What the recording says the live gateway achieved (the report's `recorded`)."""
-        prompt = sum(r.input_length for r in self.records)
-        predicted = self.predicted_tokens
         return {
             "requests": len(self.records),
             "policy": self.policy,
             "hit_rate": self.recorded_hit_rate(),
-            "predicted_hit_rate": predicted / prompt if predicted is not None and prompt else None,
+            "predicted_hit_rate": predicted_hit_rate(self, self.records),
         }
+
+
+def predicted_hit_rate(trace: Trace, lines: Sequence[TraceRecord]) -> float | None:
+    """The recording's predicted / prompt tokens, where its predictions cover every line."""
+    prompt = sum(r.input_length for r in lines)
+    if len(lines) != len(trace.records) or trace.predicted_tokens is None or not prompt:
+        return None
+    return trace.predicted_tokens / prompt
 
 
 def parse_trace(lines: Iterable[str], source: str = "<trace>", skip_bad: bool = False) -> Trace:

@@ -202,7 +202,7 @@ def test_a_gateway_recording_replays_to_what_was_recorded(tmp_path: Path) -> Non
 
     reqs = workload_requests("system-prompts", 200, rate=30.0, params={"groups": 10})
     fleet = FleetConfig(workers=3, capacity_tokens=15_000, concurrency=None)
-    live = compare(reqs, ["cache_aware"], fleet).results["cache_aware"]
+    live = compare(reqs, ["cache_aware"], fleet).runs["cache_aware"].result
     lines = [json.dumps({"urc_record": 1, "block_size": 16})]
     for r in reqs:
         row = {
