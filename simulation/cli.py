@@ -332,8 +332,7 @@ def run(args: argparse.Namespace) -> int:
             requests, names, fleet, params=given, seed=args.seed, progress=progress
         )
         if args.shadow and trace is not None:
-            report_live = None if progress is None else (lambda sent: progress(LIVE, sent))
-            shadow = replay_shadow(trace, requests, args.shadow, fleet, report_live)
+            shadow = replay_shadow(trace, requests, args.shadow, fleet, progress)
     except ValueError as e:
         return _fail(str(e))
     finally:

@@ -23,7 +23,7 @@ INF: Final = math.inf
 
 
 class Client:
-    """`next_time()` says when `poll(now)` has something to send; `complete` reports ends."""
+    """`next_at` says when `poll(now)` has something to send; `complete` reports ends."""
 
     def __init__(
         self,
@@ -49,12 +49,6 @@ class Client:
         self._busy: set[int] = set()
         self._failed: set[int] = set()
         self.next_at = 0.0  # when `poll` has something to do next (INF: nothing until a completion)
-
-    def done(self) -> bool:
-        return self._next >= len(self.requests) and not self._ready and self.active == 0
-
-    def next_time(self) -> float:
-        return self.next_at
 
     def poll(self, now: float) -> list[SimRequest]:
         """Add what has arrived by `now`; return what is sent at `now`."""

@@ -8,12 +8,11 @@ The wall-clock speed of each run is measured here and kept out of the report's J
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from router.policies import POLICY_NAMES, Policy, make_policy, policy_params
-from simulation.bound import infinite_cache_hit_rate
 from simulation.metrics import series, summarize
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
@@ -42,18 +41,45 @@ class Comparison:
 
 
 def run_policy(
+    name: str,
     requests: Sequence[SimRequest],
     policy: Policy,
     fleet: FleetConfig,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[str, int], None] | None = None,
     buckets: int = 60,
 ) -> Run:
-    """Replay `requests` under `policy` on a fresh `fleet`, timed."""
+    """Replay `requests` under `policy` on a fresh `fleet`, timed; `progress(name, sent)`."""
     replay = Replay(requests, policy, fleet)
+    report = None if progress is None else (lambda sent: progress(name, sent))
+    if report is not None:
+        report(0)
     t0 = time.perf_counter()
-    result = replay.run(progress)
+    result = replay.run(report)
     speed = len(requests) / max(time.perf_counter() - t0, 1e-9)
+    if report is not None:
+        report(len(requests))
     return Run(result, summarize(result, requests), series(result, requests, buckets), speed)
+
+
+def infinite_cache_hit_rate(requests: Iterable[SimRequest]) -> float | None:
+    """Cached / prompt tokens on one worker that never evicts: each request, in order, reuses
+    the longest prefix of its keys seen before (all but its last token at most) and leaves its
+    prompt and output blocks behind. No fleet can reuse more: the ceiling of every policy."""
+    seen: set[int] = set()
+    prompt = cached = 0
+    for req in requests:
+        keys = req.keys
+        n = len(req.prompt)
+        bs = req.route.block_size
+        cap = min(len(keys), (n - 1) // bs)
+        hit = 0
+        while hit < cap and keys[hit] in seen:  # chained: a held key holds its whole prefix
+            hit += 1
+        prompt += n
+        cached += hit * bs
+        seen.update(keys)
+        seen.update(req.tail_keys)
+    return cached / prompt if prompt else None
 
 
 def policy_names(spec: str) -> list[str]:
@@ -118,12 +144,8 @@ def compare(
     used: dict[str, dict[str, Any]] = {}
     for name in names:
         used[name] = build_params(name, (params or {}).get(name, {}), fleet, seed)
-        report = None if progress is None else (lambda sent, n=name: progress(n, sent))
-        if progress is not None:
-            progress(name, 0)
-        runs[name] = run_policy(requests, make_policy(name, **used[name]), fleet, report, buckets)
-        if progress is not None:
-            progress(name, len(requests))
+        policy = make_policy(name, **used[name])
+        runs[name] = run_policy(name, requests, policy, fleet, progress, buckets)
     limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
     bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)
     return Comparison(runs, bound, used)

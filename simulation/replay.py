@@ -1,23 +1,16 @@
 """The discrete-event replay: requests through the gateway's index and policy to emulated
-workers, all in virtual time.
+workers in virtual time (docs/dispatch.md, "The replay does the same"). Events in time order,
+sends before engine steps at equal times (a request submitted at the end of a step joins the
+next one, as the engine's own rule says):
 
-Three kinds of events, in time order (sends before engine steps at equal times, so that a
-request submitted at the end of a step joins the next one, as the engine's own rule says):
+    send         the client (client.py) sends; router/dispatch.py builds the candidates, the
+                 policy chooses, the chosen worker's engine gets the request
+    engine step  first tokens and finishes move the gateway's load view and the client
+    KV events    a step's stores and evictions reach the index `event_delay_s` later, applied
+                 lazily before the next routing decision that could see them
 
-    send         the client sends requests (client.py): the gateway's dispatch
-                 (router/dispatch.py) builds the candidates from the unified index, the policy
-                 chooses, and the request is submitted to the chosen worker's engine
-    engine step  a worker's engine reaches `next_time()`: first tokens and finishes move the
-                 gateway's load view (router/dispatch.py's LoadShare) and the client
-    KV events    what a step stored and evicted reaches the index `event_delay_s` later, as one
-                 batch per step; they are applied lazily, before the next routing decision that
-                 could see them (nothing else reads the index)
-
-The index is fed as `WorkerMirror` feeds it from our workers, whose block hashes are our keys:
-`insert(keys, worker, group, now, parent=...)` for BlockStored, `remove` for BlockRemoved. With
-`kv_events=False` workers publish nothing and the gateway's approximate residency stands in
-(router/dispatch.py's `RoutedResidency`, as with KV events and `pending_ttl_s` > 0 its pending one);
-expiry is checked every `EXPIRE_EVERY_S`, the gateway's health interval.
+With `kv_events=False` the gateway's approximate residency stands in (as its pending one does
+with `pending_ttl_s` > 0), expired every `EXPIRE_EVERY_S`, the gateway's health interval.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ value anywhere: the same trace, seed and flags give byte-identical files):
                client, the seed
     policies   {NAME: {hit_rate, ttft_mean_s, ttft_p50_s, ttft_p99_s, throughput_tok_s,
                load_imbalance, ...}}: every key of simulation.metrics.summarize
-    bound      {hit_rate}: one infinite cache (simulation.bound)
+    bound      {hit_rate}: one infinite cache (simulation.compare)
     recorded   a gateway recording only: {hit_rate, predicted_hit_rate, policy, requests} as
                measured live (cached_tokens and predicted_tokens of its lines)
     shadow     `--shadow` only: the recorded decisions replayed with candidate policies

@@ -89,7 +89,7 @@ def replay_shadow(
     requests: Sequence[SimRequest],
     shadows: Sequence[str],
     fleet: FleetConfig,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[str, int], None] | None = None,
 ) -> ShadowReplay:
     """Replay `requests` (made by `trace_requests` from `trace`, a recording) on the recorded
     decisions with `shadows` watching. The fleet's names must hold every recorded worker."""
@@ -100,7 +100,7 @@ def replay_shadow(
         raise ValueError("--shadow replays a recording of one model (kv_group) for now")
     watch = ShadowPolicies(shadows, fleet.prefill_tokens_per_s)
     policy = RecordedChoice(requests, [rec.worker or "" for rec in lines], watch)
-    run = run_policy(requests, policy, fleet, progress)
+    run = run_policy(LIVE, requests, policy, fleet, progress)
     prompt = sum(rec.input_length for rec in lines)
     cached = [rec.cached_tokens for rec in lines]
     recorded_hit = sum(c or 0 for c in cached) / prompt if prompt and None not in cached else None

@@ -13,8 +13,7 @@ from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request, tail_keys
 from core.blocks import block_keys
 from router.policies import Candidate, Decision, RouteRequest, make_policy
-from simulation.bound import infinite_cache_hit_rate
-from simulation.compare import compare
+from simulation.compare import compare, infinite_cache_hit_rate
 from simulation.metrics import summarize
 from simulation.replay import FleetConfig, Replay
 from simulation.requests import SimRequest
