@@ -16,7 +16,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.mooncake import TraceRecord
 from router.policies import Candidate, Decision, RouteRequest
 from router.shadow import ShadowPolicies, ShadowStats
 from simulation.compare import Run, run_policy
@@ -62,17 +61,12 @@ class ShadowReplay:
     section: dict[str, Any]  # the report's "shadow"
 
 
-def recorded_lines(trace: Trace, limit: int | None = None) -> list[TraceRecord]:
-    """The recording's lines in the order `trace_requests` makes requests of them."""
-    return sorted(trace.records, key=lambda r: r.timestamp_ms)[:limit]
-
-
 def fleet_names(trace: Trace, limit: int, given: Sequence[str] | None) -> list[str]:
     """The simulated workers: `given` (the gateway's candidate order, GET /admin/workers), or
     the workers of the first `limit` lines in order of first use. ValueError if a line names no
     worker or one that is not in `given`."""
     used: dict[str, None] = {}
-    for rec in recorded_lines(trace, limit):
+    for rec in trace.ordered(limit):
         if not rec.worker:
             raise ValueError(f"line {rec.line} of the recording names no worker")
         used.setdefault(rec.worker, None)
@@ -95,7 +89,7 @@ def replay_shadow(
     decisions with `shadows` watching. The fleet's names must hold every recorded worker."""
     if not trace.recorded:
         raise ValueError("--shadow needs a gateway recording (urc gateway --record FILE)")
-    lines = recorded_lines(trace, len(requests))
+    lines = trace.ordered(len(requests))
     if len({r.kv_group for r in requests}) > 1:
         raise ValueError("--shadow replays a recording of one model (kv_group) for now")
     watch = ShadowPolicies(shadows, fleet.prefill_tokens_per_s)

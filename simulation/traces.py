@@ -33,6 +33,10 @@ class Trace:
     predicted_tokens: int | None = None  # sums over a recording's lines, where given
     skipped: list[tuple[int, str]] = field(default_factory=list)
 
+    def ordered(self, limit: int | None = None) -> list[TraceRecord]:
+        """The first `limit` records in timestamp order, as `trace_requests` replays them."""
+        return sorted(self.records, key=lambda r: r.timestamp_ms)[:limit]
+
     def recorded_hit_rate(self) -> float | None:
         """Cached / prompt tokens as the workers reported them while recording."""
         rows = [r for r in self.records if r.cached_tokens is not None]
@@ -79,17 +83,18 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", skip_bad: bool = 
             if isinstance(obj.get("block_size"), int) and obj["block_size"] > 0:
                 sizes.add(obj["block_size"])
             continue
+        size = obj.get("block_size") if isinstance(obj, dict) else None
         try:
-            records.append(parse_record(text, n))
+            record = parse_record(text, n)
+            if size is not None and (
+                not isinstance(size, int) or isinstance(size, bool) or size <= 0
+            ):
+                raise ValueError(f"'block_size' must be a positive integer, got {size!r}")
         except ValueError as e:
             errors.append((n, str(e)))
             continue
-        size = obj.get("block_size")
+        records.append(record)
         if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                errors.append((n, f"'block_size' must be a positive integer, got {size!r}"))
-                records.pop()
-                continue
             recorded = True
             sizes.add(size)
         if policy is None and isinstance(obj.get("policy"), str):
@@ -127,7 +132,7 @@ def trace_requests(
     sends them. A record's own model and tenant win over `model` and the shared tenant."""
     if time_scale < 0:
         raise ValueError("time_scale must be >= 0")
-    ordered = sorted(trace.records, key=lambda r: r.timestamp_ms)[:limit]
+    ordered = trace.ordered(limit)
     bs = trace.block_size
     groups = {r.model or model for r in ordered}
     one_group = len(groups) == 1
@@ -185,11 +190,10 @@ def _id_remap(records: list[TraceRecord]) -> dict[int, int] | None:
     return remap
 
 
-def link_continuations(requests: list[SimRequest]) -> int:
+def link_continuations(requests: list[SimRequest]) -> None:
     """Key each request's output blocks as the blocks that follow its prompt in the first later
-    request extending it (its next turn), where that one is long enough. Returns how many."""
+    request extending it (its next turn), where that one is long enough."""
     open_tails: dict[int, SimRequest] = {}  # last prompt key -> a request whose tail is unlinked
-    linked = 0
     for req in requests:
         keys = req.keys
         if open_tails:
@@ -201,7 +205,5 @@ def link_continuations(requests: list[SimRequest]) -> int:
                 if len(keys) >= j + 1 + n:
                     prior.tail_keys = keys[j + 1 : j + 1 + n]
                     del open_tails[key]
-                    linked += 1
         if req.tail_keys and keys:
             open_tails[keys[-1]] = req
-    return linked
