@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from backends.emulated.config import EngineConfig
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.policies import POLICY_NAMES
@@ -33,7 +32,7 @@ DEFAULT_WORKLOAD_REQUESTS = 1000
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `replay` options, for a standalone parser or the `urc replay` subparser."""
-    d = EngineConfig()
+    d = FleetConfig()  # the emulated engine's defaults
     add = p.add_argument
     add("trace", nargs="?", help="a Mooncake-format JSONL trace or a gateway recording")
     add("--workload", choices=sorted(WORKLOADS), help="a built-in workload instead")
@@ -114,7 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add(
         "--pending-ttl",
         type=float,
-        default=FleetConfig().pending_ttl_s,
+        default=d.pending_ttl_s,
         metavar="S",
         help="a request's keys are held on its worker from dispatch until its KV events confirm "
         "them, or for S seconds, as `urc gateway --pending-ttl` does (0: off)",

@@ -1,13 +1,9 @@
-"""The load generator in virtual time: when each request is sent, as `urc bench` sends it.
-
-The same rules as loadgen/runner.py with loadgen/sessions.py, on request indices:
-
-- open loop (every request has `arrival_s`): a request joins the queue at its arrival time;
-  queued requests are sent while fewer than `slots` (the bench's max_in_flight) are in flight.
-- closed loop (`concurrency` C): C requests in flight; when one completes, the next is sent.
-  Specs are pulled in order only while fewer than `lookahead` turns wait behind their session.
-- sessions: a turn waits until the previous turn of its session has completed; it is then
-  ready in its original order. A failed turn drops its session's later turns.
+"""The load generator in virtual time: when each request is sent, by the rules of
+loadgen/runner.py and loadgen/sessions.py. Open loop (every request has `arrival_s`): arrivals
+are sent while fewer than `slots` (the bench's max_in_flight) are in flight. Closed loop
+(`concurrency` C): C in flight, specs pulled in order while fewer than `lookahead` turns wait
+behind their session. A session's turn waits for the previous one to complete; a failed turn
+drops the session's later turns.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,29 +61,26 @@ class FidelityOutcome:
 
     def describe(self) -> str:
         c, live, off = self.case, self.live, self.offline
-        rows = [
-            ("hit rate", live["hit_rate"], off["hit_rate"], "pct"),
-            ("TTFT mean", live["ttft_s"]["mean"], off["ttft_mean_s"], "ms"),
-            ("TTFT p50", live["ttft_s"]["p50"], off["ttft_p50_s"], "ms"),
-            ("TTFT p99", live["ttft_s"]["p99"], off["ttft_p99_s"], "ms"),
-            ("latency p50", live["latency_s"]["p50"], off["latency_p50_s"], "ms"),
-            ("duration", live["duration_s"], off["duration_s"], "s"),
-        ]
+        a, b = live["hit_rate"], off["hit_rate"]
         lines = [
             f"{c.workload} x {c.requests} ({c.params or 'defaults'}), {c.policy}, {c.workers} "
             f"workers x {c.capacity_tokens:,} tokens, prefill {c.prefill_tps:,.0f} tok/s, "
             f"concurrency {c.concurrency}",
             f"{'':14s}{'live':>12s}{'offline':>12s}{'diff':>12s}",
+            f"{'hit rate':14s}{a:>12.2%}{b:>12.2%}{(b - a) * 100:>+10.2f}pt",
         ]
-        for label, a, b, kind in rows:
-            if kind == "pct":
-                lines.append(f"{label:14s}{a:>12.2%}{b:>12.2%}{(b - a) * 100:>+10.2f}pt")
-            else:
-                scale, unit = (1e3, "ms") if kind == "ms" else (1.0, "s")
-                lines.append(
-                    f"{label:14s}{a * scale:>10.1f}{unit:2s}{b * scale:>10.1f}{unit:2s}"
-                    f"{(b / a - 1) * 100:>+11.1f}%"
-                )
+        for label, a, b, unit in (
+            ("TTFT mean", live["ttft_s"]["mean"], off["ttft_mean_s"], "ms"),
+            ("TTFT p50", live["ttft_s"]["p50"], off["ttft_p50_s"], "ms"),
+            ("TTFT p99", live["ttft_s"]["p99"], off["ttft_p99_s"], "ms"),
+            ("latency p50", live["latency_s"]["p50"], off["latency_p50_s"], "ms"),
+            ("duration", live["duration_s"], off["duration_s"], "s"),
+        ):
+            scale = 1e3 if unit == "ms" else 1.0
+            lines.append(
+                f"{label:14s}{a * scale:>10.1f}{unit:2s}{b * scale:>10.1f}{unit:2s}"
+                f"{(b / a - 1) * 100:>+11.1f}%"
+            )
         return "\n".join(lines)
 
 
@@ -91,7 +88,8 @@ def _urc(*args: str) -> list[str]:
     return [sys.executable, "-m", "urc.cli", *args]
 
 
-def _start_cluster(case: FidelityCase) -> tuple[subprocess.Popen[str], str]:
+def _start_cluster(case: FidelityCase, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`urc cluster` for the case, its output in `log`; the process and the gateway's URL."""
     with socket.socket() as sock:  # a free port
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -107,34 +105,21 @@ def _start_cluster(case: FidelityCase) -> tuple[subprocess.Popen[str], str]:
     )
     if "prefill_tokens_per_s" in policy_params(case.policy):  # the gateway knows its hardware
         cmd.append(f"--policy-param=prefill_tokens_per_s={case.prefill_tps}")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    found: list[str] = []
-    seen: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line.rstrip())
-            if line.startswith("gateway: ") and not found:
-                found.append(line.split(" ", 1)[1].strip())
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(case.ready_timeout_s) or not found:
-        _stop(proc)
-        raise RuntimeError("the cluster did not start:\n" + "\n".join(seen[-20:]))
-    return proc, found[0]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + case.ready_timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text().splitlines():
+            if line.startswith("gateway: "):
+                return proc, line.split(" ", 1)[1].strip()
+        time.sleep(0.1)
+    _stop(proc)
+    seen = log.read_text().splitlines()[-20:]
+    raise RuntimeError("the cluster did not start:\n" + "\n".join(seen))
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
+def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -157,10 +142,10 @@ def _worker_names(url: str) -> list[str]:
 
 def run_live(case: FidelityCase) -> tuple[dict[str, Any], list[str]]:
     """The bench summary of the case against a fresh cluster, and the worker names."""
-    proc, url = _start_cluster(case)
-    try:
-        names = _worker_names(url)
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = _start_cluster(case, Path(tmp) / "cluster.log")
+        try:
+            names = _worker_names(url)
             out = Path(tmp) / "live.json"
             cmd = _urc(
                 "bench",
@@ -176,8 +161,8 @@ def run_live(case: FidelityCase) -> tuple[dict[str, Any], list[str]]:
             )
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
             return json.loads(out.read_text()), names
-    finally:
-        _stop(proc)
+        finally:
+            _stop(proc)
 
 
 def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:

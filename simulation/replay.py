@@ -40,8 +40,8 @@ _ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change 
 
 @dataclass(slots=True)
 class FleetConfig:
-    """The fleet, the gateway's settings and the client. Engine defaults are the emulated
-    worker's (an 8B model on one H100, see EngineConfig)."""
+    """The fleet, the gateway's settings and the client; engine defaults are the emulated
+    worker's (EngineConfig)."""
 
     workers: int = 8
     names: list[str] | None = None  # worker names (default w0, w1, ...): rendezvous hashes them
@@ -166,11 +166,8 @@ class Replay:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self, progress: Callable[[int], None] | None = None) -> RunResult:
-        """Replay every request; `progress(sent)` is called every 1024 sends.
-
-        The garbage collector is off meanwhile: the replay makes no reference cycles per
-        request (what it drops, reference counting frees), only the fleet's trees, which live
-        as long as the run, so the collector's passes over them free nothing and cost ~3 %."""
+        """Replay every request; `progress(sent)` is called every 1024 sends. The garbage
+        collector is off meanwhile: its passes free nothing here (docs/compiled.md)."""
         collecting = gc.isenabled()
         gc.disable()
         try:

@@ -124,32 +124,30 @@ def replay_shadow(
 def shadow_rows(section: dict[str, Any]) -> list[list[str]]:
     """The live decisions (recorded, replayed) and each shadow policy, one row each."""
     live = section["live"]
-    header = ["shadow", "hit rate", "predicted hit rate", "predicted TTFT", "disagreement"]
+    label = f"live {live['policy'] or '?'}"
     rows = [
-        header,
-        [
-            f"live {live['policy'] or '?'}, recorded",
-            cell(live["recorded_hit_rate"], "pct"),
-            cell(live["recorded_predicted_hit_rate"], "pct"),
-            "-",
-            "-",
-        ],
-        [
-            f"live {live['policy'] or '?'}, replayed",
-            cell(live["hit_rate"], "pct"),
-            cell(live["predicted_hit_rate"], "pct"),
-            cell(live["predicted_ttft_mean_s"], "ms"),
-            cell(0.0, "pct"),
-        ],
+        ["shadow", "hit rate", "predicted hit rate", "predicted TTFT", "disagreement"],
+        _row(f"{label}, recorded", live["recorded_hit_rate"], live["recorded_predicted_hit_rate"]),
+        _row(
+            f"{label}, replayed",
+            live["hit_rate"],
+            live["predicted_hit_rate"],
+            live["predicted_ttft_mean_s"],
+            0.0,
+        ),
     ]
     for name, s in section["policies"].items():
-        rows.append(
-            [
-                name,
-                "-",
-                cell(s["predicted_hit_rate"], "pct"),
-                cell(s["predicted_ttft_mean_s"], "ms"),
-                cell(s["disagreement_rate"], "pct"),
-            ]
-        )
+        ttft, disagreement = s["predicted_ttft_mean_s"], s["disagreement_rate"]
+        rows.append(_row(name, None, s["predicted_hit_rate"], ttft, disagreement))
     return rows
+
+
+def _row(
+    label: str,
+    hit: float | None,
+    predicted: float | None,
+    ttft: float | None = None,
+    disagreement: float | None = None,
+) -> list[str]:
+    pcts = (cell(hit, "pct"), cell(predicted, "pct"))
+    return [label, *pcts, cell(ttft, "ms"), cell(disagreement, "pct")]
