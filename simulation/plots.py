@@ -17,14 +17,6 @@ MISSING = (
 )
 
 
-def available() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def write_plots(
     out: Path,
     ttfts: Mapping[str, Sequence[float]],
@@ -32,9 +24,10 @@ def write_plots(
     bound: float | None,
 ) -> list[str]:
     """Write the three PNGs into `out`; their paths. [] when matplotlib is missing."""
-    if not available():
+    try:
+        import matplotlib
+    except ImportError:
         return []
-    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
