@@ -19,7 +19,7 @@ from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.policies import POLICY_NAMES
 from simulation import plots
-from simulation.compare import Comparison, Run, compare, policy_names, split_params
+from simulation.compare import Run, compare, policy_names, split_params
 from simulation.replay import FleetConfig
 from simulation.report import build_report, format_table, markdown, rounded, table_rows, write_json
 from simulation.requests import SimRequest
@@ -141,10 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_requests(
+def load(
     args: argparse.Namespace,
-) -> tuple[list[SimRequest], dict[str, Any], Trace | None, int]:
-    """The requests, how the report describes their source, the trace, the block size."""
+) -> tuple[list[SimRequest], Trace | None, FleetConfig, dict[str, Any]]:
+    """The requests, the trace (if any), the fleet, and the report's config so far."""
+    trace = None
     if args.trace is not None:
         trace = read_trace(args.trace, skip_bad=args.skip_bad_lines)
         requests = trace_requests(
@@ -155,31 +156,39 @@ def load_requests(
             limit=args.requests,
             chat=args.trace_kind == "chat",
         )
-        source = {
+        config = {
             "trace": Path(args.trace).name,
             "recorded": trace.recorded,
             "time_scale": args.time_scale,
             "max_output_tokens": args.max_output_tokens,
             "skipped_lines": len(trace.skipped),
         }
-        return requests, source, trace, trace.block_size
-    models = parse_models(args.model)
-    params = parse_params(args.param)
-    n = args.requests or DEFAULT_WORKLOAD_REQUESTS
-    requests = workload_requests(
-        args.workload,
-        n,
-        seed=args.seed,
-        models=models or DEFAULT_MODELS,
-        rate=args.rate,
-        block_size=args.block_size,
-        params=params,
-    )
-    source = {"workload": args.workload, "params": params, "models": models or None}
-    return requests, source, None, args.block_size
+    else:
+        models = parse_models(args.model)
+        params = parse_params(args.param)
+        requests = workload_requests(
+            args.workload,
+            args.requests or DEFAULT_WORKLOAD_REQUESTS,
+            seed=args.seed,
+            models=models or DEFAULT_MODELS,
+            rate=args.rate,
+            block_size=args.block_size,
+            params=params,
+        )
+        config = {"workload": args.workload, "params": params, "models": models or None}
+    fleet = fleet_from_args(args, args.block_size if trace is None else trace.block_size)
+    if args.shadow and trace is not None:  # the simulated workers carry the recorded names
+        fleet.names = fleet_names(trace, len(requests), fleet.names)
+        fleet.workers = len(fleet.names)
+    fleet.worker_names()  # ValueError on a bad fleet, before any run
+    fleet.engine_config()
+    fleet_config = dataclasses.asdict(fleet)
+    config.update(requests=len(requests), seed=args.seed, rate=args.rate, fleet=fleet_config)
+    return requests, trace, fleet, config
 
 
-def fleet_from_args(args: argparse.Namespace, block_size: int, open_loop: bool) -> FleetConfig:
+def fleet_from_args(args: argparse.Namespace, block_size: int) -> FleetConfig:
+    open_loop = args.trace is not None or args.rate is not None
     names = None
     if args.worker_names:
         names = [n.strip() for n in args.worker_names.split(",") if n.strip()]
@@ -274,35 +283,6 @@ def _write_out(
     print(f"report: {out / 'report.md'}")
 
 
-def _report(
-    args: argparse.Namespace,
-    source: dict[str, Any],
-    requests: int,
-    fleet: FleetConfig,
-    names: list[str],
-    comparison: Comparison,
-    runs: dict[str, Run],
-    shadow: ShadowReplay | None,
-    trace: Trace | None,
-) -> dict[str, Any]:
-    """The report of the runs (the shadow replay's among them as the live policy)."""
-    config = {
-        **source,
-        "requests": requests,
-        "seed": args.seed,
-        "rate": args.rate,
-        "fleet": dataclasses.asdict(fleet),
-        "policies": names,
-        "policy_params": comparison.params,
-    }
-    if shadow is not None:
-        config["shadow"] = list(args.shadow)
-    recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
-    summaries = {name: run.summary for name, run in runs.items()}
-    section = None if shadow is None else shadow.section
-    return build_report(config, summaries, comparison.bound, recorded, section)
-
-
 def run(args: argparse.Namespace) -> int:
     """`urc replay` with parsed arguments (the `urc` CLI calls this for its subparser)."""
     if misuse := _misuse(args):
@@ -310,14 +290,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = args.policy or ("" if args.shadow else "all")
         names = policy_names(spec) if spec else []
-        requests, source, trace, block_size = load_requests(args)
-        open_loop = args.trace is not None or args.rate is not None
-        fleet = fleet_from_args(args, block_size, open_loop)
-        if args.shadow and trace is not None:  # the simulated workers carry the recorded names
-            fleet.names = fleet_names(trace, len(requests), fleet.names)
-            fleet.workers = len(fleet.names)
-        fleet.worker_names()
-        fleet.engine_config()
+        requests, trace, fleet, config = load(args)
         given = split_params(args.policy_param, names)
     except (TraceFormatError, ValueError, OSError) as e:
         return _fail(str(e))
@@ -337,8 +310,15 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if progress is not None:
             progress.end()
-    runs = comparison.runs if shadow is None else {LIVE: shadow.run, **comparison.runs}
-    report = _report(args, source, len(requests), fleet, names, comparison, runs, shadow, trace)
+    config.update(policies=names, policy_params=comparison.params)
+    runs = comparison.runs
+    if shadow is not None:  # the followed live decisions: the first row, LIVE
+        config["shadow"] = list(args.shadow)
+        runs = {LIVE: shadow.run, **runs}
+    recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
+    summaries = {name: run.summary for name, run in runs.items()}
+    section = None if shadow is None else shadow.section
+    report = build_report(config, summaries, comparison.bound, recorded, section)
     speeds = {name: run.speed for name, run in runs.items()}
     print(format_table(table_rows(report["policies"], report["bound"]["hit_rate"], speeds)))
     if shadow is not None:
