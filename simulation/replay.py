@@ -87,7 +87,6 @@ class RunResult:
     """Everything one policy's run measured; per-request lists are indexed like the requests
     (a request never sent has worker -1)."""
 
-    policy: str
     workers: list[str]
     sent_s: list[float]
     worker: list[int]
@@ -325,7 +324,6 @@ class Replay:
             ok[i] = True
         stats = self.index.stats()
         return RunResult(
-            policy=getattr(self.policy, "name", type(self.policy).__name__),
             workers=[w.name for w in self.workers],
             sent_s=self._sent,
             worker=self._worker,

@@ -1,25 +1,21 @@
 """A replay's report: the `--json` document, the terminal table and the Markdown page.
 
-JSON schema "urc.replay/1" (keys sorted, floats rounded to 6 significant digits, no wall-clock
-value anywhere: the same trace, seed and flags give byte-identical files):
+JSON schema "urc.replay/1": keys sorted, floats to 6 significant digits, no wall-clock value
+(the same trace, seed and flags give byte-identical files):
 
-    schema     "urc.replay/1"
-    config     the source (trace file name, or workload and its parameters), the fleet, the
-               client, the seed
-    policies   {NAME: {hit_rate, ttft_mean_s, ttft_p50_s, ttft_p99_s, throughput_tok_s,
-               load_imbalance, ...}}: every key of simulation.metrics.summarize
+    config     the source (trace file or workload and its parameters), fleet, client, seed
+    policies   {NAME: every key of simulation.metrics.summarize}
     bound      {hit_rate}: one infinite cache (simulation.compare)
-    recorded   a gateway recording only: {hit_rate, predicted_hit_rate, policy, requests} as
-               measured live (cached_tokens and predicted_tokens of its lines)
-    shadow     `--shadow` only: the recorded decisions replayed with candidate policies
-               watching (simulation/shadow.py); its run is the policy "recorded"
+    recorded   a recording only: {hit_rate, predicted_hit_rate, policy, requests} as measured
+               live (its lines' cached_tokens and predicted_tokens)
+    shadow     `--shadow` only (simulation/shadow.py); its run is the policy "recorded"
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,18 +71,17 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+_FORMATS: dict[str, Callable[[Any], str]] = {
+    "pct": lambda v: f"{v * 100:.1f}%",
+    "ms": lambda v: f"{v * 1e3:.0f}ms",
+    "x": lambda v: f"{v:.2f}",
+    "mb": lambda v: f"{v / 1e6:.1f}",
+    "int": lambda v: f"{v:,.0f}",
+}
+
+
 def cell(value: Any, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "pct":
-        return f"{value * 100:.1f}%"
-    if kind == "ms":
-        return f"{value * 1e3:.0f}ms"
-    if kind == "x":
-        return f"{value:.2f}"
-    if kind == "mb":
-        return f"{value / 1e6:.1f}"
-    return f"{value:,.0f}"
+    return "-" if value is None else _FORMATS[kind](value)
 
 
 def table_rows(
@@ -161,10 +156,9 @@ def markdown(
             f"Recorded live under `{recorded.get('policy')}`: hit rate "
             f"{recorded['hit_rate'] * 100:.1f}% over {recorded.get('requests')} requests.",
         ]
-    reasons = {name: s.get("reasons", {}) for name, s in report["policies"].items()}
     lines += ["", "Decisions by reason:", ""]
-    for name, counts in reasons.items():
-        text = ", ".join(f"{k} {v}" for k, v in counts.items())
+    for name, s in report["policies"].items():
+        text = ", ".join(f"{k} {v}" for k, v in s.get("reasons", {}).items())
         lines.append(f"- `{name}`: {text}")
     lines.append("")
     if plots:

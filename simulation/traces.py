@@ -134,18 +134,15 @@ def trace_requests(
         raise ValueError("time_scale must be >= 0")
     ordered = trace.ordered(limit)
     bs = trace.block_size
-    groups = {r.model or model for r in ordered}
-    one_group = len(groups) == 1
+    one_group = len({r.model or model for r in ordered}) == 1
     remap = _id_remap(ordered) if not trace.recorded else None
     t0 = ordered[0].timestamp_ms if ordered else 0.0
     out: list[SimRequest] = []
     for i, rec in enumerate(ordered):
         group = rec.model or model
         salt = cache_salt(rec.tenant, group, one_group)
-        max_tokens = rec.output_length
-        if max_output_tokens is not None:
-            max_tokens = min(max_tokens, max_output_tokens)
-        max_tokens = max(1, max_tokens)
+        cap = rec.output_length if max_output_tokens is None else max_output_tokens
+        max_tokens = max(1, min(rec.output_length, cap))
         full = rec.input_length // bs
         ids = rec.hash_ids if remap is None else [remap[h] for h in rec.hash_ids]
         keys = list(ids[:full]) if trace.recorded else chain_keys(ids[:full], 1, namespace(salt))
