@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -18,12 +17,11 @@ from typing import Any, TextIO
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.policies import POLICY_NAMES
-from simulation import plots
-from simulation.compare import Run, compare, policy_names, split_params
+from simulation.compare import compare, policy_names, split_params
 from simulation.replay import FleetConfig
-from simulation.report import build_report, format_table, markdown, rounded, table_rows, write_json
+from simulation.report import build_report, format_table, table_rows, write_json, write_out
 from simulation.requests import SimRequest
-from simulation.shadow import LIVE, ShadowReplay, fleet_names, replay_shadow, shadow_rows
+from simulation.shadow import LIVE, fleet_names, replay_shadow, shadow_rows
 from simulation.traces import Trace, read_trace, trace_requests
 from simulation.workloads import DEFAULT_MODELS, workload_requests
 
@@ -259,30 +257,6 @@ def _misuse(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _write_out(
-    out: Path,
-    report: dict[str, Any],
-    runs: dict[str, Run],
-    bound: float | None,
-    shadow: ShadowReplay | None,
-) -> None:
-    """--out DIR: report.json, series.json, the plots and report.md."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(report, out / "report.json")
-    curves = {name: run.series for name, run in runs.items()}
-    (out / "series.json").write_text(
-        json.dumps(rounded(curves), sort_keys=True) + "\n", encoding="utf-8"
-    )
-    ttfts = {name: run.result.ttft_s for name, run in runs.items()}
-    written = plots.write_plots(out, ttfts, curves, bound)
-    note = None if written else plots.MISSING
-    if note:
-        print(f"urc replay: {note}", file=sys.stderr)
-    watched = None if shadow is None else shadow_rows(shadow.section)
-    (out / "report.md").write_text(markdown(report, written, note, watched), encoding="utf-8")
-    print(f"report: {out / 'report.md'}")
-
-
 def run(args: argparse.Namespace) -> int:
     """`urc replay` with parsed arguments (the `urc` CLI calls this for its subparser)."""
     if misuse := _misuse(args):
@@ -327,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report, args.json)
     if args.out:
-        _write_out(Path(args.out), report, runs, comparison.bound, shadow)
+        watched = None if shadow is None else shadow_rows(shadow.section)
+        write_out(Path(args.out), report, runs, comparison.bound, watched)
     return 0
 
 

@@ -1,4 +1,6 @@
-"""A replay's report: the `--json` document, the terminal table and the Markdown page.
+"""A replay's report: the `--json` document, the terminal table, the Markdown page and the PNG
+plots (with matplotlib, the `plot` extra): ttft_cdf.png (TTFT per policy), hit_rate.png (over
+the run's slices), worker_load.png (each worker's requests in flight, a panel per policy).
 
 JSON schema "urc.replay/1": keys sorted, floats to 6 significant digits, no wall-clock value
 (the same trace, seed and flags give byte-identical files):
@@ -15,9 +17,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from simulation.compare import Run
 
 SCHEMA = "urc.replay/1"
 
@@ -116,6 +121,29 @@ def format_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def write_out(
+    out: Path,
+    report: Mapping[str, Any],
+    runs: Mapping[str, Run],
+    bound: float | None,
+    shadow: Sequence[Sequence[str]] | None = None,
+) -> None:
+    """--out DIR: report.json, series.json, the plots and report.md (`shadow`: its rows)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(report, out / "report.json")
+    curves = {name: run.series for name, run in runs.items()}
+    (out / "series.json").write_text(
+        json.dumps(rounded(curves), sort_keys=True) + "\n", encoding="utf-8"
+    )
+    ttfts = {name: run.result.ttft_s for name, run in runs.items()}
+    written = write_plots(out, ttfts, curves, bound)
+    note = None if written else MISSING
+    if note:
+        print(f"urc replay: {note}", file=sys.stderr)
+    (out / "report.md").write_text(markdown(report, written, note, shadow), encoding="utf-8")
+    print(f"report: {out / 'report.md'}")
+
+
 def markdown_table(rows: Sequence[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
     lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
@@ -168,3 +196,77 @@ def markdown(
     if shadow is not None:
         lines += ["", "Shadow policies on the recorded decisions:", "", markdown_table(shadow)]
     return "\n".join(lines) + "\n"
+
+
+# -- the plots ---------------------------------------------------------------------------
+
+MISSING = (
+    "Plots were not written: matplotlib is not installed (pip install 'unified-radix-cache[plot]')."
+)
+
+
+def write_plots(
+    out: Path,
+    ttfts: Mapping[str, Sequence[float]],
+    series: Mapping[str, Mapping[str, Any]],
+    bound: float | None,
+) -> list[str]:
+    """Write the three PNGs into `out`; their paths. [] when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, values in ttfts.items():
+        xs = sorted(v for v in values if not math.isnan(v) and v > 0)
+        if xs:
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first token (s)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "ttft_cdf.png", plt))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, s in series.items():
+        points = [(t, h) for t, h in zip(s["t_s"], s["hit_rate"], strict=True) if h is not None]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] * 100 for p in points], label=name)
+    if bound is not None:
+        ax.axhline(bound * 100, color="grey", linestyle="--", label="1 infinite cache (all)")
+    ax.set_xlabel("time (s)")
+    ax.set_ylabel("hit rate (% of prompt tokens)")
+    ax.set_title("Hit rate over time")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "hit_rate.png", plt))
+
+    n = max(1, len(series))
+    fig, axes = plt.subplots(n, 1, figsize=(7, 2.4 * n), sharex=True, squeeze=False)
+    for ax, (name, s) in zip(axes[:, 0], series.items(), strict=False):
+        for worker, load in s["in_flight"].items():
+            ax.plot(s["t_s"], load, linewidth=0.9, label=worker)
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("in flight")
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("time (s)")
+    if len(next(iter(series.values()), {}).get("in_flight", {})) <= 16:
+        axes[0, 0].legend(fontsize=6, ncol=4)
+    fig.suptitle("Requests in flight per worker")
+    paths.append(_save(fig, out / "worker_load.png", plt))
+    return paths
+
+
+def _save(fig: Any, path: Path, plt: Any) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
