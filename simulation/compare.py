@@ -16,7 +16,6 @@ from router.policies import POLICY_NAMES, Policy, make_policy, policy_params
 from simulation.metrics import series, summarize
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
-from simulation.worker import max_model_len
 
 
 @dataclass(slots=True)
@@ -34,10 +33,6 @@ class Comparison:
     runs: dict[str, Run]
     bound: float | None
     params: dict[str, dict[str, Any]]  # the parameters each policy was built with
-
-    @property
-    def summaries(self) -> dict[str, dict[str, Any]]:
-        return {name: run.summary for name, run in self.runs.items()}
 
 
 def run_policy(
@@ -146,6 +141,6 @@ def compare(
         used[name] = build_params(name, (params or {}).get(name, {}), fleet, seed)
         policy = make_policy(name, **used[name])
         runs[name] = run_policy(name, requests, policy, fleet, progress, buckets)
-    limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
+    limit = fleet.context_len()
     bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)
     return Comparison(runs, bound, used)

@@ -182,7 +182,7 @@ def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:
         concurrency=case.concurrency,
         pending_ttl_s=case.pending_ttl_s,
     )
-    return compare(requests, [case.policy], fleet, seed=case.seed).summaries[case.policy]
+    return compare(requests, [case.policy], fleet, seed=case.seed).runs[case.policy].summary
 
 
 def run_case(case: FidelityCase) -> FidelityOutcome:

@@ -26,15 +26,14 @@ BYTES_PER_RUN = 163
 
 
 def _stats(values: list[float], prefix: str) -> dict[str, float | None]:
-    if not values:
-        return {f"{prefix}_{k}_s": None for k in ("mean", "p50", "p90", "p99", "max")}
-    return {
-        f"{prefix}_mean_s": math.fsum(values) / len(values),
-        f"{prefix}_p50_s": percentile(values, 50),
-        f"{prefix}_p90_s": percentile(values, 90),
-        f"{prefix}_p99_s": percentile(values, 99),
-        f"{prefix}_max_s": max(values),
+    stats = {
+        "mean": math.fsum(values) / len(values) if values else None,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values, default=None),
     }
+    return {f"{prefix}_{k}_s": v for k, v in stats.items()}
 
 
 def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from router.index import UnifiedIndex
 from router.policies import Policy, WorkerLoad
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
-from simulation.worker import Change, SimWorker, max_model_len
+from simulation.worker import Change, SimWorker
 
 EXPIRE_EVERY_S: Final = 0.5
 
@@ -52,7 +52,7 @@ class FleetConfig:
     decode_per_request_s: float = _ENGINE.decode_per_request_s
     max_batch: int = _ENGINE.max_batch
     chunk_tokens: int = _ENGINE.chunk_tokens
-    max_model_len: int = 0  # 0: the worker's default, min(capacity, 131072)
+    max_model_len: int = 0  # 0: the worker's default (context_len)
     event_delay_s: float = 0.002
     kv_events: bool = True  # False: approximate residency from routing history
     approx_ttl_s: float = 120.0
@@ -66,6 +66,10 @@ class FleetConfig:
         if len(names) != self.workers or len(set(names)) != len(names):
             raise ValueError("need one distinct name per worker")
         return list(names)
+
+    def context_len(self) -> int:
+        """`max_model_len`, or the emulated worker's default: min(capacity, 131072)."""
+        return self.max_model_len or min(self.capacity_tokens, 131_072)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -125,7 +129,7 @@ class Replay:
         if any(r.route.block_size != fleet.block_size for r in self.requests):
             raise ValueError("requests are keyed with another block size than the fleet's")
         config = fleet.engine_config()
-        limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
+        limit = fleet.context_len()
         groups = sorted({r.kv_group for r in self.requests}) or ["emulated"]
         names = fleet.worker_names()
         if len(names) < len(groups):

@@ -66,8 +66,3 @@ class SimWorker:
 
     def _removed(self, kv_group: str, keys: list[int]) -> None:
         self.changes.append(Change(keys, None, False))
-
-
-def max_model_len(capacity_tokens: int) -> int:
-    """The emulated worker's default context length: min(capacity, 131072)."""
-    return min(capacity_tokens, 131_072)
