@@ -41,7 +41,6 @@ def run_policy(
     policy: Policy,
     fleet: FleetConfig,
     progress: Callable[[str, int], None] | None = None,
-    buckets: int = 60,
 ) -> Run:
     """Replay `requests` under `policy` on a fresh `fleet`, timed; `progress(name, sent)`."""
     replay = Replay(requests, policy, fleet)
@@ -53,7 +52,7 @@ def run_policy(
     speed = len(requests) / max(time.perf_counter() - t0, 1e-9)
     if report is not None:
         report(len(requests))
-    return Run(result, summarize(result, requests), series(result, requests, buckets), speed)
+    return Run(result, summarize(result, requests), series(result, requests), speed)
 
 
 def infinite_cache_hit_rate(requests: Iterable[SimRequest]) -> float | None:
@@ -131,7 +130,6 @@ def compare(
     *,
     params: Mapping[str, Mapping[str, Any]] | None = None,
     seed: int = 0,
-    buckets: int = 60,
     progress: Callable[[str, int], None] | None = None,
 ) -> Comparison:
     """Replay `requests` under each policy in `names` on `fleet`."""
@@ -140,7 +138,7 @@ def compare(
     for name in names:
         used[name] = build_params(name, (params or {}).get(name, {}), fleet, seed)
         policy = make_policy(name, **used[name])
-        runs[name] = run_policy(name, requests, policy, fleet, progress, buckets)
+        runs[name] = run_policy(name, requests, policy, fleet, progress)
     limit = fleet.context_len()
     bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)
     return Comparison(runs, bound, used)

@@ -227,9 +227,7 @@ def write_plots(
         if xs:
             ys = [(i + 1) / len(xs) for i in range(len(xs))]
             ax.step(xs, ys, where="post", label=name)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first token (s)")
-    ax.set_ylabel("fraction of requests")
+    ax.set(xscale="log", xlabel="time to first token (s)", ylabel="fraction of requests")
     ax.set_title("TTFT CDF")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
@@ -242,9 +240,7 @@ def write_plots(
             ax.plot([p[0] for p in points], [p[1] * 100 for p in points], label=name)
     if bound is not None:
         ax.axhline(bound * 100, color="grey", linestyle="--", label="1 infinite cache (all)")
-    ax.set_xlabel("time (s)")
-    ax.set_ylabel("hit rate (% of prompt tokens)")
-    ax.set_title("Hit rate over time")
+    ax.set(xlabel="time (s)", ylabel="hit rate (% of prompt tokens)", title="Hit rate over time")
     ax.grid(True, alpha=0.3)
     ax.legend()
     paths.append(_save(fig, out / "hit_rate.png", plt))

@@ -43,7 +43,6 @@ class SimRequest:
     tail_keys: list[int]  # keys of the full blocks of prompt + output past `keys`
     route: RouteRequest  # what the policies see
     salt: str | None  # forwarded to the worker as cache_salt
-    tenant: str | None = None
     chat: bool = False  # a chat request (its role chunk rides on the first token)
     session: int = -1
 

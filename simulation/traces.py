@@ -25,7 +25,6 @@ _OUTPUT = -1  # every later tail "token": output text, the same for every reques
 class Trace:
     """A parsed trace file. `recorded`: a gateway recording (hash ids are block keys)."""
 
-    source: str
     records: list[TraceRecord]
     block_size: int
     recorded: bool
@@ -110,7 +109,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", skip_bad: bool = 
     if recorded and not sizes:
         raise TraceFormatError(source, [(0, "a recording without a block_size")])
     block_size = sizes.pop() if sizes else BLOCK_TOKENS
-    return Trace(source, records, block_size, recorded, policy, predicted, errors)
+    return Trace(records, block_size, recorded, policy, predicted, errors)
 
 
 def read_trace(path: str | Path, skip_bad: bool = False) -> Trace:
@@ -164,7 +163,6 @@ def trace_requests(
                 tail_keys=tail,
                 route=RouteRequest(keys, rec.input_length, bs, group, group),
                 salt=salt,
-                tenant=rec.tenant,
                 chat=chat,
             )
         )

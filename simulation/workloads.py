@@ -71,7 +71,6 @@ def workload_requests(
                 tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt),
                 route=RouteRequest(keys, len(tokens), block_size, spec.model, spec.model),
                 salt=salt,
-                tenant=tenant,
                 chat=spec.kind == "chat",
                 session=session,
             )
