@@ -295,20 +295,16 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(config, summaries, comparison.bound, recorded, section)
     speeds = {name: run.speed for name, run in runs.items()}
     print(format_table(table_rows(report["policies"], report["bound"]["hit_rate"], speeds)))
-    if shadow is not None:
+    watched = None if shadow is None else shadow_rows(shadow.section)
+    if watched is not None:
         print()
-        print(format_table(shadow_rows(shadow.section)))
+        print(format_table(watched))
     if args.json:
         write_json(report, args.json)
     if args.out:
-        watched = None if shadow is None else shadow_rows(shadow.section)
         write_out(Path(args.out), report, runs, comparison.bound, watched)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -111,13 +111,9 @@ def table_rows(
 def format_table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
-    for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    for row in [rows[0], ["-" * w for w in widths], *rows[1:]]:  # the header, a rule, the rows
+        cells = zip(row[1:], widths[1:], strict=True)
+        lines.append("  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in cells)]))
     return "\n".join(lines)
 
 
