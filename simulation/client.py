@@ -22,10 +22,7 @@ class Client:
     """`next_at` says when `poll(now)` has something to send; `complete` reports ends."""
 
     def __init__(
-        self,
-        requests: list[SimRequest],
-        concurrency: int | None = None,
-        max_in_flight: int = 1024,
+        self, requests: list[SimRequest], concurrency: int | None = None, max_in_flight: int = 1024
     ) -> None:
         self.open_loop = concurrency is None
         if self.open_loop and any(r.arrival_s is None for r in requests):
