@@ -1,8 +1,6 @@
-"""Several policies over the same requests and fleet: the replay's unit of work.
-
-Each policy gets a fresh fleet, index and client, and a fresh policy object built the way the
-gateway builds it (`make_policy(name, **params)`), so runs are independent and reproducible.
-The wall-clock speed of each run is measured here and kept out of the report's JSON.
+"""Several policies over the same requests and fleet, each run on a fresh fleet, index, client
+and policy (built as the gateway builds it), so runs are independent and reproducible. The
+wall-clock speed of each run is measured here and kept out of the report's JSON.
 """
 
 from __future__ import annotations
