@@ -89,22 +89,29 @@ def cell(value: Any, kind: str) -> str:
     return "-" if value is None else _FORMATS[kind](value)
 
 
+def named_rows(
+    corner: str, columns: Sequence[tuple[str, str, str]], named: Mapping[str, Mapping[str, Any]]
+) -> list[list[str]]:
+    """A header (`corner`, the columns' titles), then a row a name: its values' cells."""
+    rows = [[corner, *(title for title, _, _ in columns)]]
+    for name, values in named.items():
+        rows.append([name, *(cell(values.get(key), kind) for _, key, kind in columns)])
+    return rows
+
+
 def table_rows(
     summaries: Mapping[str, Mapping[str, Any]],
     bound: float | None,
     speeds: Mapping[str, float] | None = None,
 ) -> list[list[str]]:
-    header = ["policy", *(c[0] for c in COLUMNS)]
+    """The policies' table (with `speeds`, its wall-clock column), the bound last."""
+    rows = named_rows("policy", COLUMNS, summaries)
     if speeds is not None:
-        header.append("sim req/s")
-    rows = [header]
-    for name, s in summaries.items():
-        row = [name, *(cell(s.get(key), kind) for _, key, kind in COLUMNS)]
-        if speeds is not None:
-            row.append(f"{speeds.get(name, 0.0):,.0f}")
-        rows.append(row)
+        rows[0].append("sim req/s")
+        for name, row in zip(summaries, rows[1:], strict=True):
+            row.append(cell(speeds.get(name, 0.0), "int"))
     tail = ["bound: 1 infinite cache", cell(bound, "pct")]
-    rows.append(tail + ["-"] * (len(header) - len(tail)))
+    rows.append(tail + ["-"] * (len(rows[0]) - len(tail)))
     return rows
 
 

@@ -20,7 +20,7 @@ from router.policies import Candidate, Decision, RouteRequest
 from router.shadow import ShadowPolicies, ShadowStats
 from simulation.compare import Run, run_policy
 from simulation.replay import FleetConfig
-from simulation.report import cell
+from simulation.report import named_rows
 from simulation.requests import SimRequest
 from simulation.traces import Trace, predicted_hit_rate
 
@@ -121,33 +121,24 @@ def replay_shadow(
     return ShadowReplay(run, section)
 
 
+SHADOW_COLUMNS = (
+    ("hit rate", "hit_rate", "pct"),
+    ("predicted hit rate", "predicted_hit_rate", "pct"),
+    ("predicted TTFT", "predicted_ttft_mean_s", "ms"),
+    ("disagreement", "disagreement_rate", "pct"),
+)
+
+
 def shadow_rows(section: dict[str, Any]) -> list[list[str]]:
     """The live decisions (recorded, replayed) and each shadow policy, one row each."""
     live = section["live"]
     label = f"live {live['policy'] or '?'}"
-    rows = [
-        ["shadow", "hit rate", "predicted hit rate", "predicted TTFT", "disagreement"],
-        _row(f"{label}, recorded", live["recorded_hit_rate"], live["recorded_predicted_hit_rate"]),
-        _row(
-            f"{label}, replayed",
-            live["hit_rate"],
-            live["predicted_hit_rate"],
-            live["predicted_ttft_mean_s"],
-            0.0,
-        ),
-    ]
-    for name, s in section["policies"].items():
-        ttft, disagreement = s["predicted_ttft_mean_s"], s["disagreement_rate"]
-        rows.append(_row(name, None, s["predicted_hit_rate"], ttft, disagreement))
-    return rows
-
-
-def _row(
-    label: str,
-    hit: float | None,
-    predicted: float | None,
-    ttft: float | None = None,
-    disagreement: float | None = None,
-) -> list[str]:
-    pcts = (cell(hit, "pct"), cell(predicted, "pct"))
-    return [label, *pcts, cell(ttft, "ms"), cell(disagreement, "pct")]
+    named = {
+        f"{label}, recorded": {
+            "hit_rate": live["recorded_hit_rate"],
+            "predicted_hit_rate": live["recorded_predicted_hit_rate"],
+        },
+        f"{label}, replayed": {**live, "disagreement_rate": 0.0},  # the live choice, by itself
+        **section["policies"],
+    }
+    return named_rows("shadow", SHADOW_COLUMNS, named)
