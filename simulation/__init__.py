@@ -1,6 +1,5 @@
-"""The offline simulator (`urc replay`): traces and workloads replayed in virtual time through
-the gateway's own index and policies against emulated workers. Entry points: `simulation.cli`
-(`add_arguments`, `build_parser`, `run`, `main`) and `simulation.compare.compare`."""
+"""The offline simulator, `urc replay` (simulation.cli): traces and workloads replayed in
+virtual time through the gateway's own index and policies against emulated workers."""
 
 from core import native
 

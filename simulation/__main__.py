@@ -1,7 +1,5 @@
 """`python -m simulation` is `urc replay`."""
 
-import sys
-
 from simulation.cli import main
 
-sys.exit(main())
+raise SystemExit(main())

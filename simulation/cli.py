@@ -1,16 +1,6 @@
-"""`urc replay`: replay a trace or a built-in workload through the gateway's policies offline.
-
-    urc replay TRACE | --workload NAME [--workers N] [--policy NAME|all|a,b]
-               [--kv-capacity-tokens N] [--prefill-tps N] [--time-scale X] [--requests N]
-               [--seed S] [--out DIR] [--json FILE]
-    urc replay RECORDING --shadow NAME [--shadow NAME ...] [--worker-names A,B,...]
-
-A trace replays its own timestamps (open loop); a workload runs closed-loop at --concurrency
-(default 8, as `urc bench`) or open-loop at --rate. Prints a table; --out DIR gets report.md,
-report.json, series.json and PNG plots (with matplotlib); --json FILE the report alone.
-With --shadow, a gateway recording is replayed on its recorded decisions while each named
-policy watches, as the gateway's --shadow-policy does (simulation/shadow.py); --policy then
-adds normal runs beside it.
+"""`urc replay`: a trace, a gateway recording (--shadow) or a built-in workload through the
+gateway's policies against emulated workers, offline (docs/cli.md). Prints a table; --out DIR
+gets report.md, report.json, series.json and PNG plots; --json FILE the report alone.
 Exit status: 0 on success, 2 on bad arguments or an unreadable trace.
 """
 
@@ -18,38 +8,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from backends.emulated.config import EngineConfig
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.policies import POLICY_NAMES
-from simulation import plots
-from simulation.compare import Comparison, compare, policy_names, split_params
+from simulation.compare import compare, policy_names, split_params
 from simulation.replay import FleetConfig
-from simulation.report import (
-    build_report,
-    format_table,
-    markdown,
-    markdown_table,
-    rounded,
-    table_rows,
-    write_json,
-)
+from simulation.report import build_report, format_table, table_rows, write_json, write_out
 from simulation.requests import SimRequest
-from simulation.shadow import (
-    LIVE,
-    ShadowReplay,
-    fleet_names,
-    recorded_lines,
-    replay_shadow,
-    shadow_rows,
-)
+from simulation.shadow import LIVE, fleet_names, replay_shadow, shadow_rows
 from simulation.traces import Trace, read_trace, trace_requests
 from simulation.workloads import DEFAULT_MODELS, workload_requests
 
@@ -58,10 +30,11 @@ DEFAULT_WORKLOAD_REQUESTS = 1000
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `replay` options, for a standalone parser or the `urc replay` subparser."""
-    d = EngineConfig()
-    p.add_argument("trace", nargs="?", help="a Mooncake-format JSONL trace or a gateway recording")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), help="a built-in workload instead")
-    p.add_argument(
+    d = FleetConfig()  # the emulated engine's defaults
+    add = p.add_argument
+    add("trace", nargs="?", help="a Mooncake-format JSONL trace or a gateway recording")
+    add("--workload", choices=sorted(WORKLOADS), help="a built-in workload instead")
+    add(
         "-p",
         "--param",
         action="append",
@@ -69,30 +42,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="a workload parameter, e.g. -p groups=5 (as urc bench)",
     )
-    p.add_argument("--model", action="append", default=[], help="workload model names")
-    p.add_argument("--rate", type=float, help="workload: open loop, Poisson at R requests/s")
-    p.add_argument(
-        "--concurrency", type=int, help="closed loop: C in flight (a workload without --rate: 8)"
-    )
-    p.add_argument("--requests", type=int, help="replay the first N requests")
-    p.add_argument("--seed", type=int, default=0, help="workload, arrivals and policy seed")
-    p.add_argument("--time-scale", type=float, default=1.0, help="trace: multiply arrival times")
-    p.add_argument("--max-output-tokens", type=int, help="trace: cap each request's output")
-    p.add_argument(
+    add("--model", action="append", default=[], help="workload model names")
+    add("--rate", type=float, help="workload: open loop, Poisson at R requests/s")
+    add("--concurrency", type=int, help="closed loop: C in flight (a workload without --rate: 8)")
+    add("--requests", type=int, help="replay the first N requests")
+    add("--seed", type=int, default=0, help="workload, arrivals and policy seed")
+    add("--time-scale", type=float, default=1.0, help="trace: multiply arrival times")
+    add("--max-output-tokens", type=int, help="trace: cap each request's output")
+    add(
         "--trace-kind",
         choices=("completion", "chat"),
         default="completion",
         help="trace: send the trace's requests as chats or completions",
     )
-    p.add_argument("--skip-bad-lines", action="store_true", help="trace: skip invalid lines")
-    fleet = p.add_argument_group("fleet")
-    fleet.add_argument("--workers", type=int, default=8, help="emulated workers")
-    fleet.add_argument("--worker-names", help="comma-separated names (rendezvous hashes them)")
-    fleet.add_argument(
+    add("--skip-bad-lines", action="store_true", help="trace: skip invalid lines")
+    add = p.add_argument_group("fleet").add_argument
+    add("--workers", type=int, default=8, help="emulated workers")
+    add("--worker-names", help="comma-separated names (rendezvous hashes them)")
+    add(
         "--policy",
         help="a policy, a comma-separated list, or 'all' (default: all; none with --shadow)",
     )
-    fleet.add_argument(
+    add(
         "--shadow",
         action="append",
         default=[],
@@ -101,65 +72,55 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="recording: follow its live decisions; NAME chooses beside them without acting "
         "(the gateway's --shadow-policy); repeatable",
     )
-    fleet.add_argument(
+    add(
         "--policy-param",
         action="append",
         default=[],
         metavar="[POLICY:]KEY=VALUE",
         help="a policy parameter; without POLICY: every listed policy that has KEY",
     )
-    fleet.add_argument(
-        "--kv-capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool per worker"
-    )
-    fleet.add_argument(
+    add("--kv-capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool per worker")
+    add(
         "--prefill-tps",
         type=float,
         default=d.prefill_tokens_per_s,
         help="prefill tokens/s per worker (policies that model it are told, as a gateway is)",
     )
-    fleet.add_argument(
-        "--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="a decode step, ms"
-    )
-    fleet.add_argument(
+    add("--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="a decode step, ms")
+    add(
         "--decode-per-request-ms",
         type=float,
         default=d.decode_per_request_s * 1e3,
         help="added to a decode step per running request, ms",
     )
-    fleet.add_argument(
-        "--max-batch", type=int, default=d.max_batch, help="running requests per worker"
-    )
-    fleet.add_argument(
-        "--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step"
-    )
-    fleet.add_argument("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
-    fleet.add_argument(
+    add("--max-batch", type=int, default=d.max_batch, help="running requests per worker")
+    add("--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step")
+    add("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
+    add(
         "--block-size",
         type=int,
         default=16,
         help="workload: tokens per block (a trace has its own)",
     )
-    fleet.add_argument(
-        "--event-delay-ms", type=float, default=2.0, help="KV events reach the index after this"
-    )
-    fleet.add_argument(
+    add("--event-delay-ms", type=float, default=2.0, help="KV events reach the index after this")
+    add(
         "--no-kv-events",
         action="store_true",
         help="workers publish no KV events: approximate residency from routing history",
     )
-    fleet.add_argument(
+    add(
         "--pending-ttl",
         type=float,
-        default=FleetConfig().pending_ttl_s,
+        default=d.pending_ttl_s,
         metavar="S",
         help="a request's keys are held on its worker from dispatch until its KV events confirm "
         "them, or for S seconds, as `urc gateway --pending-ttl` does (0: off)",
     )
-    fleet.add_argument("--max-in-flight", type=int, default=1024, help="open loop cap")
-    out = p.add_argument_group("output")
-    out.add_argument("--out", help="directory for report.md, report.json, series.json, PNGs")
-    out.add_argument("--json", help="write the report as JSON here")
-    out.add_argument(
+    add("--max-in-flight", type=int, default=1024, help="open loop cap")
+    add = p.add_argument_group("output").add_argument
+    add("--out", help="directory for report.md, report.json, series.json, PNGs")
+    add("--json", help="write the report as JSON here")
+    add(
         "--progress",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -178,10 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_requests(
+def load(
     args: argparse.Namespace,
-) -> tuple[list[SimRequest], dict[str, Any], Trace | None, int]:
-    """The requests, how the report describes their source, the trace, the block size."""
+) -> tuple[list[SimRequest], Trace | None, FleetConfig, dict[str, Any]]:
+    """The requests, the trace (if any), the fleet, and the report's config so far."""
+    trace = None
     if args.trace is not None:
         trace = read_trace(args.trace, skip_bad=args.skip_bad_lines)
         requests = trace_requests(
@@ -192,31 +154,39 @@ def load_requests(
             limit=args.requests,
             chat=args.trace_kind == "chat",
         )
-        source = {
+        config = {
             "trace": Path(args.trace).name,
             "recorded": trace.recorded,
             "time_scale": args.time_scale,
             "max_output_tokens": args.max_output_tokens,
             "skipped_lines": len(trace.skipped),
         }
-        return requests, source, trace, trace.block_size
-    models = parse_models(args.model)
-    params = parse_params(args.param)
-    n = args.requests or DEFAULT_WORKLOAD_REQUESTS
-    requests = workload_requests(
-        args.workload,
-        n,
-        seed=args.seed,
-        models=models or DEFAULT_MODELS,
-        rate=args.rate,
-        block_size=args.block_size,
-        params=params,
-    )
-    source = {"workload": args.workload, "params": params, "models": models or None}
-    return requests, source, None, args.block_size
+    else:
+        models = parse_models(args.model)
+        params = parse_params(args.param)
+        requests = workload_requests(
+            args.workload,
+            args.requests or DEFAULT_WORKLOAD_REQUESTS,
+            seed=args.seed,
+            models=models or DEFAULT_MODELS,
+            rate=args.rate,
+            block_size=args.block_size,
+            params=params,
+        )
+        config = {"workload": args.workload, "params": params, "models": models or None}
+    fleet = fleet_from_args(args, args.block_size if trace is None else trace.block_size)
+    if args.shadow and trace is not None:  # the simulated workers carry the recorded names
+        fleet.names = fleet_names(trace, len(requests), fleet.names)
+        fleet.workers = len(fleet.names)
+    fleet.worker_names()  # ValueError on a bad fleet, before any run
+    fleet.engine_config()
+    fleet_config = dataclasses.asdict(fleet)
+    config.update(requests=len(requests), seed=args.seed, rate=args.rate, fleet=fleet_config)
+    return requests, trace, fleet, config
 
 
-def fleet_from_args(args: argparse.Namespace, block_size: int, open_loop: bool) -> FleetConfig:
+def fleet_from_args(args: argparse.Namespace, block_size: int) -> FleetConfig:
+    open_loop = args.trace is not None or args.rate is not None
     names = None
     if args.worker_names:
         names = [n.strip() for n in args.worker_names.split(",") if n.strip()]
@@ -287,62 +257,6 @@ def _misuse(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _write_out(
-    out: Path, report: dict[str, Any], comparison: Comparison, shadow: ShadowReplay | None
-) -> None:
-    """--out DIR: report.json, series.json, the plots and report.md."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(report, out / "report.json")
-    (out / "series.json").write_text(
-        json.dumps(rounded(comparison.series), sort_keys=True) + "\n", encoding="utf-8"
-    )
-    ttfts = {name: r.ttft_s for name, r in comparison.results.items()}
-    written = plots.write_plots(out, ttfts, comparison.series, comparison.bound)
-    note = None if written else plots.MISSING
-    if note:
-        print(f"urc replay: {note}", file=sys.stderr)
-    page = markdown(report, written, note)
-    if shadow is not None:
-        page += "\nShadow policies on the recorded decisions:\n\n"
-        page += markdown_table(shadow_rows(shadow.section)) + "\n"
-    (out / "report.md").write_text(page, encoding="utf-8")
-    print(f"report: {out / 'report.md'}")
-
-
-def _report(
-    args: argparse.Namespace,
-    source: dict[str, Any],
-    requests: int,
-    fleet: FleetConfig,
-    names: list[str],
-    comparison: Comparison,
-    shadow: ShadowReplay | None,
-    trace: Trace | None,
-) -> dict[str, Any]:
-    """The report of the runs (the shadow replay's joined to them as the live policy)."""
-    if shadow is not None:
-        comparison.results[LIVE] = shadow.result
-        comparison.summaries = {LIVE: shadow.summary, **comparison.summaries}
-        comparison.series[LIVE] = shadow.series
-        comparison.speeds[LIVE] = shadow.speed
-    config = {
-        **source,
-        "requests": requests,
-        "seed": args.seed,
-        "rate": args.rate,
-        "fleet": dataclasses.asdict(fleet),
-        "policies": names,
-        "policy_params": comparison.params,
-    }
-    if shadow is not None:
-        config["shadow"] = list(args.shadow)
-    recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
-    report = build_report(config, comparison.summaries, comparison.bound, recorded)
-    if shadow is not None:
-        report["shadow"] = rounded(shadow.section)
-    return report
-
-
 def run(args: argparse.Namespace) -> int:
     """`urc replay` with parsed arguments (the `urc` CLI calls this for its subparser)."""
     if misuse := _misuse(args):
@@ -350,14 +264,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = args.policy or ("" if args.shadow else "all")
         names = policy_names(spec) if spec else []
-        requests, source, trace, block_size = load_requests(args)
-        open_loop = args.trace is not None or args.rate is not None
-        fleet = fleet_from_args(args, block_size, open_loop)
-        if args.shadow and trace is not None:  # the simulated workers carry the recorded names
-            fleet.names = fleet_names(recorded_lines(trace, len(requests)), fleet.names)
-            fleet.workers = len(fleet.names)
-        fleet.worker_names()
-        fleet.engine_config()
+        requests, trace, fleet, config = load(args)
         given = split_params(args.policy_param, names)
     except (TraceFormatError, ValueError, OSError) as e:
         return _fail(str(e))
@@ -371,29 +278,33 @@ def run(args: argparse.Namespace) -> int:
             requests, names, fleet, params=given, seed=args.seed, progress=progress
         )
         if args.shadow and trace is not None:
-            report_live = None if progress is None else (lambda sent: progress(LIVE, sent))
-            shadow = replay_shadow(trace, requests, args.shadow, fleet, report_live)
+            shadow = replay_shadow(trace, requests, args.shadow, fleet, progress)
     except ValueError as e:
         return _fail(str(e))
     finally:
         if progress is not None:
             progress.end()
-    report = _report(args, source, len(requests), fleet, names, comparison, shadow, trace)
-    rows = table_rows(report["policies"], report["bound"]["hit_rate"], comparison.speeds)
-    print(format_table(rows))
-    if shadow is not None:
+    config.update(policies=names, policy_params=comparison.params)
+    runs = comparison.runs
+    if shadow is not None:  # the followed live decisions: the first row, LIVE
+        config["shadow"] = list(args.shadow)
+        runs = {LIVE: shadow.run, **runs}
+    recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
+    summaries = {name: run.summary for name, run in runs.items()}
+    section = None if shadow is None else shadow.section
+    report = build_report(config, summaries, comparison.bound, recorded, section)
+    speeds = {name: run.speed for name, run in runs.items()}
+    print(format_table(table_rows(report["policies"], report["bound"]["hit_rate"], speeds)))
+    watched = None if shadow is None else shadow_rows(shadow.section)
+    if watched is not None:
         print()
-        print(format_table(shadow_rows(shadow.section)))
+        print(format_table(watched))
     if args.json:
         write_json(report, args.json)
     if args.out:
-        _write_out(Path(args.out), report, comparison, shadow)
+        write_out(Path(args.out), report, runs, comparison.bound, watched)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     return run(build_parser().parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,9 @@
-"""The load generator in virtual time: when each request is sent, as `urc bench` sends it.
-
-The same rules as loadgen/runner.py with loadgen/sessions.py, on request indices:
-
-- open loop (every request has `arrival_s`): a request joins the queue at its arrival time;
-  queued requests are sent while fewer than `slots` (the bench's max_in_flight) are in flight.
-- closed loop (`concurrency` C): C requests in flight; when one completes, the next is sent.
-  Specs are pulled in order only while fewer than `lookahead` turns wait behind their session.
-- sessions: a turn waits until the previous turn of its session has completed; it is then
-  ready in its original order. A failed turn drops its session's later turns.
+"""The load generator in virtual time: when each request is sent, by the rules of
+loadgen/runner.py and loadgen/sessions.py. Open loop (every request has `arrival_s`): arrivals
+are sent while fewer than `slots` (the bench's max_in_flight) are in flight. Closed loop
+(`concurrency` C): C in flight, specs pulled in order while fewer than `lookahead` turns wait
+behind their session. A session's turn waits for the previous one to complete; a failed turn
+drops the session's later turns.
 """
 
 from __future__ import annotations
@@ -23,13 +19,10 @@ INF: Final = math.inf
 
 
 class Client:
-    """`next_time()` says when `poll(now)` has something to send; `complete` reports ends."""
+    """`next_at` says when `poll(now)` has something to send; `complete` reports ends."""
 
     def __init__(
-        self,
-        requests: list[SimRequest],
-        concurrency: int | None = None,
-        max_in_flight: int = 1024,
+        self, requests: list[SimRequest], concurrency: int | None = None, max_in_flight: int = 1024
     ) -> None:
         self.open_loop = concurrency is None
         if self.open_loop and any(r.arrival_s is None for r in requests):
@@ -49,12 +42,6 @@ class Client:
         self._busy: set[int] = set()
         self._failed: set[int] = set()
         self.next_at = 0.0  # when `poll` has something to do next (INF: nothing until a completion)
-
-    def done(self) -> bool:
-        return self._next >= len(self.requests) and not self._ready and self.active == 0
-
-    def next_time(self) -> float:
-        return self.next_at
 
     def poll(self, now: float) -> list[SimRequest]:
         """Add what has arrived by `now`; return what is sent at `now`."""

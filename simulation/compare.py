@@ -1,36 +1,77 @@
-"""Several policies over the same requests and fleet: the replay's unit of work.
-
-Each policy gets a fresh fleet, index and client, and a fresh policy object built the way the
-gateway builds it (`make_policy(name, **params)`), so runs are independent and reproducible.
-The wall-clock speed of each run is measured here and kept out of the report's JSON.
+"""Several policies over the same requests and fleet, each run on a fresh fleet, index, client
+and policy (built as the gateway builds it), so runs are independent and reproducible. The
+wall-clock speed of each run is measured here and kept out of the report's JSON.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.policies import POLICY_NAMES, make_policy, policy_params
-from simulation.bound import infinite_cache_hit_rate
+from router.policies import POLICY_NAMES, Policy, make_policy, policy_params
 from simulation.metrics import series, summarize
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
-from simulation.worker import max_model_len
 
-# what the policies may be told about the fleet, unless given explicitly
-_FLEET_PARAMS = {"prefill_tokens_per_s": "prefill_tokens_per_s", "chunk_tokens": "chunk_tokens"}
+
+@dataclass(slots=True)
+class Run:
+    """One policy's replay: its result, summary (the report's) and series (the plots')."""
+
+    result: RunResult
+    summary: dict[str, Any]
+    series: dict[str, Any]
+    speed: float  # simulated requests per second of wall time (not in the report)
 
 
 @dataclass(slots=True)
 class Comparison:
-    results: dict[str, RunResult]
-    summaries: dict[str, dict[str, Any]]
-    series: dict[str, dict[str, Any]]
-    speeds: dict[str, float]  # simulated requests per second of wall time (not in the report)
+    runs: dict[str, Run]
     bound: float | None
     params: dict[str, dict[str, Any]]  # the parameters each policy was built with
+
+
+def run_policy(
+    name: str,
+    requests: Sequence[SimRequest],
+    policy: Policy,
+    fleet: FleetConfig,
+    progress: Callable[[str, int], None] | None = None,
+) -> Run:
+    """Replay `requests` under `policy` on a fresh `fleet`, timed; `progress(name, sent)`."""
+    replay = Replay(requests, policy, fleet)
+    report = None if progress is None else (lambda sent: progress(name, sent))
+    if report is not None:
+        report(0)
+    t0 = time.perf_counter()
+    result = replay.run(report)
+    speed = len(requests) / max(time.perf_counter() - t0, 1e-9)
+    if report is not None:
+        report(len(requests))
+    return Run(result, summarize(result, requests), series(result, requests), speed)
+
+
+def infinite_cache_hit_rate(requests: Iterable[SimRequest]) -> float | None:
+    """Cached / prompt tokens on one worker that never evicts: each request, in order, reuses
+    the longest prefix of its keys seen before (all but its last token at most) and leaves its
+    prompt and output blocks behind. No fleet can reuse more: the ceiling of every policy."""
+    seen: set[int] = set()
+    prompt = cached = 0
+    for req in requests:
+        keys = req.keys
+        n = len(req.prompt)
+        bs = req.route.block_size
+        cap = min(len(keys), (n - 1) // bs)
+        hit = 0
+        while hit < cap and keys[hit] in seen:  # chained: a held key holds its whole prefix
+            hit += 1
+        prompt += n
+        cached += hit * bs
+        seen.update(keys)
+        seen.update(req.tail_keys)
+    return cached / prompt if prompt else None
 
 
 def policy_names(spec: str) -> list[str]:
@@ -72,14 +113,12 @@ def build_params(
     """The policy's parameters: the given ones, the fleet's prefill rate and chunk size (an
     operator configures the gateway for its hardware) and the seed, where it takes them."""
     accepted = policy_params(name)
-    params: dict[str, Any] = {}
-    for key, attr in _FLEET_PARAMS.items():
-        if key in accepted:
-            params[key] = getattr(fleet, attr)
-    if "seed" in accepted:
-        params["seed"] = seed
-    params.update(given)
-    return params
+    told = {
+        "prefill_tokens_per_s": fleet.prefill_tokens_per_s,
+        "chunk_tokens": fleet.chunk_tokens,
+        "seed": seed,
+    }
+    return {**{k: v for k, v in told.items() if k in accepted}, **given}
 
 
 def compare(
@@ -89,29 +128,15 @@ def compare(
     *,
     params: Mapping[str, Mapping[str, Any]] | None = None,
     seed: int = 0,
-    buckets: int = 60,
     progress: Callable[[str, int], None] | None = None,
 ) -> Comparison:
     """Replay `requests` under each policy in `names` on `fleet`."""
-    results: dict[str, RunResult] = {}
-    summaries: dict[str, dict[str, Any]] = {}
-    curves: dict[str, dict[str, Any]] = {}
-    speeds: dict[str, float] = {}
+    runs: dict[str, Run] = {}
     used: dict[str, dict[str, Any]] = {}
     for name in names:
         used[name] = build_params(name, (params or {}).get(name, {}), fleet, seed)
-        replay = Replay(requests, make_policy(name, **used[name]), fleet)
-        report = None if progress is None else (lambda sent, n=name: progress(n, sent))
-        if progress is not None:
-            progress(name, 0)
-        t0 = time.perf_counter()
-        result = replay.run(report)
-        speeds[name] = len(requests) / max(time.perf_counter() - t0, 1e-9)
-        if progress is not None:
-            progress(name, len(requests))
-        results[name] = result
-        summaries[name] = summarize(result, requests)
-        curves[name] = series(result, requests, buckets)
-    limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
+        policy = make_policy(name, **used[name])
+        runs[name] = run_policy(name, requests, policy, fleet, progress)
+    limit = fleet.context_len()
     bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)
-    return Comparison(results, summaries, curves, speeds, bound, used)
+    return Comparison(runs, bound, used)

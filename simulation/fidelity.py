@@ -1,13 +1,8 @@
-"""Live against offline: one seeded workload through `urc cluster` and through the replay.
-
-The live side is real processes on 127.0.0.1: `python -m urc.cli cluster` (the gateway and N
-emulated workers) and `python -m urc.cli bench` against it. The offline side replays the
-same specs with the same worker parameters, worker names (rendezvous hashes them) and candidate
-order (the gateway's, read from its admin API), so the two differ only in what real time adds:
-HTTP hops, event-loop wake-ups and KV events in flight.
-
-The live cluster runs without API keys, so its tenants share one namespace; the replay is told
-the same (`isolate_tenants=False`).
+"""Live against offline: one seeded workload through `urc cluster` (the gateway and emulated
+workers as real processes on 127.0.0.1, `urc bench` against it) and through the replay with the
+same worker parameters, worker names (rendezvous hashes them) and candidate order (read from the
+admin API), so the two differ only in what real time adds: HTTP hops, event-loop wake-ups and
+KV events in flight. The cluster has no API keys: the replay shares one namespace too.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
+import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,86 +61,65 @@ class FidelityOutcome:
 
     def describe(self) -> str:
         c, live, off = self.case, self.live, self.offline
-        rows = [
-            ("hit rate", live["hit_rate"], off["hit_rate"], "pct"),
-            ("TTFT mean", live["ttft_s"]["mean"], off["ttft_mean_s"], "ms"),
-            ("TTFT p50", live["ttft_s"]["p50"], off["ttft_p50_s"], "ms"),
-            ("TTFT p99", live["ttft_s"]["p99"], off["ttft_p99_s"], "ms"),
-            ("latency p50", live["latency_s"]["p50"], off["latency_p50_s"], "ms"),
-            ("duration", live["duration_s"], off["duration_s"], "s"),
-        ]
+        a, b = live["hit_rate"], off["hit_rate"]
         lines = [
             f"{c.workload} x {c.requests} ({c.params or 'defaults'}), {c.policy}, {c.workers} "
             f"workers x {c.capacity_tokens:,} tokens, prefill {c.prefill_tps:,.0f} tok/s, "
             f"concurrency {c.concurrency}",
             f"{'':14s}{'live':>12s}{'offline':>12s}{'diff':>12s}",
+            f"{'hit rate':14s}{a:>12.2%}{b:>12.2%}{(b - a) * 100:>+10.2f}pt",
         ]
-        for label, a, b, kind in rows:
-            if kind == "pct":
-                lines.append(f"{label:14s}{a:>12.2%}{b:>12.2%}{(b - a) * 100:>+10.2f}pt")
-            else:
-                scale, unit = (1e3, "ms") if kind == "ms" else (1.0, "s")
-                lines.append(
-                    f"{label:14s}{a * scale:>10.1f}{unit:2s}{b * scale:>10.1f}{unit:2s}"
-                    f"{(b / a - 1) * 100:>+11.1f}%"
-                )
+        for label, a, b, unit in (
+            ("TTFT mean", live["ttft_s"]["mean"], off["ttft_mean_s"], "ms"),
+            ("TTFT p50", live["ttft_s"]["p50"], off["ttft_p50_s"], "ms"),
+            ("TTFT p99", live["ttft_s"]["p99"], off["ttft_p99_s"], "ms"),
+            ("latency p50", live["latency_s"]["p50"], off["latency_p50_s"], "ms"),
+            ("duration", live["duration_s"], off["duration_s"], "s"),
+        ):
+            scale = 1e3 if unit == "ms" else 1.0
+            lines.append(
+                f"{label:14s}{a * scale:>10.1f}{unit:2s}{b * scale:>10.1f}{unit:2s}"
+                f"{(b / a - 1) * 100:>+11.1f}%"
+            )
         return "\n".join(lines)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
+def _urc(*args: str) -> list[str]:
+    return [sys.executable, "-m", "urc.cli", *args]
+
+
+def _start_cluster(case: FidelityCase, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`urc cluster` for the case, its output in `log`; the process and the gateway's URL."""
+    with socket.socket() as sock:  # a free port
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_cluster(case: FidelityCase, port: int) -> tuple[subprocess.Popen[str], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "urc.cli",
+        port = sock.getsockname()[1]
+    cmd = _urc(
         "cluster",
-        "--workers",
-        str(case.workers),
-        "--port",
-        str(port),
-        "--policy",
-        case.policy,
-        "--admin-key",
-        ADMIN_KEY,
+        f"--workers={case.workers}",
+        f"--port={port}",
+        f"--policy={case.policy}",
+        f"--admin-key={ADMIN_KEY}",
         f"--worker-arg=--capacity-tokens={case.capacity_tokens}",
         f"--worker-arg=--prefill-tps={case.prefill_tps}",
         f"--pending-ttl={case.pending_ttl_s}",
-    ]
+    )
     if "prefill_tokens_per_s" in policy_params(case.policy):  # the gateway knows its hardware
         cmd.append(f"--policy-param=prefill_tokens_per_s={case.prefill_tps}")
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    found: list[str] = []
-    seen: list[str] = []
-    ready = threading.Event()
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            seen.append(line.rstrip())
-            if line.startswith("gateway: ") and not found:
-                found.append(line.split(" ", 1)[1].strip())
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=pump, daemon=True).start()
-    if not ready.wait(case.ready_timeout_s) or not found:
-        _stop(proc)
-        raise RuntimeError("the cluster did not start:\n" + "\n".join(seen[-20:]))
-    return proc, found[0]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + case.ready_timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        for line in log.read_text().splitlines():
+            if line.startswith("gateway: "):
+                return proc, line.split(" ", 1)[1].strip()
+        time.sleep(0.1)
+    _stop(proc)
+    seen = log.read_text().splitlines()[-20:]
+    raise RuntimeError("the cluster did not start:\n" + "\n".join(seen))
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
+def _stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -157,9 +131,8 @@ def _stop(proc: subprocess.Popen[str]) -> None:
 
 def _worker_names(url: str) -> list[str]:
     """The gateway's workers in its candidate order, all up."""
-    req = urllib.request.Request(
-        url + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-    )
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    req = urllib.request.Request(url + "/admin/workers", headers=auth)
     with urllib.request.urlopen(req, timeout=10) as resp:
         workers = json.load(resp)["workers"]
     if not all(w["up"] for w in workers):
@@ -169,38 +142,27 @@ def _worker_names(url: str) -> list[str]:
 
 def run_live(case: FidelityCase) -> tuple[dict[str, Any], list[str]]:
     """The bench summary of the case against a fresh cluster, and the worker names."""
-    proc, url = _start_cluster(case, _free_port())
-    try:
-        names = _worker_names(url)
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = _start_cluster(case, Path(tmp) / "cluster.log")
+        try:
+            names = _worker_names(url)
             out = Path(tmp) / "live.json"
-            cmd = [
-                sys.executable,
-                "-m",
-                "urc.cli",
+            cmd = _urc(
                 "bench",
-                "--target",
-                url,
-                "--workload",
-                case.workload,
-                "--requests",
-                str(case.requests),
-                "--concurrency",
-                str(case.concurrency),
-                "--seed",
-                str(case.seed),
-                "--model",
-                MODEL,
-                "--json",
-                str(out),
+                f"--target={url}",
+                f"--workload={case.workload}",
+                f"--requests={case.requests}",
+                f"--concurrency={case.concurrency}",
+                f"--seed={case.seed}",
+                f"--model={MODEL}",
+                f"--json={out}",
                 "--no-progress",
-            ]
-            for key, value in case.params.items():
-                cmd += ["-p", f"{key}={value}"]
+                *(f"--param={key}={value}" for key, value in case.params.items()),
+            )
             subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=600)
             return json.loads(out.read_text()), names
-    finally:
-        _stop(proc)
+        finally:
+            _stop(proc)
 
 
 def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:
@@ -220,7 +182,7 @@ def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:
         concurrency=case.concurrency,
         pending_ttl_s=case.pending_ttl_s,
     )
-    return compare(requests, [case.policy], fleet, seed=case.seed).summaries[case.policy]
+    return compare(requests, [case.policy], fleet, seed=case.seed).runs[case.policy].summary
 
 
 def run_case(case: FidelityCase) -> FidelityOutcome:

@@ -1,16 +1,14 @@
 """One run's numbers: what the clients saw, what the workers reused, how the load spread.
 
-    hit_rate          cached / prompt tokens over completed requests, as the workers report them
-                      (`cached_tokens` on admission); `predicted_hit_rate` is the index's view
-    ttft_*_s          send -> first token; latency_*_s send -> last token (completed requests)
-    throughput_tok_s  (prompt + output tokens of completed requests) / duration; duration is the
-                      first send to the last finish
-    load_imbalance    max / mean over workers of their mean requests in flight (the gateway's
-                      `in_flight`, averaged over the duration): 1 is perfectly even
-    index_bytes_est   the unified index's memory at the end: 88 B per block + 163 B per run,
-                      measured with tracemalloc on CPython 3.11 (keys included)
-
-Percentiles interpolate linearly between closest ranks (loadgen.report.percentile).
+hit_rate          cached / prompt tokens over completed requests, as the workers report them
+                  (`cached_tokens` on admission); `predicted_hit_rate` is the index's view
+ttft_*_s          send -> first token; latency_*_s send -> last token (completed requests);
+                  percentiles interpolate between closest ranks (loadgen.report.percentile)
+throughput_tok_s  (prompt + output tokens of completed requests) / duration, the first send
+                  to the last finish
+load_imbalance    max / mean over workers of their mean requests in flight: 1 is even
+index_bytes_est   the index's memory at the end: 88 B per block + 163 B per run (tracemalloc,
+                  CPython 3.11, keys included)
 """
 
 from __future__ import annotations
@@ -28,15 +26,14 @@ BYTES_PER_RUN = 163
 
 
 def _stats(values: list[float], prefix: str) -> dict[str, float | None]:
-    if not values:
-        return {f"{prefix}_{k}_s": None for k in ("mean", "p50", "p90", "p99", "max")}
-    return {
-        f"{prefix}_mean_s": math.fsum(values) / len(values),
-        f"{prefix}_p50_s": percentile(values, 50),
-        f"{prefix}_p90_s": percentile(values, 90),
-        f"{prefix}_p99_s": percentile(values, 99),
-        f"{prefix}_max_s": max(values),
+    stats = {
+        "mean": math.fsum(values) / len(values) if values else None,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values, default=None),
     }
+    return {f"{prefix}_{k}_s": v for k, v in stats.items()}
 
 
 def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, Any]:
@@ -49,24 +46,23 @@ def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, An
     start = min((result.sent_s[i] for i in sent), default=0.0)
     end = max((result.sent_s[i] + result.latency_s[i] for i in done), default=start)
     duration = end - start
-    workers: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = [
+        {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0} for _ in result.workers
+    ]
     busy = [0.0] * len(result.workers)
-    for name in result.workers:
-        workers[name] = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0}
     for i in sent:
-        row = workers[result.workers[result.worker[i]]]
-        row["requests"] += 1
+        rows[result.worker[i]]["requests"] += 1
     for i in done:
         w = result.worker[i]
-        row = workers[result.workers[w]]
-        row["prompt_tokens"] += len(requests[i].prompt)
-        row["cached_tokens"] += result.cached_tokens[i]
+        rows[w]["prompt_tokens"] += len(requests[i].prompt)
+        rows[w]["cached_tokens"] += result.cached_tokens[i]
         busy[w] += result.latency_s[i]
-    for w, row in enumerate(workers.values()):
+    for w, row in enumerate(rows):
         row["hit_rate"] = (
             row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else None
         )
         row["mean_in_flight"] = busy[w] / duration if duration > 0 else 0.0
+    workers = dict(zip(result.workers, rows, strict=True))
     mean_busy = math.fsum(busy) / len(busy) if busy else 0.0
     summary: dict[str, Any] = {
         "requests": len(requests),

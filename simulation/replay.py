@@ -1,23 +1,16 @@
 """The discrete-event replay: requests through the gateway's index and policy to emulated
-workers, all in virtual time.
+workers in virtual time (docs/dispatch.md, "The replay does the same"). Events in time order,
+sends before engine steps at equal times (a request submitted at the end of a step joins the
+next one, as the engine's own rule says):
 
-Three kinds of events, in time order (sends before engine steps at equal times, so that a
-request submitted at the end of a step joins the next one, as the engine's own rule says):
+    send         the client (client.py) sends; router/dispatch.py builds the candidates, the
+                 policy chooses, the chosen worker's engine gets the request
+    engine step  first tokens and finishes move the gateway's load view and the client
+    KV events    a step's stores and evictions reach the index `event_delay_s` later, applied
+                 lazily before the next routing decision that could see them
 
-    send         the client sends requests (client.py): the gateway's dispatch
-                 (router/dispatch.py) builds the candidates from the unified index, the policy
-                 chooses, and the request is submitted to the chosen worker's engine
-    engine step  a worker's engine reaches `next_time()`: first tokens and finishes move the
-                 gateway's load view (router/dispatch.py's LoadShare) and the client
-    KV events    what a step stored and evicted reaches the index `event_delay_s` later, as one
-                 batch per step; they are applied lazily, before the next routing decision that
-                 could see them (nothing else reads the index)
-
-The index is fed as `WorkerMirror` feeds it from our workers, whose block hashes are our keys:
-`insert(keys, worker, group, now, parent=...)` for BlockStored, `remove` for BlockRemoved. With
-`kv_events=False` workers publish nothing and the gateway's approximate residency stands in
-(router/dispatch.py's `RoutedResidency`, as with KV events and `pending_ttl_s` > 0 its pending one);
-expiry is checked every `EXPIRE_EVERY_S`, the gateway's health interval.
+With `kv_events=False` the gateway's approximate residency stands in (as its pending one does
+with `pending_ttl_s` > 0), expired every `EXPIRE_EVERY_S`, the gateway's health interval.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ from router.index import UnifiedIndex
 from router.policies import Policy, WorkerLoad
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
-from simulation.worker import Change, SimWorker, max_model_len
+from simulation.worker import Change, SimWorker
 
 EXPIRE_EVERY_S: Final = 0.5
 
@@ -47,8 +40,8 @@ _ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change 
 
 @dataclass(slots=True)
 class FleetConfig:
-    """The fleet, the gateway's settings and the client. Engine defaults are the emulated
-    worker's (an 8B model on one H100, see EngineConfig)."""
+    """The fleet, the gateway's settings and the client; engine defaults are the emulated
+    worker's (EngineConfig)."""
 
     workers: int = 8
     names: list[str] | None = None  # worker names (default w0, w1, ...): rendezvous hashes them
@@ -59,7 +52,7 @@ class FleetConfig:
     decode_per_request_s: float = _ENGINE.decode_per_request_s
     max_batch: int = _ENGINE.max_batch
     chunk_tokens: int = _ENGINE.chunk_tokens
-    max_model_len: int = 0  # 0: the worker's default, min(capacity, 131072)
+    max_model_len: int = 0  # 0: the worker's default (context_len)
     event_delay_s: float = 0.002
     kv_events: bool = True  # False: approximate residency from routing history
     approx_ttl_s: float = 120.0
@@ -73,6 +66,10 @@ class FleetConfig:
         if len(names) != self.workers or len(set(names)) != len(names):
             raise ValueError("need one distinct name per worker")
         return list(names)
+
+    def context_len(self) -> int:
+        """`max_model_len`, or the emulated worker's default: min(capacity, 131072)."""
+        return self.max_model_len or min(self.capacity_tokens, 131_072)
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -94,7 +91,6 @@ class RunResult:
     """Everything one policy's run measured; per-request lists are indexed like the requests
     (a request never sent has worker -1)."""
 
-    policy: str
     workers: list[str]
     sent_s: list[float]
     worker: list[int]
@@ -133,7 +129,7 @@ class Replay:
         if any(r.route.block_size != fleet.block_size for r in self.requests):
             raise ValueError("requests are keyed with another block size than the fleet's")
         config = fleet.engine_config()
-        limit = fleet.max_model_len or max_model_len(fleet.capacity_tokens)
+        limit = fleet.context_len()
         groups = sorted({r.kv_group for r in self.requests}) or ["emulated"]
         names = fleet.worker_names()
         if len(names) < len(groups):
@@ -173,11 +169,8 @@ class Replay:
     # -- the loop ----------------------------------------------------------------------------
 
     def run(self, progress: Callable[[int], None] | None = None) -> RunResult:
-        """Replay every request; `progress(sent)` is called every 1024 sends.
-
-        The garbage collector is off meanwhile: the replay makes no reference cycles per
-        request (what it drops, reference counting frees), only the fleet's trees, which live
-        as long as the run, so the collector's passes over them free nothing and cost ~3 %."""
+        """Replay every request; `progress(sent)` is called every 1024 sends. The garbage
+        collector is off meanwhile: its passes free nothing here (docs/compiled.md)."""
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -335,7 +328,6 @@ class Replay:
             ok[i] = True
         stats = self.index.stats()
         return RunResult(
-            policy=getattr(self.policy, "name", type(self.policy).__name__),
             workers=[w.name for w in self.workers],
             sent_s=self._sent,
             worker=self._worker,

@@ -1,27 +1,28 @@
-"""A replay's report: the `--json` document, the terminal table and the Markdown page.
+"""A replay's report: the `--json` document, the terminal table, the Markdown page and the PNG
+plots (with matplotlib, the `plot` extra): ttft_cdf.png (TTFT per policy), hit_rate.png (over
+the run's slices), worker_load.png (each worker's requests in flight, a panel per policy).
 
-JSON schema "urc.replay/1" (keys sorted, floats rounded to 6 significant digits, no wall-clock
-value anywhere: the same trace, seed and flags give byte-identical files):
+JSON schema "urc.replay/1": keys sorted, floats to 6 significant digits, no wall-clock value
+(the same trace, seed and flags give byte-identical files):
 
-    schema     "urc.replay/1"
-    config     the source (trace file name, or workload and its parameters), the fleet, the
-               client, the seed
-    policies   {NAME: {hit_rate, ttft_mean_s, ttft_p50_s, ttft_p99_s, throughput_tok_s,
-               load_imbalance, ...}}: every key of simulation.metrics.summarize
-    bound      {hit_rate}: one infinite cache (simulation.bound)
-    recorded   a gateway recording only: {hit_rate, predicted_hit_rate, policy, requests} as
-               measured live (cached_tokens and predicted_tokens of its lines)
-    shadow     `--shadow` only: the recorded decisions replayed with candidate policies
-               watching (simulation/shadow.py); its run is the policy "recorded"
+    config     the source (trace file or workload and its parameters), fleet, client, seed
+    policies   {NAME: every key of simulation.metrics.summarize}
+    bound      {hit_rate}: one infinite cache (simulation.compare)
+    recorded   a recording only: {hit_rate, predicted_hit_rate, policy, requests} as measured
+               live (its lines' cached_tokens and predicted_tokens)
+    shadow     `--shadow` only (simulation/shadow.py); its run is the policy "recorded"
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from simulation.compare import Run
 
 SCHEMA = "urc.replay/1"
 
@@ -42,24 +43,22 @@ def build_report(
     summaries: Mapping[str, Mapping[str, Any]],
     bound: float | None,
     recorded: Mapping[str, Any] | None = None,
+    shadow: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     report: dict[str, Any] = {
         "schema": SCHEMA,
-        "config": dict(config),
-        "policies": {name: dict(s) for name, s in summaries.items()},
+        "config": config,
+        "policies": summaries,
         "bound": {"hit_rate": bound},
     }
-    if recorded is not None:
-        report["recorded"] = dict(recorded)
+    optional = {"recorded": recorded, "shadow": shadow}
+    report.update({key: value for key, value in optional.items() if value is not None})
     return rounded(report)
 
 
-def dumps(report: Mapping[str, Any]) -> str:
-    return json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
-
-
 def write_json(report: Mapping[str, Any], path: str | Path) -> None:
-    Path(path).write_text(dumps(report), encoding="utf-8")
+    text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    Path(path).write_text(text, encoding="utf-8")
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -77,18 +76,27 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _cell(value: Any, kind: str) -> str:
-    if value is None:
-        return "-"
-    if kind == "pct":
-        return f"{value * 100:.1f}%"
-    if kind == "ms":
-        return f"{value * 1e3:.0f}ms"
-    if kind == "x":
-        return f"{value:.2f}"
-    if kind == "mb":
-        return f"{value / 1e6:.1f}"
-    return f"{value:,.0f}"
+_FORMATS: dict[str, Callable[[Any], str]] = {
+    "pct": lambda v: f"{v * 100:.1f}%",
+    "ms": lambda v: f"{v * 1e3:.0f}ms",
+    "x": lambda v: f"{v:.2f}",
+    "mb": lambda v: f"{v / 1e6:.1f}",
+    "int": lambda v: f"{v:,.0f}",
+}
+
+
+def cell(value: Any, kind: str) -> str:
+    return "-" if value is None else _FORMATS[kind](value)
+
+
+def named_rows(
+    corner: str, columns: Sequence[tuple[str, str, str]], named: Mapping[str, Mapping[str, Any]]
+) -> list[list[str]]:
+    """A header (`corner`, the columns' titles), then a row a name: its values' cells."""
+    rows = [[corner, *(title for title, _, _ in columns)]]
+    for name, values in named.items():
+        rows.append([name, *(cell(values.get(key), kind) for _, key, kind in columns)])
+    return rows
 
 
 def table_rows(
@@ -96,31 +104,47 @@ def table_rows(
     bound: float | None,
     speeds: Mapping[str, float] | None = None,
 ) -> list[list[str]]:
-    header = ["policy", *(c[0] for c in COLUMNS)]
+    """The policies' table (with `speeds`, its wall-clock column), the bound last."""
+    rows = named_rows("policy", COLUMNS, summaries)
     if speeds is not None:
-        header.append("sim req/s")
-    rows = [header]
-    for name, s in summaries.items():
-        row = [name, *(_cell(s.get(key), kind) for _, key, kind in COLUMNS)]
-        if speeds is not None:
-            row.append(f"{speeds.get(name, 0.0):,.0f}")
-        rows.append(row)
-    tail = ["bound: 1 infinite cache", _cell(bound, "pct")]
-    rows.append(tail + ["-"] * (len(header) - len(tail)))
+        rows[0].append("sim req/s")
+        for name, row in zip(summaries, rows[1:], strict=True):
+            row.append(cell(speeds.get(name, 0.0), "int"))
+    tail = ["bound: 1 infinite cache", cell(bound, "pct")]
+    rows.append(tail + ["-"] * (len(rows[0]) - len(tail)))
     return rows
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
-    for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
-        ]
-        lines.append("  ".join(cells))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
+    for row in [rows[0], ["-" * w for w in widths], *rows[1:]]:  # the header, a rule, the rows
+        cells = zip(row[1:], widths[1:], strict=True)
+        lines.append("  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in cells)]))
     return "\n".join(lines)
+
+
+def write_out(
+    out: Path,
+    report: Mapping[str, Any],
+    runs: Mapping[str, Run],
+    bound: float | None,
+    shadow: Sequence[Sequence[str]] | None = None,
+) -> None:
+    """--out DIR: report.json, series.json, the plots and report.md (`shadow`: its rows)."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(report, out / "report.json")
+    curves = {name: run.series for name, run in runs.items()}
+    (out / "series.json").write_text(
+        json.dumps(rounded(curves), sort_keys=True) + "\n", encoding="utf-8"
+    )
+    ttfts = {name: run.result.ttft_s for name, run in runs.items()}
+    written = write_plots(out, ttfts, curves, bound)
+    note = None if written else MISSING
+    if note:
+        print(f"urc replay: {note}", file=sys.stderr)
+    (out / "report.md").write_text(markdown(report, written, note, shadow), encoding="utf-8")
+    print(f"report: {out / 'report.md'}")
 
 
 def markdown_table(rows: Sequence[Sequence[str]]) -> str:
@@ -129,8 +153,13 @@ def markdown_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def markdown(report: Mapping[str, Any], plots: Sequence[str], plot_note: str | None) -> str:
-    """A short page: what was replayed on what, the table, the plots."""
+def markdown(
+    report: Mapping[str, Any],
+    plots: Sequence[str],
+    plot_note: str | None,
+    shadow: Sequence[Sequence[str]] | None = None,
+) -> str:
+    """A short page: what was replayed on what, the table, the plots (and the shadow rows)."""
     cfg = report["config"]
     fleet = cfg.get("fleet", {})
     rows = table_rows(report["policies"], report["bound"]["hit_rate"])
@@ -158,14 +187,85 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], plot_note: str | N
             f"Recorded live under `{recorded.get('policy')}`: hit rate "
             f"{recorded['hit_rate'] * 100:.1f}% over {recorded.get('requests')} requests.",
         ]
-    reasons = {name: s.get("reasons", {}) for name, s in report["policies"].items()}
     lines += ["", "Decisions by reason:", ""]
-    for name, counts in reasons.items():
-        text = ", ".join(f"{k} {v}" for k, v in counts.items())
+    for name, s in report["policies"].items():
+        text = ", ".join(f"{k} {v}" for k, v in s.get("reasons", {}).items())
         lines.append(f"- `{name}`: {text}")
     lines.append("")
     if plots:
         lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     elif plot_note:
         lines.append(plot_note)
+    if shadow is not None:
+        lines += ["", "Shadow policies on the recorded decisions:", "", markdown_table(shadow)]
     return "\n".join(lines) + "\n"
+
+
+# -- the plots ---------------------------------------------------------------------------
+
+MISSING = (
+    "Plots were not written: matplotlib is not installed (pip install 'unified-radix-cache[plot]')."
+)
+
+
+def write_plots(
+    out: Path,
+    ttfts: Mapping[str, Sequence[float]],
+    series: Mapping[str, Mapping[str, Any]],
+    bound: float | None,
+) -> list[str]:
+    """Write the three PNGs into `out`; their paths. [] when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, values in ttfts.items():
+        xs = sorted(v for v in values if not math.isnan(v) and v > 0)
+        if xs:
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=name)
+    ax.set(xscale="log", xlabel="time to first token (s)", ylabel="fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "ttft_cdf.png", plt))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, s in series.items():
+        points = [(t, h) for t, h in zip(s["t_s"], s["hit_rate"], strict=True) if h is not None]
+        if points:
+            ax.plot([p[0] for p in points], [p[1] * 100 for p in points], label=name)
+    if bound is not None:
+        ax.axhline(bound * 100, color="grey", linestyle="--", label="1 infinite cache (all)")
+    ax.set(xlabel="time (s)", ylabel="hit rate (% of prompt tokens)", title="Hit rate over time")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    paths.append(_save(fig, out / "hit_rate.png", plt))
+
+    n = max(1, len(series))
+    fig, axes = plt.subplots(n, 1, figsize=(7, 2.4 * n), sharex=True, squeeze=False)
+    for ax, (name, s) in zip(axes[:, 0], series.items(), strict=False):
+        for worker, load in s["in_flight"].items():
+            ax.plot(s["t_s"], load, linewidth=0.9, label=worker)
+        ax.set_title(name, fontsize=9)
+        ax.set_ylabel("in flight")
+        ax.grid(True, alpha=0.3)
+    axes[-1, 0].set_xlabel("time (s)")
+    if len(next(iter(series.values()), {}).get("in_flight", {})) <= 16:
+        axes[0, 0].legend(fontsize=6, ncol=4)
+    fig.suptitle("Requests in flight per worker")
+    paths.append(_save(fig, out / "worker_load.png", plt))
+    return paths
+
+
+def _save(fig: Any, path: Path, plt: Any) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)

@@ -1,14 +1,5 @@
-"""What the simulator replays: requests reduced once to what routing and the engine need.
-
-A `SimRequest` is built once per trace line or workload request and shared by every policy's
-run: its block keys (the gateway's and the worker's, which are the same keys), the keys of the
-blocks its output will add to the worker's cache (`tail_keys`), and the `RouteRequest` the
-policies see. Nothing in it changes during a run.
-
-Keys are namespaced as the live system does: a tenant's prompts in its own salt (the gateway's
-`cache_salt`), none in the shared namespace. A fleet serving several kv_groups adds the group
-to the namespace, so that equal text in two models never shares a key in one process.
-"""
+"""What the simulator replays: each request reduced once, shared by every policy's run and never
+changed. Keys are namespaced as the live system's (`cache_salt`)."""
 
 from __future__ import annotations
 
@@ -52,26 +43,17 @@ class SimRequest:
     tail_keys: list[int]  # keys of the full blocks of prompt + output past `keys`
     route: RouteRequest  # what the policies see
     salt: str | None  # forwarded to the worker as cache_salt
-    tenant: str | None = None
     chat: bool = False  # a chat request (its role chunk rides on the first token)
     session: int = -1
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.prompt)
 
     @property
     def kv_group(self) -> str:
         return self.route.kv_group
 
-    @property
-    def model(self) -> str:
-        return self.route.model
-
 
 def cache_salt(tenant: str | None, kv_group: str, one_group: bool) -> str | None:
     """The namespace of a request's keys: the tenant's salt (None: shared), plus the kv_group
-    when the fleet serves several (one process keys them all)."""
+    when the fleet serves several, so that equal text in two models never shares a key."""
     if one_group:
         return f"urc-sim/{tenant}" if tenant else None
     return f"urc-sim/{kv_group}/{tenant or ''}"

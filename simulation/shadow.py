@@ -1,43 +1,34 @@
-"""`urc replay REC --shadow NAME`: a gateway recording with the live and candidate policies
-side by side.
+"""`urc replay REC --shadow NAME`: a gateway recording replayed on its live decisions (each
+request to the worker the gateway chose, so the index and load view evolve as the gateway's
+did) while each candidate policy is asked beside them, counted as the gateway counts its
+--shadow-policy (router/shadow.py). The report's "shadow" section:
 
-The simulated fleet follows the recorded live decisions: each request goes to the worker the
-gateway chose (simulated workers carry the recorded names), so the replay's index and load view
-evolve as the gateway's did. At each request, every candidate policy is asked on the replay's
-index with the candidates the live decision saw, through the gateway's own counting
-(router/shadow.py): predicted hit tokens, predicted TTFT and disagreement with the live choice.
-
-The report's "shadow" section:
-
-    live       policy (the recording's), requests, recorded_hit_rate and
-               recorded_predicted_hit_rate (the lines' cached_tokens and predicted_tokens),
-               hit_rate (the replay's workers), predicted_hit_rate and predicted_ttft_mean_s
-               (the replay's index and the estimator at the live choice)
+    live       policy, requests, recorded_hit_rate and recorded_predicted_hit_rate (the lines'
+               cached_tokens, predicted_tokens), hit_rate (the replay's workers),
+               predicted_hit_rate and predicted_ttft_mean_s (the replay's index at the live choice)
     policies   {NAME: {requests, prompt_tokens, predicted_hit_tokens, predicted_hit_rate,
                predicted_ttft_mean_s, disagreement_rate}}: what /admin/mode exports live
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadgen.mooncake import TraceRecord
 from router.policies import Candidate, Decision, RouteRequest
 from router.shadow import ShadowPolicies, ShadowStats
-from simulation.metrics import series, summarize
-from simulation.replay import FleetConfig, Replay, RunResult
+from simulation.compare import Run, run_policy
+from simulation.replay import FleetConfig
+from simulation.report import named_rows
 from simulation.requests import SimRequest
-from simulation.traces import Trace
+from simulation.traces import Trace, predicted_hit_rate
 
 LIVE = "recorded"  # the followed live decisions, as a row of the report's policies
 
 
 class RecordedChoice:
-    """The live policy of a recording, as a policy: each request goes to the worker the gateway
-    chose; the shadow policies watch the same candidates. Requests are known by their
+    """The recording's live choices as a policy, the shadows watching; a request is known by its
     `RouteRequest` object (the replay hands each request's own to `choose`)."""
 
     name = LIVE
@@ -66,24 +57,16 @@ class RecordedChoice:
 
 @dataclass(slots=True)
 class ShadowReplay:
-    result: RunResult
-    summary: dict[str, Any]
-    series: dict[str, Any]
-    speed: float  # simulated requests per second of wall time (not in the report)
+    run: Run  # the followed live decisions
     section: dict[str, Any]  # the report's "shadow"
 
 
-def recorded_lines(trace: Trace, limit: int | None = None) -> list[TraceRecord]:
-    """The recording's lines in the order `trace_requests` makes requests of them."""
-    return sorted(trace.records, key=lambda r: r.timestamp_ms)[:limit]
-
-
-def fleet_names(lines: Sequence[TraceRecord], given: Sequence[str] | None) -> list[str]:
+def fleet_names(trace: Trace, limit: int, given: Sequence[str] | None) -> list[str]:
     """The simulated workers: `given` (the gateway's candidate order, GET /admin/workers), or
-    the recorded workers in order of first use. ValueError if a line names no worker or one
-    that is not in `given`."""
+    the workers of the first `limit` lines in order of first use. ValueError if a line names no
+    worker or one that is not in `given`."""
     used: dict[str, None] = {}
-    for rec in lines:
+    for rec in trace.ordered(limit):
         if not rec.worker:
             raise ValueError(f"line {rec.line} of the recording names no worker")
         used.setdefault(rec.worker, None)
@@ -100,21 +83,18 @@ def replay_shadow(
     requests: Sequence[SimRequest],
     shadows: Sequence[str],
     fleet: FleetConfig,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[str, int], None] | None = None,
 ) -> ShadowReplay:
     """Replay `requests` (made by `trace_requests` from `trace`, a recording) on the recorded
     decisions with `shadows` watching. The fleet's names must hold every recorded worker."""
     if not trace.recorded:
         raise ValueError("--shadow needs a gateway recording (urc gateway --record FILE)")
-    lines = recorded_lines(trace, len(requests))
+    lines = trace.ordered(len(requests))
     if len({r.kv_group for r in requests}) > 1:
         raise ValueError("--shadow replays a recording of one model (kv_group) for now")
     watch = ShadowPolicies(shadows, fleet.prefill_tokens_per_s)
     policy = RecordedChoice(requests, [rec.worker or "" for rec in lines], watch)
-    t0 = time.perf_counter()
-    result = Replay(requests, policy, fleet).run(progress)
-    speed = len(requests) / max(time.perf_counter() - t0, 1e-9)
-    summary = summarize(result, requests)
+    run = run_policy(LIVE, requests, policy, fleet, progress)
     prompt = sum(rec.input_length for rec in lines)
     cached = [rec.cached_tokens for rec in lines]
     recorded_hit = sum(c or 0 for c in cached) / prompt if prompt and None not in cached else None
@@ -124,8 +104,8 @@ def replay_shadow(
             "policy": trace.policy,
             "requests": len(lines),
             "recorded_hit_rate": recorded_hit,
-            "recorded_predicted_hit_rate": _recorded_predicted(trace, lines, prompt),
-            "hit_rate": summary["hit_rate"],
+            "recorded_predicted_hit_rate": predicted_hit_rate(trace, lines),
+            "hit_rate": run.summary["hit_rate"],
             "predicted_hit_rate": live["predicted_hit_rate"],
             "predicted_ttft_mean_s": live["predicted_ttft_mean_s"],
         },
@@ -138,51 +118,27 @@ def replay_shadow(
             for name, s in watch.stats.items()
         },
     }
-    return ShadowReplay(result, summary, series(result, requests), speed, section)
+    return ShadowReplay(run, section)
 
 
-def _recorded_predicted(trace: Trace, lines: Sequence[TraceRecord], prompt: int) -> float | None:
-    """The recording's predicted hit rate, where it covers every line replayed."""
-    if len(lines) != len(trace.records) or trace.predicted_tokens is None or not prompt:
-        return None
-    return trace.predicted_tokens / prompt
-
-
-def _cell(value: float | None, kind: str) -> str:
-    if value is None:
-        return "-"
-    return f"{value * 100:.1f}%" if kind == "pct" else f"{value * 1e3:.0f}ms"
+SHADOW_COLUMNS = (
+    ("hit rate", "hit_rate", "pct"),
+    ("predicted hit rate", "predicted_hit_rate", "pct"),
+    ("predicted TTFT", "predicted_ttft_mean_s", "ms"),
+    ("disagreement", "disagreement_rate", "pct"),
+)
 
 
 def shadow_rows(section: dict[str, Any]) -> list[list[str]]:
     """The live decisions (recorded, replayed) and each shadow policy, one row each."""
     live = section["live"]
-    header = ["shadow", "hit rate", "predicted hit rate", "predicted TTFT", "disagreement"]
-    rows = [
-        header,
-        [
-            f"live {live['policy'] or '?'}, recorded",
-            _cell(live["recorded_hit_rate"], "pct"),
-            _cell(live["recorded_predicted_hit_rate"], "pct"),
-            "-",
-            "-",
-        ],
-        [
-            f"live {live['policy'] or '?'}, replayed",
-            _cell(live["hit_rate"], "pct"),
-            _cell(live["predicted_hit_rate"], "pct"),
-            _cell(live["predicted_ttft_mean_s"], "ms"),
-            _cell(0.0, "pct"),
-        ],
-    ]
-    for name, s in section["policies"].items():
-        rows.append(
-            [
-                name,
-                "-",
-                _cell(s["predicted_hit_rate"], "pct"),
-                _cell(s["predicted_ttft_mean_s"], "ms"),
-                _cell(s["disagreement_rate"], "pct"),
-            ]
-        )
-    return rows
+    label = f"live {live['policy'] or '?'}"
+    named = {
+        f"{label}, recorded": {
+            "hit_rate": live["recorded_hit_rate"],
+            "predicted_hit_rate": live["recorded_predicted_hit_rate"],
+        },
+        f"{label}, replayed": {**live, "disagreement_rate": 0.0},  # the live choice, by itself
+        **section["policies"],
+    }
+    return named_rows("shadow", SHADOW_COLUMNS, named)

@@ -1,28 +1,13 @@
-"""Traces -> `SimRequest`s: Mooncake's published traces and the gateway's own recordings.
-
-Both are Mooncake's JSONL (docs/traces.md), one request a line:
-`{"timestamp": ms, "input_length": n, "output_length": m, "hash_ids": [...]}`.
-
-- A published trace has one hash id per `block` tokens (512), chained so that equal ids mean
-  an equal prefix, the last one usually covering a partial block. Each hash id becomes ONE block
-  of that size in the index and the workers: keys are `chain_keys` over the ids as if each were
-  a block's only token, in the request's namespace, and only full blocks are keyed.
-- A gateway recording (`urc gateway --record FILE`) opens with a header line
-  `{"urc_record": 1, "block_size": 16}` (or carries `"block_size"` on each line) and adds
-  `model`, `tenant`, `worker`, `cached_tokens`, `predicted_tokens` and `policy`. Its hash ids
-  ARE the gateway's block keys of the prompt's full blocks (already chained and salted), and are
-  used as they are.
-
-A trace does not say what the model answered, yet a worker caches the blocks of prompt + output
-when a request finishes and the next turn of a conversation hits them. So a request's output
-blocks (`tail_keys`) are keyed as the next blocks of the first later request that extends its
-prompt (its next turn); without one they are blocks of its own that nothing else matches.
+"""Traces -> `SimRequest`s (docs/traces.md, "As keys"): Mooncake's published traces, each hash
+id ONE block keyed with `chain_keys` in the request's namespace, and the gateway's recordings,
+whose hash ids ARE its block keys. A request's output blocks (`tail_keys`) are keyed as the
+blocks that follow its prompt in its next turn (a trace does not say what the model answered).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +25,16 @@ _OUTPUT = -1  # every later tail "token": output text, the same for every reques
 class Trace:
     """A parsed trace file. `recorded`: a gateway recording (hash ids are block keys)."""
 
-    source: str
     records: list[TraceRecord]
     block_size: int
     recorded: bool
     policy: str | None = None  # the policy a recording was made under (its first line's)
     predicted_tokens: int | None = None  # sums over a recording's lines, where given
     skipped: list[tuple[int, str]] = field(default_factory=list)
+
+    def ordered(self, limit: int | None = None) -> list[TraceRecord]:
+        """The first `limit` records in timestamp order, as `trace_requests` replays them."""
+        return sorted(self.records, key=lambda r: r.timestamp_ms)[:limit]
 
     def recorded_hit_rate(self) -> float | None:
         """Cached / prompt tokens as the workers reported them while recording."""
@@ -56,14 +44,20 @@ class Trace:
 
     def recorded_summary(self) -> dict[str, object]:
         """What the recording says the live gateway achieved (the report's `recorded`)."""
-        prompt = sum(r.input_length for r in self.records)
-        predicted = self.predicted_tokens
         return {
             "requests": len(self.records),
             "policy": self.policy,
             "hit_rate": self.recorded_hit_rate(),
-            "predicted_hit_rate": predicted / prompt if predicted is not None and prompt else None,
+            "predicted_hit_rate": predicted_hit_rate(self, self.records),
         }
+
+
+def predicted_hit_rate(trace: Trace, lines: Sequence[TraceRecord]) -> float | None:
+    """The recording's predicted / prompt tokens, where its predictions cover every line."""
+    prompt = sum(r.input_length for r in lines)
+    if len(lines) != len(trace.records) or trace.predicted_tokens is None or not prompt:
+        return None
+    return trace.predicted_tokens / prompt
 
 
 def parse_trace(lines: Iterable[str], source: str = "<trace>", skip_bad: bool = False) -> Trace:
@@ -88,17 +82,18 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", skip_bad: bool = 
             if isinstance(obj.get("block_size"), int) and obj["block_size"] > 0:
                 sizes.add(obj["block_size"])
             continue
+        size = obj.get("block_size") if isinstance(obj, dict) else None
         try:
-            records.append(parse_record(text, n))
+            record = parse_record(text, n)
+            if size is not None and (
+                not isinstance(size, int) or isinstance(size, bool) or size <= 0
+            ):
+                raise ValueError(f"'block_size' must be a positive integer, got {size!r}")
         except ValueError as e:
             errors.append((n, str(e)))
             continue
-        size = obj.get("block_size")
+        records.append(record)
         if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                errors.append((n, f"'block_size' must be a positive integer, got {size!r}"))
-                records.pop()
-                continue
             recorded = True
             sizes.add(size)
         if policy is None and isinstance(obj.get("policy"), str):
@@ -114,7 +109,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", skip_bad: bool = 
     if recorded and not sizes:
         raise TraceFormatError(source, [(0, "a recording without a block_size")])
     block_size = sizes.pop() if sizes else BLOCK_TOKENS
-    return Trace(source, records, block_size, recorded, policy, predicted, errors)
+    return Trace(records, block_size, recorded, policy, predicted, errors)
 
 
 def read_trace(path: str | Path, skip_bad: bool = False) -> Trace:
@@ -136,20 +131,17 @@ def trace_requests(
     sends them. A record's own model and tenant win over `model` and the shared tenant."""
     if time_scale < 0:
         raise ValueError("time_scale must be >= 0")
-    ordered = sorted(trace.records, key=lambda r: r.timestamp_ms)[:limit]
+    ordered = trace.ordered(limit)
     bs = trace.block_size
-    groups = {r.model or model for r in ordered}
-    one_group = len(groups) == 1
+    one_group = len({r.model or model for r in ordered}) == 1
     remap = _id_remap(ordered) if not trace.recorded else None
     t0 = ordered[0].timestamp_ms if ordered else 0.0
     out: list[SimRequest] = []
     for i, rec in enumerate(ordered):
         group = rec.model or model
         salt = cache_salt(rec.tenant, group, one_group)
-        max_tokens = rec.output_length
-        if max_output_tokens is not None:
-            max_tokens = min(max_tokens, max_output_tokens)
-        max_tokens = max(1, max_tokens)
+        cap = rec.output_length if max_output_tokens is None else max_output_tokens
+        max_tokens = max(1, min(rec.output_length, cap))
         full = rec.input_length // bs
         ids = rec.hash_ids if remap is None else [remap[h] for h in rec.hash_ids]
         keys = list(ids[:full]) if trace.recorded else chain_keys(ids[:full], 1, namespace(salt))
@@ -171,7 +163,6 @@ def trace_requests(
                 tail_keys=tail,
                 route=RouteRequest(keys, rec.input_length, bs, group, group),
                 salt=salt,
-                tenant=rec.tenant,
                 chat=chat,
             )
         )
@@ -194,11 +185,10 @@ def _id_remap(records: list[TraceRecord]) -> dict[int, int] | None:
     return remap
 
 
-def link_continuations(requests: list[SimRequest]) -> int:
+def link_continuations(requests: list[SimRequest]) -> None:
     """Key each request's output blocks as the blocks that follow its prompt in the first later
-    request extending it (its next turn), where that one is long enough. Returns how many."""
+    request extending it (its next turn), where that one is long enough."""
     open_tails: dict[int, SimRequest] = {}  # last prompt key -> a request whose tail is unlinked
-    linked = 0
     for req in requests:
         keys = req.keys
         if open_tails:
@@ -210,7 +200,5 @@ def link_continuations(requests: list[SimRequest]) -> int:
                 if len(keys) >= j + 1 + n:
                     prior.tail_keys = keys[j + 1 : j + 1 + n]
                     del open_tails[key]
-                    linked += 1
         if req.tail_keys and keys:
             open_tails[keys[-1]] = req
-    return linked

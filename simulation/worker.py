@@ -1,11 +1,7 @@
-"""One simulated worker: an emulated engine on the virtual clock, and the gateway's view of
-its load (`load`, moved by router/dispatch.py as the gateway moves it). The gateway's first
-byte is the first token (a chat's role chunk rides on it, as vLLM sends it).
-
-With KV events, the worker listens to its engine's cache itself: `changes` are the cache's
-stores and removals since the replay last took them, what the engine's BlockStored and
-BlockRemoved would say (keys and parent; the simulator needs no token ids), without building
-wire events that the replay would only take apart again.
+"""One simulated worker: an emulated engine on the virtual clock, and the gateway's view of its
+load (`load`, moved by router/dispatch.py). With KV events, the worker listens to its engine's
+cache: `changes` are what BlockStored and BlockRemoved would say (keys and parent, no token
+ids), without wire events that the replay would only take apart again.
 """
 
 from __future__ import annotations
@@ -70,8 +66,3 @@ class SimWorker:
 
     def _removed(self, kv_group: str, keys: list[int]) -> None:
         self.changes.append(Change(keys, None, False))
-
-
-def max_model_len(capacity_tokens: int) -> int:
-    """The emulated worker's default context length: min(capacity, 131072)."""
-    return min(capacity_tokens, 131_072)

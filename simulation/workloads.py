@@ -1,10 +1,7 @@
-"""Built-in workloads (loadgen.workloads) -> `SimRequest`s with the live system's exact tokens.
-
-The specs are the ones `urc bench --workload NAME --seed S` sends. A multi-turn session's turn
-is the conversation so far, built by the bench's own `SessionQueue` from the previous turn and
-the reply the emulated worker gives (deterministic: `output_bytes(0, max_tokens)`), so every
-prompt here is token for token the prompt the gateway sees live: the byte tokenizer, its chat
-template for chat requests, block keys in the request's namespace.
+"""Built-in workloads (loadgen.workloads) -> `SimRequest`s with the live system's exact tokens:
+the specs `urc bench --workload NAME --seed S` sends, a session's turn built by the bench's own
+`SessionQueue` from the previous turn and the emulated worker's deterministic reply, tokenized
+by the byte tokenizer (its chat template for chats) and keyed in the request's namespace.
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ from backends.emulated.request import output_bytes, tail_keys
 from core.blocks import block_keys
 from core.tokenizer import ByteTokenizer
 from loadgen.sessions import SessionQueue
-from loadgen.workloads import RequestSpec, iter_requests, with_poisson_arrivals
+from loadgen.workloads import iter_requests, with_poisson_arrivals
 from router.policies import RouteRequest
 from simulation.requests import SimRequest, cache_salt
 
@@ -40,13 +37,7 @@ def workload_requests(
     specs: Any = iter_requests(name, seed, list(models), n, **(params or {}))
     if rate is not None:
         specs = with_poisson_arrivals(specs, rate, seed)
-    return requests_from_specs(list(specs), block_size, isolate_tenants)
-
-
-def requests_from_specs(
-    specs: Sequence[RequestSpec], block_size: int = 16, isolate_tenants: bool = True
-) -> list[SimRequest]:
-    """Tokenize and key specs in order; session turns carry the conversation so far."""
+    specs = list(specs)
     tokenizer = ByteTokenizer()
     one_group = len({s.model for s in specs}) <= 1
     sessions: dict[str, int] = {}
@@ -80,7 +71,6 @@ def requests_from_specs(
                 tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt),
                 route=RouteRequest(keys, len(tokens), block_size, spec.model, spec.model),
                 salt=salt,
-                tenant=tenant,
                 chat=spec.kind == "chat",
                 session=session,
             )

@@ -13,8 +13,7 @@ from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request, tail_keys
 from core.blocks import block_keys
 from router.policies import Candidate, Decision, RouteRequest, make_policy
-from simulation.bound import infinite_cache_hit_rate
-from simulation.compare import compare
+from simulation.compare import compare, infinite_cache_hit_rate
 from simulation.metrics import summarize
 from simulation.replay import FleetConfig, Replay
 from simulation.requests import SimRequest
@@ -172,7 +171,7 @@ def test_the_bound_caps_every_policy_and_cache_beats_blind_routing() -> None:
     reqs = workload_requests("system-prompts", 300, params={"groups": 12})
     fleet = small_fleet(workers=4, capacity_tokens=10_000, concurrency=8)
     comparison = compare(reqs, ["cache_aware", "sglang", "round_robin"], fleet)
-    hit = {name: s["hit_rate"] for name, s in comparison.summaries.items()}
+    hit = {name: run.summary["hit_rate"] for name, run in comparison.runs.items()}
     assert comparison.bound == pytest.approx(infinite_cache_hit_rate(reqs))
     assert all(h <= comparison.bound + 1e-9 for h in hit.values())  # type: ignore[operator]
     assert hit["cache_aware"] > hit["round_robin"] + 0.2

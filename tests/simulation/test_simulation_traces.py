@@ -18,7 +18,7 @@ from core.kv_events import BlockStored
 from core.tokenizer import ByteTokenizer
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import iter_requests
-from simulation.bound import infinite_cache_hit_rate
+from simulation.compare import infinite_cache_hit_rate
 from simulation.requests import KeyedPrompt
 from simulation.traces import parse_trace, trace_requests
 from simulation.workloads import workload_requests
