@@ -19,10 +19,8 @@ from backends.cache.scopes import Invalidated, invalidate
 from backends.torch_worker.attention import make_attention
 from backends.torch_worker.loader import LoadedModel
 from backends.torch_worker.model_runner import ModelRunner, WorkItem
-from backends.torch_worker.page_pool import KVLayout, PagePool
-from backends.torch_worker.paging import cache_blocks
+from backends.torch_worker.paging import KVLayout, PagePool, cache_blocks
 from backends.torch_worker.request import Request, SamplingParams, Status
-from backends.torch_worker.sampler import sample
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
 from core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
@@ -276,6 +274,31 @@ class TorchEngine:
             for req in ms.waiting:
                 assert req.status is Status.WAITING and req.node is None and not req.pages
             assert len(ms.running) <= self.config.scheduler.max_running
+
+
+def sample(req: Request, logits: torch.Tensor) -> int:
+    """The next token from `logits` ([vocab] float32): greedy at temperature 0, else temperature,
+    top-k and top-p (nucleus) sampling from the request's own seeded generator."""
+    params = req.params
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if req.generator is None:
+        req.generator = torch.Generator(device=probs.device)
+        if params.seed is not None:
+            req.generator.manual_seed(params.seed)
+        else:
+            req.generator.seed()
+    return int(torch.multinomial(probs, 1, generator=req.generator))
 
 
 def default_device() -> torch.device:

@@ -1,8 +1,11 @@
 """A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV,
-with Hugging Face's parameter names. `forward` writes the new tokens' K/V into the pool and
-returns the last hidden state; `logits` projects the rows that get sampled."""
+with Hugging Face's parameter names. RoPE as HF's Llama applies it (rotate_half), with "default",
+"linear" and "llama3" scaling; others are refused: a wrong RoPE silently changes every K."""
 
 from __future__ import annotations
+
+import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -10,9 +13,40 @@ from torch import nn
 
 from backends.torch_worker.attention import PagedAttention
 from backends.torch_worker.config import LlamaConfig
-from backends.torch_worker.rope import RotaryEmbedding, apply_rope
 
 Device = torch.device | str | None
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """The per-pair inverse frequencies (float32 on the CPU, [head_dim / 2]) after scaling."""
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (theta ** (dims / head_dim))
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv.float()
+    assert scaling is not None
+    if kind == "linear":
+        return (inv / float(scaling["factor"])).float()
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = original / low, original / high
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return torch.where(medium, blended, out).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class RMSNorm(nn.Module):
@@ -104,7 +138,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's [tokens, head_dim] each, once per forward for all layers."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()
     def forward(
@@ -116,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
         attention: PagedAttention,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        cos, sin = self.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn(
                 layer.input_layernorm(h), cos, sin, kv[0, i], kv[1, i], write_slots, attention

@@ -14,7 +14,7 @@ from backends.torch_worker.attention import (
     new_token_slots,
 )
 from backends.torch_worker.model import LlamaForCausalLM
-from backends.torch_worker.page_pool import PagePool
+from backends.torch_worker.paging import PagePool
 from backends.torch_worker.request import Request
 
 
