@@ -19,8 +19,7 @@ from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
 from backends.emulated.request import Request, output_bytes
 from backends.http.engine import Events, InvalidateRequest, counter, gauge
-from backends.http.generation import Generation, WorkerLoad
-from backends.http.served_model import ServedModel
+from backends.http.generation import Generation, ServedModel, WorkerLoad
 from backends.http.worker import add_flags, run_worker, worker_parser
 from core.tokenizer import ByteTokenizer
 

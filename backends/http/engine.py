@@ -13,8 +13,7 @@ from typing import Any, NamedTuple, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from backends.http.generation import Generation, WorkerLoad
-from backends.http.served_model import ServedModel
+from backends.http.generation import Generation, ServedModel, WorkerLoad
 from core.kv_events import KVEvent
 
 Events = dict[str, list[KVEvent]]  # kv_group -> a batch for its stream, in order

@@ -20,9 +20,15 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Generation, SamplingParams, TextStream, decode
+from backends.http.generation import (
+    Generation,
+    SamplingParams,
+    ServedModel,
+    TextStream,
+    decode,
+    pick_model,
+)
 from backends.http.runner import EngineRunner
-from backends.http.served_model import ServedModel, pick_model
 from core.errors import APIError
 
 CACHED_TOKENS_HEADER = "x-urc-cached-tokens"

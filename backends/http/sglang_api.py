@@ -17,9 +17,8 @@ from backends.http.errors import (
     read_json,
     salt_param,
 )
-from backends.http.generation import Generation, SamplingParams, decode
+from backends.http.generation import Generation, SamplingParams, ServedModel, decode, pick_model
 from backends.http.openai_api import respond, sampling, sse
-from backends.http.served_model import ServedModel, pick_model
 from core.errors import APIError
 
 if TYPE_CHECKING:

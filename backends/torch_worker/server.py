@@ -13,8 +13,7 @@ import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from backends.http.engine import Events, InvalidateRequest, counter, gauge
-from backends.http.generation import Generation, WorkerLoad
-from backends.http.served_model import ServedModel
+from backends.http.generation import Generation, ServedModel, WorkerLoad
 from backends.http.worker import add_flags, run_worker, worker_parser
 from backends.torch_worker.engine import (
     EngineConfig,
