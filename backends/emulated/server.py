@@ -34,6 +34,7 @@ class EmulatedSide:
     name = ENGINE
     version = "urc-emulated-0.1"
     blocking = False
+    model_info = {"model_type": "emulated", "architectures": ["EmulatedForCausalLM"]}
 
     def __init__(self, config: EngineConfig, model: ServedModel) -> None:
         self.config = config
@@ -103,9 +104,6 @@ class EmulatedSide:
             "max_running_requests": self.config.max_batch,
             "chunked_prefill_size": self.config.chunk_tokens,
         }
-
-    def model_info(self, model: ServedModel) -> dict[str, Any]:
-        return {"model_type": "emulated", "architectures": ["EmulatedForCausalLM"]}
 
     def collect(self) -> Iterator[Metric]:
         """One moment of the engine: the loop that steps it is the one scraping."""

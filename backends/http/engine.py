@@ -36,6 +36,7 @@ class Engine(Protocol):
     models: dict[str, ServedModel]  # served name -> model, the default first
     block_size: int  # tokens per KV block (page)
     blocking: bool  # a step blocks the thread it runs on (a forward pass)
+    model_info: dict[str, Any]  # its fields of /get_model_info
 
     def request(self, gen: Generation) -> Any: ...  # ValueError (to the client): can never run
     def submit(self, req: Any) -> None: ...  # queue it; ValueError when it can never run
@@ -48,7 +49,6 @@ class Engine(Protocol):
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]: ...
     def info(self) -> dict[str, Any]: ...  # its own fields of /urc/info
     def settings(self) -> dict[str, Any]: ...  # its part of /get_server_info (SGLang's names)
-    def model_info(self, model: ServedModel) -> dict[str, Any]: ...  # of /get_model_info
     # its Prometheus metrics, read at scrape time (never the process-global registry)
     def collect(self) -> Iterator[Metric]: ...
 

@@ -72,7 +72,7 @@ class SGLangApi:
                 "weight_version": "default",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
-                **self.engine.model_info(model),
+                **self.engine.model_info,
             }
         )
 

@@ -161,12 +161,13 @@ def events_document(publisher: KVEventPublisher, request: web.Request) -> dict[s
 # -- the command line ------------------------------------------------------------------------
 
 
-Flag = tuple[str, Callable[[str], Any], Any, str]  # (flag, type, default, help)
+Flag = tuple[Any, ...]  # (flag, type, default, help), then its choices if it has any
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
-    for flag, kind, default, help_text in flags:
-        parser.add_argument(flag, type=kind, default=default, help=help_text)
+    for flag, kind, default, help_text, *choices in flags:
+        allowed = choices[0] if choices else None
+        parser.add_argument(flag, type=kind, default=default, help=help_text, choices=allowed)
 
 
 def worker_parser(

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,20 +34,13 @@ class EngineEndpoints:
     url: str
     models: list[str]
     block_size: int
-    kv_events: str | None = None  # as the gateway connects to it (tcp://host:port)
-    kv_replay: str | None = None
+    kv_events: str  # as the gateway connects to it (tcp://host:port)
+    kv_replay: str
     kv_topic: str = KV_TOPIC
 
     def worker_entry(self) -> dict[str, Any]:
         """The `[[workers]]` table of a gateway config file."""
-        entry: dict[str, Any] = {
-            "url": self.url,
-            "models": list(self.models),
-            "block_size": self.block_size,
-            "kv_topic": self.kv_topic,
-        }
-        optional = {"kv_events": self.kv_events, "kv_replay": self.kv_replay}
-        return entry | {k: v for k, v in optional.items() if v}
+        return asdict(self)
 
 
 @dataclass(slots=True)

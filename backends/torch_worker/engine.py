@@ -1,7 +1,5 @@
-"""The torch engine: several models, one radix cache per page pool, continuous batching.
-
-A synchronous state machine around real forward passes (`submit`, `abort`, `step`); whoever
-drives it owns the only thread that touches it. Pools and steps: docs/workers.md.
+"""The torch engine: several models, one radix cache per page pool, continuous batching; a
+synchronous state machine whose driver owns the only thread that touches it (docs/workers.md).
 """
 
 from __future__ import annotations
@@ -49,9 +47,7 @@ class EngineLoad(NamedTuple):
 
 
 @dataclass(slots=True)
-class ModelCounters:
-    """Per served name, for /metrics."""
-
+class ModelCounters:  # per served name, for /metrics
     requests: int = 0  # finished
     prompt_tokens: int = 0  # prefix cache queries, in tokens (at first admission)
     cached_tokens: int = 0  # prefix cache hits, in tokens
@@ -110,11 +106,9 @@ class TorchEngine:
         salt: str | None,
     ) -> None:
         assert tokens is not None, "the engine inserts the blocks' tokens"
-        self._events[group].append(
-            BlockStored(
-                keys, parent, tokens, self.config.page_size, medium=MEDIUM_GPU, cache_salt=salt
-            )
-        )
+        size = self.config.page_size
+        stored = BlockStored(keys, parent, tokens, size, medium=MEDIUM_GPU, cache_salt=salt)
+        self._events[group].append(stored)
 
     def _on_removed(self, group: str, keys: list[int]) -> None:
         self._events[group].append(BlockRemoved(keys, MEDIUM_GPU))
@@ -124,7 +118,7 @@ class TorchEngine:
     def new_request(
         self, model: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> Request:
-        """A request with a fresh id (not submitted)."""
+        """A request with a fresh id, not submitted."""
         return Request(next(self._ids), model, list(prompt), params, cache_salt)
 
     def validate(self, req: Request) -> LoadedModel:
@@ -203,8 +197,7 @@ class TorchEngine:
     def invalidate(
         self, scope: Callable[[str], bool] | None, kv_group: str | None = None
     ) -> tuple[Invalidated, dict[str, list[KVEvent]]]:
-        """Drop a scope of every pool's cache (backends/cache/scopes.py); returns what
-        went and the events not yet handed out by a step, the removals last."""
+        """Drop a scope of every pool's cache: what went, and the events no step handed out yet."""
         freed = locked = 0
         for pool in self.pools.values():
             done = invalidate(pool.cache, scope, kv_group)
@@ -252,10 +245,8 @@ class TorchEngine:
     # -- integrity -----------------------------------------------------------------------------
 
     def check(self) -> None:
-        """The caches' invariants, plus: each pool's in-use pages are exactly the running
-        requests' private pages, no page is held twice, a request's page table starts with
-        exactly the pages of its locked path, in its own kv_group's tree, and lock counts are
-        exactly the running requests' locked paths."""
+        """The caches' invariants, plus: in-use pages are exactly the running requests' private
+        pages, none held twice, and page tables and locks match the locked paths."""
         for pool_state in self.pools.values():
             cache = pool_state.cache
             in_tree = check(cache)
