@@ -18,8 +18,8 @@ from backends.cache.scopes import invalidate
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
 from backends.emulated.request import Request, output_bytes
-from backends.http.engine import Events, InvalidateRequest, counter, gauge
 from backends.http.generation import Generation, ServedModel, WorkerLoad
+from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from core.tokenizer import ByteTokenizer
 
@@ -27,7 +27,7 @@ ENGINE = "emulated"
 
 
 class EmulatedSide:
-    """The emulated engine as the worker shell takes it (backends/http/engine.py): cheap steps,
+    """The emulated engine as the worker shell takes it (backends/http/runner.py): cheap steps,
     inline on the loop, each due at the end of the modelled one, so tokens come out one step
     at a time as from a GPU."""
 

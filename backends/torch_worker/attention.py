@@ -36,14 +36,6 @@ class BatchLayout:
     write_slots: torch.Tensor  # [tokens] long: pool slot (page * page_size + offset) per token
 
 
-def new_token_slots(seq: SequenceView, page_size: int) -> list[int]:
-    """Where the sequence's new tokens go (the last `q_len` of its `kv_len`)."""
-    return [
-        seq.pages[p // page_size] * page_size + p % page_size
-        for p in range(seq.kv_len - seq.q_len, seq.kv_len)
-    ]
-
-
 class PagedAttention(Protocol):
     """`prepare` once per forward, before the layers; `attend` per layer: q and the result
     [tokens, q_heads, head_dim], caches [pages, page_size, kv_heads, head_dim] (K/V written)."""

@@ -16,7 +16,7 @@ from backends.cache.radix import RadixCache
 from backends.cache.scopes import Invalidated, invalidate
 from backends.torch_worker.attention import make_attention
 from backends.torch_worker.loader import LoadedModel
-from backends.torch_worker.model_runner import ModelRunner, WorkItem
+from backends.torch_worker.model import ModelRunner, WorkItem
 from backends.torch_worker.paging import KVLayout, PagePool, cache_blocks
 from backends.torch_worker.request import Request, SamplingParams, Status
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig

@@ -9,7 +9,7 @@ from itertools import count
 
 from backends.cache.radix import RadixCache
 from backends.torch_worker.loader import LoadedModel
-from backends.torch_worker.model_runner import ModelRunner, WorkItem
+from backends.torch_worker.model import ModelRunner, WorkItem
 from backends.torch_worker.paging import (
     PagePool,
     admit,

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from backends.http.engine import Events, InvalidateRequest, counter, gauge
 from backends.http.generation import Generation, ServedModel, WorkerLoad
+from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from backends.torch_worker.engine import (
     EngineConfig,
@@ -51,7 +51,7 @@ _PER_POOL = (  # (metric, doc, the cache's token counts it sums, reported in pag
 
 
 class TorchSide:
-    """The torch engine in the worker shell (backends/http/engine.py): a step is a forward pass
+    """The torch engine in the worker shell (backends/http/runner.py): a step is a forward pass
     per model, so it runs on a thread of its own, due as soon as there is work."""
 
     name = ENGINE
