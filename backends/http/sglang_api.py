@@ -10,15 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from backends.http.errors import (
+from backends.http.generation import Generation, SamplingParams, ServedModel, decode, pick_model
+from backends.http.openai_api import (
     bool_param,
     int_param,
     json_response,
     read_json,
+    respond,
     salt_param,
+    sampling,
+    sse,
 )
-from backends.http.generation import Generation, SamplingParams, ServedModel, decode, pick_model
-from backends.http.openai_api import respond, sampling, sse
 from core.errors import APIError
 
 if TYPE_CHECKING:

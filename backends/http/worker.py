@@ -19,8 +19,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from backends.http.errors import error_middleware, json_response, read_json
-from backends.http.openai_api import OpenAIApi
+from backends.http.openai_api import OpenAIApi, error_middleware, json_response, read_json
 from backends.http.runner import Engine, EngineRunner, Events, InvalidateRequest
 from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
