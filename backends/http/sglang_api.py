@@ -96,7 +96,7 @@ class SGLangApi:
             "model_path": first.name,
             "served_model_name": first.name,
             "tokenizer_path": first.tokenizer_spec,
-            "host": self.worker.config.host,
+            "host": self.worker.flags.host,
             "port": self.worker.port,
             "context_length": first.max_model_len,
             "max_req_input_len": first.max_model_len - 1,
