@@ -114,14 +114,9 @@ class Generation:
     def done(self) -> bool:
         return self.finished or self.aborted
 
-    async def wait_admitted(self) -> None:
-        """Until it leaves the queue (cached_tokens is known) or ends."""
-        while not (self.admitted or self.done):
-            self.changed.clear()
-            await self.changed.wait()
-
-    async def wait_done(self) -> None:
-        while not self.done:
+    async def wait(self, admitted: bool = False) -> None:
+        """Until it ends, or with `admitted` until it leaves the queue (cached_tokens known)."""
+        while not (self.done or (admitted and self.admitted)):
             self.changed.clear()
             await self.changed.wait()
 

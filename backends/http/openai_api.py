@@ -145,11 +145,11 @@ async def respond(
         raise APIError(400, str(exc), code=submit_code) from exc
     try:
         if not stream:
-            await gen.wait_done()
+            await gen.wait()
             if not gen.finished:
                 raise APIError(503, "the request was aborted", type="server_error")
             return json_response(whole(), headers={CACHED_TOKENS_HEADER: str(gen.cached_tokens)})
-        await gen.wait_admitted()
+        await gen.wait(admitted=True)
         resp = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",

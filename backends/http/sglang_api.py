@@ -56,7 +56,7 @@ class SGLangApi:
         gen = Generation(model, [0], SamplingParams(1), None)
         self.backend.submit(gen)
         try:
-            await asyncio.wait_for(gen.wait_done(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(gen.wait(), HEALTH_TIMEOUT_S)
         except TimeoutError:
             return web.Response(status=503)
         finally:

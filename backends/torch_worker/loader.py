@@ -62,12 +62,6 @@ def safetensors_digest(files: Iterable[Path], num_layers: int) -> str:
     return digest.hexdigest()
 
 
-def dummy_digest(seed: int, init_std: float, device_type: str) -> str:
-    """Random weights are identified by their draw (the same seed on another device type
-    draws other numbers)."""
-    return f"dummy:{seed}:{init_std!r}:{device_type}"
-
-
 def model_fingerprint(
     config: LlamaConfig,
     dtype: torch.dtype,
@@ -78,11 +72,6 @@ def model_fingerprint(
     dtype_name = str(dtype).removeprefix("torch.")
     ident = [config.to_hf(), dtype_name, page_size, tokenizer_fingerprint, weights_digest]
     return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
-
-
-def kv_group_of(fingerprint: str) -> str:
-    """The kv_group name of a fingerprint: equal fingerprints, one group."""
-    return f"kv-{fingerprint[:16]}"
 
 
 @dataclass(slots=True, eq=False)
@@ -200,7 +189,7 @@ def load_model(
     std = TINY_INIT_STD if spec == "tiny" else INIT_STD
     if dummy:
         _randomize(model, seed, std)
-        weights = dummy_digest(seed, std, device.type)
+        weights = f"dummy:{seed}:{std!r}:{device.type}"  # its draw (device types draw apart)
     else:
         _load_checkpoint(model, files, device)
         weights = safetensors_digest(files, config.num_hidden_layers)
@@ -213,7 +202,7 @@ def load_model(
         tokenizer=tokenizer,
         tokenizer_spec=tokenizer_spec,
         fingerprint=fingerprint,
-        kv_group=kv_group_of(fingerprint),
+        kv_group=f"kv-{fingerprint[:16]}",  # equal fingerprints, one group
         max_model_len=min(max_model_len, limit) if max_model_len > 0 else limit,
         dtype=torch_dtype,
         device=device,
