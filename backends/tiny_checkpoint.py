@@ -1,8 +1,6 @@
 """A tiny random-weight Llama checkpoint that real engines load as any Hugging Face directory
 (config.json, model.safetensors, a byte-level BPE tokenizer.json trained here, a chat
 template). Nothing is downloaded; the same arguments write the same files.
-
-    python -m backends.tiny_checkpoint DIR [--seed N] [--vocab-size N] [--variant NAME]
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The emulated GPU engine: continuous batching over a real radix KV cache, in modelled time.
-
-A pure state machine (no I/O, no clock reads: the driver passes the time in). Requests reserve
-their whole footprint on admission, so nothing is preempted; decode-only stretches run as one
-segment of equal steps until the next finish. The model: docs/workers.md.
-"""
+"""The emulated GPU engine: continuous batching over a real radix KV cache, in modelled time; a
+pure state machine (the driver passes the time in). The model: docs/workers.md."""
 
 from __future__ import annotations
 

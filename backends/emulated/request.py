@@ -1,7 +1,5 @@
-"""One generation as the emulated engine tracks it (engine.py), and the tokens it outputs.
-
-Output is deterministic: exactly `max_tokens` tokens of OUTPUT_TEXT repeated, so the blocks a
-request's output adds to the cache (`tail_keys`) are known before it runs.
+"""One generation as the emulated engine tracks it, and its output: exactly `max_tokens` tokens
+of OUTPUT_TEXT repeated, so the blocks it adds to the cache (`tail_keys`) are known before it runs.
 """
 
 from __future__ import annotations

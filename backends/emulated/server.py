@@ -18,9 +18,8 @@ from backends.cache.scopes import invalidate
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
 from backends.emulated.request import Request, output_bytes
-from backends.http.engine import Events, InvalidateRequest, counter, gauge
-from backends.http.generation import Generation, WorkerLoad
-from backends.http.served_model import ServedModel
+from backends.http.generation import Generation, ServedModel, WorkerLoad
+from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from core.tokenizer import ByteTokenizer
 
@@ -28,13 +27,14 @@ ENGINE = "emulated"
 
 
 class EmulatedSide:
-    """The emulated engine as the worker shell takes it (backends/http/engine.py): cheap steps,
+    """The emulated engine as the worker shell takes it (backends/http/runner.py): cheap steps,
     inline on the loop, each due at the end of the modelled one, so tokens come out one step
     at a time as from a GPU."""
 
     name = ENGINE
     version = "urc-emulated-0.1"
     blocking = False
+    model_info = {"model_type": "emulated", "architectures": ["EmulatedForCausalLM"]}
 
     def __init__(self, config: EngineConfig, model: ServedModel) -> None:
         self.config = config
@@ -104,9 +104,6 @@ class EmulatedSide:
             "max_running_requests": self.config.max_batch,
             "chunked_prefill_size": self.config.chunk_tokens,
         }
-
-    def model_info(self, model: ServedModel) -> dict[str, Any]:
-        return {"model_type": "emulated", "architectures": ["EmulatedForCausalLM"]}
 
     def collect(self) -> Iterator[Metric]:
         """One moment of the engine: the loop that steps it is the one scraping."""

@@ -10,16 +10,17 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from backends.http.errors import (
+from backends.http.generation import Generation, SamplingParams, ServedModel, decode, pick_model
+from backends.http.openai_api import (
     bool_param,
     int_param,
     json_response,
     read_json,
+    respond,
     salt_param,
+    sampling,
+    sse,
 )
-from backends.http.generation import Generation, SamplingParams, decode
-from backends.http.openai_api import respond, sampling, sse
-from backends.http.served_model import ServedModel, pick_model
 from core.errors import APIError
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ class SGLangApi:
         gen = Generation(model, [0], SamplingParams(1), None)
         self.backend.submit(gen)
         try:
-            await asyncio.wait_for(gen.wait_done(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(gen.wait(), HEALTH_TIMEOUT_S)
         except TimeoutError:
             return web.Response(status=503)
         finally:
@@ -73,7 +74,7 @@ class SGLangApi:
                 "weight_version": "default",
                 "has_image_understanding": False,
                 "has_audio_understanding": False,
-                **self.engine.model_info(model),
+                **self.engine.model_info,
             }
         )
 
@@ -95,7 +96,7 @@ class SGLangApi:
             "model_path": first.name,
             "served_model_name": first.name,
             "tokenizer_path": first.tokenizer_spec,
-            "host": self.worker.config.host,
+            "host": self.worker.flags.host,
             "port": self.worker.port,
             "context_length": first.max_model_len,
             "max_req_input_len": first.max_model_len - 1,

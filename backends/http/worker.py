@@ -1,7 +1,6 @@
 """The worker HTTP shell both our engines plug into (`urc worker --engine emulated|torch`):
 OpenAI's and SGLang's APIs, `/urc/info`, `/urc/invalidate`, `/metrics`, one KV-event stream
-per kv_group (docs/workers.md).
-"""
+per kv_group (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -13,16 +12,13 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import generate_latest
 
-from backends.http.engine import Engine, Events, InvalidateRequest
-from backends.http.errors import error_middleware, json_response, read_json
-from backends.http.openai_api import OpenAIApi
-from backends.http.runner import EngineRunner
+from backends.http.openai_api import OpenAIApi, error_middleware, json_response, read_json
+from backends.http.runner import Engine, EngineRunner, Events, InvalidateRequest
 from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
 from core.errors import APIError
@@ -35,31 +31,23 @@ _ANY_HOST = ("0.0.0.0", "::", "*", "")
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-@dataclass(slots=True)
-class ServingConfig:
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port
-    kv_events_port: int = 0  # kv_group i publishes on this + i (0: any free port)
-    kv_replay_port: int = 0
-    max_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413
-
-
 class Worker:
-    """The worker: `await start()`, then it serves until `await stop()`."""
+    """The worker: `await start()`, then it serves until `await stop()`; `flags` are the
+    parsed `worker_parser` flags (the kv_group i publishes on --kv-*-port + i, 0: any)."""
 
-    def __init__(self, engine: Engine, config: ServingConfig) -> None:
+    def __init__(self, engine: Engine, flags: argparse.Namespace) -> None:
         self.engine = engine
-        self.config = config
+        self.flags = flags
         self.incarnation = uuid.uuid4().hex
         self.groups = list(dict.fromkeys(m.kv_group for m in engine.models.values()))
         self.publishers: dict[str, KVEventPublisher] = {}
         self.runner = EngineRunner(engine, self.publish)
         self._web: web.AppRunner | None = None
-        self.port = config.port
+        self.port: int = flags.port
         self.url = ""
 
     async def start(self) -> None:
-        cfg, engine = self.config, self.engine
+        cfg, engine = self.flags, self.engine
         for i, group in enumerate(self.groups):
             pub_port = cfg.kv_events_port + i if cfg.kv_events_port else 0
             replay_port = cfg.kv_replay_port + i if cfg.kv_replay_port else 0
@@ -67,7 +55,8 @@ class Worker:
                 f"tcp://{cfg.host}:{pub_port}", f"tcp://{cfg.host}:{replay_port}", topic=KV_TOPIC
             )
         self.runner.start()
-        app = web.Application(middlewares=[error_middleware], client_max_size=cfg.max_body_bytes)
+        max_body = int(cfg.max_body_mb * 1024 * 1024)  # larger bodies get 413
+        app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
         OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
         SGLangApi(self).add_routes(app)
         app.router.add_get("/urc/info", self.info)
@@ -161,12 +150,13 @@ def events_document(publisher: KVEventPublisher, request: web.Request) -> dict[s
 # -- the command line ------------------------------------------------------------------------
 
 
-Flag = tuple[str, Callable[[str], Any], Any, str]  # (flag, type, default, help)
+Flag = tuple[Any, ...]  # (flag, type, default, help), then its choices if it has any
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag]) -> None:
-    for flag, kind, default, help_text in flags:
-        parser.add_argument(flag, type=kind, default=default, help=help_text)
+    for flag, kind, default, help_text, *choices in flags:
+        allowed = choices[0] if choices else None
+        parser.add_argument(flag, type=kind, default=default, help=help_text, choices=allowed)
 
 
 def worker_parser(
@@ -195,21 +185,6 @@ def worker_parser(
     return parser
 
 
-def serving_config(args: argparse.Namespace) -> ServingConfig:
-    """ValueError on settings that cannot work."""
-    if args.max_model_len < 0 or args.default_max_tokens < 1 or args.max_body_mb <= 0:
-        raise ValueError(
-            "need --max-model-len >= 0, --default-max-tokens >= 1 and --max-body-mb > 0"
-        )
-    return ServingConfig(
-        host=args.host,
-        port=args.port,
-        kv_events_port=args.kv_events_port,
-        kv_replay_port=args.kv_replay_port,
-        max_body_bytes=int(args.max_body_mb * 1024 * 1024),
-    )
-
-
 async def serve_until_signal(worker: Worker) -> None:
     """Start `worker`, announce `ready: URL` (what `urc cluster` and the tests wait for), and
     serve until SIGINT or SIGTERM."""
@@ -236,10 +211,13 @@ def run_worker(
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = serving_config(args)
+        if args.max_model_len < 0 or args.default_max_tokens < 1 or args.max_body_mb <= 0:
+            raise ValueError(
+                "need --max-model-len >= 0, --default-max-tokens >= 1 and --max-body-mb > 0"
+            )
         engine = build(args)
     except ValueError as exc:
         parser.error(str(exc))
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_until_signal(Worker(engine, config)))
+        asyncio.run(serve_until_signal(Worker(engine, args)))
     return 0

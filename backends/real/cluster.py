@@ -10,9 +10,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from backends.real.process import EngineLaunch, EngineProcess, start_engine
-from backends.real.sglang import SGLangSpec, sglang_launch
-from backends.real.vllm import VLLMSpec, vllm_launch
+from backends.real.process import (
+    EngineLaunch,
+    EngineProcess,
+    EngineSpec,
+    sglang_launch,
+    start_engine,
+    vllm_launch,
+)
 
 
 def free_ports(n: int) -> list[int]:
@@ -45,30 +50,17 @@ def add_real_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def engine_launch(args: argparse.Namespace, ports: list[int]) -> EngineLaunch:
     if not args.model:
         raise ValueError(f"--engine {args.engine} needs --model")
-    python, extra = args.engine_python or sys.executable, list(args.worker_arg)
-    if args.engine == "vllm":
-        names = [args.served_model_name] if args.served_model_name else []
-        block_size = args.block_size or (32 if args.cpu else 16)
-        return vllm_launch(
-            VLLMSpec(
-                args.model,
-                *ports,
-                names,
-                block_size=block_size,
-                cpu=args.cpu,
-                python=python,
-                extra_args=extra,
-            )
-        )
-    spec = SGLangSpec(
+    vllm = args.engine == "vllm"
+    spec = EngineSpec(
         args.model,
         *ports,
-        args.served_model_name,
-        page_size=args.block_size or 16,
-        python=python,
-        extra_args=extra,
+        [args.served_model_name] if args.served_model_name else [],
+        block_size=args.block_size or (32 if vllm and args.cpu else 16),
+        python=args.engine_python or sys.executable,
+        extra_args=list(args.worker_arg),
+        cpu=vllm and args.cpu,
     )
-    return sglang_launch(spec)
+    return vllm_launch(spec) if vllm else sglang_launch(spec)
 
 
 async def start_real_engines(

@@ -1,7 +1,6 @@
-"""A real engine (vLLM, SGLang) as a child process, and what the gateway must know about it.
-
-Real engines have no /urc/info, so a launcher hands the gateway an `EngineEndpoints` (the
-`[[workers]]` entry of a gateway config, docs/cli.md).
+"""A real engine (vLLM, SGLang) as a child process: the command line that turns on prefix
+caching, cached-token reporting and KV events, and what the gateway must know about it (real
+engines have no /urc/info: the `[[workers]]` entry of a gateway config, docs/cli.md).
 """
 
 from __future__ import annotations
@@ -11,13 +10,21 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 KV_TOPIC = "kv"
+# vLLM's CPU build: the engine core in-process (quicker start, one process to kill), 1 GiB of
+# KV cache, no hub
+CPU_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+}
 
 
 @dataclass(slots=True)
@@ -27,30 +34,13 @@ class EngineEndpoints:
     url: str
     models: list[str]
     block_size: int
-    kv_events: str | None = None  # as the gateway connects to it (tcp://host:port)
-    kv_replay: str | None = None
+    kv_events: str  # as the gateway connects to it (tcp://host:port)
+    kv_replay: str
     kv_topic: str = KV_TOPIC
-
-    @classmethod
-    def of(
-        cls, host: str, port: int, models: list[str], block_size: int, events: int, replay: int
-    ) -> EngineEndpoints:
-        """An engine on `host` serving HTTP on `port`, publishing on `events` and `replay`."""
-        connect = f"tcp://{host}:"
-        return cls(
-            f"http://{host}:{port}", models, block_size, f"{connect}{events}", f"{connect}{replay}"
-        )
 
     def worker_entry(self) -> dict[str, Any]:
         """The `[[workers]]` table of a gateway config file."""
-        entry: dict[str, Any] = {
-            "url": self.url,
-            "models": list(self.models),
-            "block_size": self.block_size,
-            "kv_topic": self.kv_topic,
-        }
-        optional = {"kv_events": self.kv_events, "kv_replay": self.kv_replay}
-        return entry | {k: v for k, v in optional.items() if v}
+        return asdict(self)
 
 
 @dataclass(slots=True)
@@ -129,14 +119,75 @@ def start_engine(launch: EngineLaunch, log_path: str | Path) -> EngineProcess:
     return EngineProcess(launch, popen, path)
 
 
-def kv_events_config(events_port: int, replay_port: int, **extra: Any) -> str:
-    """The `--kv-events-config` both engines take: ZMQ PUB and replay on every interface."""
-    return json.dumps(
-        {
-            **extra,
-            "publisher": "zmq",
-            "endpoint": f"tcp://*:{events_port}",
-            "replay_endpoint": f"tcp://*:{replay_port}",
-            "topic": KV_TOPIC,
-        }
-    )
+@dataclass(slots=True)
+class EngineSpec:
+    """One engine to launch; SGLang serves one name (the first), vLLM all of them."""
+
+    model: str  # a model directory (or hub id, if the engine may download it)
+    port: int
+    events_port: int
+    replay_port: int
+    names: list[str] = field(default_factory=list)  # none: the model path
+    host: str = "127.0.0.1"
+    block_size: int = 16  # SGLang's default page size, 1, would make every token a block
+    python: str = sys.executable  # the interpreter of the environment the engine is installed in
+    extra_args: list[str] = field(default_factory=list)
+    cpu: bool = False  # vLLM's CPU build (block size a multiple of 32): CPU_ENV, bf16, eager
+    max_model_len: int | None = None  # vLLM
+    num_gpu_blocks: int | None = None  # vLLM's --num-gpu-blocks-override: a small cache evicts
+    load_format: str | None = None  # SGLang; "dummy": random weights of the model's config
+
+    def launch(self, argv: list[str], names: list[str], env: dict[str, str]) -> EngineLaunch:
+        connect = f"tcp://{self.host}:"
+        endpoints = EngineEndpoints(
+            f"http://{self.host}:{self.port}",
+            names,
+            self.block_size,
+            f"{connect}{self.events_port}",
+            f"{connect}{self.replay_port}",
+        )
+        return EngineLaunch(argv + self.extra_args, env, endpoints)
+
+    def kv_events_config(self, **extra: Any) -> str:
+        """The `--kv-events-config` both engines take: ZMQ PUB and replay on every interface."""
+        return json.dumps(
+            {
+                **extra,
+                "publisher": "zmq",
+                "endpoint": f"tcp://*:{self.events_port}",
+                "replay_endpoint": f"tcp://*:{self.replay_port}",
+                "topic": KV_TOPIC,
+            }
+        )
+
+
+def vllm_launch(spec: EngineSpec) -> EngineLaunch:
+    names = spec.names or [spec.model]
+    events = spec.kv_events_config(enable_kv_cache_events=True)
+    argv = [
+        *(spec.python, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model),
+        *("--served-model-name", *names, "--host", spec.host, "--port", str(spec.port)),
+        *("--block-size", str(spec.block_size), "--enable-prefix-caching"),
+        *("--enable-prompt-tokens-details", "--kv-events-config", events),
+        *("--dtype", "bfloat16" if spec.cpu else "auto"),
+    ]
+    if spec.max_model_len is not None:
+        argv += ["--max-model-len", str(spec.max_model_len)]
+    if spec.num_gpu_blocks is not None:
+        argv += ["--num-gpu-blocks-override", str(spec.num_gpu_blocks)]
+    if spec.cpu:
+        argv.append("--enforce-eager")
+    return spec.launch(argv, names, dict(CPU_ENV) if spec.cpu else {})
+
+
+def sglang_launch(spec: EngineSpec) -> EngineLaunch:
+    name = spec.names[0] if spec.names else spec.model
+    argv = [
+        *(spec.python, "-m", "sglang.launch_server", "--model-path", spec.model),
+        *("--served-model-name", name, "--host", spec.host, "--port", str(spec.port)),
+        *("--page-size", str(spec.block_size), "--enable-cache-report"),
+        *("--kv-events-config", spec.kv_events_config()),
+    ]
+    if spec.load_format is not None:
+        argv += ["--load-format", spec.load_format]
+    return spec.launch(argv, [name], {})

@@ -1,6 +1,5 @@
-"""Paged attention over the KV pool: a batch of decodes then prefill chunks, each sequence
-described by its page table and length. Two implementations of one contract: torch (tested)
-and FlashInfer (CUDA); docs/workers.md."""
+"""Paged attention over the KV pool, a batch of decodes then prefill chunks: torch (tested) and
+FlashInfer (CUDA) implementations of one contract (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -37,28 +36,19 @@ class BatchLayout:
     write_slots: torch.Tensor  # [tokens] long: pool slot (page * page_size + offset) per token
 
 
-def new_token_slots(seq: SequenceView, page_size: int) -> list[int]:
-    """Where the sequence's new tokens go (the last `q_len` of its `kv_len`)."""
-    return [
-        seq.pages[p // page_size] * page_size + p % page_size
-        for p in range(seq.kv_len - seq.q_len, seq.kv_len)
-    ]
-
-
 class PagedAttention(Protocol):
-    def prepare(self, layout: BatchLayout, device: torch.device) -> None:
-        """Called once per forward, before the layers."""
-        ...
+    """`prepare` once per forward, before the layers; `attend` per layer: q and the result
+    [tokens, q_heads, head_dim], caches [pages, page_size, kv_heads, head_dim] (K/V written)."""
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q: [tokens, q_heads, head_dim]; caches: [pages, page_size, kv_heads, head_dim] with
-        this forward's K/V already written. Returns [tokens, q_heads, head_dim]."""
-        ...
+    def prepare(self, layout: BatchLayout, device: torch.device) -> None: ...
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 class TorchPagedAttention:
     """Gather whole pages (index_select of contiguous page_size x heads x dim blocks, much
-    cheaper than a gather per token), then scaled_dot_product_attention; see the module doc."""
+    cheaper than a gather per token), then scaled_dot_product_attention."""
 
     def __init__(self, scale: float) -> None:
         self.scale = scale

@@ -1,7 +1,5 @@
-"""The torch engine: several models, one radix cache per page pool, continuous batching.
-
-A synchronous state machine around real forward passes (`submit`, `abort`, `step`); whoever
-drives it owns the only thread that touches it. Pools and steps: docs/workers.md.
+"""The torch engine: several models, one radix cache per page pool, continuous batching; a
+synchronous state machine whose driver owns the only thread that touches it (docs/workers.md).
 """
 
 from __future__ import annotations
@@ -18,11 +16,9 @@ from backends.cache.radix import RadixCache
 from backends.cache.scopes import Invalidated, invalidate
 from backends.torch_worker.attention import make_attention
 from backends.torch_worker.loader import LoadedModel
-from backends.torch_worker.model_runner import ModelRunner, WorkItem
-from backends.torch_worker.page_pool import KVLayout, PagePool
-from backends.torch_worker.paging import cache_blocks
+from backends.torch_worker.model import ModelRunner, WorkItem
+from backends.torch_worker.paging import KVLayout, PagePool, cache_blocks
 from backends.torch_worker.request import Request, SamplingParams, Status
-from backends.torch_worker.sampler import sample
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
 from core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
@@ -51,9 +47,7 @@ class EngineLoad(NamedTuple):
 
 
 @dataclass(slots=True)
-class ModelCounters:
-    """Per served name, for /metrics."""
-
+class ModelCounters:  # per served name, for /metrics
     requests: int = 0  # finished
     prompt_tokens: int = 0  # prefix cache queries, in tokens (at first admission)
     cached_tokens: int = 0  # prefix cache hits, in tokens
@@ -112,11 +106,9 @@ class TorchEngine:
         salt: str | None,
     ) -> None:
         assert tokens is not None, "the engine inserts the blocks' tokens"
-        self._events[group].append(
-            BlockStored(
-                keys, parent, tokens, self.config.page_size, medium=MEDIUM_GPU, cache_salt=salt
-            )
-        )
+        size = self.config.page_size
+        stored = BlockStored(keys, parent, tokens, size, medium=MEDIUM_GPU, cache_salt=salt)
+        self._events[group].append(stored)
 
     def _on_removed(self, group: str, keys: list[int]) -> None:
         self._events[group].append(BlockRemoved(keys, MEDIUM_GPU))
@@ -126,7 +118,7 @@ class TorchEngine:
     def new_request(
         self, model: str, prompt: list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> Request:
-        """A request with a fresh id (not submitted)."""
+        """A request with a fresh id, not submitted."""
         return Request(next(self._ids), model, list(prompt), params, cache_salt)
 
     def validate(self, req: Request) -> LoadedModel:
@@ -205,8 +197,7 @@ class TorchEngine:
     def invalidate(
         self, scope: Callable[[str], bool] | None, kv_group: str | None = None
     ) -> tuple[Invalidated, dict[str, list[KVEvent]]]:
-        """Drop a scope of every pool's cache (backends/cache/scopes.py); returns what
-        went and the events not yet handed out by a step, the removals last."""
+        """Drop a scope of every pool's cache: what went, and the events no step handed out yet."""
         freed = locked = 0
         for pool in self.pools.values():
             done = invalidate(pool.cache, scope, kv_group)
@@ -254,10 +245,8 @@ class TorchEngine:
     # -- integrity -----------------------------------------------------------------------------
 
     def check(self) -> None:
-        """The caches' invariants, plus: each pool's in-use pages are exactly the running
-        requests' private pages, no page is held twice, a request's page table starts with
-        exactly the pages of its locked path, in its own kv_group's tree, and lock counts are
-        exactly the running requests' locked paths."""
+        """The caches' invariants, plus: in-use pages are exactly the running requests' private
+        pages, none held twice, and page tables and locks match the locked paths."""
         for pool_state in self.pools.values():
             cache = pool_state.cache
             in_tree = check(cache)
@@ -276,6 +265,31 @@ class TorchEngine:
             for req in ms.waiting:
                 assert req.status is Status.WAITING and req.node is None and not req.pages
             assert len(ms.running) <= self.config.scheduler.max_running
+
+
+def sample(req: Request, logits: torch.Tensor) -> int:
+    """The next token from `logits` ([vocab] float32): greedy at temperature 0, else temperature,
+    top-k and top-p (nucleus) sampling from the request's own seeded generator."""
+    params = req.params
+    if params.temperature == 0:
+        return int(torch.argmax(logits))
+    scaled = logits / params.temperature
+    if 0 < params.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, params.top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if req.generator is None:
+        req.generator = torch.Generator(device=probs.device)
+        if params.seed is not None:
+            req.generator.manual_seed(params.seed)
+        else:
+            req.generator.seed()
+    return int(torch.multinomial(probs, 1, generator=req.generator))
 
 
 def default_device() -> torch.device:

@@ -1,9 +1,15 @@
 """Models the worker serves: a preset shape (`tiny`, `llama-3.2-1b`) with random weights, or a
-Hugging Face directory (docs/workers.md)."""
+Hugging Face directory; and their KV identity, the hash of everything that decides the K/V of
+a token sequence (docs/workers.md)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import mmap
+import re
+import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,19 +17,61 @@ import torch
 from safetensors.torch import load_file
 
 from backends.torch_worker.config import PRESETS, LlamaConfig
-from backends.torch_worker.fingerprint import (
-    dummy_digest,
-    kv_group_of,
-    model_fingerprint,
-    safetensors_digest,
-)
 from backends.torch_worker.model import LlamaForCausalLM
-from backends.torch_worker.page_pool import KVLayout
+from backends.torch_worker.paging import KVLayout
 from core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TINY_INIT_STD = 0.1  # larger than HF's 0.02: sharp attention, so a wrong page shows in logits
 INIT_STD = 0.02
+
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_LAST_LAYER_KV = ("input_layernorm.", "self_attn.k_proj.", "self_attn.v_proj.")
+
+
+def on_kv_path(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor `name` can change any layer's K or V."""
+    if name.startswith("model.embed_tokens."):
+        return True
+    match = _LAYER.fullmatch(name)
+    if match is None:
+        return False
+    layer, rest = int(match.group(1)), match.group(2)
+    return layer < num_layers - 1 or rest.startswith(_LAST_LAYER_KV)
+
+
+def safetensors_digest(files: Iterable[Path], num_layers: int) -> str:
+    """Hash of the KV-path tensors of a checkpoint, read straight from its files."""
+    entries: list[tuple[str, str, list[int], bytes]] = []
+    for path in sorted(files):
+        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            (size,) = struct.unpack("<Q", data[:8])
+            header = json.loads(data[8 : 8 + size])
+            base = 8 + size
+            for name, meta in header.items():
+                if name == "__metadata__" or not on_kv_path(name, num_layers):
+                    continue
+                start, end = meta["data_offsets"]
+                raw = hashlib.blake2b(data[base + start : base + end], digest_size=16).digest()
+                entries.append((name, meta["dtype"], meta["shape"], raw))
+    digest = hashlib.blake2b(digest_size=16)
+    for name, dtype, shape, raw in sorted(entries):
+        digest.update(json.dumps([name, dtype, shape]).encode())
+        digest.update(raw)
+    return digest.hexdigest()
+
+
+def model_fingerprint(
+    config: LlamaConfig,
+    dtype: torch.dtype,
+    page_size: int,
+    tokenizer_fingerprint: str,
+    weights_digest: str,
+) -> str:
+    dtype_name = str(dtype).removeprefix("torch.")
+    ident = [config.to_hf(), dtype_name, page_size, tokenizer_fingerprint, weights_digest]
+    return hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 @dataclass(slots=True, eq=False)
@@ -141,7 +189,7 @@ def load_model(
     std = TINY_INIT_STD if spec == "tiny" else INIT_STD
     if dummy:
         _randomize(model, seed, std)
-        weights = dummy_digest(seed, std, device.type)
+        weights = f"dummy:{seed}:{std!r}:{device.type}"  # its draw (device types draw apart)
     else:
         _load_checkpoint(model, files, device)
         weights = safetensors_digest(files, config.num_hidden_layers)
@@ -154,7 +202,7 @@ def load_model(
         tokenizer=tokenizer,
         tokenizer_spec=tokenizer_spec,
         fingerprint=fingerprint,
-        kv_group=kv_group_of(fingerprint),
+        kv_group=f"kv-{fingerprint[:16]}",  # equal fingerprints, one group
         max_model_len=min(max_model_len, limit) if max_model_len > 0 else limit,
         dtype=torch_dtype,
         device=device,

@@ -1,18 +1,56 @@
 """A Llama-architecture decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) over paged KV,
-with Hugging Face's parameter names. `forward` writes the new tokens' K/V into the pool and
-returns the last hidden state; `logits` projects the rows that get sampled."""
+with Hugging Face's parameter names. RoPE as HF's Llama applies it (rotate_half), with "default",
+"linear" and "llama3" scaling; others are refused: a wrong RoPE silently changes every K.
+`ModelRunner` turns one model's batch of (request, new tokens) into tensors (decodes first, as
+attention.py expects) and runs one forward pass."""
 
 from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.torch_worker.attention import PagedAttention
+from backends.torch_worker.attention import BatchLayout, PagedAttention, SequenceView
 from backends.torch_worker.config import LlamaConfig
-from backends.torch_worker.rope import RotaryEmbedding, apply_rope
+from backends.torch_worker.paging import PagePool
+from backends.torch_worker.request import Request
 
 Device = torch.device | str | None
+
+
+def inv_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """The per-pair inverse frequencies (float32 on the CPU, [head_dim / 2]) after scaling."""
+    dims = torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu")
+    inv = 1.0 / (theta ** (dims / head_dim))
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv.float()
+    assert scaling is not None
+    if kind == "linear":
+        return (inv / float(scaling["factor"])).float()
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        original = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        low_wavelen, high_wavelen = original / low, original / high
+        smooth = (original / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv / factor + smooth * inv
+        out = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        return torch.where(medium, blended, out).float()
+    raise ValueError(f"unsupported rope_scaling type {kind!r}")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; cos/sin: [tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 class RMSNorm(nn.Module):
@@ -104,7 +142,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+        self.inv_freq = inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's [tokens, head_dim] each, once per forward for all layers."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @torch.inference_mode()
     def forward(
@@ -116,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
         attention: PagedAttention,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        cos, sin = self.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
             a = layer.self_attn(
                 layer.input_layernorm(h), cos, sin, kv[0, i], kv[1, i], write_slots, attention
@@ -128,3 +174,66 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def new_token_slots(seq: SequenceView, page_size: int) -> list[int]:
+    """Where the sequence's new tokens go (the last `q_len` of its `kv_len`)."""
+    return [
+        seq.pages[p // page_size] * page_size + p % page_size
+        for p in range(seq.kv_len - seq.q_len, seq.kv_len)
+    ]
+
+
+class WorkItem(NamedTuple):
+    req: Request
+    n: int  # new tokens this forward computes: tokens[computed : computed + n]
+
+
+class ForwardResult(NamedTuple):
+    sampled: list[Request]  # requests whose last token was computed: they get a next token
+    logits: torch.Tensor  # [len(sampled), vocab] float32, row i for sampled[i]
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, attention: PagedAttention, device: torch.device
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.device = device
+
+    def forward(self, pool: PagePool, items: list[WorkItem]) -> ForwardResult:
+        bs = pool.layout.page_size
+        decodes = [SequenceView(1, it.req.computed + 1, it.req.pages) for it in items if it.n == 1]
+        prefills = [
+            SequenceView(it.n, it.req.computed + it.n, it.req.pages) for it in items if it.n > 1
+        ]
+        ordered = [it for it in items if it.n == 1] + [it for it in items if it.n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        rows: list[int] = []  # the batch row of each sampled request's last token
+        sampled: list[Request] = []
+        for it, seq in zip(ordered, decodes + prefills, strict=True):
+            req, start = it.req, it.req.computed
+            assert len(req.pages) * bs >= start + it.n, "pages do not cover the chunk"
+            ids.extend(req.tokens[start : start + it.n])
+            positions.extend(range(start, start + it.n))
+            slots.extend(new_token_slots(seq, bs))
+            if start + it.n == req.num_tokens:
+                rows.append(len(ids) - 1)
+                sampled.append(req)
+        device = self.device
+        layout = BatchLayout(bs, decodes, prefills, torch.tensor(slots, dtype=torch.long))
+        self.attention.prepare(layout, device)
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long, device=device),
+            torch.tensor(positions, dtype=torch.long, device=device),
+            pool.kv,
+            layout.write_slots.to(device),
+            self.attention,
+        )
+        if not rows:
+            return ForwardResult([], hidden.new_empty((0, self.model.config.vocab_size)))
+        logits = self.model.logits(hidden[torch.tensor(rows, device=device)])
+        return ForwardResult(sampled, logits)

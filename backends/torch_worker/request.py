@@ -1,8 +1,5 @@
-"""One generation as the engine tracks it: its tokens, its pages and its place in the cache.
-
-A request's tokens are its prompt followed by its output. `computed` of them have K/V in its
-pages; the next forward computes `tokens[computed:]` (one token when decoding, a chunk when
-prefilling or recomputing after a preemption). Its page table is split in two:
+"""One generation as the engine tracks it: its tokens (prompt then output), its pages and its
+place in the cache. `computed` tokens have K/V in its pages; the next forward computes the rest.
 
     pages[0, node_blocks)          in the cache's tree, on the path `node` locks
     pages[node_blocks, len(pages)) private: allocated to it, not (yet) in the tree
@@ -29,8 +26,6 @@ class Status(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """The caller fills the first fields; the engine fills the rest."""
-
     rid: int
     model: str  # the served name it asked for
     prompt: list[int]

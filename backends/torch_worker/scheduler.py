@@ -9,9 +9,15 @@ from itertools import count
 
 from backends.cache.radix import RadixCache
 from backends.torch_worker.loader import LoadedModel
-from backends.torch_worker.model_runner import ModelRunner, WorkItem
-from backends.torch_worker.page_pool import PagePool
-from backends.torch_worker.paging import admit, grow, matched_blocks, pages_needed, release
+from backends.torch_worker.model import ModelRunner, WorkItem
+from backends.torch_worker.paging import (
+    PagePool,
+    admit,
+    grow,
+    matched_blocks,
+    pages_needed,
+    release,
+)
 from backends.torch_worker.request import Request, Status
 
 

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from backends.http.engine import Events, InvalidateRequest, counter, gauge
-from backends.http.generation import Generation, WorkerLoad
-from backends.http.served_model import ServedModel
+from backends.http.generation import Generation, ServedModel, WorkerLoad
+from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from backends.torch_worker.engine import (
     EngineConfig,
@@ -52,12 +51,13 @@ _PER_POOL = (  # (metric, doc, the cache's token counts it sums, reported in pag
 
 
 class TorchSide:
-    """The torch engine as the worker shell takes it (backends/http/engine.py): a step is a
-    forward pass per model, so it runs on a thread of its own, due as soon as there is work."""
+    """The torch engine in the worker shell (backends/http/runner.py): a step is a forward pass
+    per model, so it runs on a thread of its own, due as soon as there is work."""
 
     name = ENGINE
     version = "urc-torch-0.1"
     blocking = True
+    model_info = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
 
     def __init__(
         self, served: dict[str, LoadedModel], config: EngineConfig, default_max_tokens: int
@@ -152,15 +152,9 @@ class TorchSide:
             "disable_radix_cache": not sched.prefix_cache,
         }
 
-    def model_info(self, model: ServedModel) -> dict[str, Any]:
-        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
-
     def collect(self) -> Iterator[Metric]:
-        """Per served model: requests, generated tokens, and the prefix cache's queries and hits
-        in prompt tokens (hit rate = hits / queries). Per page pool: total, free, cached and
-        in-use pages; per kv_group: the pages its tree holds (its share of the shared pool).
-        The engine thread writes these numbers; a scrape reads plain ints, so one scrape may
-        straddle a step."""
+        """Per served model, per page pool and per kv_group; plain ints the engine thread writes,
+        so one scrape may straddle a step."""
         engine = self.engine
         for metric, doc, attr in _PER_MODEL:
             counters = engine.counters.items()
@@ -237,17 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a served model (repeatable): a preset (tiny, llama-3.2-1b: random weights) or a "
         "Hugging Face directory; NAME=SPEC serves SPEC as NAME (default: tiny)",
     )
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (auto: cuda if any)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument(
-        "--load-format",
-        choices=["auto", "safetensors", "dummy"],
-        default="auto",
-        help="dummy: random weights of the model's shape",
-    )
+    dummy = "dummy: random weights of the model's shape"
     add_flags(
         parser,
         [
+            ("--device", str, "auto", "cpu, cuda, cuda:N (auto: cuda if any)"),
+            ("--dtype", str, "auto", "auto, float32, bfloat16, float16"),
+            ("--load-format", str, "auto", dummy, ["auto", "safetensors", "dummy"]),
             ("--seed", int, 0, "seed of random (dummy) weights"),
             ("--page-size", int, d.page_size, "tokens per KV page"),
             ("--kv-cache-mb", float, d.kv_cache_mb, "KV memory, all pools together"),
@@ -259,10 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--disable-prefix-cache", action="store_true", help="compute every prompt token"
     )
-    parser.add_argument(
-        "--attention", choices=["auto", "torch", "flashinfer"], default="auto", help="kernels"
+    add_flags(
+        parser,
+        [
+            ("--attention", str, "auto", "kernels", ["auto", "torch", "flashinfer"]),
+            ("--threads", int, 0, "torch CPU threads (0: torch's)"),
+        ],
     )
-    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's)")
     return parser
 
 

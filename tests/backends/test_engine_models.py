@@ -19,11 +19,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from backends.torch_worker.config import PRESETS, LlamaConfig
 from backends.torch_worker.engine import EngineConfig, TorchEngine
-from backends.torch_worker.fingerprint import on_kv_path
-from backends.torch_worker.loader import LoadedModel, load_model
-from backends.torch_worker.model import LlamaForCausalLM
+from backends.torch_worker.loader import LoadedModel, load_model, on_kv_path
+from backends.torch_worker.model import LlamaForCausalLM, apply_rope, inv_frequencies
 from backends.torch_worker.request import SamplingParams
-from backends.torch_worker.rope import apply_rope, inv_frequencies
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")
@@ -103,7 +101,7 @@ def dense_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     m = model.model
     with torch.no_grad():
         h = m.embed_tokens(torch.tensor(ids))
-        cos, sin = model.rotary.cos_sin(torch.arange(len(ids)), h.dtype)
+        cos, sin = model.cos_sin(torch.arange(len(ids)), h.dtype)
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         for layer in m.layers:
             x = layer.input_layernorm(h)

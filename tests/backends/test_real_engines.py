@@ -14,8 +14,7 @@ import zmq
 import zmq.asyncio
 
 from backends.real.cluster import free_ports
-from backends.real.sglang import SGLangSpec, sglang_launch
-from backends.real.vllm import VLLMSpec, vllm_launch
+from backends.real.process import EngineSpec, sglang_launch, vllm_launch
 from core.blocks import block_keys
 from core.kv_events import decode_batch
 from router.gateway.config import ConfigError, parse_attach
@@ -31,7 +30,7 @@ def flag(argv: list[str], name: str) -> str:
 
 
 def test_vllm_command_line_turns_on_caching_usage_and_events() -> None:
-    spec = VLLMSpec("/m/tiny", 8001, 5557, 5558, ["tiny", "alias"], block_size=32, cpu=True)
+    spec = EngineSpec("/m/tiny", 8001, 5557, 5558, ["tiny", "alias"], block_size=32, cpu=True)
     spec.num_gpu_blocks = 64
     launch = vllm_launch(spec)
     argv = launch.argv
@@ -60,7 +59,7 @@ def test_vllm_command_line_turns_on_caching_usage_and_events() -> None:
 
 
 def test_sglang_command_line_turns_on_cache_report_events_and_pages() -> None:
-    spec = SGLangSpec("/m/llama", 30000, 5557, 5558, "llama", page_size=16, load_format="dummy")
+    spec = EngineSpec("/m/llama", 30000, 5557, 5558, ["llama"], load_format="dummy")
     launch = sglang_launch(spec)
     argv = launch.argv
     assert argv[1:3] == ["-m", "sglang.launch_server"]

@@ -15,8 +15,7 @@ from pathlib import Path
 import httpx
 
 from backends.real.cluster import free_ports
-from backends.real.process import EngineProcess, start_engine
-from backends.real.vllm import VLLMSpec, vllm_launch
+from backends.real.process import EngineProcess, EngineSpec, start_engine, vllm_launch
 
 VLLM_PYTHON = os.environ.get("URC_VLLM_PYTHON", "")
 MODEL = "tiny"
@@ -31,10 +30,10 @@ def start_vllm_engines(
     ports = free_ports(3 * n)
     engines = []
     for i in range(n):
-        spec = VLLMSpec(
+        spec = EngineSpec(
             str(model_dir),
             *ports[3 * i : 3 * i + 3],
-            served_model_names=[MODEL],
+            names=[MODEL],
             block_size=BLOCK,
             max_model_len=1024,
             num_gpu_blocks=num_blocks,
