@@ -1,10 +1,6 @@
-"""One streamed OpenAI-compatible request -> a `RequestResult` and the reply text.
-
-Every request asks for `stream: true` with `stream_options.include_usage`, so TTFT is the time
-to the first non-empty content chunk and the final chunk carries `usage` (prompt, completion and
-cached tokens). An endpoint that ignores `stream` and answers one JSON body is read too (its
-TTFT is then its whole latency). Nothing here raises except cancellation: failures become
-error kinds (`RequestResult.error`, None = success; the list is in docs/cli.md).
+"""One streamed OpenAI-compatible request -> a `RequestResult` and the reply text (what is
+measured and how a stream is read: docs/loadgen.md). Nothing here raises except cancellation:
+failures become error kinds (`RequestResult.error`, None = success; docs/cli.md lists them).
 """
 
 from __future__ import annotations
@@ -46,9 +42,8 @@ def parse_int(value: object) -> int | None:
 
 
 def parse_route(header: str | None) -> Route | None:
-    """`worker=w1; matched_tokens=2048; reason=cache_hit` (also `,`-separated, `key: value`, or
-    a JSON object; the gateway also sends prompt_tokens); keys are case-insensitive, `-` = `_`.
-    None when the header is absent."""
+    """x-urc-route, `worker=w1; matched_tokens=2048; reason=cache_hit` or another spelling
+    (docs/loadgen.md); None when the header is absent."""
     if header is None or not header.strip():
         return None
     pairs: dict[str, str] = {}

@@ -1,6 +1,5 @@
 """Mooncake traces -> `RequestSpec`s with real text (docs/traces.md: the line format, and how
-hash ids become text: prompts sharing a hash-id prefix share exactly that text prefix).
-Pure but for reading the file."""
+hash ids become text). Pure but for reading the file."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from core.text import filler
-from loadgen.workloads import Kind, RequestSpec
+from loadgen.workloads import Kind, RequestSpec, request_text
 
 BLOCK_TOKENS = 512
 
@@ -145,12 +144,6 @@ def trace_requests(
         max_tokens = rec.output_length
         if max_output_tokens is not None:
             max_tokens = min(max_tokens, max_output_tokens)
-        prompt = record_prompt(rec, block_tokens, seed)
-        text: dict[str, Any] = (
-            {"messages": [{"role": "user", "content": prompt}]}
-            if kind == "chat"
-            else {"prompt": prompt}
-        )
         yield RequestSpec(
             i,
             kind,
@@ -159,5 +152,5 @@ def trace_requests(
             arrival_s=(rec.timestamp_ms - t0) / 1000.0 * time_scale,
             tenant=rec.tenant,
             group_id=f"h{rec.hash_ids[0]}" if rec.hash_ids else None,
-            **text,
+            **request_text(kind, record_prompt(rec, block_tokens, seed)),
         )

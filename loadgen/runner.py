@@ -1,14 +1,6 @@
-"""The async load engine: specs -> streamed requests on one aiohttp session -> results.
-
-Closed loop (`concurrency` C): C requests in flight at all times. Open loop (`rate` R, Poisson,
-or `replay_arrivals`, each spec's own `arrival_s` as from a trace): a request is sent at its
-arrival time whatever is in flight (up to `max_in_flight`, the connection pool's size too).
-In both, a multi-turn session's next turn goes out only once its previous turn has completed
-(`SessionQueue`), at its own arrival time if that is later.
-
-A run ends when the specs run out (`max_requests` caps them) or `duration_s` has passed; then
-nothing new is sent, requests in flight get `grace_s` to finish, and the rest are cancelled and
-recorded as `cancelled`. Failures are results, never exceptions.
+"""The async load engine: specs -> streamed requests on one aiohttp session -> results, in a
+closed loop (`concurrency`) or an open one (Poisson `rate`, or the trace's own arrivals). How a
+run is paced and how it ends: docs/loadgen.md. Failures are results, never exceptions.
 """
 
 from __future__ import annotations
@@ -31,9 +23,8 @@ from loadgen.workloads import RequestSpec, with_poisson_arrivals
 
 
 class KeyRing:
-    """API keys by tenant. Each entry is `KEY` or `TENANT=KEY`: named tenants get their key;
-    other tenants take the plain keys in order of first appearance (cycling); requests with no
-    tenant use the first plain key."""
+    """API keys by tenant from `KEY` or `TENANT=KEY` entries: other tenants take the plain keys
+    in order of first appearance (cycling); no tenant takes the first plain key."""
 
     def __init__(self, entries: Sequence[str] = ()) -> None:
         self.by_tenant: dict[str, str] = {}
@@ -178,10 +169,9 @@ class _Engine:
                 await asyncio.sleep(0.25)
                 out.write("\r" + self._progress_line(total))
                 out.flush()
-        except asyncio.CancelledError:
+        finally:  # cancelled at the end of the run: the last line stays
             out.write("\r" + self._progress_line(total) + "\n")
             out.flush()
-            raise
 
     def _progress_line(self, total: int | None) -> str:
         elapsed = time.perf_counter() - self.t0

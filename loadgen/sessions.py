@@ -1,14 +1,7 @@
-"""SessionQueue: the order in which specs become requests, and multi-turn chaining.
-
-Pure and synchronous (no I/O, no clock): the async runner and the offline simulator drive the
-same object. Specs are handed out in the order they were added, except that a session's turn
-waits until its previous turn has completed; it is then sent as the conversation so far:
-
-    turn k+1 messages = turn k's sent messages + {"assistant": actual reply} + turn k+1's own
-    turn k+1 prompt   = turn k's sent prompt + actual reply + turn k+1's own text  (completion)
-
-so every request of a session extends the previous one exactly as the endpoint saw it. A failed
-turn ends its session: the turns still waiting, and any that arrive later, are dropped.
+"""SessionQueue: the order in which specs become requests, and multi-turn chaining, pure and
+synchronous (the async runner and the offline simulator drive the same object). A session's turn
+waits for its previous turn, then goes out as that request + the actual reply + its own new
+messages (or text); a failed turn ends its session. Details: docs/loadgen.md.
 """
 
 from __future__ import annotations
