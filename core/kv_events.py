@@ -1,7 +1,5 @@
-"""The KV-event codec: vLLM's batches in both msgpack encodings, positional and map, with
-unknown events skipped and counted, and our `BlockStored.cache_salt` (maps only). The wire
-format and what is tolerated: docs/kv-events.md.
-"""
+"""The KV-event codec: vLLM's batches in both msgpack encodings, positional and map, and our
+`BlockStored.cache_salt` (maps only). The wire format and what is tolerated: docs/kv-events.md."""
 
 from __future__ import annotations
 
@@ -86,9 +84,7 @@ class _PosBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class _VllmBatch(msgspec.Struct, array_like=True, gc=False):
-    """The shape vLLM sends today, decoded in one call (the fast path)."""
-
+class _VllmBatch(msgspec.Struct, array_like=True, gc=False):  # vLLM today, in one call
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None

@@ -1,8 +1,5 @@
-"""Which compiled modules run, the extensions or their Python source (docs/compiled.md): the
-source, for all at once, under `URC_PURE_PYTHON=1` or in a checkout where an extension is older
-than its .py; for some, under `URC_PURE_PYTHON=router.gateway,core.strict_json` (modules or
-packages: a compiled group measured on its own, bench/gateway_overhead.py). Each package's
-`__init__` calls `install()` before it imports a compiled module.
+"""Which compiled modules run, the extensions or their Python source (docs/compiled.md). Each
+package's `__init__` calls `install()` before it imports a compiled module.
 """
 
 from __future__ import annotations
