@@ -32,8 +32,7 @@ def extensions() -> dict[str, tuple[Path, Path]]:
 
 
 def stale() -> list[str]:
-    """Compiled modules whose source changed after they were built (in a checkout; an
-    installed wheel's files carry no build order)."""
+    """Compiled modules whose source changed after they were built (in a checkout only)."""
     if not (ROOT / "pyproject.toml").exists():
         return []
     return sorted(  # setup.py stamps every extension at the end of a build

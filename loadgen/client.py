@@ -6,6 +6,7 @@ failures become error kinds (`RequestResult.error`, None = success; docs/cli.md 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -28,9 +29,6 @@ class Route:
     fields: dict[str, str] = field(default_factory=dict)
 
 
-_PAIR_SEP = re.compile(r"[;,]")
-
-
 def parse_int(value: object) -> int | None:
     """An int from a header or JSON field, None when absent or unparseable."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
@@ -49,14 +47,12 @@ def parse_route(header: str | None) -> Route | None:
     pairs: dict[str, str] = {}
     text = header.strip()
     if text.startswith("{"):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             obj = json.loads(text)
             if isinstance(obj, dict):
                 pairs = {str(k): "" if v is None else str(v) for k, v in obj.items()}
-        except json.JSONDecodeError:
-            pass
     if not pairs:
-        for item in _PAIR_SEP.split(text):
+        for item in re.split(r"[;,]", text):
             key, sep, value = item.partition("=")
             if not sep:
                 key, sep, value = item.partition(":")

@@ -46,8 +46,7 @@ class SessionQueue:
             heapq.heappush(self._ready, (self._order, spec))
 
     def take(self) -> RequestSpec | None:
-        """The next request to send (turns of a session carry the whole conversation), or None
-        when nothing is ready. The caller must `complete` every request it takes."""
+        """The next request to send, or None; the caller must `complete` every one it takes."""
         if not self._ready:
             return None
         _, spec = heapq.heappop(self._ready)
