@@ -161,17 +161,11 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
             wire = _map_batch.decode(payload)
         else:
             raise KVEventDecodeError("the payload is neither an array nor a map")
-        events: list[KVEvent] = []
-        unknown = 0
-        for raw in wire.events:
-            ev = _decode_event(raw)
-            if ev is None:
-                unknown += 1
-            else:
-                events.append(ev)
+        decoded = [_decode_event(raw) for raw in wire.events]
     except msgspec.DecodeError as exc:  # ValidationError included
         raise KVEventDecodeError(str(exc)) from exc
-    return EventBatch(wire.ts, events, wire.data_parallel_rank, unknown)
+    events = [ev for ev in decoded if ev is not None]
+    return EventBatch(wire.ts, events, wire.data_parallel_rank, len(decoded) - len(events))
 
 
 def encode_batch(batch: EventBatch, *, array_like: bool = True) -> bytes:

@@ -71,8 +71,6 @@ class Tokenizer(ABC):
         return self._encode_plain(self.render_chat(messages, tools, template_kwargs))
 
 
-# --- the byte tokenizer of the bundled tiny models ----------------------------------------------
-
 BYTE_SPECIAL_TOKENS: dict[str, int] = {
     "<|bos|>": 256,  # reserved: nothing adds it (no BOS on either path)
     "<|eos|>": 257,
@@ -89,8 +87,7 @@ BYTE_CHAT_TEMPLATE = (
 
 
 class ByteTokenizer(Tokenizer):
-    """id = UTF-8 byte, and one id per special token wherever its text appears; no BOS is added.
-    Chat is ChatML (BYTE_CHAT_TEMPLATE)."""
+    """id = UTF-8 byte, one id per special token wherever its text appears, no BOS; chat: ChatML."""
 
     vocab_size = BYTE_VOCAB_SIZE
     eos_token_id = BYTE_SPECIAL_TOKENS["<|eos|>"]
@@ -136,8 +133,6 @@ class ByteTokenizer(Tokenizer):
                 raise ValueError(f"token id {i} is outside the byte vocabulary")
         return raw.decode(errors="replace")
 
-
-# --- Hugging Face tokenizers ----------------------------------------------------------------------
 
 _SPECIAL_TOKEN_KEYS = [f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")]
 

@@ -6,6 +6,7 @@ run is paced and how it ends: docs/loadgen.md. Failures are results, never excep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import signal
 import sys
@@ -148,11 +149,9 @@ class _Engine:
             wait_s = deadline - now
             if upcoming is not None:
                 wait_s = min(wait_s, self.t0 + (upcoming.arrival_s or 0.0) - now)
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s if math.isfinite(wait_s) else None):
                     await self.wake.wait()
-            except TimeoutError:
-                pass
         if self.in_flight:
             _, late = await asyncio.wait(set(self.in_flight), timeout=cfg.grace_s)
             for task in late:

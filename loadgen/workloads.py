@@ -187,12 +187,10 @@ def defaults(cls: type) -> dict[str, Any]:
 
 
 def _coerce(value: Any, default: Any, name: str) -> Any:
-    """A parameter given as text (`--param k=v`) -> the type of its default."""
+    """A parameter given as text (`--param k=v`) -> the type of its default (int or tuple)."""
     if not isinstance(value, str) or isinstance(default, str):
         return value
     try:
-        if isinstance(default, bool):
-            return value.lower() in ("1", "true", "yes", "on")
         if isinstance(default, tuple):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         return type(default)(value)
