@@ -76,12 +76,9 @@ def _is_var(node: nodes.Node, name: str) -> bool:
 
 def _is_var_or_elems(node: nodes.Node, name: str, key: str | None = None) -> bool:
     """`name` (or `name[key]` / `name.key`), possibly filtered, tested or sliced."""
-    if isinstance(node, nodes.Filter):
+    sliced = isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    if sliced or isinstance(node, nodes.Filter | nodes.Test):
         return node.node is not None and _is_var_or_elems(node.node, name, key)
-    if isinstance(node, nodes.Test):
-        return _is_var_or_elems(node.node, name, key)
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-        return _is_var_or_elems(node.node, name, key)
     if key is None:
         return _is_var(node, name)
     if isinstance(node, nodes.Getitem):

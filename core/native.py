@@ -63,12 +63,6 @@ def _source_first() -> tuple[str, ...]:
     return _source
 
 
-def _takes_source(fullname: str) -> bool:
-    return any(
-        not name or fullname == name or fullname.startswith(name + ".") for name in _source_first()
-    )
-
-
 class _SourceFirst(importlib.machinery.PathFinder):
     """Finds our modules' .py where an extension module would shadow it."""
 
@@ -78,7 +72,7 @@ class _SourceFirst(importlib.machinery.PathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname.split(".", 1)[0] not in PACKAGES or path is None:
             return None
-        if not _takes_source(fullname):
+        if not any(not n or fullname == n or fullname.startswith(n + ".") for n in _source_first()):
             return None
         for entry in path:
             source = Path(entry) / (fullname.rsplit(".", 1)[-1] + ".py")
