@@ -165,8 +165,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def normalise_messages(messages: Any, content_format: ContentFormat) -> list[dict[str, Any]]:
-    """The conversation as vLLM hands it to the template (a copy; ValueError on malformed input).
-    Its fields and content: docs/block-keys.md."""
+    """The conversation as vLLM hands it to the template (a copy; docs/block-keys.md)."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError("messages must be a non-empty list of message objects")
     conversation = []

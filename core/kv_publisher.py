@@ -41,8 +41,8 @@ def _bind(kind: int, endpoint: str, send_hwm: int) -> tuple[zmq.Socket, str]:
 
 
 class KVEventPublisher:
-    """Publishes event batches, as maps (the encoding that carries `cache_salt`), and serves
-    replays; `endpoint` and `replay_endpoint` are the addresses bound (port 0: any free one)."""
+    """Publishes batches as maps (which carry `cache_salt`) and serves replays; `endpoint` and
+    `replay_endpoint` become the addresses bound."""
 
     def __init__(
         self,

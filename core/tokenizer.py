@@ -154,8 +154,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face model directory's fast tokenizer, configured as transformers configures it
-    (which files count: docs/block-keys.md)."""
+    """A Hugging Face directory's fast tokenizer, set up as in transformers (docs/block-keys.md)."""
 
     def __init__(self, directory: str | Path) -> None:
         root = Path(directory)

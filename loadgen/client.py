@@ -1,7 +1,5 @@
-"""One streamed OpenAI-compatible request -> a `RequestResult` and the reply text (what is
-measured and how a stream is read: docs/loadgen.md). Nothing here raises except cancellation:
-failures become error kinds (`RequestResult.error`, None = success; docs/cli.md lists them).
-"""
+"""One streamed OpenAI-compatible request -> a `RequestResult` and the reply text (docs/loadgen.md).
+Nothing here raises but cancellation: failures are error kinds (`RequestResult.error`)."""
 
 from __future__ import annotations
 

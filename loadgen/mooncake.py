@@ -87,8 +87,7 @@ def parse_record(text: str, line: int) -> TraceRecord:
 def parse_trace(
     lines: Iterable[str], source: str = "<trace>", skip_bad: bool = False
 ) -> tuple[list[TraceRecord], list[tuple[int, str]]]:
-    """Every record and every bad line. Raises TraceFormatError on any bad line unless
-    `skip_bad`, and on a trace with no records at all."""
+    """Records and bad lines; TraceFormatError on a bad line (unless `skip_bad`) or no record."""
     records: list[TraceRecord] = []
     errors: list[tuple[int, str]] = []
     for n, text in enumerate(lines, start=1):
@@ -135,8 +134,7 @@ def trace_requests(
     max_output_tokens: int | None = None,
     seed: int = 0,
 ) -> Iterator[RequestSpec]:
-    """Specs in timestamp order, lazily (prompts are large); arrival_s and max_tokens as
-    docs/traces.md says; a record's own model overrides `model`."""
+    """Specs in timestamp order, lazily (prompts are large), as docs/traces.md says."""
     assert time_scale >= 0 and block_tokens >= 1
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
     t0 = ordered[0].timestamp_ms if ordered else 0.0

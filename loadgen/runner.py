@@ -1,7 +1,5 @@
 """The async load engine: specs -> streamed requests on one aiohttp session -> results, in a
-closed loop (`concurrency`) or an open one (Poisson `rate`, or the trace's own arrivals). How a
-run is paced and how it ends: docs/loadgen.md. Failures are results, never exceptions.
-"""
+closed or an open loop (docs/loadgen.md). Failures are results, never exceptions."""
 
 from __future__ import annotations
 
@@ -187,8 +185,7 @@ class _Engine:
 async def run_bench(
     specs: Iterable[RequestSpec], config: BenchConfig, stop_on_sigint: bool = False
 ) -> RunResult:
-    """Send `specs` as `config` says; never raises for a failed request. With `stop_on_sigint`,
-    Ctrl-C ends the run early (requests in flight get the grace period) instead of aborting."""
+    """Send `specs` as `config` says; with `stop_on_sigint`, Ctrl-C ends the run (grace period)."""
     source: Iterator[RequestSpec] = iter(specs)
     if config.max_requests is not None:
         source = islice(source, config.max_requests)

@@ -1,8 +1,5 @@
-"""SessionQueue: the order in which specs become requests, and multi-turn chaining, pure and
-synchronous (the async runner and the offline simulator drive the same object). A session's turn
-waits for its previous turn, then goes out as that request + the actual reply + its own new
-messages (or text); a failed turn ends its session. Details: docs/loadgen.md.
-"""
+"""SessionQueue: the order in which specs become requests, and multi-turn chaining
+(docs/loadgen.md). Pure: the async runner and the offline simulator drive the same object."""
 
 from __future__ import annotations
 

@@ -28,9 +28,8 @@ def free_port() -> int:
 
 
 class Child:
-    """A child process in its own session (Ctrl-C reaches only us; we stop it), its output kept
-    for error messages; `url` from its `ready_prefix` line (`ready: URL`). A `console` child (of
-    `urc cluster`) runs in our working directory and logs (stderr) to ours."""
+    """A child process in its own session (Ctrl-C reaches only us), its output kept for errors;
+    `url` from its `ready_prefix` line. `console` (urc cluster): our cwd, its stderr ours."""
 
     def __init__(
         self,
