@@ -119,16 +119,6 @@ def _to_pos(ev: KVEvent) -> Any:
     return twin(*msgspec.structs.astuple(ev)[: len(twin.__struct_fields__)])
 
 
-def _event_tag(raw: msgspec.Raw) -> object:
-    """The type tag of an event that failed typed decoding (a DecodeError if it is not msgpack)."""
-    value = _any.decode(raw)
-    if isinstance(value, dict):
-        return value.get("type")
-    if isinstance(value, list) and value:
-        return value[0]
-    return None
-
-
 def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
     """One event; None when its type is unknown (skipped)."""
     first = memoryview(raw)[0] if len(raw) else -1
@@ -137,8 +127,9 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
             return _map_event.decode(raw)
         if first in _ARRAY_FIRST:
             return _from_pos(_pos_event.decode(raw))
-    except msgspec.ValidationError:
-        tag = _event_tag(raw)
+    except msgspec.ValidationError:  # of an unknown type? (a DecodeError if it is not msgpack)
+        value = _any.decode(raw)  # a map or an array, by its first byte
+        tag = value.get("type") if isinstance(value, dict) else value[0] if value else None
         if isinstance(tag, str) and tag not in _KNOWN:
             return None
         raise
