@@ -1,5 +1,4 @@
-"""Mooncake traces -> `RequestSpec`s with real text (docs/traces.md: the line format, and how
-hash ids become text). Pure but for reading the file."""
+"""Mooncake traces -> `RequestSpec`s with real text (docs/traces.md); pure but for the reading."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""A run's results -> one summary dict (the `--json` file: schema `urc.bench/1`, docs/cli.md)
-and a table for the terminal. Pure."""
+"""A run's results -> the summary (`--json`: schema `urc.bench/1`, docs/cli.md) and a table."""
 
 from __future__ import annotations
 
