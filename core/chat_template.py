@@ -1,7 +1,5 @@
-"""Chat templates rendered as the serving engines render them (docs/block-keys.md): in
-transformers' `apply_chat_template` jinja environment, on messages normalised as vLLM's OpenAI
-server does, so the text, and hence the token ids and block keys, are the ones the engine caches.
-"""
+"""Chat templates rendered as the serving engines render them: transformers' jinja environment,
+vLLM's message normalisation and content-format detection (docs/block-keys.md)."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ class ChatTemplateError(ValueError):
 
 
 class _GenerationTag(Extension):
-    """transformers' `{% generation %}...{% endgeneration %}` (assistant-mask marker): renders
-    its body unchanged, inside a call block exactly as transformers' AssistantTracker does."""
+    """transformers' `{% generation %}` (an assistant-mask marker): its body, unchanged."""
 
     tags = {"generation"}
 
@@ -79,12 +76,9 @@ def _is_var(node: nodes.Node, name: str) -> bool:
 
 def _is_var_or_elems(node: nodes.Node, name: str, key: str | None = None) -> bool:
     """`name` (or `name[key]` / `name.key`), possibly filtered, tested or sliced."""
-    if isinstance(node, nodes.Filter):
+    sliced = isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    if sliced or isinstance(node, nodes.Filter | nodes.Test):
         return node.node is not None and _is_var_or_elems(node.node, name, key)
-    if isinstance(node, nodes.Test):
-        return _is_var_or_elems(node.node, name, key)
-    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
-        return _is_var_or_elems(node.node, name, key)
     if key is None:
         return _is_var(node, name)
     if isinstance(node, nodes.Getitem):
@@ -96,8 +90,7 @@ def _is_var_or_elems(node: nodes.Node, name: str, key: str | None = None) -> boo
 
 
 def _aliases(root: nodes.Template, name: str) -> list[str]:
-    """`name` and every variable assigned from it (`{% set m = messages[1:] %}`), transitively,
-    breadth first."""
+    """`name` and every variable assigned from it (`{% set m = messages[1:] %}`), transitively."""
     names = [name]
     for current in names:  # grows while it is walked
         for assign in root.find_all(nodes.Assign):
@@ -121,8 +114,7 @@ def _loop_targets(root: nodes.Template, names: list[str], key: str | None) -> It
 
 @lru_cache(maxsize=64)
 def detect_content_format(source: str) -> ContentFormat:
-    """vLLM's auto-detection: "openai" when the template loops over `message['content']` (it
-    expects a list of parts), else "string" (text parts are joined with "\\n" first)."""
+    """vLLM's: "openai" when the template loops over `message['content']`, else "string"."""
     root = _ENV.parse(source)
     message_vars = list(_loop_targets(root, _aliases(root, "messages"), None))
     content_loop = next(_loop_targets(root, message_vars, "content"), None)
@@ -173,10 +165,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
 
 
 def normalise_messages(messages: Any, content_format: ContentFormat) -> list[dict[str, Any]]:
-    """The conversation as vLLM hands it to the template (ValueError on malformed input; the input
-    is not modified): role, content, name, and tool_calls (assistant) / tool_call_id (tool).
-    Content is one string (text parts joined with "\\n", null -> "") or, for "openai" templates,
-    a list of `{"type": "text", "text": ...}` parts."""
+    """The conversation as vLLM hands it to the template (a copy; docs/block-keys.md)."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise ValueError("messages must be a non-empty list of message objects")
     conversation = []
@@ -219,9 +208,8 @@ class ChatTemplate:
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """The prompt text with the generation prompt appended; `template_kwargs` are vLLM's
-        `chat_template_kwargs` (e.g. `enable_thinking`). ValueError (ChatTemplateError when the
-        template itself refuses) on bad input."""
+        """The prompt text with the generation prompt (`template_kwargs`: vLLM's
+        `chat_template_kwargs`); ValueError on bad input (ChatTemplateError: the template's)."""
         conversation = normalise_messages(messages, self.content_format)
         if tools is not None and (
             not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)

@@ -1,7 +1,5 @@
-"""The KV-event codec: vLLM's batches in both msgpack encodings, positional and map, with
-unknown events skipped and counted, and our `BlockStored.cache_salt` (maps only). The wire
-format and what is tolerated: docs/kv-events.md.
-"""
+"""The KV-event codec: vLLM's batches in both msgpack encodings, positional and map, and our
+`BlockStored.cache_salt` (maps only). The wire format and what is tolerated: docs/kv-events.md."""
 
 from __future__ import annotations
 
@@ -86,9 +84,7 @@ class _PosBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class _VllmBatch(msgspec.Struct, array_like=True, gc=False):
-    """The shape vLLM sends today, decoded in one call (the fast path)."""
-
+class _VllmBatch(msgspec.Struct, array_like=True, gc=False):  # vLLM today, in one call
     ts: float
     events: list[KVEvent]
     data_parallel_rank: int | None = None
@@ -123,16 +119,6 @@ def _to_pos(ev: KVEvent) -> Any:
     return twin(*msgspec.structs.astuple(ev)[: len(twin.__struct_fields__)])
 
 
-def _event_tag(raw: msgspec.Raw) -> object:
-    """The type tag of an event that failed typed decoding (a DecodeError if it is not msgpack)."""
-    value = _any.decode(raw)
-    if isinstance(value, dict):
-        return value.get("type")
-    if isinstance(value, list) and value:
-        return value[0]
-    return None
-
-
 def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
     """One event; None when its type is unknown (skipped)."""
     first = memoryview(raw)[0] if len(raw) else -1
@@ -141,8 +127,9 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
             return _map_event.decode(raw)
         if first in _ARRAY_FIRST:
             return _from_pos(_pos_event.decode(raw))
-    except msgspec.ValidationError:
-        tag = _event_tag(raw)
+    except msgspec.ValidationError:  # of an unknown type? (a DecodeError if it is not msgpack)
+        value = _any.decode(raw)  # a map or an array, by its first byte
+        tag = value.get("type") if isinstance(value, dict) else value[0] if value else None
         if isinstance(tag, str) and tag not in _KNOWN:
             return None
         raise
@@ -165,17 +152,11 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
             wire = _map_batch.decode(payload)
         else:
             raise KVEventDecodeError("the payload is neither an array nor a map")
-        events: list[KVEvent] = []
-        unknown = 0
-        for raw in wire.events:
-            ev = _decode_event(raw)
-            if ev is None:
-                unknown += 1
-            else:
-                events.append(ev)
+        decoded = [_decode_event(raw) for raw in wire.events]
     except msgspec.DecodeError as exc:  # ValidationError included
         raise KVEventDecodeError(str(exc)) from exc
-    return EventBatch(wire.ts, events, wire.data_parallel_rank, unknown)
+    events = [ev for ev in decoded if ev is not None]
+    return EventBatch(wire.ts, events, wire.data_parallel_rank, len(decoded) - len(events))
 
 
 def encode_batch(batch: EventBatch, *, array_like: bool = True) -> bytes:

@@ -1,7 +1,5 @@
-"""The worker side of KV events: vLLM's ZmqEventPublisher, a PUB stream plus a ROUTER replay
-of the last `buffer_steps` batches (wire protocol: docs/kv-events.md). `publish` is synchronous
-and thread-safe (the engine's step loop calls it); a daemon thread answers replay requests.
-"""
+"""The worker side of KV events: vLLM's ZmqEventPublisher, a PUB stream plus a ROUTER replay of
+the last `buffer_steps` batches (docs/kv-events.md), answered by a daemon thread."""
 
 from __future__ import annotations
 
@@ -24,9 +22,8 @@ _BIND_TIMEOUT_S = 2.0
 
 
 def _bind(kind: int, endpoint: str, send_hwm: int) -> tuple[zmq.Socket, str]:
-    """A socket bound to `endpoint` (tcp://host:0: any free port) and the address bound. A port
-    closed a moment ago may still be held by ZMQ's I/O thread (it closes asynchronously): retry
-    a little."""
+    """A socket bound to `endpoint` (tcp://host:0: any free port) and the address bound, retried
+    a little: ZMQ's I/O thread may still hold a port closed a moment ago."""
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.SNDHWM, send_hwm)
     sock.setsockopt(zmq.LINGER, 0)
@@ -44,9 +41,8 @@ def _bind(kind: int, endpoint: str, send_hwm: int) -> tuple[zmq.Socket, str]:
 
 
 class KVEventPublisher:
-    """Publishes event batches on `endpoint` and serves replays on `replay_endpoint`, both bound
-    here: `self.endpoint` and `self.replay_endpoint` are the addresses bound (port 0: any free
-    one). Events go as maps, vLLM's encoding today and the only one carrying `cache_salt`."""
+    """Publishes batches as maps (which carry `cache_salt`) and serves replays; `endpoint` and
+    `replay_endpoint` become the addresses bound."""
 
     def __init__(
         self,
@@ -76,8 +72,7 @@ class KVEventPublisher:
     def publish(
         self, events: Sequence[KVEvent], ts: float | None = None, *, live: bool = True
     ) -> int:
-        """Send one batch; returns its seq. `live=False` keeps it for replay only, as if the
-        PUB message were lost (tests)."""
+        """Send one batch (thread-safe); returns its seq. `live=False`: for replay only (tests)."""
         batch = EventBatch(time.time() if ts is None else ts, list(events))
         return self.publish_payload(encode_batch(batch, array_like=False), live=live)
 

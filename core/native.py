@@ -1,8 +1,5 @@
-"""Which compiled modules run, the extensions or their Python source (docs/compiled.md): the
-source, for all at once, under `URC_PURE_PYTHON=1` or in a checkout where an extension is older
-than its .py; for some, under `URC_PURE_PYTHON=router.gateway,core.strict_json` (modules or
-packages: a compiled group measured on its own, bench/gateway_overhead.py). Each package's
-`__init__` calls `install()` before it imports a compiled module.
+"""Which compiled modules run, the extensions or their Python source (docs/compiled.md). Each
+package's `__init__` calls `install()` before it imports a compiled module.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ def extensions() -> dict[str, tuple[Path, Path]]:
 
 
 def stale() -> list[str]:
-    """Compiled modules whose source changed after they were built (in a checkout; an
-    installed wheel's files carry no build order)."""
+    """Compiled modules whose source changed after they were built (in a checkout only)."""
     if not (ROOT / "pyproject.toml").exists():
         return []
     return sorted(  # setup.py stamps every extension at the end of a build
@@ -67,12 +63,6 @@ def _source_first() -> tuple[str, ...]:
     return _source
 
 
-def _takes_source(fullname: str) -> bool:
-    return any(
-        not name or fullname == name or fullname.startswith(name + ".") for name in _source_first()
-    )
-
-
 class _SourceFirst(importlib.machinery.PathFinder):
     """Finds our modules' .py where an extension module would shadow it."""
 
@@ -82,7 +72,7 @@ class _SourceFirst(importlib.machinery.PathFinder):
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname.split(".", 1)[0] not in PACKAGES or path is None:
             return None
-        if not _takes_source(fullname):
+        if not any(not n or fullname == n or fullname.startswith(n + ".") for n in _source_first()):
             return None
         for entry in path:
             source = Path(entry) / (fullname.rsplit(".", 1)[-1] + ".py")

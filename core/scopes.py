@@ -1,11 +1,5 @@
-"""The runs of a namespace scope in a tree of block runs (scoped invalidation).
-
-A namespace starts at a known key (`namespaces`: key -> salt; a root block, or the first private
-block after a public prefix, core/blocks.py), and everything below that key is in it. The
-gateway's index and our workers' caches keep their blocks in runs with a parent; both find a
-scope's runs the same way: split runs where a matching namespace starts mid-run, then take every
-run below one of those starts.
-"""
+"""The runs of a namespace scope in a tree of block runs, for the index and our workers'
+caches alike (scoped invalidation: docs/isolation.md)."""
 
 from __future__ import annotations
 
@@ -29,9 +23,9 @@ def runs_in_scope(
     scope: Callable[[str], bool],
     root: R | None = None,
 ) -> list[R]:
-    """Every run in a namespace whose salt passes `scope`. `find(key)` is the run holding
-    `key`; `split(run, at)` cuts `run` so that it keeps its keys from `at` on; `root`, a
-    sentinel run that is never in a scope."""
+    """Every run in a namespace (`namespaces`: its first key -> its salt) whose salt passes
+    `scope`. `find(key)`: the run holding `key`; `split(run, at)` cuts `run` so that it keeps
+    its keys from `at` on; `root`: a sentinel run that is never in a scope."""
     tops: set[R] = set()
     for key, salt in namespaces.items():
         run = find(key)

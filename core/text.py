@@ -1,10 +1,6 @@
-"""Deterministic filler text of an exact token length under the byte tokenizer.
-
-Every generated string is printable ASCII with no `<|` in it, so under the bundled byte tokenizer
-(one byte = one token, special tokens only where `<|...|>` appears) `len(text)` is its token
-count. The same `key` always gives the same text, in any process: `random.Random(str)` seeds from
-a SHA-512 of the string, not from Python's randomised `hash`.
-"""
+"""Deterministic filler text: printable ASCII with no `<|`, so `len(text)` is its token count
+under the byte tokenizer. The same `key` gives the same text in any process (`random.Random(str)`
+seeds from a SHA-512 of the string, not from Python's randomised `hash`)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Prompt -> token ids, exactly as the serving engine tokenizes it (docs/block-keys.md): a
-completion prompt with special tokens, a chat rendered by its template then encoded without.
-
-`fingerprint` identifies everything that decides the ids (vocabulary, merges, template, special
-tokens); the gateway folds it into a model's KV-compatibility identity.
-"""
+"""Prompt -> token ids, exactly as the serving engine tokenizes it (docs/block-keys.md: a
+completion prompt with special tokens, a chat rendered by its template then encoded without)."""
 
 from __future__ import annotations
 
@@ -24,10 +20,9 @@ Tools = Sequence[Mapping[str, Any]]
 
 
 class Tokenizer(ABC):
-    """What decides a prompt's ids. Chat is one path for every tokenizer: the template for the
-    tools rendered, then encoded without the special tokens `encode` adds."""
+    """What decides a prompt's ids; chat is one path for all: the template, then `_encode_plain`."""
 
-    fingerprint: str  # stable hex digest of what decides the ids
+    fingerprint: str  # a digest of all that decides the ids: part of a model's KV identity
     eos_token_id: int | None
     vocab_size: int  # ids are in [0, vocab_size)
     stop_token_ids: frozenset[int]  # generation ends on any of these
@@ -54,8 +49,7 @@ class Tokenizer(ABC):
         raise ValueError(f"no 'default' chat template among {sorted(self._templates)}")
 
     def prompt_ids(self, text: str) -> Sequence[int]:
-        """`encode`'s ids as the cheapest read-only sequence the tokenizer has: the gateway
-        only counts and hashes a prompt's ids."""
+        """`encode`'s ids as the cheapest read-only sequence (the gateway only counts, hashes)."""
         return self.encode(text)
 
     def render_chat(
@@ -77,8 +71,6 @@ class Tokenizer(ABC):
         return self._encode_plain(self.render_chat(messages, tools, template_kwargs))
 
 
-# --- the byte tokenizer of the bundled tiny models ----------------------------------------------
-
 BYTE_SPECIAL_TOKENS: dict[str, int] = {
     "<|bos|>": 256,  # reserved: nothing adds it (no BOS on either path)
     "<|eos|>": 257,
@@ -95,9 +87,7 @@ BYTE_CHAT_TEMPLATE = (
 
 
 class ByteTokenizer(Tokenizer):
-    """id = UTF-8 byte (0..255); ids 256..259 are the special tokens in BYTE_SPECIAL_TOKENS, one
-    id wherever their text appears. No BOS is added: `encode(text)` is `list(text.encode())` for
-    text without special tokens. Chat is ChatML (BYTE_CHAT_TEMPLATE)."""
+    """id = UTF-8 byte, one id per special token wherever its text appears, no BOS; chat: ChatML."""
 
     vocab_size = BYTE_VOCAB_SIZE
     eos_token_id = BYTE_SPECIAL_TOKENS["<|eos|>"]
@@ -118,8 +108,7 @@ class ByteTokenizer(Tokenizer):
         return ids if isinstance(ids, list) else list(ids)
 
     def prompt_ids(self, text: str) -> Sequence[int]:
-        """Text without special tokens: its UTF-8 `bytes`, which are its ids (block keys hash
-        them without a Python int per token); a list otherwise."""
+        """Text without special tokens: its UTF-8 `bytes` (block keys hash them as they are)."""
         if "<|" not in text:
             return text.encode()
         ids: list[int] = []
@@ -145,11 +134,7 @@ class ByteTokenizer(Tokenizer):
         return raw.decode(errors="replace")
 
 
-# --- Hugging Face tokenizers ----------------------------------------------------------------------
-
-_SPECIAL_TOKEN_KEYS = tuple(
-    f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
-)
+_SPECIAL_TOKEN_KEYS = [f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")]
 
 
 def _token_text(value: Any) -> str | None:
@@ -169,9 +154,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face model directory's tokenizer: `tokenizer.json` (via `tokenizers`) and
-    `tokenizer_config.json` (chat template, special tokens, add_bos_token/add_eos_token), with
-    `special_tokens_map.json` and `chat_template.jinja` taking precedence as in transformers."""
+    """A Hugging Face directory's fast tokenizer, set up as in transformers (docs/block-keys.md)."""
 
     def __init__(self, directory: str | Path) -> None:
         root = Path(directory)

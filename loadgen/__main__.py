@@ -1,7 +1,5 @@
 """`python -m loadgen ...` = `urc bench ...`."""
 
-import sys
-
 from loadgen.cli import main
 
-sys.exit(main())
+raise SystemExit(main())

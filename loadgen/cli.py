@@ -1,6 +1,5 @@
-"""`urc bench`: drive any OpenAI-compatible endpoint with a built-in workload or a trace
-(flags: docs/cli.md). Exit status: 0 when a request succeeded, 1 when none did, 2 on bad
-arguments or an unreadable trace."""
+"""`urc bench` (docs/cli.md): a built-in workload or a trace against an OpenAI-compatible
+endpoint. Exit status: 0 when a request succeeded, 1 when none did, 2 on bad arguments or trace."""
 
 from __future__ import annotations
 

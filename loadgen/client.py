@@ -1,15 +1,10 @@
-"""One streamed OpenAI-compatible request -> a `RequestResult` and the reply text.
-
-Every request asks for `stream: true` with `stream_options.include_usage`, so TTFT is the time
-to the first non-empty content chunk and the final chunk carries `usage` (prompt, completion and
-cached tokens). An endpoint that ignores `stream` and answers one JSON body is read too (its
-TTFT is then its whole latency). Nothing here raises except cancellation: failures become
-error kinds (`RequestResult.error`, None = success; the list is in docs/cli.md).
-"""
+"""One streamed OpenAI-compatible request -> a `RequestResult` and the reply text (docs/loadgen.md).
+Nothing here raises but cancellation: failures are error kinds (`RequestResult.error`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import time
@@ -32,9 +27,6 @@ class Route:
     fields: dict[str, str] = field(default_factory=dict)
 
 
-_PAIR_SEP = re.compile(r"[;,]")
-
-
 def parse_int(value: object) -> int | None:
     """An int from a header or JSON field, None when absent or unparseable."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
@@ -46,22 +38,19 @@ def parse_int(value: object) -> int | None:
 
 
 def parse_route(header: str | None) -> Route | None:
-    """`worker=w1; matched_tokens=2048; reason=cache_hit` (also `,`-separated, `key: value`, or
-    a JSON object; the gateway also sends prompt_tokens); keys are case-insensitive, `-` = `_`.
-    None when the header is absent."""
+    """x-urc-route, `worker=w1; matched_tokens=2048; reason=cache_hit` or another spelling
+    (docs/loadgen.md); None when the header is absent."""
     if header is None or not header.strip():
         return None
     pairs: dict[str, str] = {}
     text = header.strip()
     if text.startswith("{"):
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             obj = json.loads(text)
             if isinstance(obj, dict):
                 pairs = {str(k): "" if v is None else str(v) for k, v in obj.items()}
-        except json.JSONDecodeError:
-            pass
     if not pairs:
-        for item in _PAIR_SEP.split(text):
+        for item in re.split(r"[;,]", text):
             key, sep, value = item.partition("=")
             if not sep:
                 key, sep, value = item.partition(":")

@@ -1,6 +1,4 @@
-"""Mooncake traces -> `RequestSpec`s with real text (docs/traces.md: the line format, and how
-hash ids become text: prompts sharing a hash-id prefix share exactly that text prefix).
-Pure but for reading the file."""
+"""Mooncake traces -> `RequestSpec`s with real text (docs/traces.md); pure but for the reading."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.text import filler
-from loadgen.workloads import Kind, RequestSpec
+from loadgen.workloads import Kind, RequestSpec, request_text
 
 BLOCK_TOKENS = 512
 
@@ -88,8 +86,7 @@ def parse_record(text: str, line: int) -> TraceRecord:
 def parse_trace(
     lines: Iterable[str], source: str = "<trace>", skip_bad: bool = False
 ) -> tuple[list[TraceRecord], list[tuple[int, str]]]:
-    """Every record and every bad line. Raises TraceFormatError on any bad line unless
-    `skip_bad`, and on a trace with no records at all."""
+    """Records and bad lines; TraceFormatError on a bad line (unless `skip_bad`) or no record."""
     records: list[TraceRecord] = []
     errors: list[tuple[int, str]] = []
     for n, text in enumerate(lines, start=1):
@@ -136,8 +133,7 @@ def trace_requests(
     max_output_tokens: int | None = None,
     seed: int = 0,
 ) -> Iterator[RequestSpec]:
-    """Specs in timestamp order, lazily (prompts are large); arrival_s and max_tokens as
-    docs/traces.md says; a record's own model overrides `model`."""
+    """Specs in timestamp order, lazily (prompts are large), as docs/traces.md says."""
     assert time_scale >= 0 and block_tokens >= 1
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
     t0 = ordered[0].timestamp_ms if ordered else 0.0
@@ -145,12 +141,6 @@ def trace_requests(
         max_tokens = rec.output_length
         if max_output_tokens is not None:
             max_tokens = min(max_tokens, max_output_tokens)
-        prompt = record_prompt(rec, block_tokens, seed)
-        text: dict[str, Any] = (
-            {"messages": [{"role": "user", "content": prompt}]}
-            if kind == "chat"
-            else {"prompt": prompt}
-        )
         yield RequestSpec(
             i,
             kind,
@@ -159,5 +149,5 @@ def trace_requests(
             arrival_s=(rec.timestamp_ms - t0) / 1000.0 * time_scale,
             tenant=rec.tenant,
             group_id=f"h{rec.hash_ids[0]}" if rec.hash_ids else None,
-            **text,
+            **request_text(kind, record_prompt(rec, block_tokens, seed)),
         )

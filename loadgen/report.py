@@ -1,5 +1,4 @@
-"""A run's results -> one summary dict (the `--json` file: schema `urc.bench/1`, docs/cli.md)
-and a table for the terminal. Pure."""
+"""A run's results -> the summary (`--json`: schema `urc.bench/1`, docs/cli.md) and a table."""
 
 from __future__ import annotations
 
@@ -54,28 +53,37 @@ def _gap(r: RequestResult) -> float | None:
     return 100.0 * (predicted - actual) / prompt
 
 
-def _per_worker(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
-    """Requests, hit rate and prediction error of each worker that answered."""
-    workers: dict[str, dict[str, Any]] = {}
-    worker_gaps: dict[str, list[float]] = {}
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _cache(results: Sequence[RequestResult]) -> tuple[int, int, list[float]]:
+    """Prompt and cached tokens summed over the ok requests that report both; the gaps."""
+    prompt = cached = 0
     for r in results:
-        if r.route is None or r.route.worker is None:
-            continue
-        w = workers.setdefault(
-            r.route.worker, {"requests": 0, "ok": 0, "prompt_tokens": 0, "cached_tokens": 0}
-        )
-        w["requests"] += 1
-        if r.ok:
-            w["ok"] += 1
-            if r.prompt_tokens is not None and r.actual_cached_tokens is not None:
-                w["prompt_tokens"] += r.prompt_tokens
-                w["cached_tokens"] += r.actual_cached_tokens
-        if (gap := _gap(r)) is not None:
-            worker_gaps.setdefault(r.route.worker, []).append(abs(gap))
-    for name, w in workers.items():
-        w["hit_rate"] = w["cached_tokens"] / w["prompt_tokens"] if w["prompt_tokens"] else None
-        errs = worker_gaps.get(name)
-        w["prediction_mae_pct"] = sum(errs) / len(errs) if errs else None
+        if r.ok and r.prompt_tokens is not None and r.actual_cached_tokens is not None:
+            prompt += r.prompt_tokens
+            cached += r.actual_cached_tokens
+    return prompt, cached, [gap for r in results if (gap := _gap(r)) is not None]
+
+
+def _per_worker(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:
+    """Requests, hit rate and prediction error of each worker that answered, by name."""
+    by_worker: dict[str, list[RequestResult]] = {}
+    for r in results:
+        if r.route is not None and r.route.worker is not None:
+            by_worker.setdefault(r.route.worker, []).append(r)
+    workers: dict[str, dict[str, Any]] = {}
+    for name, answered in sorted(by_worker.items()):
+        prompt, cached, gaps = _cache(answered)
+        workers[name] = {
+            "requests": len(answered),
+            "ok": sum(1 for r in answered if r.ok),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else None,
+            "prediction_mae_pct": _mean([abs(g) for g in gaps]),
+        }
     return workers
 
 
@@ -89,13 +97,7 @@ def summarize(
     ok = [r for r in results if r.ok]
     errors = Counter(r.error for r in results if r.error not in (None, "cancelled"))
     output = sum(r.output_tokens for r in ok)
-    reporting = [
-        r for r in ok if r.prompt_tokens is not None and r.actual_cached_tokens is not None
-    ]
-    prompt_reported = sum(r.prompt_tokens or 0 for r in reporting)
-    cached_reported = sum(r.actual_cached_tokens or 0 for r in reporting)
-    gaps = [gap for r in ok if (gap := _gap(r)) is not None]
-    workers = _per_worker(results)
+    prompt_reported, cached_reported, gaps = _cache(ok)
     summary: dict[str, Any] = {
         "schema": SCHEMA,
         "config": dict(config or {}),
@@ -125,10 +127,10 @@ def summarize(
         "hit_rate": cached_reported / prompt_reported if prompt_reported else None,
         "prediction": {
             "compared": len(gaps),
-            "mae_pct": sum(abs(g) for g in gaps) / len(gaps) if gaps else None,
-            "bias_pct": sum(gaps) / len(gaps) if gaps else None,
+            "mae_pct": _mean([abs(g) for g in gaps]),
+            "bias_pct": _mean(gaps),
         },
-        "workers": dict(sorted(workers.items())),
+        "workers": _per_worker(results),
     }
     if per_request:
         summary["requests"] = [request_row(r) for r in results]

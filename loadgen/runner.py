@@ -1,19 +1,10 @@
-"""The async load engine: specs -> streamed requests on one aiohttp session -> results.
-
-Closed loop (`concurrency` C): C requests in flight at all times. Open loop (`rate` R, Poisson,
-or `replay_arrivals`, each spec's own `arrival_s` as from a trace): a request is sent at its
-arrival time whatever is in flight (up to `max_in_flight`, the connection pool's size too).
-In both, a multi-turn session's next turn goes out only once its previous turn has completed
-(`SessionQueue`), at its own arrival time if that is later.
-
-A run ends when the specs run out (`max_requests` caps them) or `duration_s` has passed; then
-nothing new is sent, requests in flight get `grace_s` to finish, and the rest are cancelled and
-recorded as `cancelled`. Failures are results, never exceptions.
-"""
+"""The async load engine: specs -> streamed requests on one aiohttp session -> results, in a
+closed or an open loop (docs/loadgen.md). Failures are results, never exceptions."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import signal
 import sys
@@ -31,9 +22,8 @@ from loadgen.workloads import RequestSpec, with_poisson_arrivals
 
 
 class KeyRing:
-    """API keys by tenant. Each entry is `KEY` or `TENANT=KEY`: named tenants get their key;
-    other tenants take the plain keys in order of first appearance (cycling); requests with no
-    tenant use the first plain key."""
+    """API keys by tenant from `KEY` or `TENANT=KEY` entries: other tenants take the plain keys
+    in order of first appearance (cycling); no tenant takes the first plain key."""
 
     def __init__(self, entries: Sequence[str] = ()) -> None:
         self.by_tenant: dict[str, str] = {}
@@ -157,11 +147,9 @@ class _Engine:
             wait_s = deadline - now
             if upcoming is not None:
                 wait_s = min(wait_s, self.t0 + (upcoming.arrival_s or 0.0) - now)
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(wait_s if math.isfinite(wait_s) else None):
                     await self.wake.wait()
-            except TimeoutError:
-                pass
         if self.in_flight:
             _, late = await asyncio.wait(set(self.in_flight), timeout=cfg.grace_s)
             for task in late:
@@ -178,10 +166,9 @@ class _Engine:
                 await asyncio.sleep(0.25)
                 out.write("\r" + self._progress_line(total))
                 out.flush()
-        except asyncio.CancelledError:
+        finally:  # cancelled at the end of the run: the last line stays
             out.write("\r" + self._progress_line(total) + "\n")
             out.flush()
-            raise
 
     def _progress_line(self, total: int | None) -> str:
         elapsed = time.perf_counter() - self.t0
@@ -198,8 +185,7 @@ class _Engine:
 async def run_bench(
     specs: Iterable[RequestSpec], config: BenchConfig, stop_on_sigint: bool = False
 ) -> RunResult:
-    """Send `specs` as `config` says; never raises for a failed request. With `stop_on_sigint`,
-    Ctrl-C ends the run early (requests in flight get the grace period) instead of aborting."""
+    """Send `specs` as `config` says; with `stop_on_sigint`, Ctrl-C ends the run (grace period)."""
     source: Iterator[RequestSpec] = iter(specs)
     if config.max_requests is not None:
         source = islice(source, config.max_requests)

@@ -1,15 +1,5 @@
-"""SessionQueue: the order in which specs become requests, and multi-turn chaining.
-
-Pure and synchronous (no I/O, no clock): the async runner and the offline simulator drive the
-same object. Specs are handed out in the order they were added, except that a session's turn
-waits until its previous turn has completed; it is then sent as the conversation so far:
-
-    turn k+1 messages = turn k's sent messages + {"assistant": actual reply} + turn k+1's own
-    turn k+1 prompt   = turn k's sent prompt + actual reply + turn k+1's own text  (completion)
-
-so every request of a session extends the previous one exactly as the endpoint saw it. A failed
-turn ends its session: the turns still waiting, and any that arrive later, are dropped.
-"""
+"""SessionQueue: the order in which specs become requests, and multi-turn chaining
+(docs/loadgen.md). Pure: the async runner and the offline simulator drive the same object."""
 
 from __future__ import annotations
 
@@ -53,8 +43,7 @@ class SessionQueue:
             heapq.heappush(self._ready, (self._order, spec))
 
     def take(self) -> RequestSpec | None:
-        """The next request to send (turns of a session carry the whole conversation), or None
-        when nothing is ready. The caller must `complete` every request it takes."""
+        """The next request to send, or None; the caller must `complete` every one it takes."""
         if not self._ready:
             return None
         _, spec = heapq.heappop(self._ready)

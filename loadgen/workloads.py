@@ -1,14 +1,6 @@
-"""Built-in workloads: pure, seeded, endless streams of `RequestSpec`s (no I/O, no clock).
-
-The same `(name, seed, models, params)` always yields the same specs, so the load generator and
-the offline simulator replay identical traffic. Text comes from `core.text.filler`: under the
-byte tokenizer a string of n ASCII bytes is n tokens, so prefix lengths are exact.
-
-A multi-turn session is a chain of specs with one `session_id`; spec `turn` k > 0 carries only the
-*new* messages of that turn. Its real request is built by `loadgen.sessions.SessionQueue` from the
-previous request and the assistant's actual reply, so the next prompt extends the last one token
-for token (the workers answer deterministically, but only the client knows what they said).
-"""
+"""Built-in workloads: pure, seeded, endless streams of `RequestSpec`s (no I/O, no clock). The
+same `(name, seed, models, params)` always yields the same specs, so `urc bench` and `urc replay`
+send identical traffic (docs/loadgen.md)."""
 
 from __future__ import annotations
 
@@ -28,31 +20,33 @@ DEFAULT_MODELS: tuple[str, ...] = ("tiny",)
 
 @dataclass(slots=True)
 class RequestSpec:
-    """One request to send, before it meets the endpoint.
-
-    chat: `messages` (turn 0: the whole conversation; turn k > 0: only the new messages);
-    completion: `prompt` (turn k > 0: only the new text). `arrival_s` is the open-loop send time
-    from the start of the run (None: as soon as the loop admits it). `tenant` is a logical name the
-    runner maps to an API key. `group_id` names the shared prefix a request was built on.
-    """
+    """One request to send; a session's turn k > 0 carries only its new messages or text."""
 
     index: int
     kind: Kind
     model: str
     max_tokens: int
-    messages: list[Message] | None = None
-    prompt: str | None = None
-    arrival_s: float | None = None
-    tenant: str | None = None
+    messages: list[Message] | None = None  # chat
+    prompt: str | None = None  # completion
+    arrival_s: float | None = None  # open loop: send time after the start (None: when admitted)
+    tenant: str | None = None  # a logical name the runner maps to an API key
     session_id: str | None = None
     turn: int = 0
     ends_session: bool = True  # the session's last turn: its history can be forgotten
-    group_id: str | None = None
+    group_id: str | None = None  # the shared prefix it was built on
 
     def __post_init__(self) -> None:
         assert (self.kind == "chat") == (self.messages is not None), self
         assert (self.kind == "completion") == (self.prompt is not None), self
         assert self.max_tokens >= 1, self.max_tokens
+
+
+def request_text(kind: str, user: str, system: str | None = None) -> dict[str, Any]:
+    """A spec's text: chat messages (a system one first when given), or the completion prompt."""
+    if kind != "chat":
+        return {"prompt": (system or "") + user}
+    head = [] if system is None else [{"role": "system", "content": system}]
+    return {"messages": [*head, {"role": "user", "content": user}]}
 
 
 class Workload(Protocol):
@@ -89,18 +83,15 @@ class SystemPrompts:
             sent[g] += 1
             system = filler(self.prefix_tokens, f"{tag}/{seed}/system/{g}")
             question = filler(self.question_tokens, f"{tag}/{seed}/question/{i}")
-            ids: dict[str, Any] = {"tenant": self.tenant_of(j), "group_id": f"{tag}/g{g}"}
-            model = self.model_of(models, g, j)
-            if self.kind == "chat":
-                messages = [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": question},
-                ]
-                yield RequestSpec(i, "chat", model, self.max_tokens, messages=messages, **ids)
-            else:
-                assert self.kind == "completion", self.kind
-                prompt = system + question
-                yield RequestSpec(i, "completion", model, self.max_tokens, prompt=prompt, **ids)
+            yield RequestSpec(
+                i,
+                self.kind,
+                self.model_of(models, g, j),
+                self.max_tokens,
+                tenant=self.tenant_of(j),
+                group_id=f"{tag}/g{g}",
+                **request_text(self.kind, question, system),
+            )
 
 
 @dataclass(slots=True)
@@ -146,20 +137,17 @@ class MultiTurn:
             for turn in range(self.turns):
                 for s in range(batch * self.sessions, (batch + 1) * self.sessions):
                     text = filler(self.user_tokens, f"mt/{seed}/{s}/{turn}")
-                    user = {"role": "user", "content": text}
-                    messages = [user]
-                    if turn == 0 and self.system_tokens > 0:
-                        messages = [{"role": "system", "content": system}, user]
+                    opening = turn == 0 and self.system_tokens > 0
                     yield RequestSpec(
                         i,
                         "chat",
                         models[s % len(models)],
                         self.max_tokens,
-                        messages=messages,
                         session_id=f"multi-turn/s{s}",
                         turn=turn,
                         ends_session=turn == self.turns - 1,
                         group_id="multi-turn/system" if self.system_tokens > 0 else None,
+                        **request_text("chat", text, system if opening else None),
                     )
                     i += 1
 
@@ -199,12 +187,10 @@ def defaults(cls: type) -> dict[str, Any]:
 
 
 def _coerce(value: Any, default: Any, name: str) -> Any:
-    """A parameter given as text (`--param k=v`) -> the type of its default."""
+    """A parameter given as text (`--param k=v`) -> the type of its default (int or tuple)."""
     if not isinstance(value, str) or isinstance(default, str):
         return value
     try:
-        if isinstance(default, bool):
-            return value.lower() in ("1", "true", "yes", "on")
         if isinstance(default, tuple):
             return tuple(v.strip() for v in value.split(",") if v.strip())
         return type(default)(value)

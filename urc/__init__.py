@@ -1,2 +1,1 @@
-"""The `urc` command line and the local-cluster wiring: the one package that may import every
-other (core, router, backends, simulation, loadgen)."""
+"""The `urc` command line and the local-cluster wiring: the one package that imports them all."""

@@ -15,9 +15,7 @@ SUBCOMMANDS: dict[str, str] = {  # subcommand -> its one-line help
     "bench": "a load generator against any OpenAI-compatible endpoint",
     "keys": "print the block keys of a prompt (debugging the index)",
 }
-# Subcommands whose arguments belong to another package (loaded only when asked for): the
-# module whose `main(argv)` takes everything after the name.
-DELEGATED = {"bench": "loadgen.cli", "replay": "simulation.cli"}
+DELEGATED = {"bench": "loadgen.cli", "replay": "simulation.cli"}  # main(argv) gets all the rest
 ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.torch_worker.server"}
 
 

@@ -28,10 +28,8 @@ def free_port() -> int:
 
 
 class Child:
-    """A child process in its own session (Ctrl-C reaches only us; we stop it), its output kept
-    for error messages; `url` comes from its `ready_prefix` line (`ready: URL`, `gateway: URL`),
-    if it has one. A `console` child (of `urc cluster`) runs in our working directory and
-    writes its log (stderr) to ours."""
+    """A child process in its own session (Ctrl-C reaches only us), its output kept for errors;
+    `url` from its `ready_prefix` line. `console` (urc cluster): our cwd, its stderr ours."""
 
     def __init__(
         self,
@@ -145,8 +143,7 @@ def start_gateway(
 def running_worker(
     module: str, *args: str, stop: signal.Signals = signal.SIGTERM
 ) -> Iterator[Child]:
-    """A worker for the length of a `with`; on leaving, send `stop` and require a clean exit
-    (code 0): a worker must shut down, not be killed."""
+    """A worker for the length of a `with`; on leaving, `stop` it and require exit code 0."""
     child = start_worker(*args, module=module)
     try:
         yield child
@@ -155,12 +152,10 @@ def running_worker(
             raise child.fail(f"exited with {code} on {stop.name}")
 
 
-def wait_for(
-    predicate: Callable[[], object], timeout_s: float = 10.0, interval_s: float = 0.05
-) -> bool:
+def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return True
-        time.sleep(interval_s)
+        time.sleep(0.05)
     return bool(predicate())
