@@ -1,6 +1,5 @@
-"""Several policies over the same requests and fleet, each run on a fresh fleet, index, client
-and policy (built as the gateway builds it), so runs are independent and reproducible. The
-wall-clock speed of each run is measured here and kept out of the report's JSON.
+"""Several policies over the same requests, each on a fresh fleet, index, client and policy
+(built as the gateway builds it). Each run's wall-clock speed stays out of the report's JSON.
 """
 
 from __future__ import annotations

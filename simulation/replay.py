@@ -1,16 +1,5 @@
-"""The discrete-event replay: requests through the gateway's index and policy to emulated
-workers in virtual time (docs/dispatch.md, "The replay does the same"). Events in time order,
-sends before engine steps at equal times (a request submitted at the end of a step joins the
-next one, as the engine's own rule says):
-
-    send         the client (client.py) sends; router/dispatch.py builds the candidates, the
-                 policy chooses, the chosen worker's engine gets the request
-    engine step  first tokens and finishes move the gateway's load view and the client
-    KV events    a step's stores and evictions reach the index `event_delay_s` later, applied
-                 lazily before the next routing decision that could see them
-
-With `kv_events=False` the gateway's approximate residency stands in (as its pending one does
-with `pending_ttl_s` > 0), expired every `EXPIRE_EVERY_S`, the gateway's health interval.
+"""The discrete-event replay (docs/dispatch.md, "The replay does the same"): requests through
+the gateway's index and policy to emulated workers in virtual time.
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ from simulation.client import INF, Client
 from simulation.requests import SimRequest
 from simulation.worker import Change, SimWorker
 
-EXPIRE_EVERY_S: Final = 0.5
+EXPIRE_EVERY_S: Final = 0.5  # approximate residency expires as often as the gateway checks health
 
 
 _ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change them
@@ -166,8 +155,6 @@ class Replay:
         self._steps = 0
         self._next_expire = 0.0
 
-    # -- the loop ----------------------------------------------------------------------------
-
     def run(self, progress: Callable[[int], None] | None = None) -> RunResult:
         """Replay every request; `progress(sent)` is called every 1024 sends. The garbage
         collector is off meanwhile: its passes free nothing here (docs/compiled.md)."""
@@ -209,8 +196,6 @@ class Replay:
         elif t != w.wake or w.wake_seq < 0:
             w.wake, w.wake_seq = t, self._heap.push(t, w)
 
-    # -- routing (router/gateway/routing.py, in virtual time) -------------------------------
-
     def _route(self, req: SimRequest, now: float) -> None:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
@@ -247,8 +232,6 @@ class Replay:
         """The worker answers 400 (too long): the gateway's load comes back, the turn fails."""
         share.finish()
         self.client.complete(req, False, now)
-
-    # -- engine steps ------------------------------------------------------------------------
 
     def _step(self, w: SimWorker, now: float) -> None:
         """Step `w` at `now`, and again at each of its next times that comes before anything
@@ -287,8 +270,6 @@ class Replay:
             w.wake, w.wake_seq = t, heap.push(t, w)
             return
 
-    # -- KV events ---------------------------------------------------------------------------
-
     def _deliver(self, now: float) -> None:
         """Apply every event batch due by `now`, in order (WorkerMirror's effect on the index
         for workers that hash as the gateway does)."""
@@ -308,8 +289,6 @@ class Replay:
         size = len(index)
         if size > self._peak:
             self._peak = size
-
-    # -- the outcome -------------------------------------------------------------------------
 
     def _result(self) -> RunResult:
         n = len(self.requests)

@@ -1,16 +1,5 @@
-"""A replay's report: the `--json` document, the terminal table, the Markdown page and the PNG
-plots (with matplotlib, the `plot` extra): ttft_cdf.png (TTFT per policy), hit_rate.png (over
-the run's slices), worker_load.png (each worker's requests in flight, a panel per policy).
-
-JSON schema "urc.replay/1": keys sorted, floats to 6 significant digits, no wall-clock value
-(the same trace, seed and flags give byte-identical files):
-
-    config     the source (trace file or workload and its parameters), fleet, client, seed
-    policies   {NAME: every key of simulation.metrics.summarize}
-    bound      {hit_rate}: one infinite cache (simulation.compare)
-    recorded   a recording only: {hit_rate, predicted_hit_rate, policy, requests} as measured
-               live (its lines' cached_tokens and predicted_tokens)
-    shadow     `--shadow` only (simulation/shadow.py); its run is the policy "recorded"
+"""A replay's report: the `--json` document (schema "urc.replay/1", docs/cli.md), the terminal
+table, the Markdown page and the PNG plots (with matplotlib, the `plot` extra).
 """
 
 from __future__ import annotations

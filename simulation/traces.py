@@ -1,8 +1,4 @@
-"""Traces -> `SimRequest`s (docs/traces.md, "As keys"): Mooncake's published traces, each hash
-id ONE block keyed with `chain_keys` in the request's namespace, and the gateway's recordings,
-whose hash ids ARE its block keys. A request's output blocks (`tail_keys`) are keyed as the
-blocks that follow its prompt in its next turn (a trace does not say what the model answered).
-"""
+"""Traces and gateway recordings -> `SimRequest`s (docs/traces.md, "As keys")."""
 
 from __future__ import annotations
 

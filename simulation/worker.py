@@ -1,7 +1,5 @@
-"""One simulated worker: an emulated engine on the virtual clock, and the gateway's view of its
-load (`load`, moved by router/dispatch.py). With KV events, the worker listens to its engine's
-cache: `changes` are what BlockStored and BlockRemoved would say (keys and parent, no token
-ids), without wire events that the replay would only take apart again.
+"""One simulated worker: an emulated engine on the virtual clock, the gateway's view of its load,
+and (with KV events) its cache's changes as BlockStored / BlockRemoved would carry them.
 """
 
 from __future__ import annotations

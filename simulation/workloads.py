@@ -1,7 +1,5 @@
-"""Built-in workloads (loadgen.workloads) -> `SimRequest`s with the live system's exact tokens:
-the specs `urc bench --workload NAME --seed S` sends, a session's turn built by the bench's own
-`SessionQueue` from the previous turn and the emulated worker's deterministic reply, tokenized
-by the byte tokenizer (its chat template for chats) and keyed in the request's namespace.
+"""Built-in workloads (loadgen.workloads) -> `SimRequest`s with the exact tokens `urc bench
+--workload NAME --seed S` sends, turns built from the emulated worker's deterministic replies.
 """
 
 from __future__ import annotations
