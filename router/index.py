@@ -1,7 +1,5 @@
-"""The unified index (docs/index.md): one compressed tree of block keys for the whole fleet.
-
-The tree's shape is router/run_tree.py, who holds each run router/residency.py. A pending
-block counts as stored (`blocks_stored`) only when its worker's events confirm it.
+"""The unified index (docs/index.md): one compressed tree of block keys for the whole fleet; its
+shape is router/run_tree.py, who holds each run router/residency.py.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""One worker's KV event stream mirrored into the unified index (docs/kv-events.md). Pure: no I/O.
-
-The engine's block hashes are never trusted as index keys: every BlockStored is re-keyed from
-its token ids (core/blocks.py), continuing the chain from our key of its parent. A per-worker
-map remembers engine hash -> our key for later events; for our own workers, which hash as we
-do, it stays empty (a missing entry means "the engine hash is our key").
-Sequence numbers decide what a batch means (`Apply`, the table in docs/kv-events.md).
+"""One worker's KV event stream mirrored into the unified index, each block re-keyed from its
+token ids, each batch placed by its seq (docs/kv-events.md, "The mirror"). Pure: no I/O.
 """
 
 from __future__ import annotations

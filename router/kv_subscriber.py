@@ -1,9 +1,6 @@
-"""The gateway side of a worker's KV events (docs/kv-events.md): a WorkerMirror's asyncio shell.
-
-A SUB socket follows the worker's stream; a DEALER (a fresh one per request, so that a late
-answer to a timed-out request is never taken for the next one) asks its replay socket for what
-was missed. Whenever the mirror may be behind it *catches up* by a replay from the last seq it
-applied (the table in docs/kv-events.md): after a loss the mirror holds less, never stale blocks.
+"""A WorkerMirror's asyncio shell (docs/kv-events.md): a SUB socket follows the worker's stream,
+a fresh DEALER per replay request asks for what was missed, and whenever the mirror may be
+behind it catches up from the last seq it applied.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Who holds what in the unified index (docs/index.md): residents, their holds, and every way
-a hold ends (remove, clear, expiry, eviction from the tails of the least recently used leaves).
-
-Each `(worker, kv_group)` pair (a *resident*) owns one bit of a run's mask (router/run_tree.py).
+"""Who holds what in the unified index (docs/index.md): each `(worker, kv_group)` (a resident)
+owns one bit of a run's mask; a hold ends by remove, clear, expiry or LRU eviction.
 """
 
 from __future__ import annotations

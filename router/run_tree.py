@@ -1,8 +1,5 @@
-"""The compressed tree under the unified index (docs/index.md): runs of chained block keys.
-
-A node is a *run* of consecutive blocks with the same residency; `_where` maps every key to its
-run. Leaf runs sit in an intrusive doubly linked list, oldest at the head, so that LRU eviction
-never scans the tree. What a run's `mask` means is the index's business (router/residency.py).
+"""The compressed tree under the unified index (docs/index.md): runs of chained block keys, with
+the leaf runs in an intrusive LRU list (oldest at the head) so that eviction never scans.
 """
 
 from __future__ import annotations

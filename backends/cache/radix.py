@@ -1,12 +1,6 @@
-"""The workers' KV cache: a radix tree of blocks per kv_group in one pool (pool.py).
-
-As SGLang's radix cache, but block-granular and keyed by the gateway's own chained block keys
-(core/blocks.py), which are also the hashes of its KV events. The emulated worker counts tokens
-only; the torch worker's cache is paged and keeps the blocks' tokens, so a match is confirmed
-token by token. A node (`Run`, nodes.py) is a run of blocks; a tree's `heads` maps the first key
-of every run to it: a lookup always starts right after a run's last key, so it finds a run's
-first key or nothing. A namespace starts a run of its own, for scoped invalidation (scopes.py).
-Locks walk to the root. Recency is a tick, bumped by `match`, `insert` and `unlock`.
+"""The workers' KV cache (docs/workers.md, "The radix cache"): a radix tree of blocks per kv_group
+in one pool (pool.py), keyed by the gateway's own chained block keys, SGLang's design made
+block-granular.
 """
 
 from __future__ import annotations

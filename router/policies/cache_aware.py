@@ -1,9 +1,6 @@
-"""Our policy: send each request where it costs the fleet least time to first token.
-
-The cost is a queueing model of each worker's engine, in seconds; docs/policies.md states it
-and says why each term is there. When every candidate holds the same prefix, the new content
-goes to the cache that took the least of it lately, ties by rendezvous hash of the first new
-block, so gateway replicas that see the same index agree without talking.
+"""Our policy: send each request where it costs the fleet least time to first token, a queueing
+model of each worker's engine in seconds; new content goes to the cache that took the least of
+it lately (docs/policies.md states the cost and why each term is there).
 """
 
 from __future__ import annotations
