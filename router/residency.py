@@ -124,9 +124,8 @@ class ResidencyTree(RunTree):
         return unpended
 
     def _release_tails(self, keys: list[int], bit: int) -> int:
-        """Release the leading keys that are tails of runs the resident holds, deepest key
-        first, as an LRU cache evicts (most BlockRemoved events): one lookup per run. Returns
-        how many keys it released (the rest takes `_release_keys`'s general path)."""
+        """Release the leading keys that are run tails, deepest first, as an LRU cache evicts
+        them: one lookup per run. Returns how many it released (`_release_keys` does the rest)."""
         flag = 1 << bit
         where, by_id = self._where, self._runs
         boxed = cast(list[object], keys)
@@ -166,8 +165,7 @@ class ResidencyTree(RunTree):
             keys = keys[done:]
         flag = 1 << bit
         where, by_id = self._where, self._runs
-        # each run's keys, runs in order of first appearance; the runs are held here, so that
-        # no run made by a split below can take the id of one deleted on the way
+        # each run's keys, in order of first appearance; holding the runs keeps their ids unique
         found: dict[object, list[int]] = {}
         for key in keys:
             rid = where.get(key, 0)
@@ -216,8 +214,7 @@ class ResidencyTree(RunTree):
         return released
 
     def _confirm(self, keys: list[int], bit: int, expiry: float | None) -> int:
-        """Keys already held: refresh approximate ones, or make them exact (expiry None).
-        Returns how many pending ones that made exact."""
+        """Held keys: refresh approximate ones, or make them exact (None: returns those pending)."""
         if expiry is None:
             return self._drop_approx(keys, bit)
         approx = self._approx
