@@ -86,14 +86,9 @@ class ResidencyTree(RunTree):
         return 0 if bit is None else self._held[bit]
 
     def sizes(self, worker: str, kv_group: str) -> tuple[int, int]:
-        """(blocks_held, blocks_stored) in one lookup: read for every candidate."""
+        """(blocks held, blocks stored so far: the cache's inflow), read for every candidate."""
         bit = self._find(worker, kv_group)
         return (0, 0) if bit is None else (self._held[bit], self._stored[bit])
-
-    def blocks_stored(self, worker: str, kv_group: str) -> int:
-        """Blocks the resident came to hold so far: the inflow of its cache."""
-        bit = self._find(worker, kv_group)
-        return 0 if bit is None else self._stored[bit]
 
     def _release(self, run: Run, bit: int) -> None:
         """The resident no longer holds any block of `run`."""

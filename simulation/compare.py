@@ -53,9 +53,8 @@ def run_policy(
 
 
 def infinite_cache_hit_rate(requests: Iterable[SimRequest]) -> float | None:
-    """Cached / prompt tokens on one worker that never evicts: each request, in order, reuses
-    the longest prefix of its keys seen before (all but its last token at most) and leaves its
-    prompt and output blocks behind. No fleet can reuse more: the ceiling of every policy."""
+    """Cached / prompt tokens on one worker that never evicts (each request reuses the longest
+    prefix seen before): the ceiling of every policy."""
     seen: set[int] = set()
     prompt = cached = 0
     for req in requests:

@@ -27,8 +27,7 @@ _ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change 
 
 @dataclass(slots=True)
 class FleetConfig:
-    """The fleet, the gateway's settings and the client; engine defaults are the emulated
-    worker's (EngineConfig)."""
+    """The fleet (the emulated worker's defaults), the gateway's settings and the client."""
 
     workers: int = 8
     names: list[str] | None = None  # worker names (default w0, w1, ...): rendezvous hashes them

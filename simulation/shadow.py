@@ -52,9 +52,8 @@ class ShadowReplay:
 
 
 def fleet_names(trace: Trace, limit: int, given: Sequence[str] | None) -> list[str]:
-    """The simulated workers: `given` (the gateway's candidate order, GET /admin/workers), or
-    the workers of the first `limit` lines in order of first use. ValueError if a line names no
-    worker or one that is not in `given`."""
+    """The simulated workers: `given` (the gateway's order, GET /admin/workers), else those of
+    the first `limit` lines by first use. ValueError on a line without one or not in `given`."""
     used: dict[str, None] = {}
     for rec in trace.ordered(limit):
         if not rec.worker:

@@ -29,9 +29,8 @@ def workload_requests(
     params: dict[str, Any] | None = None,
     isolate_tenants: bool = True,
 ) -> list[SimRequest]:
-    """The first `n` requests of workload `name`; Poisson arrivals at `rate` (seeded as
-    `urc bench --rate` seeds them), or None for a closed loop. `isolate_tenants`: each tenant
-    in its own namespace, as a gateway with API keys keeps them (without keys, one shared)."""
+    """The first `n` requests of workload `name`, Poisson at `rate` as `urc bench` (None: closed
+    loop); `isolate_tenants`: a namespace per tenant, as a gateway with API keys keeps them."""
     specs: Any = iter_requests(name, seed, list(models), n, **(params or {}))
     if rate is not None:
         specs = with_poisson_arrivals(specs, rate, seed)

@@ -84,10 +84,8 @@ class RoutingHistory:
 
 
 class CacheAwarePolicy:
-    """Minimise the fleet's time to first token; spread what is new over the caches. Reasons:
-    "cache_hit" (the longest match; "cold_miss" when no one holds anything) or "load" (a worker
-    holding more lost on its cost). It remembers its decisions (a `RoutingHistory` per
-    kv_group), as SGLang's router does; time is what it routed."""
+    """Minimise the fleet's time to first token; spread what is new over the caches. It remembers
+    its decisions (a `RoutingHistory` per kv_group), as SGLang's router does."""
 
     name: ClassVar[str] = "cache_aware"
 
