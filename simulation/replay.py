@@ -169,8 +169,7 @@ class Replay:
         self.requests = list(requests)
         self.policy = policy
         self.fleet = fleet
-        # one event per forward pass, as a real-time loop steps the engine: the same outcome,
-        # far slower (bench/replay_bench.py's in-run baseline for the segments)
+        # an event per forward pass, as in real time: the same outcome, slower (a bench baseline)
         self.per_step = per_step
         if any(r.route.block_size != fleet.block_size for r in self.requests):
             raise ValueError("requests are keyed with another block size than the fleet's")
@@ -213,8 +212,7 @@ class Replay:
         self._next_expire = 0.0
 
     def run(self, progress: Callable[[int], None] | None = None) -> RunResult:
-        """Replay every request; `progress(sent)` is called every 1024 sends. The garbage
-        collector is off meanwhile: its passes free nothing here (docs/compiled.md)."""
+        """Replay every request, `progress(sent)` every 1024 sends; GC off (docs/compiled.md)."""
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -328,8 +326,7 @@ class Replay:
             return
 
     def _deliver(self, now: float) -> None:
-        """Apply every event batch due by `now`, in order (WorkerMirror's effect on the index
-        for workers that hash as the gateway does)."""
+        """Apply every event batch due by `now`, in order, as a WorkerMirror would."""
         kv = self._kv
         index = self.index
         applied = 0

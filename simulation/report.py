@@ -50,8 +50,6 @@ def write_json(report: Mapping[str, Any], path: str | Path) -> None:
     Path(path).write_text(text, encoding="utf-8")
 
 
-# -- the table -------------------------------------------------------------------------------
-
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("hit rate", "hit_rate", "pct"),
     ("TTFT mean", "ttft_mean_s", "ms"),
@@ -189,8 +187,6 @@ def markdown(
         lines += ["", "Shadow policies on the recorded decisions:", "", markdown_table(shadow)]
     return "\n".join(lines) + "\n"
 
-
-# -- the plots ---------------------------------------------------------------------------
 
 MISSING = (
     "Plots were not written: matplotlib is not installed (pip install 'unified-radix-cache[plot]')."
