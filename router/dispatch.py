@@ -18,7 +18,7 @@ def candidates(
     index: UnifiedIndex, request: RouteRequest, loads: list[WorkerLoad], now: float
 ) -> list[Candidate]:
     """What the policy sees of each worker in `loads` (the kv_group's, in the fleet's order):
-    its match in the index (used now, for the index's LRU), a copy of its load, its cache size."""
+    its match (used now, for the index's LRU), a copy of its load, its cache's sizes."""
     group = request.kv_group
     matched = index.match(request.block_keys, group, now)
     seen: list[Candidate] = []

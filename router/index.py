@@ -1,7 +1,5 @@
-"""The unified index (docs/index.md): one compressed tree of block keys for the whole fleet.
-
-The tree's shape is router/run_tree.py, who holds each run router/residency.py. A pending
-block counts as stored (`blocks_stored`) only when its worker's events confirm it.
+"""The unified index (docs/index.md): one compressed tree of block keys for the whole fleet; its
+shape is router/run_tree.py, who holds each run router/residency.py.
 """
 
 from __future__ import annotations
@@ -34,13 +32,11 @@ class UnifiedIndex(ResidencyTree):
         super().__init__(max_blocks)
         self.approx_ttl_s = approx_ttl_s
         self.pending_ttl_s = pending_ttl_s  # 0: pending residency off (such inserts do nothing)
-        # key that starts a salted namespace -> its salt: what router/index_scopes.py finds a
-        # tenant's (user's, session's) blocks by; may name keys no longer (or not yet) indexed
+        # key that starts a salted namespace -> its salt (router/index_scopes.py finds by it)
         self.namespaces: dict[int, str] = {}
 
     def tag_namespace(self, key: int, salt: str) -> None:
-        """`key` starts the namespace of `salt`: a root block, or the first private block after
-        a public prefix. Untagged keys of gone blocks are pruned now and then."""
+        """`key` starts the namespace of `salt`; tags of gone blocks are pruned now and then."""
         ns = self.namespaces
         if key in ns:
             return
@@ -62,9 +58,8 @@ class UnifiedIndex(ResidencyTree):
         approximate: bool = False,
         pending: bool = False,
     ) -> int:
-        """Mark a chain of keys (keys[0] a child of `parent`, None: a root) as held by the
-        resident (docs/index.md: exact, approximate or pending). Returns blocks newly held,
-        plus pending blocks it confirmed."""
+        """Mark a chain (keys[0] a child of `parent`, None: a root) held by the resident
+        (docs/index.md); returns blocks newly held plus pending ones confirmed."""
         chain = keys if isinstance(keys, list) else list(keys)  # native indexing below
         n = len(chain)
         if n == 0 or pending and not self.pending_ttl_s:
@@ -119,16 +114,14 @@ class UnifiedIndex(ResidencyTree):
         return self._split(run, at) if at < len(run.keys) else run
 
     def _leaf_for(self, prev: Run | None, flag: int, now: float) -> Run:
-        """The run that new blocks under `prev` go to: `prev` itself if it is a leaf only this
-        resident holds (it grows in place), else a new run."""
+        """`prev` if a leaf only this resident holds (it grows in place), else a new run below."""
         if prev is not None and prev.children == 0 and prev.mask == flag:
             prev.ts = now
             return prev
         return self._new_run(prev, flag, now)
 
     def _enter(self, run: Run, chain: list[int], i: int, prev: Run | None, now: float) -> Run:
-        """The known `run` holding chain[i], cut to the stretch of it that chain[i:] follows,
-        under `prev` and marked used."""
+        """The known `run` holding chain[i], cut to what chain[i:] follows, under `prev`, used."""
         boxed = cast(list[object], chain)
         if run.keys[0] != boxed[i]:  # entering mid-run (its parent was unknown to us)
             self._split(run, cast(list[object], run.keys).index(boxed[i]))
@@ -149,8 +142,7 @@ class UnifiedIndex(ResidencyTree):
     def _hold_approx(
         self, keys: list[int], bit: int, expiry: float, pending: bool, fresh: bool
     ) -> None:
-        """Mark keys the resident just came to hold approximate (and pending) until `expiry`;
-        `fresh`: keys new to the index, which no other resident marks."""
+        """Mark keys approximate (and pending) until `expiry`; `fresh`: new to the index."""
         approx, flag = self._approx, 1 << bit
         if fresh:
             for key in keys:
@@ -166,8 +158,8 @@ class UnifiedIndex(ResidencyTree):
                 marks[key] = marks.get(key, 0) | flag
 
     def match(self, keys: Sequence[int], kv_group: str, now: float | None = None) -> dict[str, int]:
-        """Leading blocks of `keys` held by each worker of `kv_group` (workers with none are
-        absent). With `now`, the deepest matched run counts as used (LRU)."""
+        """Leading blocks of `keys` held by each worker of `kv_group` holding any; with `now`,
+        the deepest matched run counts as used."""
         active = self._group_mask.get(kv_group, 0)
         n = len(keys)
         if not active or not n:
@@ -218,15 +210,14 @@ class UnifiedIndex(ResidencyTree):
         return bit is not None and run is not None and bool(run.mask >> bit & 1)
 
     def residency(self, worker: str, kv_group: str) -> set[int]:
-        """Every key the resident holds. Walks the runs: for tests and debugging."""
+        """Every key the resident holds (walks the runs: tests, debugging)."""
         bit = self._find(worker, kv_group)
         if bit is None:
             return set()
         return {key for run in self._runs.values() if run.mask >> bit & 1 for key in run.keys}
 
     def confirmed_depth(self, keys: Sequence[int], worker: str, kv_group: str, depth: int) -> int:
-        """Of the first `depth` keys (a match), how many lead before the first one the resident
-        holds only pending: what it will find even if the request it awaits is not done."""
+        """How many of the first `depth` keys lead before one the resident holds only pending."""
         bit = self._find(worker, kv_group)
         pending = self._pending
         if not pending or bit is None:

@@ -1,10 +1,5 @@
-"""One worker's KV event stream mirrored into the unified index (docs/kv-events.md). Pure: no I/O.
-
-The engine's block hashes are never trusted as index keys: every BlockStored is re-keyed from
-its token ids (core/blocks.py), continuing the chain from our key of its parent. A per-worker
-map remembers engine hash -> our key for later events; for our own workers, which hash as we
-do, it stays empty (a missing entry means "the engine hash is our key").
-Sequence numbers decide what a batch means (`Apply`, the table in docs/kv-events.md).
+"""One worker's KV event stream mirrored into the unified index, each block re-keyed from its
+token ids, each batch placed by its seq (docs/kv-events.md, "The mirror"). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -61,8 +56,7 @@ def _fingerprint(batch: EventBatch) -> int:
 
 
 def _engine_salt(ev: BlockStored) -> str | None:
-    """vLLM publishes a root block's cache_salt among its untagged extra keys (after the LoRA
-    name): the one string there that is not the LoRA name."""
+    """A root block's cache_salt as vLLM publishes it: the one extra key not the LoRA name."""
     if not ev.extra_keys:
         return None
     keys = ev.extra_keys[0]
@@ -158,8 +152,7 @@ class WorkerMirror:
         self.last_seq = None
 
     def _forget_all(self) -> None:
-        """Drop this stream's residency: only the kv_groups it fed (a worker may publish one
-        stream per group, and a resync of one must not touch the others)."""
+        """Drop the residency of the kv_groups this stream fed, not the worker's other streams'."""
         for group in self._groups:
             self.index.clear(self.worker, group)
         self._groups = {self.base_group}

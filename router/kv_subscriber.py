@@ -1,9 +1,6 @@
-"""The gateway side of a worker's KV events (docs/kv-events.md): a WorkerMirror's asyncio shell.
-
-A SUB socket follows the worker's stream; a DEALER (a fresh one per request, so that a late
-answer to a timed-out request is never taken for the next one) asks its replay socket for what
-was missed. Whenever the mirror may be behind it *catches up* by a replay from the last seq it
-applied (the table in docs/kv-events.md): after a loss the mirror holds less, never stale blocks.
+"""A WorkerMirror's asyncio shell (docs/kv-events.md): a SUB socket follows the worker's stream,
+a fresh DEALER per replay request asks for what was missed, and whenever the mirror may be
+behind it catches up from the last seq it applied.
 """
 
 from __future__ import annotations
@@ -25,6 +22,9 @@ log = logging.getLogger(__name__)
 
 _END = -1
 YIELD_EVERY = 32  # messages applied in a row before the event loop gets a turn
+REPLAY_DEADLINE_S = 30.0  # the longest replay
+POLL_MS = 100  # how often run() looks at its stop flag
+RCVHWM = 100_000
 
 # the backend's getsockopt: an int, where the socket's own wraps it in an enum (~1 µs more)
 _get = zmq.backend.Socket.get
@@ -33,8 +33,8 @@ _POLLIN = int(zmq.POLLIN)
 
 
 def _waiting(sock: zmq.Socket) -> list[bytes] | None:
-    """The message waiting on `sock`, None when there is none: never blocks, and asks the
-    socket's events first (a failed non-blocking recv raises, which costs more)."""
+    """The message waiting on `sock`, or None; asks the socket's events first (cheaper than a
+    failed non-blocking recv, which raises)."""
     if not _get(sock, _EVENTS) & _POLLIN:
         return None
     try:
@@ -54,9 +54,6 @@ class KVEventSubscriber:
         *,
         topic: str = "",
         replay_timeout_s: float = 2.0,
-        replay_deadline_s: float = 30.0,
-        poll_interval_s: float = 0.1,
-        rcvhwm: int = 100_000,
         clock: Callable[[], float] = time.monotonic,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
@@ -65,9 +62,6 @@ class KVEventSubscriber:
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.replay_timeout_s = replay_timeout_s  # the longest silence within a replay
-        self.replay_deadline_s = replay_deadline_s  # the longest replay
-        self.poll_interval_s = poll_interval_s  # how often run() looks at its stop flag
-        self.rcvhwm = rcvhwm
         self.clock = clock  # the index's `now` (the gateway's clock)
         self._ctx = context or zmq.asyncio.Context.instance()
         self._stopping = False
@@ -77,12 +71,12 @@ class KVEventSubscriber:
         self.connected = False  # the SUB socket's connection to the worker is up
 
     def stop(self) -> None:
-        """Ask run() to return; it does within `poll_interval_s` (or after a replay)."""
+        """Ask run() to return; it does within POLL_MS (or after a replay)."""
         self._stopping = True
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.RCVHWM, RCVHWM)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
@@ -90,10 +84,8 @@ class KVEventSubscriber:
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        poll_ms = max(1, int(self.poll_interval_s * 1000))
-        # plain views of the same sockets read what is waiting in one C call a message (an
-        # asyncio socket's recv costs a future and loop callbacks); the poller is awaited only
-        # once both are drained, and the loop gets a turn every YIELD_EVERY messages
+        # plain views of the sockets read a waiting message in one C call (an asyncio recv costs
+        # a future and callbacks); the poller is awaited only once both are drained
         live = zmq.Socket.shadow(sub.underlying)
         changes = zmq.Socket.shadow(monitor.underlying)
         in_a_row = 0
@@ -103,8 +95,8 @@ class KVEventSubscriber:
             self.synced.set()
             while not self._stopping:
                 frames = _waiting(live)
-                # a connection is reported before any message it brings: looking after the
-                # recv, a new incarnation's first message is never taken for a continuation
+                # looked at after the recv: a new incarnation's first message is never taken
+                # for a continuation (a connection is reported before its messages)
                 if self._reconnected(changes):
                     await self._guarded(self._catch_up())
                 if frames is not None:
@@ -115,15 +107,14 @@ class KVEventSubscriber:
                         await asyncio.sleep(0)
                 elif not self._stopping:
                     in_a_row = 0
-                    await poller.poll(poll_ms)
+                    await poller.poll(POLL_MS)
         finally:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
 
     def _reconnected(self, monitor: zmq.Socket) -> bool:
-        """Drain the SUB socket's monitor: did it (re)connect? Then messages may have been
-        lost, or the worker restarted."""
+        """Drain the SUB socket's monitor: did it (re)connect (messages lost, or a restart)?"""
         connected = False
         while (frames := _waiting(monitor)) is not None:
             event = parse_monitor_message(frames)
@@ -155,8 +146,8 @@ class KVEventSubscriber:
             self._apply(seq, frames[2], baseline=True)  # a duplicate by now, unless it was lost
 
     def _apply(self, seq: int, payload: bytes, *, baseline: bool = False) -> Apply | None:
-        """Decode and apply one batch (None: undecodable). With `baseline`, missing history
-        is given up: the mirror is reset and this batch starts it afresh."""
+        """Decode and apply one batch (None: undecodable); `baseline` gives up missing history:
+        the mirror is reset and this batch starts it afresh."""
         try:
             batch = decode_batch(payload)
         except KVEventDecodeError as exc:
@@ -210,7 +201,7 @@ class KVEventSubscriber:
         dealer.connect(self.replay_endpoint)
         entries: list[tuple[int, bytes]] = []
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.replay_deadline_s
+        deadline = loop.time() + REPLAY_DEADLINE_S
         try:
             await dealer.send_multipart((b"", start.to_bytes(8, "big")))
             while True:

@@ -1,7 +1,5 @@
-"""Who holds what in the unified index (docs/index.md): residents, their holds, and every way
-a hold ends (remove, clear, expiry, eviction from the tails of the least recently used leaves).
-
-Each `(worker, kv_group)` pair (a *resident*) owns one bit of a run's mask (router/run_tree.py).
+"""Who holds what in the unified index (docs/index.md): each `(worker, kv_group)` (a resident)
+owns one bit of a run's mask; a hold ends by remove, clear, expiry or LRU eviction.
 """
 
 from __future__ import annotations
@@ -88,14 +86,9 @@ class ResidencyTree(RunTree):
         return 0 if bit is None else self._held[bit]
 
     def sizes(self, worker: str, kv_group: str) -> tuple[int, int]:
-        """(blocks_held, blocks_stored) in one lookup: read for every candidate."""
+        """(blocks held, blocks stored so far: the cache's inflow), read for every candidate."""
         bit = self._find(worker, kv_group)
         return (0, 0) if bit is None else (self._held[bit], self._stored[bit])
-
-    def blocks_stored(self, worker: str, kv_group: str) -> int:
-        """Blocks the resident came to hold so far: the inflow of its cache."""
-        bit = self._find(worker, kv_group)
-        return 0 if bit is None else self._stored[bit]
 
     def _release(self, run: Run, bit: int) -> None:
         """The resident no longer holds any block of `run`."""
@@ -126,9 +119,8 @@ class ResidencyTree(RunTree):
         return unpended
 
     def _release_tails(self, keys: list[int], bit: int) -> int:
-        """Release the leading keys that are tails of runs the resident holds, deepest key
-        first, as an LRU cache evicts (most BlockRemoved events): one lookup per run. Returns
-        how many keys it released (the rest takes `_release_keys`'s general path)."""
+        """Release the leading keys that are run tails, deepest first, as an LRU cache evicts
+        them: one lookup per run. Returns how many it released (`_release_keys` does the rest)."""
         flag = 1 << bit
         where, by_id = self._where, self._runs
         boxed = cast(list[object], keys)
@@ -168,8 +160,7 @@ class ResidencyTree(RunTree):
             keys = keys[done:]
         flag = 1 << bit
         where, by_id = self._where, self._runs
-        # each run's keys, runs in order of first appearance; the runs are held here, so that
-        # no run made by a split below can take the id of one deleted on the way
+        # each run's keys, in order of first appearance; holding the runs keeps their ids unique
         found: dict[object, list[int]] = {}
         for key in keys:
             rid = where.get(key, 0)
@@ -218,8 +209,7 @@ class ResidencyTree(RunTree):
         return released
 
     def _confirm(self, keys: list[int], bit: int, expiry: float | None) -> int:
-        """Keys already held: refresh approximate ones, or make them exact (expiry None).
-        Returns how many pending ones that made exact."""
+        """Held keys: refresh approximate ones, or make them exact (None: returns those pending)."""
         if expiry is None:
             return self._drop_approx(keys, bit)
         approx = self._approx

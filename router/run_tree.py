@@ -1,8 +1,5 @@
-"""The compressed tree under the unified index (docs/index.md): runs of chained block keys.
-
-A node is a *run* of consecutive blocks with the same residency; `_where` maps every key to its
-run. Leaf runs sit in an intrusive doubly linked list, oldest at the head, so that LRU eviction
-never scans the tree. What a run's `mask` means is the index's business (router/residency.py).
+"""The compressed tree under the unified index (docs/index.md): runs of chained block keys, with
+the leaf runs in an intrusive LRU list (oldest at the head) so that eviction never scans.
 """
 
 from __future__ import annotations
@@ -27,17 +24,14 @@ class RunTree:
     """Runs by key, parent links, child counts and the LRU leaf list."""
 
     def __init__(self) -> None:
-        # every key -> id() of the run holding it: ints only, so the garbage collector never
-        # walks it (a dict of a million entries made each full collection ~20 ms longer).
-        # Typed `object`, keys and ids stay boxed: compiled, an `int` read from a list or a
-        # dict is unboxed, and boxed again (a new object below 2**62) for every dict operation
+        # every key -> id() of its run: ints only, which the garbage collector never walks;
+        # typed `object`, so that keys and ids stay boxed (docs/compiled.md)
         self._where: dict[object, object] = {}
         self._runs: dict[object, Run] = {}  # id(run) -> run
         self._lru = Run([], None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
         self._lru.prev = self._lru.next = self._lru
 
     def run_of(self, key: int) -> Run | None:
-        """The run holding `key`."""
         return self._runs.get(self._where.get(key, 0))  # 0: no object's id
 
     def _unlink(self, run: Run) -> None:

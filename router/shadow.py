@@ -20,6 +20,14 @@ class ShadowStats:
     predicted_ttft_s: float = 0.0
     disagreements: int = 0
 
+    def count(self, request: RouteRequest, matched_tokens: int, ttft_s: float, same: bool) -> None:
+        """One request: tokens and TTFT predicted at the choice; `same`: it was the live one."""
+        self.requests += 1
+        self.prompt_tokens += request.prompt_tokens
+        self.predicted_hit_tokens += matched_tokens
+        self.predicted_ttft_s += ttft_s
+        self.disagreements += not same
+
     def summary(self) -> dict[str, Any]:
         """Rates and means (None before the first request), as /admin/mode reports them."""
         n, prompt = self.requests, self.prompt_tokens
@@ -45,12 +53,8 @@ class ShadowPolicies:
         by_name = {c.worker: c for c in candidates}
         for name, policy in self.policies.items():
             decision = policy.choose(request, candidates)
-            stats = self.stats[name]
-            stats.requests += 1
-            stats.prompt_tokens += request.prompt_tokens
-            stats.predicted_hit_tokens += decision.matched_tokens
-            stats.predicted_ttft_s += self.estimator.ttft(request, by_name[decision.worker])
-            stats.disagreements += decision.worker != live
+            ttft = self.estimator.ttft(request, by_name[decision.worker])
+            self.stats[name].count(request, decision.matched_tokens, ttft, decision.worker == live)
 
     def describe(self) -> dict[str, dict[str, Any]]:
         return {name: s.summary() for name, s in self.stats.items()}

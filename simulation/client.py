@@ -1,9 +1,6 @@
 """The load generator in virtual time: when each request is sent, by the rules of
-loadgen/runner.py and loadgen/sessions.py. Open loop (every request has `arrival_s`): arrivals
-are sent while fewer than `slots` (the bench's max_in_flight) are in flight. Closed loop
-(`concurrency` C): C in flight, specs pulled in order while fewer than `lookahead` turns wait
-behind their session. A session's turn waits for the previous one to complete; a failed turn
-drops the session's later turns.
+loadgen/runner.py (open or closed loop) and loadgen/sessions.py (a session's turn waits for the
+previous one; a failed turn drops the session's later turns).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""Several policies over the same requests and fleet, each run on a fresh fleet, index, client
-and policy (built as the gateway builds it), so runs are independent and reproducible. The
-wall-clock speed of each run is measured here and kept out of the report's JSON.
+"""Several policies over the same requests, each on a fresh fleet, index, client and policy
+(built as the gateway builds it). Each run's wall-clock speed stays out of the report's JSON.
 """
 
 from __future__ import annotations
@@ -54,9 +53,8 @@ def run_policy(
 
 
 def infinite_cache_hit_rate(requests: Iterable[SimRequest]) -> float | None:
-    """Cached / prompt tokens on one worker that never evicts: each request, in order, reuses
-    the longest prefix of its keys seen before (all but its last token at most) and leaves its
-    prompt and output blocks behind. No fleet can reuse more: the ceiling of every policy."""
+    """Cached / prompt tokens on one worker that never evicts (each request reuses the longest
+    prefix seen before): the ceiling of every policy."""
     seen: set[int] = set()
     prompt = cached = 0
     for req in requests:

@@ -1,8 +1,6 @@
-"""Live against offline: one seeded workload through `urc cluster` (the gateway and emulated
-workers as real processes on 127.0.0.1, `urc bench` against it) and through the replay with the
-same worker parameters, worker names (rendezvous hashes them) and candidate order (read from the
-admin API), so the two differ only in what real time adds: HTTP hops, event-loop wake-ups and
-KV events in flight. The cluster has no API keys: the replay shares one namespace too.
+"""Live against offline: one seeded workload through `urc cluster` and through the replay with
+the same worker parameters, names and candidate order, so the two differ only in what real time
+adds (HTTP hops, event-loop wake-ups, KV events in flight). No API keys: one namespace.
 """
 
 from __future__ import annotations

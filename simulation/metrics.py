@@ -1,15 +1,5 @@
-"""One run's numbers: what the clients saw, what the workers reused, how the load spread.
-
-hit_rate          cached / prompt tokens over completed requests, as the workers report them
-                  (`cached_tokens` on admission); `predicted_hit_rate` is the index's view
-ttft_*_s          send -> first token; latency_*_s send -> last token (completed requests);
-                  percentiles interpolate between closest ranks (loadgen.report.percentile)
-throughput_tok_s  (prompt + output tokens of completed requests) / duration, the first send
-                  to the last finish
-load_imbalance    max / mean over workers of their mean requests in flight: 1 is even
-index_bytes_est   the index's memory at the end: 88 B per block + 163 B per run (tracemalloc,
-                  CPython 3.11, keys included)
-"""
+"""One run's numbers: what the clients saw, what the workers reused, how the load spread (each
+key's definition: docs/cli.md, "The replay's report")."""
 
 from __future__ import annotations
 
@@ -21,6 +11,7 @@ from loadgen.report import percentile
 from simulation.replay import RunResult
 from simulation.requests import SimRequest
 
+# the index's memory per block and per run (tracemalloc, CPython 3.11, keys included)
 BYTES_PER_BLOCK = 88
 BYTES_PER_RUN = 163
 

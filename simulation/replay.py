@@ -1,16 +1,5 @@
-"""The discrete-event replay: requests through the gateway's index and policy to emulated
-workers in virtual time (docs/dispatch.md, "The replay does the same"). Events in time order,
-sends before engine steps at equal times (a request submitted at the end of a step joins the
-next one, as the engine's own rule says):
-
-    send         the client (client.py) sends; router/dispatch.py builds the candidates, the
-                 policy chooses, the chosen worker's engine gets the request
-    engine step  first tokens and finishes move the gateway's load view and the client
-    KV events    a step's stores and evictions reach the index `event_delay_s` later, applied
-                 lazily before the next routing decision that could see them
-
-With `kv_events=False` the gateway's approximate residency stands in (as its pending one does
-with `pending_ttl_s` > 0), expired every `EXPIRE_EVERY_S`, the gateway's health interval.
+"""The discrete-event replay (docs/dispatch.md, "The replay does the same"): requests through
+the gateway's index and policy to emulated workers in virtual time.
 """
 
 from __future__ import annotations
@@ -23,6 +12,7 @@ from dataclasses import dataclass
 from typing import Final, cast
 
 from backends.emulated.config import EngineConfig
+from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request
 from core.heap import Heap
 from router.dispatch import LoadShare, RoutedResidency, candidate, candidates, dispatch
@@ -30,18 +20,14 @@ from router.index import UnifiedIndex
 from router.policies import Policy, WorkerLoad
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
-from simulation.worker import Change, SimWorker
 
-EXPIRE_EVERY_S: Final = 0.5
-
-
+EXPIRE_EVERY_S: Final = 0.5  # approximate residency expires as often as the gateway checks health
 _ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change them
 
 
 @dataclass(slots=True)
 class FleetConfig:
-    """The fleet, the gateway's settings and the client; engine defaults are the emulated
-    worker's (EngineConfig)."""
+    """The fleet (the emulated worker's defaults), the gateway's settings and the client."""
 
     workers: int = 8
     names: list[str] | None = None  # worker names (default w0, w1, ...): rendezvous hashes them
@@ -86,6 +72,66 @@ class FleetConfig:
         )
 
 
+class Change:
+    """Blocks stored (under `parent`, None: root blocks) or removed: one KV event's content."""
+
+    __slots__ = ("keys", "parent", "stored")
+
+    def __init__(self, keys: list[int], parent: int | None, stored: bool) -> None:
+        self.keys = keys
+        self.parent = parent
+        self.stored = stored
+
+
+class SimWorker:
+    """One simulated worker: an emulated engine on the virtual clock, the gateway's view of its
+    load, and (with KV events) its cache's changes as BlockStored / BlockRemoved carry them."""
+
+    __slots__ = (
+        "name",
+        "kv_group",
+        "engine",
+        "max_model_len",
+        "load",
+        "wake",
+        "wake_seq",
+        "changes",
+    )
+
+    def __init__(
+        self,
+        name: str,
+        kv_group: str,
+        config: EngineConfig,
+        max_model_len: int,
+        kv_events: bool = True,
+    ) -> None:
+        self.name = name
+        self.kv_group = kv_group
+        self.engine = EmulatedEngine(config)
+        self.changes: list[Change] = []
+        if kv_events:
+            self.engine.cache.on_stored = self._stored
+            self.engine.cache.on_removed = self._removed
+        self.max_model_len = max_model_len  # longer prompt + max_tokens: 400, as the worker says
+        self.load = WorkerLoad(name)
+        self.wake: float | None = None  # when the engine wants its next step call
+        self.wake_seq = -1  # the one valid heap entry of this worker
+
+    def _stored(
+        self,
+        kv_group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
+    ) -> None:
+        self.changes.append(Change(keys, parent, True))
+
+    def _removed(self, kv_group: str, keys: list[int]) -> None:
+        self.changes.append(Change(keys, None, False))
+
+
 @dataclass(slots=True)
 class RunResult:
     """Everything one policy's run measured; per-request lists are indexed like the requests
@@ -123,8 +169,7 @@ class Replay:
         self.requests = list(requests)
         self.policy = policy
         self.fleet = fleet
-        # one event per forward pass, as a real-time loop steps the engine: the same outcome,
-        # far slower (bench/replay_bench.py's in-run baseline for the segments)
+        # an event per forward pass, as in real time: the same outcome, slower (a bench baseline)
         self.per_step = per_step
         if any(r.route.block_size != fleet.block_size for r in self.requests):
             raise ValueError("requests are keyed with another block size than the fleet's")
@@ -166,11 +211,8 @@ class Replay:
         self._steps = 0
         self._next_expire = 0.0
 
-    # -- the loop ----------------------------------------------------------------------------
-
     def run(self, progress: Callable[[int], None] | None = None) -> RunResult:
-        """Replay every request; `progress(sent)` is called every 1024 sends. The garbage
-        collector is off meanwhile: its passes free nothing here (docs/compiled.md)."""
+        """Replay every request, `progress(sent)` every 1024 sends; GC off (docs/compiled.md)."""
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -209,8 +251,6 @@ class Replay:
         elif t != w.wake or w.wake_seq < 0:
             w.wake, w.wake_seq = t, self._heap.push(t, w)
 
-    # -- routing (router/gateway/routing.py, in virtual time) -------------------------------
-
     def _route(self, req: SimRequest, now: float) -> None:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
@@ -247,8 +287,6 @@ class Replay:
         """The worker answers 400 (too long): the gateway's load comes back, the turn fails."""
         share.finish()
         self.client.complete(req, False, now)
-
-    # -- engine steps ------------------------------------------------------------------------
 
     def _step(self, w: SimWorker, now: float) -> None:
         """Step `w` at `now`, and again at each of its next times that comes before anything
@@ -287,11 +325,8 @@ class Replay:
             w.wake, w.wake_seq = t, heap.push(t, w)
             return
 
-    # -- KV events ---------------------------------------------------------------------------
-
     def _deliver(self, now: float) -> None:
-        """Apply every event batch due by `now`, in order (WorkerMirror's effect on the index
-        for workers that hash as the gateway does)."""
+        """Apply every event batch due by `now`, in order, as a WorkerMirror would."""
         kv = self._kv
         index = self.index
         applied = 0
@@ -308,8 +343,6 @@ class Replay:
         size = len(index)
         if size > self._peak:
             self._peak = size
-
-    # -- the outcome -------------------------------------------------------------------------
 
     def _result(self) -> RunResult:
         n = len(self.requests)

@@ -1,16 +1,5 @@
-"""A replay's report: the `--json` document, the terminal table, the Markdown page and the PNG
-plots (with matplotlib, the `plot` extra): ttft_cdf.png (TTFT per policy), hit_rate.png (over
-the run's slices), worker_load.png (each worker's requests in flight, a panel per policy).
-
-JSON schema "urc.replay/1": keys sorted, floats to 6 significant digits, no wall-clock value
-(the same trace, seed and flags give byte-identical files):
-
-    config     the source (trace file or workload and its parameters), fleet, client, seed
-    policies   {NAME: every key of simulation.metrics.summarize}
-    bound      {hit_rate}: one infinite cache (simulation.compare)
-    recorded   a recording only: {hit_rate, predicted_hit_rate, policy, requests} as measured
-               live (its lines' cached_tokens and predicted_tokens)
-    shadow     `--shadow` only (simulation/shadow.py); its run is the policy "recorded"
+"""A replay's report: the `--json` document (schema "urc.replay/1", docs/cli.md), the terminal
+table, the Markdown page and the PNG plots (with matplotlib, the `plot` extra).
 """
 
 from __future__ import annotations
@@ -60,8 +49,6 @@ def write_json(report: Mapping[str, Any], path: str | Path) -> None:
     text = json.dumps(report, indent=2, sort_keys=True, allow_nan=False) + "\n"
     Path(path).write_text(text, encoding="utf-8")
 
-
-# -- the table -------------------------------------------------------------------------------
 
 COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("hit rate", "hit_rate", "pct"),
@@ -200,8 +187,6 @@ def markdown(
         lines += ["", "Shadow policies on the recorded decisions:", "", markdown_table(shadow)]
     return "\n".join(lines) + "\n"
 
-
-# -- the plots ---------------------------------------------------------------------------
 
 MISSING = (
     "Plots were not written: matplotlib is not installed (pip install 'unified-radix-cache[plot]')."

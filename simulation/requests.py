@@ -10,9 +10,7 @@ from router.policies import RouteRequest
 
 
 class KeyedPrompt(Sequence[int]):
-    """A prompt known by its length and block keys only (a trace's hash ids). The engine never
-    reads its tokens: such a request carries `keys` and `tail_keys`, and the simulator's
-    workers publish KV events without token ids."""
+    """A prompt known by its length and block keys only (a trace's): never read as tokens."""
 
     __slots__ = ("length",)
 
@@ -31,9 +29,7 @@ class KeyedPrompt(Sequence[int]):
 
 @dataclass(slots=True, eq=False)
 class SimRequest:
-    """One request of a replay. `arrival_s` is its send time from the start (None: a closed
-    loop sends it when a slot frees). A session's turns share `session` (>= 0); a turn is sent
-    only after the previous one has completed, as `urc bench` does."""
+    """One request of a replay; `arrival_s` None: a closed loop sends it when a slot frees."""
 
     index: int
     arrival_s: float | None
@@ -44,7 +40,7 @@ class SimRequest:
     route: RouteRequest  # what the policies see
     salt: str | None  # forwarded to the worker as cache_salt
     chat: bool = False  # a chat request (its role chunk rides on the first token)
-    session: int = -1
+    session: int = -1  # a session's turns share it; each waits for the previous one
 
     @property
     def kv_group(self) -> str:

@@ -1,13 +1,6 @@
-"""`urc replay REC --shadow NAME`: a gateway recording replayed on its live decisions (each
-request to the worker the gateway chose, so the index and load view evolve as the gateway's
-did) while each candidate policy is asked beside them, counted as the gateway counts its
---shadow-policy (router/shadow.py). The report's "shadow" section:
-
-    live       policy, requests, recorded_hit_rate and recorded_predicted_hit_rate (the lines'
-               cached_tokens, predicted_tokens), hit_rate (the replay's workers),
-               predicted_hit_rate and predicted_ttft_mean_s (the replay's index at the live choice)
-    policies   {NAME: {requests, prompt_tokens, predicted_hit_tokens, predicted_hit_rate,
-               predicted_ttft_mean_s, disagreement_rate}}: what /admin/mode exports live
+"""`urc replay REC --shadow NAME`: a gateway recording replayed on its live decisions, so the
+index and load view evolve as the gateway's did, while each NAME is asked beside them and counted
+as the gateway counts its --shadow-policy (router/shadow.py). The report's section: docs/cli.md.
 """
 
 from __future__ import annotations
@@ -47,11 +40,8 @@ class RecordedChoice:
             names = ", ".join(c.worker for c in candidates)
             raise ValueError(f"the recording sent a request to {worker!r}, not one of {names}")
         self.shadows.watch(request, candidates, worker)
-        live = self.live
-        live.requests += 1
-        live.prompt_tokens += request.prompt_tokens
-        live.predicted_hit_tokens += request.matched_tokens(chosen.matched_blocks)
-        live.predicted_ttft_s += self.shadows.estimator.ttft(request, chosen)
+        ttft = self.shadows.estimator.ttft(request, chosen)
+        self.live.count(request, request.matched_tokens(chosen.matched_blocks), ttft, True)
         return Decision(worker, "recorded", request, candidates, [0.0] * len(candidates))
 
 
@@ -62,9 +52,8 @@ class ShadowReplay:
 
 
 def fleet_names(trace: Trace, limit: int, given: Sequence[str] | None) -> list[str]:
-    """The simulated workers: `given` (the gateway's candidate order, GET /admin/workers), or
-    the workers of the first `limit` lines in order of first use. ValueError if a line names no
-    worker or one that is not in `given`."""
+    """The simulated workers: `given` (the gateway's order, GET /admin/workers), else those of
+    the first `limit` lines by first use. ValueError on a line without one or not in `given`."""
     used: dict[str, None] = {}
     for rec in trace.ordered(limit):
         if not rec.worker:

@@ -1,8 +1,4 @@
-"""Traces -> `SimRequest`s (docs/traces.md, "As keys"): Mooncake's published traces, each hash
-id ONE block keyed with `chain_keys` in the request's namespace, and the gateway's recordings,
-whose hash ids ARE its block keys. A request's output blocks (`tail_keys`) are keyed as the
-blocks that follow its prompt in its next turn (a trace does not say what the model answered).
-"""
+"""Traces and gateway recordings -> `SimRequest`s (docs/traces.md, "As keys")."""
 
 from __future__ import annotations
 
@@ -126,9 +122,8 @@ def trace_requests(
     limit: int | None = None,
     chat: bool = False,
 ) -> list[SimRequest]:
-    """The trace's requests in timestamp order (the first `limit`): arrival = (timestamp - first)
-    / 1000 * time_scale, max_tokens = output_length (capped, at least 1), as `urc bench --trace`
-    sends them. A record's own model and tenant win over `model` and the shared tenant."""
+    """The first `limit` requests in timestamp order, timed and capped as docs/traces.md says; a
+    record's own model and tenant win over `model` and the shared tenant."""
     if time_scale < 0:
         raise ValueError("time_scale must be >= 0")
     ordered = trace.ordered(limit)

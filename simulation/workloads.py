@@ -1,7 +1,5 @@
-"""Built-in workloads (loadgen.workloads) -> `SimRequest`s with the live system's exact tokens:
-the specs `urc bench --workload NAME --seed S` sends, a session's turn built by the bench's own
-`SessionQueue` from the previous turn and the emulated worker's deterministic reply, tokenized
-by the byte tokenizer (its chat template for chats) and keyed in the request's namespace.
+"""Built-in workloads (loadgen.workloads) -> `SimRequest`s with the exact tokens `urc bench
+--workload NAME --seed S` sends, turns built from the emulated worker's deterministic replies.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ def workload_requests(
     params: dict[str, Any] | None = None,
     isolate_tenants: bool = True,
 ) -> list[SimRequest]:
-    """The first `n` requests of workload `name`; Poisson arrivals at `rate` (seeded as
-    `urc bench --rate` seeds them), or None for a closed loop. `isolate_tenants`: each tenant
-    in its own namespace, as a gateway with API keys keeps them (without keys, one shared)."""
+    """The first `n` requests of workload `name`, Poisson at `rate` as `urc bench` (None: closed
+    loop); `isolate_tenants`: a namespace per tenant, as a gateway with API keys keeps them."""
     specs: Any = iter_requests(name, seed, list(models), n, **(params or {}))
     if rate is not None:
         specs = with_poisson_arrivals(specs, rate, seed)

@@ -1,15 +1,12 @@
-"""The room of the radix cache (radix.py): a pool of tokens, or of pages, and eviction.
-
-Every token of the pool is in exactly one of four states (check.py asserts it):
+"""The room of the radix cache (radix.py): a pool of tokens, or of pages, and eviction. Every
+token of the pool is in exactly one of four states (check.py asserts it):
 
     free         in no one's hands
     evictable    cached in a run no request locks (lock_ref == 0)
     protected    cached in a run some request locks (on the path of a locked node)
     allocated    private to a request (not in a tree): computed KV not yet inserted
 
-Eviction runs only inside `allocate`, only for the shortfall, oldest unlocked leaf first across
-all trees (a kv_group's share of the pool follows its traffic), from the tail of its run. The
-unlocked leaves sit in an intrusive linked list in stamp order, never found by a scan.
+Eviction frees only the shortfall of an `allocate`, from the oldest unlocked leaf of any tree.
 """
 
 from __future__ import annotations

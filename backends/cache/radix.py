@@ -1,12 +1,6 @@
-"""The workers' KV cache: a radix tree of blocks per kv_group in one pool (pool.py).
-
-As SGLang's radix cache, but block-granular and keyed by the gateway's own chained block keys
-(core/blocks.py), which are also the hashes of its KV events. The emulated worker counts tokens
-only; the torch worker's cache is paged and keeps the blocks' tokens, so a match is confirmed
-token by token. A node (`Run`, nodes.py) is a run of blocks; a tree's `heads` maps the first key
-of every run to it: a lookup always starts right after a run's last key, so it finds a run's
-first key or nothing. A namespace starts a run of its own, for scoped invalidation (scopes.py).
-Locks walk to the root. Recency is a tick, bumped by `match`, `insert` and `unlock`.
+"""The workers' KV cache (docs/workers.md, "The radix cache"): a radix tree of blocks per kv_group
+in one pool (pool.py), keyed by the gateway's own chained block keys, SGLang's design made
+block-granular.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ def _part(items: list[int] | None, start: int, stop: int | None) -> list[int] | 
 
 
 class RadixCache(Pool):
-    """The pool (pool.py) with its trees. `keep_tokens` stores the blocks' token ids and confirms
-    matches on them. `on_stored` / `on_removed` hear every change to the set of cached keys, in
-    order: exactly what a KV event stream must say."""
+    """The pool with its trees. `keep_tokens` keeps the blocks' token ids to confirm matches on;
+    `on_stored` / `on_removed` hear every change to the cached keys, as KV events must say it."""
 
     def __init__(
         self,
@@ -99,10 +92,8 @@ class RadixCache(Pool):
         kv_group: str = "",
         tokens: Sequence[int] | None = None,
     ) -> MatchResult:
-        """The longest cached prefix of `keys` (at most `max_blocks` blocks; with `tokens`, the
-        prompt's tokens, confirmed on them where the cache keeps tokens), as a run that ends
-        exactly there (a run is split if the match ends inside it). Marks the path used; the
-        blocks are safe to use only once `lock(result.node)` is held."""
+        """The longest cached prefix of `keys` (confirmed on `tokens` where the cache keeps them),
+        as a run split to end exactly there; safe to use only once `lock(result.node)` is held."""
         limit = len(keys) if max_blocks is None else min(max_blocks, len(keys))
         self._tick += 1
         node, matched = self._descend(self.root(kv_group), keys, 0, limit, tokens)
@@ -111,8 +102,7 @@ class RadixCache(Pool):
     def _descend(
         self, node: Run, keys: list[int], i: int, limit: int, tokens: Sequence[int] | None
     ) -> tuple[Run, int]:
-        """Follow keys[i:limit] down from `node` (whose last key is the parent of keys[i]).
-        Returns the run that ends exactly at the match and the index past it."""
+        """Follow keys[i:limit] down from `node`: the run ending exactly there, the index after."""
         heads = node.tree.heads
         tick = self._tick
         confirm = self.keep_tokens and tokens is not None
@@ -162,8 +152,8 @@ class RadixCache(Pool):
         return m
 
     def _split(self, run: Run, at: int) -> Run:
-        """Cut `run` after `at` blocks; returns the new head. The tail keeps the identity of
-        `run` (requests holding it still end there) and its place in the LRU list."""
+        """Cut `run` after `at` blocks; returns the new head. The tail stays `run`, as requests
+        holding it expect, in its place in the LRU list."""
         tree = run.tree
         head = Run(run.keys[:at], run.parent, run.lock_ref, run.stamp, tree)
         head.children = 1
@@ -215,8 +205,7 @@ class RadixCache(Pool):
             node = node.parent
 
     def move_lock(self, node: Run, down_to: Run) -> None:
-        """`lock(down_to)` then `unlock(node)`, for `down_to` at or below the locked `node`: one
-        walk. `node`'s path stays locked (only used now), so nothing becomes evictable."""
+        """`lock(down_to)` then `unlock(node)` in one walk, for `down_to` at or below `node`."""
         self._lock_path(down_to, node)
         self._tick += 1
         tick = self._tick
@@ -234,20 +223,16 @@ class RadixCache(Pool):
         salt_at: int | None = None,
         pages: list[int] | None = None,
     ) -> InsertResult:
-        """Cache blocks `keys` (keys[0] a child of `parent`'s last key; `parent` must be locked
-        or a root) whose KV the caller computed in its allocated room (a paged cache: into its
-        `pages`). Blocks cached meanwhile by someone else are matched instead:
+        """Cache blocks `keys` under `parent` (locked, or a root) whose KV the caller computed in
+        its allocated room (a paged cache: into its `pages`):
 
-            [0, cached_blocks)          already in the tree: our copy is freed, theirs backs it
+            [0, cached_blocks)          cached meanwhile by someone else: our copy is freed
             [cached_blocks, inserted)   added as a new leaf run: allocated -> evictable
-            [inserted, len(keys))       still the caller's: a block of the same key and other
-                                        tokens (a hash collision), or `parent` was invalidated
+            [inserted, len(keys))       still the caller's: a hash collision, or `parent` was
+                                        invalidated
 
-        `tokens` (exactly the blocks' token ids; not to be changed after) travel to
-        `on_stored` and are kept where the cache keeps tokens. `salt` is the namespace of the
-        blocks: it travels with a root block, or with keys[salt_at] when a public prefix ends
-        before it (core/blocks.py; None: the salt starts at the root), and scoped invalidation
-        finds the namespace by it."""
+        `tokens` (not to be changed after) travel to `on_stored`; `salt` starts its namespace at
+        the root, or at keys[salt_at] after a public prefix (core/blocks.py)."""
         n = len(keys)
         bs = self.block_size
         assert self.allocated_tokens >= n * bs, "insert needs its tokens allocated first"

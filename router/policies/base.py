@@ -46,8 +46,7 @@ class RouteRequest:
 
 @dataclass(init=False, slots=True)
 class WorkerLoad:
-    """A worker's load as the gateway sees it, moved only by its requests' dispatch
-    (router/dispatch.py's `LoadShare`): the gateway's and the simulated workers' own record."""
+    """A worker's load as the gateway sees it, moved only by router/dispatch.py's `LoadShare`."""
 
     worker: str
     in_flight: int  # requests sent and not finished
@@ -69,8 +68,7 @@ class WorkerLoad:
 
 @dataclass(init=False, slots=True)
 class Candidate(WorkerLoad):
-    """One worker that serves the request's kv_group: a copy of its load when the request
-    came, and what it holds."""
+    """A worker of the request's kv_group: a copy of its load when the request came, its cache."""
 
     matched_blocks: int  # leading blocks of the request this worker holds (unified index)
     cached_blocks: int  # all blocks this worker holds for the kv_group (its tree size)

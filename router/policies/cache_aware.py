@@ -1,9 +1,6 @@
-"""Our policy: send each request where it costs the fleet least time to first token.
-
-The cost is a queueing model of each worker's engine, in seconds; docs/policies.md states it
-and says why each term is there. When every candidate holds the same prefix, the new content
-goes to the cache that took the least of it lately, ties by rendezvous hash of the first new
-block, so gateway replicas that see the same index agree without talking.
+"""Our policy: send each request where it costs the fleet least time to first token, a queueing
+model of each worker's engine in seconds; new content goes to the cache that took the least of
+it lately (docs/policies.md states the cost and why each term is there).
 """
 
 from __future__ import annotations
@@ -87,10 +84,8 @@ class RoutingHistory:
 
 
 class CacheAwarePolicy:
-    """Minimise the fleet's time to first token; spread what is new over the caches. Reasons:
-    "cache_hit" (the longest match; "cold_miss" when no one holds anything) or "load" (a worker
-    holding more lost on its cost). It remembers its decisions (a `RoutingHistory` per
-    kv_group), as SGLang's router does; time is what it routed."""
+    """Minimise the fleet's time to first token; spread what is new over the caches. It remembers
+    its decisions (a `RoutingHistory` per kv_group), as SGLang's router does."""
 
     name: ClassVar[str] = "cache_aware"
 

@@ -1,8 +1,5 @@
-"""Consistent hashing of a prompt's first blocks onto a ring of worker virtual nodes.
-
-A request's point is the chained key of the last of its first `prefix_blocks` blocks (it hashes
-them all); it goes to the candidate whose nearest point clockwise is the closest. Each worker's
-points are hashed and sorted once: the ring of a candidate set is never built.
+"""Consistent hashing of a prompt's first blocks onto a ring of worker virtual nodes; each
+worker's points are hashed and sorted once, the ring of a candidate set never built.
 """
 
 from __future__ import annotations

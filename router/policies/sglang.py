@@ -1,7 +1,5 @@
-"""SGLang router's `cache_aware` decision, re-implemented over our unified index: the least
-loaded worker when loads are imbalanced, else the longest match when it is long enough, else the
-smallest tree. The original's code, its ties, its tree size and how ours differs:
-docs/policies.md.
+"""SGLang router's `cache_aware` decision over our unified index; the original, its ties, its
+tree size and how ours differs: docs/policies.md.
 """
 
 from __future__ import annotations

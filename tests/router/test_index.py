@@ -122,7 +122,7 @@ def _check_agree(index: UnifiedIndex, model: Model) -> None:
     for (w, g), held in model.held.items():
         assert index.residency(w, g) == set(held), (w, g)
         assert index.blocks_held(w, g) == len(held)
-        assert index.blocks_stored(w, g) == model.stored[(w, g)], (w, g)
+        assert index.sizes(w, g)[1] == model.stored[(w, g)], (w, g)
         for key, state in held.items():
             assert _approximate(index, key, w, g) == (state is not None)
             assert _pending(index, key, w, g) == (state is not None and state[1])
@@ -246,11 +246,11 @@ def test_pending_blocks_match_at_once_and_events_confirm_them():
     index = UnifiedIndex(pending_ttl_s=5.0)
     assert index.insert(keys, "w0", "g", 0.0, pending=True) == 4
     assert index.match(keys, "g") == {"w0": 4}  # a follower sees the prefix before any event
-    assert index.blocks_held("w0", "g") == 4 and index.blocks_stored("w0", "g") == 0
+    assert index.blocks_held("w0", "g") == 4 and index.sizes("w0", "g")[1] == 0
     # the worker's events confirm it in two chunks: exact, and stored once
     assert index.insert(keys[:2], "w0", "g", 1.0) == 2
     assert index.insert(keys[2:3], "w0", "g", 1.0, parent=keys[1]) == 1
-    assert index.blocks_stored("w0", "g") == 3 and index.blocks_held("w0", "g") == 4
+    assert index.sizes("w0", "g")[1] == 3 and index.blocks_held("w0", "g") == 4
     assert not _approximate(index, keys[0], "w0", "g") and _pending(index, keys[3], "w0", "g")
     assert index.stats().pending == 1
     assert index.insert(keys[:3], "w0", "g", 1.5) == 0  # stored again: nothing new
@@ -259,7 +259,7 @@ def test_pending_blocks_match_at_once_and_events_confirm_them():
     assert index.expire(6.9) == 0  # keys[3] was refreshed at 2.0
     assert index.expire(7.0) == 1  # never confirmed: gone
     assert index.match(keys, "g") == {"w0": 3}
-    assert index.blocks_stored("w0", "g") == 3
+    assert index.sizes("w0", "g")[1] == 3
     index.check()
 
 
@@ -280,7 +280,7 @@ def test_pending_blocks_go_with_clear_remove_and_scoped_invalidation():
     # an exact confirmation after expiry counts once: the expired pending block never did
     index.insert(keys, "w2", "g", 0.0, pending=True)
     index.expire(100.0)
-    assert index.insert(keys, "w2", "g", 101.0) == 4 and index.blocks_stored("w2", "g") == 4
+    assert index.insert(keys, "w2", "g", 101.0) == 4 and index.sizes("w2", "g")[1] == 4
     index.check()
 
 
