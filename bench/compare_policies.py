@@ -16,7 +16,7 @@ from pathlib import Path
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from urc.processes import Child, free_port, python
+from urc.processes import Child, free_port
 
 ROWS = [
     ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),
@@ -32,11 +32,12 @@ ROWS = [
 
 def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
     capacity = f"--worker-arg=--capacity-tokens={args.capacity_tokens}"
-    cluster = python("-m", "urc.cli", "cluster", "--workers", str(args.workers), capacity)
+    cluster = [sys.executable, "-m", "urc.cli", "cluster", "--workers", str(args.workers), capacity]
     cluster += ["--policy", policy, "--port", str(free_port())]
     child = Child(f"the {policy} cluster", cluster, "gateway: ").wait_announced(120)
     report = out / f"{policy}.json"
-    bench = python("-m", "urc.cli", "bench", "--target", child.url, "--workload", args.workload)
+    bench = [sys.executable, "-m", "urc.cli", "bench", "--target", child.url]
+    bench += ["--workload", args.workload]
     bench += ["--requests", str(args.requests), "--concurrency", str(args.concurrency)]
     bench += ["--seed", str(args.seed), "--json", str(report), "--no-progress"]
     try:
