@@ -1,18 +1,11 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
-K emulated workers with negligible, deterministic GPU time (prefill 1e9 tokens/s, a 0.01 ms
-decode step, 8 output tokens) leave HTTP and the router's own work; `urc gateway` and, when
-installed (here, or at `--sglang-router BIN`), SGLang's router front the SAME workers. Prompts of
-1-2k tokens (one ASCII byte per token) share a 1k-token prefix within a few groups, so tokenize +
-keys + match run on realistic input; "direct" sends each group to a fixed worker (group mod K).
+    python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp]
 
-Latency rows (non-streamed total, streamed time to first byte and total): each round sends the
-same block of prompts to every target in rotating order; the i-th request through a router is
-paired with direct's i-th, and the rows give p50, p99 and mean of the difference. Throughput:
-closed loops per target for `--duration` seconds, split over rounds in rotating order; median
-requests/s. Ratios are urc / sglang-router (goal: <= 1 for added latency, >= 1 for requests/s).
-Everything shares this machine's CPUs, the load generator too: the CPU lines say how busy each
-process was, so a row bound by the load generator or the workers shows as such.
+urc's gateway and, when installed, sglang-router front the same emulated workers with
+negligible GPU time; latency is paired per request against going direct, throughput is closed
+loops in rotating order, and CPU lines show which process bound each row. Method and reading
+the ratios: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -37,17 +30,15 @@ from urc.processes import Child, free_port, start_gateway
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # sglang-router has fewer policies: the nearest one to ours, else cache_aware
 SGLANG_POLICY = {"round_robin": "round_robin", "power_of_two": "power_of_two"}
-# --variants: urc as shipped against urc without one of its speed parts, in the same run
-# (docs/compiled.md). "source": the gateway's compiled group runs from its Python source (the
-# index and policies stay compiled); "aiohttp": the front door hands inference requests to
-# aiohttp as it does every other request, instead of answering them on the transport.
+# --variants: urc without one of its speed parts (docs/benchmarks.md)
 GATEWAY_SOURCE = "router.gateway,router.kv_mirror,core.strict_json"
 AIOHTTP_FRONT = (  # the routes are registered before the hot paths are emptied
     "import sys, router.gateway.app, router.gateway.connection as c; c.HOT_PATHS = {}; "
     "from urc.cli import main; sys.exit(main())"
 )
+SHIPPED = ({}, ("-m", "urc.cli"))  # (env, launch) of urc as installed
 VARIANTS = {
-    "source": ({"URC_PURE_PYTHON": GATEWAY_SOURCE}, ("-m", "urc.cli")),
+    "source": ({"URC_PURE_PYTHON": GATEWAY_SOURCE}, SHIPPED[1]),
     "aiohttp": ({}, ("-c", AIOHTTP_FRONT)),
 }
 
@@ -215,28 +206,30 @@ def start_fleet(
         children.append(fast_worker("--model", MODEL, decode_step_ms=args.decode_step_ms))
     workers = [child.url for child in children]
     worker_pids = [child.pid for child in children]
-    urc = start_gateway(workers, "--host", "127.0.0.1", "--policy", args.policy)
-    children.append(urc)
     path = PATHS[args.api]
-    urc.wait_serving(path, probe, 30)
-    targets = [Target("direct", workers, path, None), Target("urc", [urc.url], path, urc.pid)]
-    for variant in filter(None, args.variants.split(",")):
-        env, launch = VARIANTS[variant]
-        extra = ("--host", "127.0.0.1", "--policy", args.policy)
-        child = start_gateway(workers, *extra, env=env, launch=launch)
+    targets = [Target("direct", workers, path, None)]
+
+    def front(name: str, child: Child, timeout_s: float) -> None:
         children.append(child)
-        child.wait_serving(path, probe, 30)
-        targets.append(Target(f"urc-{variant}", [child.url], path, child.pid))
+        child.wait_serving(path, probe, timeout_s)
+        targets.append(Target(name, [child.url], path, child.pid))
+
+    urcs = [("urc", SHIPPED)] + [(f"urc-{v}", VARIANTS[v]) for v in variants(args)]
+    for name, (env, launch) in urcs:
+        extra = ("--host", "127.0.0.1", "--policy", args.policy)
+        front(name, start_gateway(workers, *extra, env=env, launch=launch), 30)
     if sglang is not None:
         port = free_port()
         cmd = [*sglang, "--host", "127.0.0.1", "--port", str(port), "--policy", args.sglang_policy]
         cmd += ["--worker-urls", *workers, "--log-level", "warn"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         sgl = Child("sglang-router", cmd, None, url=f"http://127.0.0.1:{port}")
-        children.append(sgl)
-        sgl.wait_serving(path, probe, 60)
-        targets.append(Target("sglang-router", [sgl.url], path, sgl.pid))
+        front("sglang-router", sgl, 60)
     return targets, worker_pids
+
+
+def variants(args: argparse.Namespace) -> list[str]:
+    return [name for name in args.variants.split(",") if name]
 
 
 def describe(args: argparse.Namespace, prompts: list[Prompt], sglang: bool) -> str:
@@ -261,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.requests < 1 or args.duration <= 0 or args.rounds < 1:
         raise SystemExit("need --workers >= 1, --requests >= 1, --duration > 0, --rounds >= 1")
-    if unknown := set(filter(None, args.variants.split(","))) - set(VARIANTS):
+    if unknown := set(variants(args)) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     sglang = None if args.no_sglang else sglang_command(args.sglang_router)
     args.sglang_policy = args.sglang_policy or SGLANG_POLICY.get(args.policy, "cache_aware")

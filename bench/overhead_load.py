@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
@@ -96,8 +97,7 @@ class CpuMeter:
     """CPU seconds of every process of the run while a target is measured (wall too)."""
 
     pids: dict[str, list[int]]  # role -> pids; "loadgen" (this process), "machine" (all CPUs)
-    spent: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> role -> s
-    per_worker: dict[str, list[float]] = field(default_factory=dict)  # target -> s per worker
+    spent: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # target -> role -> s
     wall: dict[str, float] = field(default_factory=dict)
 
     def snapshot(self) -> tuple[float, dict[str, list[float]]]:
@@ -110,11 +110,8 @@ class CpuMeter:
         wall, after = self.snapshot()
         spent = self.spent.setdefault(target, {})
         for role, values in after.items():
-            deltas = [a - b for a, b in zip(values, before[1][role], strict=True)]
-            spent[role] = spent.get(role, 0.0) + sum(deltas)
-            if role == "workers":
-                acc = self.per_worker.setdefault(target, [0.0] * len(deltas))
-                self.per_worker[target] = [x + d for x, d in zip(acc, deltas, strict=True)]
+            old = spent.get(role, [0.0] * len(values))
+            spent[role] = [s + a - b for s, a, b in zip(old, values, before[1][role], strict=True)]
         self.wall[target] = self.wall.get(target, 0.0) + wall - before[0]
 
 
@@ -148,15 +145,13 @@ async def closed_loop(
 ) -> tuple[int, int, float]:
     """As many requests as `concurrency` lanes complete in `seconds`: (ok, failed, elapsed)."""
     counts = [0, 0]
-    nxt = [start]
+    order = itertools.count(start)
     t0 = time.perf_counter()
     deadline = t0 + seconds
 
     async def lane() -> None:
         while time.perf_counter() < deadline:
-            prompt = prompts[nxt[0] % len(prompts)]
-            nxt[0] += 1
-            sample = await target.send(session, prompt, stream)
+            sample = await target.send(session, prompts[next(order) % len(prompts)], stream)
             counts[0 if sample.ok else 1] += 1
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
@@ -188,6 +183,11 @@ class ThroughputRow:
     worker_split: dict[str, list[float]]  # target -> share of worker CPU per worker
 
 
+def rotated(targets: list[Target], r: int) -> list[Target]:
+    """Round `r`'s order: each target leads in turn, so slow noise hits all of them alike."""
+    return targets[r % len(targets) :] + targets[: r % len(targets)]
+
+
 def session_for(concurrency: int, targets: int) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=concurrency * targets, limit_per_host=concurrency, force_close=False
@@ -206,8 +206,7 @@ async def latency_rows(
             got: dict[str, list[Sample]] = {t.name: [] for t in targets}
             for r in range(rounds):
                 chunk = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
-                for k in range(len(targets)):
-                    target = targets[(r + k) % len(targets)]
+                for target in rotated(targets, r):
                     got[target.name] += await block(session, target, chunk, concurrency, stream)
             metrics = [("streamed TTFB", "ttfb_s"), ("streamed total", "total_s")]
             for metric, attr in metrics if stream else [("non-streamed total", "total_s")]:
@@ -254,8 +253,7 @@ async def throughput_row(
     done: dict[str, int] = {t.name: 0 for t in targets}
     async with session_for(concurrency, len(targets)) as session:
         for r in range(rounds):
-            for k in range(len(targets)):
-                target = targets[(r + k) % len(targets)]
+            for target in rotated(targets, r):
                 before = meter.snapshot()
                 ok, failed, elapsed = await closed_loop(
                     session, target, prompts, concurrency, stream, seconds / rounds, r * 997
@@ -267,14 +265,14 @@ async def throughput_row(
     for t in targets:
         row.rps[t.name] = percentile(row.rounds[t.name], 0.5)
         n = max(done[t.name], 1)
-        spent = dict(meter.spent[t.name])
+        spent = {role: sum(s) for role, s in meter.spent[t.name].items()}
         machine = spent.pop("machine")
         spent["others"] = max(0.0, machine - sum(spent.values()))  # not ours: noise to note
         spent["machine"] = machine
         row.cpu_us_per_request[t.name] = {role: s / n * 1e6 for role, s in spent.items()}
         row.busy_cores[t.name] = {role: s / meter.wall[t.name] for role, s in spent.items()}
-        total = sum(meter.per_worker[t.name]) or 1.0
-        row.worker_split[t.name] = [w / total for w in meter.per_worker[t.name]]
+        per_worker = meter.spent[t.name]["workers"]
+        row.worker_split[t.name] = [w / (sum(per_worker) or 1.0) for w in per_worker]
     return row
 
 
