@@ -14,10 +14,10 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import os
 import signal
 import sys
+from argparse import BooleanOptionalAction
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -61,13 +61,7 @@ def sglang_command(spec: str | None) -> list[str] | None:
 
 
 def ratio(a: float, b: float) -> str:
-    if not (a > 0 and b > 0) or math.isnan(a) or math.isnan(b):
-        return "n/a"
-    return f"{a / b:.2f}"
-
-
-def fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.2f}"
+    return f"{a / b:.2f}" if a > 0 and b > 0 else "n/a"  # NaN compares false: n/a too
 
 
 def _failed(failed: dict[str, int], gap: str) -> str:
@@ -85,10 +79,10 @@ def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list
     out.append(cols)
     for row in rows:
         line = f"{row.metric:<20} {row.concurrency:>3} {row.pairs:>6} "
-        line += f"{fmt(row.direct_p50_ms):>10} {fmt(row.direct_p99_ms):>7}"
+        line += f"{row.direct_p50_ms:>10.2f} {row.direct_p99_ms:>7.2f}"
         stats = (row.added_p50_ms, row.added_p99_ms, row.added_mean_ms)
         for name in routers:
-            p50, p99, mean = (fmt(stat[name]) for stat in stats)
+            p50, p99, mean = (f"{stat[name]:.2f}" for stat in stats)
             line += f" {p50:>{len(name) + 6}} {p99:>7} {mean:>7}"
         if sgl:
             p50, p99, mean = (ratio(stat["urc"], stat["sglang-router"]) for stat in stats)
@@ -151,41 +145,22 @@ def to_json(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Latency urc's gateway adds over direct requests, and its throughput, "
-        "optionally against sglang-router in front of the same emulated workers.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add = parser.add_argument
     add("--workers", type=int, default=2, help="emulated workers (K)")
     add("--policy", default="cache_aware", help="urc's routing policy")
-    add(
-        "--sglang-router",
-        metavar="BIN",
-        help="sglang-router console script (e.g. /tmp/sgr/bin/sglang-router); default: the "
-        "sglang_router package of this environment, if installed",
-    )
+    add("--sglang-router", metavar="BIN", help="its console script; default: this environment's")
     add("--sglang-policy", default=None, help="default: nearest to --policy")
     add("--no-sglang", action="store_true", help="measure urc only")
-    add(
-        "--variants",
-        default="",
-        help="comma-separated: also measure urc with its gateway modules from source "
-        "('source') or with aiohttp serving inference requests ('aiohttp')",
-    )
+    add("--variants", default="", help="also measure, comma-separated: source, aiohttp")
     add("--api", choices=["completions", "chat"], default="completions")
-    # p99 of 1000 pairs is their 10th worst: one scheduling hiccup on a shared machine moves
-    # it; of 3000, the 30th (~3 min for the whole bench)
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
     add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
     add("--concurrency", type=int, nargs="+", default=[1, 32])
     add("--throughput-concurrency", type=int, default=64)
-    add(
-        "--stream-throughput",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="measure streamed requests/s too",
-    )
+    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed too")
     add("--groups", type=int, default=8, help="shared-prefix groups")
     add("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
     add("--prompts", type=int, default=512, help="distinct prompts")
@@ -198,10 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_fleet(
     args: argparse.Namespace, sglang: list[str] | None, probe: bytes, children: list[Child]
-) -> tuple[list[Target], list[int]]:
-    """Workers, then urc (and sglang-router) in front of them: the targets and the workers' pids.
-    Every child joins `children` as soon as it exists, so the caller can stop it whatever
-    happens next."""
+) -> tuple[list[Target], dict[str, list[int]]]:
+    """Workers, then urc (and sglang-router) in front of them: the targets and pids by role.
+    Every child joins `children` as soon as it exists, for the caller to stop."""
     for _ in range(args.workers):
         children.append(fast_worker("--model", MODEL, decode_step_ms=args.decode_step_ms))
     workers = [child.url for child in children]
@@ -225,7 +199,7 @@ def start_fleet(
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         sgl = Child("sglang-router", cmd, None, url=f"http://127.0.0.1:{port}")
         front("sglang-router", sgl, 60)
-    return targets, worker_pids
+    return targets, {"workers": worker_pids, **{t.name: [t.pid] for t in targets if t.pid}}
 
 
 def variants(args: argparse.Namespace) -> list[str]:
@@ -246,10 +220,6 @@ def describe(args: argparse.Namespace, prompts: list[Prompt], sglang: bool) -> s
     )
 
 
-def _raise_interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.requests < 1 or args.duration <= 0 or args.rounds < 1:
@@ -261,11 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = build_prompts(args)
     header = describe(args, prompts, sglang is not None)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the children on `kill` too
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children on `kill` too
     children: list[Child] = []
     try:
-        targets, worker_pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
-        pids = {"workers": worker_pids, **{t.name: [t.pid] for t in targets if t.pid}}
+        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
         log(header.splitlines()[0])
         result = asyncio.run(measure(args, targets, prompts, pids))
     except KeyboardInterrupt:
