@@ -1,9 +1,9 @@
 """The main job (`make run`): a local cluster, one workload, several policies, side by side.
 
-For each policy: `urc cluster` (a gateway and N emulated GPU workers on 127.0.0.1), then
-`urc bench` with the same seeded workload, then the cluster stops. The table compares what
-the workers reported (hit rate from `cached_tokens`) and what the clients saw (TTFT, latency,
-throughput).
+    python bench/compare_policies.py [--policies a,b] [--out out/run]
+
+For each policy: `urc cluster` of emulated workers, `urc bench` with the same seeded workload,
+then a table of what the workers reported and the clients saw (docs/benchmarks.md).
 """
 
 from __future__ import annotations

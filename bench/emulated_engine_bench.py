@@ -1,12 +1,9 @@
 """How fast the emulated engine runs in virtual time (the simulator's inner loop).
 
-Prints requests/s of wall time on one core for a synthetic chat workload and, when the trace
-exists, for the Mooncake trace (tokens synthesized from its hash ids). The cost is per request
-plus per block stored and evicted: the Mooncake trace churns ~900 16-token blocks a request,
-~30 of 512 tokens (its own hash granularity: `--block-size 512`). Each is
-driven two ways in the same run: jumping from event to event (`next_time`, how a simulator
-drives it) and step by step (`next_step_time`, the baseline), with the ratio between them.
-Prompt block keys are computed before the clock starts, as a simulator would cache them.
+    python bench/emulated_engine_bench.py [--requests N] [--block-size 512]
+
+Requests/s of wall time for a synthetic chat workload and the shared Mooncake trace, driven
+event to event and step by step (the baseline). Method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

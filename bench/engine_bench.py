@@ -1,15 +1,11 @@
 """The torch engine's numbers, each against a baseline measured in the same run.
 
-1. TTFT of a prompt whose 1,000-token prefix is cached vs the same prompt cold (target >= 10x).
-2. Output tokens/s with 1, 8 and 32 requests in flight (the continuous batching gain).
-3. Prefix-cache hit rate of two models sharing one page pool vs a static 50/50 split of the
-   same pages, on model mixes from balanced to skewed (target: never lower; >= 20% relative
-   higher when skewed).
-
     python bench/engine_bench.py                          # CPU: the bench model, random weights
     python bench/engine_bench.py --model llama-3.2-1b --device cuda   # a 1B shape on a GPU
 
-The engine runs in this process (no HTTP): these are the engine's numbers, not the server's.
+TTFT with a cached prefix vs cold, output tokens/s at 1, 8 and 32 in flight, and the hit rate of
+two models sharing one page pool vs a static split; in this process, no HTTP. Targets and
+method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

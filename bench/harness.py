@@ -1,5 +1,5 @@
 """What the benchmarks share besides their processes (urc/processes.py): CPU accounting from
-/proc, percentiles, progress lines, a worker with negligible GPU time."""
+/proc, percentiles, progress lines, a worker with negligible GPU time, the shared trace."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from loadgen.report import percentile as loadgen_percentile  # noqa: E402
 from urc.processes import Child, start_worker  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
 
 
 def cpu_seconds(pid: int) -> float:

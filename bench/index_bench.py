@@ -1,10 +1,9 @@
 """Unified index benchmark: prompt keys + match, ingest rate, memory per block-residency.
 
-Builds an index of ~N distinct blocks over W workers the way a fleet fills it: shared system
-prompts replicated on several workers, long conversations each on one worker (some on two).
-Prints medians and p99s; the pure-Python key path is measured in the same run as a baseline.
-Targets (issue 2): keys + match of an 8k-token prompt <= 100 us, ingest >= 500k blocks/s,
-<= 150 bytes per block-residency.
+    python bench/index_bench.py [--blocks N] [--workers W]
+
+On an index filled the way a fleet fills it; the pure-Python key path is the in-run baseline.
+Targets (issue 2) and method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """Does `cache_aware` win beyond the trace it was looked at on? Policies x workloads, offline.
 
-Every scenario is replayed by the simulator (`urc replay`'s engine, virtual time) under each
-policy with its defaults; the table shows the hit rate and TTFT p50/p99, and the summary counts
-the scenarios where `cache_aware` is ahead of each baseline on hit rate and on p99 TTFT.
+    python bench/policy_generalization.py [--seeds 0,1,2] [--quick] [--variant LABEL:K=V,...]
 
-Scenarios: the shared Mooncake trace (if present) at three fleet shapes; synthetic
-Mooncake-style traces made here from seeds (shared documents with Zipf popularity, multi-turn
-sessions and agent loops that extend their last prompt, unique suffixes, Poisson arrivals), each
-with its own sharing structure, lengths, load, cache size and 4, 8 or 16 workers; and the
-built-in workloads of `urc bench` (system prompts, multi-turn chats, the mix) open-loop with
-small caches. Every cache is far smaller than its scenario's working set.
-
-`--seeds`: seed 0 is the default set; others draw other synthetic traces and workloads of the
-same shapes and name the workers differently (the rendezvous hashes names), and the summary
-counts over all of them. `--variant` adds a row per scenario for `cache_aware` with other
-parameters (for ablations; `fleet.NAME=VALUE` sets the replay's FleetConfig instead, e.g.
-`fleet.pending_ttl_s=10`). `--quick` halves the synthetic scenarios (about 20 s per seed).
+Each scenario (the shared trace at three fleet shapes, seeded synthetic Mooncake-style traces,
+the built-in workloads; every cache far smaller than its working set) is replayed under each
+policy; prints hit rate and TTFT p50/p99, and cache_aware's wins/ties/losses against each
+baseline. Scenarios and flags: docs/benchmarks.md.
 """
 
 from __future__ import annotations

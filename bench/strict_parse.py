@@ -1,16 +1,10 @@
 """What the strict parse costs: per request, and as a share of the gateway's CPU per request.
 
-The parse an inference request goes through at the gateway, on three bodies (a completion with
-an 8k-token prompt, the same prompt as 8k token ids, a chat of 8 messages):
-- before: msgspec's decode, the routing fields checked (the same compiled checks as after),
-  and the tenant's `cache_salt` spliced into the client's bytes (what the gateway did before
-  it re-encoded bodies);
-- after: the strict decode (depth, int64; core/strict_json.py), the same checks plus token
-  ids in int32, and the worker's body re-encoded from what was parsed (request_body.py).
-Both are timed in this process, as the best of 5 runs of `--repeat` calls each. Then, in the
-same run, `urc gateway` in front of two emulated workers (negligible modelled GPU time) serves
-`--requests` of each body, and its CPU seconds per request give the share. Prints numbers;
-asserts nothing.
+    python bench/strict_parse.py [--requests N] [--repeat N]
+
+Times the gateway's parse of three bodies before (msgspec decode, checks, the salt spliced in)
+and after (strict decode, checks, the body re-encoded) in this process, then measures a live
+gateway's CPU per request on the same bodies. Method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
