@@ -14,11 +14,12 @@ import argparse
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
 import torch
 
-from backends.torch_worker.config import PRESETS, LlamaConfig
+from backends.torch_worker.config import PRESETS
 from backends.torch_worker.engine import EngineConfig, TorchEngine, default_device
 from backends.torch_worker.loader import LoadedModel, load_model
 from backends.torch_worker.request import Request, SamplingParams
@@ -27,15 +28,14 @@ from backends.torch_worker.scheduler import SchedulerConfig
 # big enough that a forward pass is compute, not Python overhead, small enough for 2 CPU cores
 PRESETS.setdefault(
     "bench",
-    LlamaConfig(
-        vocab_size=260,
+    replace(
+        PRESETS["tiny"],  # its vocabulary (260) and positions (8192)
         hidden_size=256,
         intermediate_size=768,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=32,
-        max_position_embeddings=8192,
     ),
 )
 

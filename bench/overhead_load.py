@@ -10,6 +10,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,56 +107,39 @@ class CpuMeter:
         now["machine"] = [machine_cpu_seconds()]
         return time.perf_counter(), now
 
-    def add(self, target: str, before: tuple[float, dict[str, list[float]]]) -> None:
+    def add(self, target: str, before: tuple[float, dict[str, list[float]]]) -> float:
+        """Adds what was spent since `before` (a snapshot); returns the wall seconds."""
         wall, after = self.snapshot()
         spent = self.spent.setdefault(target, {})
         for role, values in after.items():
             old = spent.get(role, [0.0] * len(values))
             spent[role] = [s + a - b for s, a, b in zip(old, values, before[1][role], strict=True)]
         self.wall[target] = self.wall.get(target, 0.0) + wall - before[0]
+        return wall - before[0]
 
 
-async def block(
+async def lanes(
     session: aiohttp.ClientSession,
     target: Target,
-    prompts: list[Prompt],
+    prompts: Iterable[Prompt],
     concurrency: int,
     stream: bool,
+    seconds: float = math.inf,
 ) -> list[Sample]:
-    """Send `prompts` with `concurrency` in flight; samples in prompt order."""
-    samples: list[Sample | None] = [None] * len(prompts)
-    todo = iter(enumerate(prompts))
+    """Send `prompts` with `concurrency` in flight until they run out or `seconds` have passed;
+    samples in prompt order."""
+    samples: dict[int, Sample] = {}
+    todo = enumerate(prompts)
+    deadline = time.perf_counter() + seconds
 
     async def lane() -> None:
         for i, prompt in todo:
+            if time.perf_counter() >= deadline:
+                return
             samples[i] = await target.send(session, prompt, stream)
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
-    return [s for s in samples if s is not None]
-
-
-async def closed_loop(
-    session: aiohttp.ClientSession,
-    target: Target,
-    prompts: list[Prompt],
-    concurrency: int,
-    stream: bool,
-    seconds: float,
-    start: int,
-) -> tuple[int, int, float]:
-    """As many requests as `concurrency` lanes complete in `seconds`: (ok, failed, elapsed)."""
-    counts = [0, 0]
-    order = itertools.count(start)
-    t0 = time.perf_counter()
-    deadline = t0 + seconds
-
-    async def lane() -> None:
-        while time.perf_counter() < deadline:
-            sample = await target.send(session, prompts[next(order) % len(prompts)], stream)
-            counts[0 if sample.ok else 1] += 1
-
-    await asyncio.gather(*(lane() for _ in range(concurrency)))
-    return counts[0], counts[1], time.perf_counter() - t0
+    return [samples[i] for i in sorted(samples)]
 
 
 @dataclass(slots=True)
@@ -207,7 +191,7 @@ async def latency_rows(
             for r in range(rounds):
                 chunk = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
                 for target in rotated(targets, r):
-                    got[target.name] += await block(session, target, chunk, concurrency, stream)
+                    got[target.name] += await lanes(session, target, chunk, concurrency, stream)
             metrics = [("streamed TTFB", "ttfb_s"), ("streamed total", "total_s")]
             for metric, attr in metrics if stream else [("non-streamed total", "total_s")]:
                 rows.append(paired_row(metric, attr, concurrency, targets, got))
@@ -247,20 +231,21 @@ async def throughput_row(
 ) -> ThroughputRow:
     """`args.rounds` rounds of closed loops over the targets, `args.duration` per target."""
     metric = "streamed" if stream else "non-streamed"
-    concurrency, rounds, seconds = args.throughput_concurrency, args.rounds, args.duration
+    concurrency, rounds = args.throughput_concurrency, args.rounds
+    seconds = args.duration / rounds  # per target and round
     log(f"  throughput at concurrency {concurrency} ({metric}) ...")
     row = ThroughputRow(metric, concurrency, {}, {t.name: [] for t in targets}, {}, {}, {}, {})
     done: dict[str, int] = {t.name: 0 for t in targets}
     async with session_for(concurrency, len(targets)) as session:
         for r in range(rounds):
             for target in rotated(targets, r):
+                looped = itertools.islice(itertools.cycle(prompts), r * 997, None)  # closed loop
                 before = meter.snapshot()
-                ok, failed, elapsed = await closed_loop(
-                    session, target, prompts, concurrency, stream, seconds / rounds, r * 997
-                )
-                meter.add(target.name, before)
+                samples = await lanes(session, target, looped, concurrency, stream, seconds)
+                elapsed = meter.add(target.name, before)
+                ok = sum(s.ok for s in samples)
                 row.rounds[target.name].append(ok / elapsed)
-                row.failed[target.name] = row.failed.get(target.name, 0) + failed
+                row.failed[target.name] = row.failed.get(target.name, 0) + len(samples) - ok
                 done[target.name] += ok
     for t in targets:
         row.rps[t.name] = percentile(row.rounds[t.name], 0.5)
@@ -282,11 +267,11 @@ async def measure(
     prompts: list[Prompt],
     pids: dict[str, list[int]],
 ) -> dict[str, Any]:
-    warm = prompts[: min(len(prompts), 8 * args.groups)]
+    warm = prompts[: 8 * args.groups]
     async with session_for(8, len(targets)) as session:
         for target in targets:
             for stream in (False, True):
-                samples = await block(session, target, warm, 8, stream)
+                samples = await lanes(session, target, warm, 8, stream)
                 bad = sum(not s.ok for s in samples)
                 if bad:
                     raise RuntimeError(f"{target.name}: {bad} of {len(samples)} warm-ups failed")

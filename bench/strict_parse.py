@@ -84,20 +84,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="through the live gateway")
     parser.add_argument("--repeat", type=int, default=2000, help="calls per timing run")
     args = parser.parse_args()
-    rows = []
+    print(
+        f"{'body':18} {'bytes':>7} {'before us':>10} {'after us':>9} {'added us':>9} "
+        f"{'gateway CPU us/req':>19} {'added share':>12}"
+    )
     for name, (path, body) in bodies().items():
         raw = json.dumps({**body, "max_tokens": 8}).encode()
         chat = path.endswith("chat/completions")
         old = per_call_us(before, raw, chat, args.repeat)
         new = per_call_us(after, raw, chat, args.repeat)
-        rows.append((name, len(raw), old, new, gateway_cpu_us(path, raw, args.requests)))
-    print(
-        f"{'body':18} {'bytes':>7} {'before us':>10} {'after us':>9} {'added us':>9} "
-        f"{'gateway CPU us/req':>19} {'added share':>12}"
-    )
-    for name, size, old, new, cpu in rows:
+        cpu = gateway_cpu_us(path, raw, args.requests)
         print(
-            f"{name:18} {size:7d} {old:10.1f} {new:9.1f} {new - old:9.1f} {cpu:19.0f} "
+            f"{name:18} {len(raw):7d} {old:10.1f} {new:9.1f} {new - old:9.1f} {cpu:19.0f} "
             f"{(new - old) / cpu:12.1%}"
         )
 
