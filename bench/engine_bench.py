@@ -1,11 +1,9 @@
 """The torch engine's numbers, each against a baseline measured in the same run.
 
-    python bench/engine_bench.py                          # CPU: the bench model, random weights
-    python bench/engine_bench.py --model llama-3.2-1b --device cuda   # a 1B shape on a GPU
+    python bench/engine_bench.py [--model llama-3.2-1b --device cuda] [--skip ttft,tps,pool]
 
-TTFT with a cached prefix vs cold, output tokens/s at 1, 8 and 32 in flight, and the hit rate of
-two models sharing one page pool vs a static split; in this process, no HTTP. Targets and
-method: docs/benchmarks.md.
+Cached vs cold TTFT, tokens/s at 1, 8 and 32 in flight, one shared page pool vs a static split;
+in this process, no HTTP (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
     python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp]
 
-urc's gateway and, when installed, sglang-router front the same emulated workers with
-negligible GPU time; latency is paired per request against going direct, throughput is closed
-loops in rotating order, and CPU lines show which process bound each row. Method and reading
-the ratios: docs/benchmarks.md.
+Paired latency against direct, closed-loop requests/s and CPU per process role, with urc and
+sglang-router in front of the same emulated workers (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,10 +2,8 @@
 
     python bench/policy_generalization.py [--seeds 0,1,2] [--quick] [--variant LABEL:K=V,...]
 
-Each scenario (the shared trace at three fleet shapes, seeded synthetic Mooncake-style traces,
-the built-in workloads; every cache far smaller than its working set) is replayed under each
-policy; prints hit rate and TTFT p50/p99, and cache_aware's wins/ties/losses against each
-baseline. Scenarios and flags: docs/benchmarks.md.
+Hit rate and TTFT of each policy on traces and workloads of many shapes, and cache_aware's
+wins/ties/losses against each baseline (scenarios: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -18,10 +16,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import harness  # noqa: F401  (puts the repository root on sys.path)
+from harness import SHARED_TRACE
 
 from router.policies import make_policy
 from simulation.compare import build_params
@@ -31,7 +28,6 @@ from simulation.requests import SimRequest
 from simulation.traces import parse_trace, read_trace, trace_requests
 from simulation.workloads import workload_requests
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
 BLOCK = 512  # tokens per hash id, as in Mooncake's traces
 HIT_TIE = 0.002  # hit rates this close are a tie (0.2 points)
 P99_TIE = 0.01  # p99 TTFTs within 1% are a tie
@@ -56,27 +52,25 @@ class Synthetic:
     def records(self) -> list[str]:
         rng = random.Random(f"synthetic/{self.seed}")
         next_id = iter(range(1 << 62))
-        doc_len = [_lognormal(rng, self.doc_blocks) for _ in range(self.docs)]
-        docs = [[next(next_id) for _ in range(n)] for n in doc_len]
+
+        def fresh(mean_blocks: float) -> list[int]:  # new hash ids, lognormally many
+            return [next(next_id) for _ in range(_lognormal(rng, mean_blocks))]
+
+        docs = [fresh(self.doc_blocks) for _ in range(self.docs)]
         weights = [1.0 / (k + 1) ** self.zipf for k in range(self.docs)]
         sessions: list[list[int]] = []
         t, lines = 0.0, []
         while len(lines) < self.requests:
             if sessions and rng.random() < self.session_p:
                 s = rng.randrange(len(sessions))
-                ids = sessions[s] + [
-                    next(next_id) for _ in range(_lognormal(rng, self.turn_blocks))
-                ]
-                sessions[s] = ids
+                ids = sessions[s] = sessions[s] + fresh(self.turn_blocks)
                 if rng.random() < 0.25:  # the conversation ends
                     sessions.pop(s)
                 batch = [ids]
             else:
                 (doc,) = rng.choices(docs, weights)
-                batch = [  # fan-out: parallel calls on one document, each with its own question
-                    doc + [next(next_id) for _ in range(_lognormal(rng, self.unique_blocks))]
-                    for _ in range(self.fanout)
-                ]
+                # fan-out: parallel calls on one document, each with its own question
+                batch = [doc + fresh(self.unique_blocks) for _ in range(self.fanout)]
                 sessions.append(batch[0])
                 if len(sessions) > 64:
                     sessions.pop(0)
@@ -109,8 +103,8 @@ class Scenario:
     names: str = "w"  # worker names are this + 0, 1, ... (rendezvous hashes them)
 
 
-def _trace(path: Path, time_scale: float = 1.0) -> Callable[[], list[SimRequest]]:
-    return lambda: trace_requests(read_trace(path), time_scale=time_scale)
+def _shared_trace(time_scale: float) -> Callable[[], list[SimRequest]]:
+    return lambda: trace_requests(read_trace(SHARED_TRACE), time_scale=time_scale)
 
 
 def _fleet(name: str) -> tuple[int, int]:
@@ -142,7 +136,7 @@ def scenarios(quick: bool, seed: int = 0) -> list[Scenario]:
 
     if SHARED_TRACE.exists():
         for name, scale in [("8x400k", 1.0), ("16x200k", 1.0), ("4x800k slow", 2.0)]:
-            out.append(Scenario(f"mooncake {name}", _trace(SHARED_TRACE, scale), *_fleet(name)))
+            out.append(Scenario(f"mooncake {name}", _shared_trace(scale), *_fleet(name)))
     out += [
         docs("docs zipf1.0 8x400k", 1, rate=4.0),
         docs("docs long 8x200k", 2, rate=2.0, docs=200, doc_blocks=40, unique_blocks=10),

@@ -2,10 +2,8 @@
 
     python bench/replay_bench.py [--breakdown] [--profile POLICY] [--fidelity]
 
-Simulated requests per CPU second per policy on the shared Mooncake trace (target 50,000),
-against the same replay from the Python source and stepped one forward pass at a time (the
-in-run baselines); or live `urc cluster` + `urc bench` against the same workload replayed
-offline. Method: docs/benchmarks.md.
+Simulated requests per CPU second per policy, against the replay from source and stepped one
+forward pass at a time; or live vs offline on one workload (docs/benchmarks.md).
 """
 
 from __future__ import annotations

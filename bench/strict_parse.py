@@ -2,9 +2,8 @@
 
     python bench/strict_parse.py [--requests N] [--repeat N]
 
-Times the gateway's parse of three bodies before (msgspec decode, checks, the salt spliced in)
-and after (strict decode, checks, the body re-encoded) in this process, then measures a live
-gateway's CPU per request on the same bodies. Method: docs/benchmarks.md.
+The parse before and after on three bodies, timed here, against a live gateway's CPU per
+request on the same bodies (docs/benchmarks.md).
 """
 
 from __future__ import annotations
