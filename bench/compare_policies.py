@@ -42,9 +42,9 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
     bench += ["--seed", str(args.seed), "--json", str(report), "--no-progress"]
     try:
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(report.read_text())
     finally:
         child.stop()
+    return json.loads(report.read_text())
 
 
 def table(results: dict[str, dict]) -> str:
@@ -67,12 +67,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="cache_aware,round_robin")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument(
-        "--capacity-tokens",
-        type=int,
-        default=30_000,
-        help="KV capacity per worker: small, so placement matters",
-    )
+    capacity_help = "KV capacity per worker: small, so placement matters"
+    parser.add_argument("--capacity-tokens", type=int, default=30_000, help=capacity_help)
     parser.add_argument("--workload", default="mixed")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)

@@ -14,12 +14,13 @@ import random
 import time
 from pathlib import Path
 
+from harness import SHARED_TRACE
+
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request
 from core.blocks import block_keys
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 _FILL = list(range(1000, 1510))  # a hash id's 512-token block: two tokens of id, then filler
 
 
@@ -83,7 +84,7 @@ def report(name: str, reqs: list[Request], block_size: int, events: bool) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=SHARED_TRACE)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-events", action="store_true", help="emit no KV events")
     args = parser.parse_args()

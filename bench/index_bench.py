@@ -17,14 +17,8 @@ import tracemalloc
 
 from harness import percentile
 
-from core.blocks import (
-    _python_chain_keys,
-    block_keys,
-    chain_keys,
-    has_native,
-    namespace,
-    parent_prefix,
-)
+from core.blocks import _python_chain_keys as python_chain_keys
+from core.blocks import block_keys, chain_keys, has_native, namespace, parent_prefix
 from core.kv_events import BlockStored, EventBatch, decode_batch, encode_batch
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
@@ -73,23 +67,19 @@ def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 20
             f"   p99 {percentile(times, 0.99) * 1e6:7.1f} us"
         )
     tokens, ns = prompts[0], namespace(None)
-    for label, fn in (("keys only (native)", block_keys), ("keys only (pure Python)", None)):
+    variants = [("keys only (native)", chain_keys), ("keys only (pure Python)", python_chain_keys)]
+    for label, keys in variants:
         times = []
         for _ in range(300):
             t0 = time.perf_counter()
-            if fn is None:
-                _python_chain_keys(tokens, BS, ns)
-            else:
-                fn(tokens, BS)
+            keys(tokens, BS, ns)
             times.append(time.perf_counter() - t0)
         print(f"{label:38s} median {percentile(times, 0.5) * 1e6:7.1f} us")
 
 
 def bench_ingest(blocks: int = 192_000) -> None:
-    """Event ingest through the whole path: msgpack payload -> decode -> mirror -> index.
-
-    `ours`: engine hashes are our keys (our workers); `vllm`: random engine hashes, so the
-    mirror keeps the engine-hash -> key map. Also the bare insert, keys computed from tokens."""
+    """Event ingest through the whole path (payload -> decode -> mirror -> index), and the bare
+    insert; `vllm`: random engine hashes, so the mirror keeps the engine-hash -> key map."""
     rng = random.Random(1)
     # (blocks per BlockStored, events per batch): vLLM sends one batch per engine step
     shapes = ((8, 1), (8, 8), (32, 1))

@@ -205,20 +205,18 @@ def paired_row(
     base = got[targets[0].name]
     ok_direct = [getattr(s, attr) for s in base if s.ok]
     direct_ms = [percentile(ok_direct, q) * 1e3 for q in (0.5, 0.99)]
-    row = LatencyRow(metric, concurrency, 0, *direct_ms, {}, {}, {}, {})
-    row.failed[targets[0].name] = sum(not s.ok for s in base)
+    failed = {t.name: sum(not s.ok for s in got[t.name]) for t in targets}
+    row = LatencyRow(metric, concurrency, 0, *direct_ms, {}, {}, {}, failed)
     for router in targets[1:]:
-        through = got[router.name]
         diffs = [
             getattr(t, attr) - getattr(d, attr)
-            for d, t in zip(base, through, strict=True)
+            for d, t in zip(base, got[router.name], strict=True)
             if d.ok and t.ok
         ]
         row.pairs = len(diffs)
         row.added_p50_ms[router.name] = percentile(diffs, 0.5) * 1e3
         row.added_p99_ms[router.name] = percentile(diffs, 0.99) * 1e3
         row.added_mean_ms[router.name] = sum(diffs) / len(diffs) * 1e3 if diffs else math.nan
-        row.failed[router.name] = sum(not s.ok for s in through)
     return row
 
 
@@ -269,12 +267,10 @@ async def measure(
 ) -> dict[str, Any]:
     warm = prompts[: 8 * args.groups]
     async with session_for(8, len(targets)) as session:
-        for target in targets:
-            for stream in (False, True):
-                samples = await lanes(session, target, warm, 8, stream)
-                bad = sum(not s.ok for s in samples)
-                if bad:
-                    raise RuntimeError(f"{target.name}: {bad} of {len(samples)} warm-ups failed")
+        for target, stream in itertools.product(targets, (False, True)):
+            samples = await lanes(session, target, warm, 8, stream)
+            if bad := sum(not s.ok for s in samples):
+                raise RuntimeError(f"{target.name}: {bad} of {len(samples)} warm-ups failed")
     started = time.perf_counter()
     rows: list[LatencyRow] = []
     for concurrency in args.concurrency:

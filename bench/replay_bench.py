@@ -28,7 +28,9 @@ from simulation.traces import read_trace, trace_requests
 
 TARGET = 50_000
 SOURCE_ENV = {**os.environ, "URC_PURE_PYTHON": "1"}  # every module from its Python source
-FIDELITY_PARAMS = ["groups=40", "question_tokens=400"]
+FIDELITY_PARAMS = ["groups=40", "question_tokens=400"]  # of the default workload
+# FidelityCase's fields that --fidelity-NAME sets, and their defaults here
+FIDELITY = dict(requests=1200, workers=8, capacity_tokens=30_000, prefill_tps=5e3, concurrency=24)
 
 
 def _timed(obj: Any, attr: str, totals: dict[str, float], label: str) -> None:
@@ -156,11 +158,7 @@ def fidelity(args: argparse.Namespace) -> None:
             policy=policy,
             workload=args.fidelity_workload,
             params=dict(item.split("=", 1) for item in items),
-            requests=args.fidelity_requests,
-            workers=args.fidelity_workers,
-            capacity_tokens=args.fidelity_capacity_tokens,
-            prefill_tps=args.fidelity_prefill_tps,
-            concurrency=args.fidelity_concurrency,
+            **{name: getattr(args, f"fidelity_{name}") for name in FIDELITY},
         )
         outcome = run_case(case)
         print(outcome.describe())
@@ -190,11 +188,8 @@ def main() -> int:
     add("--fidelity-policy", default="cache_aware,sglang,round_robin")
     add("--fidelity-workload", default="system-prompts")
     add("--fidelity-param", action="append", default=[], metavar="KEY=VALUE")
-    add("--fidelity-requests", type=int, default=1200)
-    add("--fidelity-workers", type=int, default=8)
-    add("--fidelity-capacity-tokens", type=int, default=30_000)
-    add("--fidelity-prefill-tps", type=float, default=5_000.0)
-    add("--fidelity-concurrency", type=int, default=24)
+    for name, default in FIDELITY.items():
+        add(f"--fidelity-{name.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args()
     if (args.breakdown or args.profile) and native.compiled():  # wrappers need the source
         print("--breakdown/--profile: running the Python source (URC_PURE_PYTHON=1)", flush=True)
