@@ -20,8 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import overhead_load as load
 from harness import fast_worker, log
-from overhead_load import MODEL, LatencyRow, Prompt, Target, ThroughputRow, build_prompts, measure
 
 from urc.processes import Child, free_port, start_gateway
 
@@ -67,7 +67,7 @@ def _failed(failed: dict[str, int], gap: str) -> str:
     return f"{gap}failed {failed}" if failed else ""
 
 
-def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list[str]:
+def latency_table(rows: list[load.LatencyRow], routers: list[str], sgl: bool) -> list[str]:
     out = ["added latency = through router - direct, paired per request, in ms"]
     cols = f"{'row':<20} {'c':>3} {'pairs':>6} {'direct p50':>10} {'p99':>7}"
     for name in routers:
@@ -89,7 +89,7 @@ def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list
     return out
 
 
-def throughput_lines(row: ThroughputRow, names: list[str], sgl: bool) -> list[str]:
+def throughput_lines(row: load.ThroughputRow, names: list[str], sgl: bool) -> list[str]:
     title = f"throughput, {row.metric}, concurrency {row.concurrency}: requests/s"
     out = ["", f"{title} (median of {len(row.rounds[names[0]])} rounds)"]
     line = "  ".join(f"{name} {row.rps[name]:.0f}" for name in names)
@@ -115,13 +115,13 @@ def throughput_lines(row: ThroughputRow, names: list[str], sgl: bool) -> list[st
     return out
 
 
-def report(result: dict[str, Any], names: list[str], header: str) -> str:
+def report(result: load.Result, names: list[str], header: str) -> str:
     routers = names[1:]
     sgl = "sglang-router" in routers
-    out = [header, "", *latency_table(result["latency"], routers, sgl)]
-    for row in result["throughput"]:
+    out = [header, "", *latency_table(result.latency, routers, sgl)]
+    for row in result.throughput:
         out += throughput_lines(row, names, sgl)
-    streamed = [row for row in result["latency"] if row.metric.startswith("streamed")]
+    streamed = [row for row in result.latency if row.metric.startswith("streamed")]
     if sgl and any(30 < row.added_p50_ms["sglang-router"] < 60 for row in streamed):
         note = "note: sglang-router's streamed rows add ~40 ms: on a kept-alive connection its "
         note += "first SSE chunk waits for the ACK of the headers (Nagle on its client socket vs "
@@ -131,13 +131,8 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
     return "\n".join(out)
 
 
-def to_json(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    out = {
-        "config": config,
-        "latency": [asdict(row) for row in result["latency"]],
-        "throughput": [asdict(row) for row in result["throughput"]],
-        "measure_s": result["measure_s"],
-    }
+def to_json(result: load.Result, config: dict[str, Any]) -> dict[str, Any]:
+    out = {"config": config, **asdict(result)}
     return json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
 
 
@@ -171,20 +166,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def start_fleet(
     args: argparse.Namespace, sglang: list[str] | None, probe: bytes, children: list[Child]
-) -> tuple[list[Target], dict[str, list[int]]]:
+) -> tuple[list[load.Target], dict[str, list[int]]]:
     """Workers, then urc (and sglang-router) in front of them: the targets and pids by role.
     Every child joins `children` as soon as it exists, for the caller to stop."""
     for _ in range(args.workers):
-        children.append(fast_worker("--model", MODEL, decode_step_ms=args.decode_step_ms))
+        children.append(fast_worker("--model", load.MODEL, decode_step_ms=args.decode_step_ms))
     workers = [child.url for child in children]
     worker_pids = [child.pid for child in children]
     path = PATHS[args.api]
-    targets = [Target("direct", workers, path, None)]
+    targets = [load.Target("direct", workers, path, None)]
 
     def front(name: str, child: Child, timeout_s: float) -> None:
         children.append(child)
         child.wait_serving(path, probe, timeout_s)
-        targets.append(Target(name, [child.url], path, child.pid))
+        targets.append(load.Target(name, [child.url], path, child.pid))
 
     urcs = [("urc", SHIPPED)] + [(f"urc-{v}", VARIANTS[v]) for v in variants(args)]
     for name, (env, launch) in urcs:
@@ -204,7 +199,7 @@ def variants(args: argparse.Namespace) -> list[str]:
     return [name for name in args.variants.split(",") if name]
 
 
-def describe(args: argparse.Namespace, prompts: list[Prompt], sglang: bool) -> str:
+def describe(args: argparse.Namespace, prompts: list[load.Prompt], sglang: bool) -> str:
     lengths = [p.tokens for p in prompts]
     routers = f"urc policy {args.policy}; " + (
         f"sglang-router policy {args.sglang_policy}" if sglang else "no sglang-router"
@@ -226,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     sglang = None if args.no_sglang else sglang_command(args.sglang_router)
     args.sglang_policy = args.sglang_policy or SGLANG_POLICY.get(args.policy, "cache_aware")
-    prompts = build_prompts(args)
+    prompts = load.build_prompts(args)
     header = describe(args, prompts, sglang is not None)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children on `kill` too
@@ -234,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         targets, pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
         log(header.splitlines()[0])
-        result = asyncio.run(measure(args, targets, prompts, pids))
+        result = asyncio.run(load.measure(args, targets, prompts, pids))
     except KeyboardInterrupt:
         print("interrupted: stopping the processes", file=sys.stderr)
         return 130

@@ -13,7 +13,9 @@ import gc
 import itertools
 import random
 import time
+import timeit
 import tracemalloc
+from functools import partial
 
 from harness import percentile
 
@@ -69,11 +71,7 @@ def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 20
     tokens, ns = prompts[0], namespace(None)
     variants = [("keys only (native)", chain_keys), ("keys only (pure Python)", python_chain_keys)]
     for label, keys in variants:
-        times = []
-        for _ in range(300):
-            t0 = time.perf_counter()
-            keys(tokens, BS, ns)
-            times.append(time.perf_counter() - t0)
+        times = timeit.repeat(partial(keys, tokens, BS, ns), setup=gc.enable, number=1, repeat=300)
         print(f"{label:38s} median {percentile(times, 0.5) * 1e6:7.1f} us")
 
 
@@ -143,11 +141,7 @@ def main() -> None:
         f"memory: {used / 2**20:.0f} MiB, {used / stats.blocks:.0f} bytes per block, "
         f"{used / stats.residencies:.0f} bytes per block-residency"
     )
-    pauses = []
-    for _ in range(3):  # what a full collection costs a process holding this index
-        t0 = time.perf_counter()
-        gc.collect()
-        pauses.append(time.perf_counter() - t0)
+    pauses = timeit.repeat(gc.collect, number=1, repeat=3)  # what a process holding it pays
     print(
         f"full garbage collection with the index: {min(pauses) * 1e3:.1f} ms "
         f"({len(gc.get_objects()):,} objects tracked)"

@@ -167,6 +167,13 @@ class ThroughputRow:
     worker_split: dict[str, list[float]]  # target -> share of worker CPU per worker
 
 
+@dataclass(slots=True)
+class Result:
+    latency: list[LatencyRow]
+    throughput: list[ThroughputRow]
+    measure_s: float
+
+
 def rotated(targets: list[Target], r: int) -> list[Target]:
     """Round `r`'s order: each target leads in turn, so slow noise hits all of them alike."""
     return targets[r % len(targets) :] + targets[: r % len(targets)]
@@ -264,7 +271,7 @@ async def measure(
     targets: list[Target],
     prompts: list[Prompt],
     pids: dict[str, list[int]],
-) -> dict[str, Any]:
+) -> Result:
     warm = prompts[: 8 * args.groups]
     async with session_for(8, len(targets)) as session:
         for target, stream in itertools.product(targets, (False, True)):
@@ -281,4 +288,4 @@ async def measure(
     throughput = [
         await throughput_row(targets, prompts, args, stream, CpuMeter(pids)) for stream in streams
     ]
-    return {"latency": rows, "throughput": throughput, "measure_s": time.perf_counter() - started}
+    return Result(rows, throughput, time.perf_counter() - started)

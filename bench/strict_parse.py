@@ -32,12 +32,10 @@ def bodies() -> dict[str, tuple[str, dict[str, Any]]]:
         {"role": ("user", "assistant")[i % 2], "content": text[i * 700 : (i + 1) * 700]}
         for i in range(7)
     ]
+    ids = [32 + i % 90 for i in range(8000)]
     return {
         "prompt 8k chars": ("/v1/completions", {"model": "emulated", "prompt": text}),
-        "prompt 8k ids": (
-            "/v1/completions",
-            {"model": "emulated", "prompt": [32 + i % 90 for i in range(8000)]},
-        ),
+        "prompt 8k ids": ("/v1/completions", {"model": "emulated", "prompt": ids}),
         "chat 8 messages": ("/v1/chat/completions", {"model": "emulated", "messages": chat}),
     }
 
