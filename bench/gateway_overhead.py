@@ -18,7 +18,6 @@ import sys
 from argparse import BooleanOptionalAction
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import overhead_load as load
 from harness import fast_worker, log
@@ -44,18 +43,16 @@ VARIANTS = {
 def sglang_command(spec: str | None) -> list[str] | None:
     """How to launch sglang-router: BIN's Python (from its shebang) with `-m
     sglang_router.launch_router`, BIN itself with `launch`, or this environment's copy."""
-    if spec:
-        path = Path(spec)
-        if not path.exists():
-            raise SystemExit(f"--sglang-router: {spec} does not exist")
-        with open(path, "rb") as f:
-            first = f.readline(200)
-        if first.startswith(b"#!") and b"python" in first:
-            return [first[2:].decode().strip().split()[0], "-m", "sglang_router.launch_router"]
-        return [str(path), "launch"]
-    if importlib.util.find_spec("sglang_router") is not None:
-        return [sys.executable, "-m", "sglang_router.launch_router"]
-    return None
+    module = ["-m", "sglang_router.launch_router"]
+    if not spec:
+        return [sys.executable, *module] if importlib.util.find_spec("sglang_router") else None
+    if not Path(spec).exists():
+        raise SystemExit(f"--sglang-router: {spec} does not exist")
+    with open(spec, "rb") as f:
+        first = f.readline(200)
+    if first.startswith(b"#!") and b"python" in first:
+        return [first[2:].decode().strip().split()[0], *module]
+    return [spec, "launch"]
 
 
 def ratio(a: float, b: float) -> str:
@@ -131,11 +128,6 @@ def report(result: load.Result, names: list[str], header: str) -> str:
     return "\n".join(out)
 
 
-def to_json(result: load.Result, config: dict[str, Any]) -> dict[str, Any]:
-    out = {"config": config, **asdict(result)}
-    return json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -165,19 +157,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def start_fleet(
-    args: argparse.Namespace, sglang: list[str] | None, probe: bytes, children: list[Child]
+    args: argparse.Namespace, sglang: list[str] | None, probe: bytes
 ) -> tuple[list[load.Target], dict[str, list[int]]]:
     """Workers, then urc (and sglang-router) in front of them: the targets and pids by role.
-    Every child joins `children` as soon as it exists, for the caller to stop."""
-    for _ in range(args.workers):
-        children.append(fast_worker("--model", load.MODEL, decode_step_ms=args.decode_step_ms))
-    workers = [child.url for child in children]
-    worker_pids = [child.pid for child in children]
+    urc/processes.py stops every child at exit, whatever happens in between."""
+    step = args.decode_step_ms
+    fleet = [fast_worker("--model", load.MODEL, decode_step_ms=step) for _ in range(args.workers)]
+    workers = [child.url for child in fleet]
     path = PATHS[args.api]
     targets = [load.Target("direct", workers, path, None)]
 
     def front(name: str, child: Child, timeout_s: float) -> None:
-        children.append(child)
         child.wait_serving(path, probe, timeout_s)
         targets.append(load.Target(name, [child.url], path, child.pid))
 
@@ -192,7 +182,8 @@ def start_fleet(
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         sgl = Child("sglang-router", cmd, None, url=f"http://127.0.0.1:{port}")
         front("sglang-router", sgl, 60)
-    return targets, {"workers": worker_pids, **{t.name: [t.pid] for t in targets if t.pid}}
+    routers = {t.name: [t.pid] for t in targets if t.pid}
+    return targets, {"workers": [child.pid for child in fleet], **routers}
 
 
 def variants(args: argparse.Namespace) -> list[str]:
@@ -225,9 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     header = describe(args, prompts, sglang is not None)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children on `kill` too
-    children: list[Child] = []
     try:
-        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
+        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0])
         log(header.splitlines()[0])
         result = asyncio.run(load.measure(args, targets, prompts, pids))
     except KeyboardInterrupt:
@@ -236,14 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 1
-    finally:
-        for child in reversed(children):
-            child.stop()
     print(report(result, [t.name for t in targets], header))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
-        config["cpus"] = os.cpu_count()
-        Path(args.json).write_text(json.dumps(to_json(result, config), indent=2) + "\n")
+        out = {"config": {**config, "cpus": os.cpu_count()}, **asdict(result)}
+        out = json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

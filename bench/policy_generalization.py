@@ -53,8 +53,10 @@ class Synthetic:
         rng = random.Random(f"synthetic/{self.seed}")
         next_id = iter(range(1 << 62))
 
-        def fresh(mean_blocks: float) -> list[int]:  # new hash ids, lognormally many
-            return [next(next_id) for _ in range(_lognormal(rng, mean_blocks))]
+        def fresh(mean: float) -> list[int]:  # new hash ids, lognormally many
+            sigma = 0.8
+            count = max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+            return [next(next_id) for _ in range(count)]
 
         docs = [fresh(self.doc_blocks) for _ in range(self.docs)]
         weights = [1.0 / (k + 1) ** self.zipf for k in range(self.docs)]
@@ -86,11 +88,6 @@ class Synthetic:
                 lines.append(json.dumps(record))
             t += rng.expovariate(self.rate)
         return lines
-
-
-def _lognormal(rng: random.Random, mean: float) -> int:
-    sigma = 0.8
-    return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
 
 
 @dataclass(slots=True)
