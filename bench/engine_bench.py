@@ -112,9 +112,7 @@ def bench_throughput(
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
             tokens += len(engine.step().emitted)
-            for i, req in enumerate(live):
-                if req.done:
-                    live[i] = new()
+            live = [new() if req.done else req for req in live]
         sync(device)
         rate = tokens / (time.perf_counter() - start)
         base = base or rate
