@@ -2,8 +2,7 @@
 
     python bench/compare_policies.py [--policies a,b] [--out out/run]
 
-For each policy: `urc cluster` of emulated workers, `urc bench` with the same seeded workload,
-then a table of what the workers reported and the clients saw (docs/benchmarks.md).
+`urc cluster` + `urc bench` per policy, then one table (docs/benchmarks.md).
 """
 
 from __future__ import annotations

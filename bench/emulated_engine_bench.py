@@ -2,8 +2,7 @@
 
     python bench/emulated_engine_bench.py [--requests N] [--block-size 512]
 
-Requests/s of wall time for a synthetic chat workload and the shared Mooncake trace, driven
-event to event and step by step (the baseline). Method: docs/benchmarks.md.
+Event-driven vs step-by-step on a synthetic workload and the trace (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
     python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp]
 
-Paired latency against direct, closed-loop requests/s and CPU per process role, with urc and
-sglang-router in front of the same emulated workers (docs/benchmarks.md).
+urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

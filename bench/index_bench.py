@@ -2,8 +2,7 @@
 
     python bench/index_bench.py [--blocks N] [--workers W]
 
-On an index filled the way a fleet fills it; the pure-Python key path is the in-run baseline.
-Targets (issue 2) and method: docs/benchmarks.md.
+Against the pure-Python keys of the same run; targets and method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

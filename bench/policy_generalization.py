@@ -2,8 +2,7 @@
 
     python bench/policy_generalization.py [--seeds 0,1,2] [--quick] [--variant LABEL:K=V,...]
 
-Hit rate and TTFT of each policy on traces and workloads of many shapes, and cache_aware's
-wins/ties/losses against each baseline (scenarios: docs/benchmarks.md).
+Hit rate and TTFT per policy and scenario, and wins/ties/losses (docs/benchmarks.md).
 """
 
 from __future__ import annotations

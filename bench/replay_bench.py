@@ -2,8 +2,7 @@
 
     python bench/replay_bench.py [--breakdown] [--profile POLICY] [--fidelity]
 
-Simulated requests per CPU second per policy, against the replay from source and stepped one
-forward pass at a time; or live vs offline on one workload (docs/benchmarks.md).
+Requests per CPU second against in-run baselines, or live vs offline (docs/benchmarks.md).
 """
 
 from __future__ import annotations

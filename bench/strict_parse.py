@@ -2,8 +2,7 @@
 
     python bench/strict_parse.py [--requests N] [--repeat N]
 
-The parse before and after on three bodies, timed here, against a live gateway's CPU per
-request on the same bodies (docs/benchmarks.md).
+The parse before and after, timed here, against a live gateway's CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
