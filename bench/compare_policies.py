@@ -5,8 +5,6 @@
 `urc cluster` + `urc bench` per policy, then one table (docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import subprocess

@@ -5,8 +5,6 @@
 Event-driven vs step-by-step on a synthetic workload and the trace (docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import random

@@ -5,8 +5,6 @@
 Cached vs cold TTFT, batching, a shared page pool vs a split; no HTTP (docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
 import argparse
 import random
 import statistics

@@ -5,8 +5,6 @@
 urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md.
 """
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import importlib.util

@@ -1,8 +1,6 @@
 """What the benchmarks share besides their processes (urc/processes.py): CPU accounting from
 /proc, percentiles, progress lines, a worker with negligible GPU time, the shared trace."""
 
-from __future__ import annotations
-
 import math
 import os
 import sys

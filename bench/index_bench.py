@@ -5,8 +5,6 @@
 Against the pure-Python keys of the same run; targets and method: docs/benchmarks.md.
 """
 
-from __future__ import annotations
-
 import argparse
 import gc
 import itertools

@@ -1,8 +1,6 @@
 """The load of bench/gateway_overhead.py: prompts sharing prefixes per group, requests timed
 per target (paired blocks for latency, closed loops for throughput), CPU per process role."""
 
-from __future__ import annotations
-
 import argparse
 import asyncio
 import itertools

@@ -5,8 +5,6 @@
 Hit rate and TTFT per policy and scenario, and wins/ties/losses (docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
 import argparse
 import json
 import math

@@ -5,8 +5,6 @@
 Requests per CPU second against in-run baselines, or live vs offline (docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
 import argparse
 import math
 import os

@@ -5,8 +5,6 @@
 The parse before and after, timed here, against a live gateway's CPU (docs/benchmarks.md).
 """
 
-from __future__ import annotations
-
 import argparse
 import concurrent.futures as cf
 import json
