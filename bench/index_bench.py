@@ -50,10 +50,7 @@ def build(index: UnifiedIndex, blocks: int, workers: list[str], rng: random.Rand
 
 def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 2000) -> None:
     prompts = [conversation_tokens(c, c % 256) for c in rng.sample(range(convs), 200)]
-    cold = [
-        list(range(50_000_000 + i * CONV_TOKENS, 50_000_000 + (i + 1) * CONV_TOKENS))
-        for i in range(20)
-    ]
+    cold = [[50_000_000 + i * CONV_TOKENS + t for t in range(CONV_TOKENS)] for i in range(20)]
     for label, pool in (("fully cached 8k prompt", prompts), ("cold 8k prompt", cold)):
         times = []
         for i in range(n):
