@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--workers", type=int, default=2, help="emulated workers (K)")
     add("--policy", default="cache_aware", help="urc's routing policy")
-    add("--sglang-router", metavar="BIN", help="its console script; default: this environment's")
+    add("--sglang-router", metavar="BIN", help="sglang-router script (default: sglang_router here)")
     add("--sglang-policy", default=None, help="default: nearest to --policy")
     add("--no-sglang", action="store_true", help="measure urc only")
     add("--variants", default="", help="also measure, comma-separated: source, aiohttp")
@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
     add("--concurrency", type=int, nargs="+", default=[1, 32])
     add("--throughput-concurrency", type=int, default=64)
-    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed too")
+    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed req/s too")
     add("--groups", type=int, default=8, help="shared-prefix groups")
     add("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
     add("--prompts", type=int, default=512, help="distinct prompts")
