@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
     add("--concurrency", type=int, nargs="+", default=[1, 32])
     add("--throughput-concurrency", type=int, default=64)
-    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed req/s too")
+    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed rps too")
     add("--groups", type=int, default=8, help="shared-prefix groups")
     add("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
     add("--prompts", type=int, default=512, help="distinct prompts")
