@@ -1,12 +1,9 @@
 """The main job (`make run`): a local cluster, one workload, several policies, side by side.
 
-For each policy: `urc cluster` (a gateway and N emulated GPU workers on 127.0.0.1), then
-`urc bench` with the same seeded workload, then the cluster stops. The table compares what
-the workers reported (hit rate from `cached_tokens`) and what the clients saw (TTFT, latency,
-throughput).
-"""
+    python bench/compare_policies.py [--policies a,b] [--out out/run]
 
-from __future__ import annotations
+`urc cluster` + `urc bench` per policy, then one table (docs/benchmarks.md).
+"""
 
 import argparse
 import json
@@ -16,7 +13,7 @@ from pathlib import Path
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
 
-from urc.processes import Child, free_port, python
+from urc.processes import Child, free_port
 
 ROWS = [
     ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),
@@ -32,18 +29,19 @@ ROWS = [
 
 def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
     capacity = f"--worker-arg=--capacity-tokens={args.capacity_tokens}"
-    cluster = python("-m", "urc.cli", "cluster", "--workers", str(args.workers), capacity)
+    cluster = [sys.executable, "-m", "urc.cli", "cluster", "--workers", str(args.workers), capacity]
     cluster += ["--policy", policy, "--port", str(free_port())]
     child = Child(f"the {policy} cluster", cluster, "gateway: ").wait_announced(120)
     report = out / f"{policy}.json"
-    bench = python("-m", "urc.cli", "bench", "--target", child.url, "--workload", args.workload)
+    bench = [sys.executable, "-m", "urc.cli", "bench", "--target", child.url]
+    bench += ["--workload", args.workload]
     bench += ["--requests", str(args.requests), "--concurrency", str(args.concurrency)]
     bench += ["--seed", str(args.seed), "--json", str(report), "--no-progress"]
     try:
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
-        return json.loads(report.read_text())
     finally:
         child.stop()
+    return json.loads(report.read_text())
 
 
 def table(results: dict[str, dict]) -> str:
@@ -66,12 +64,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--policies", default="cache_aware,round_robin")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument(
-        "--capacity-tokens",
-        type=int,
-        default=30_000,
-        help="KV capacity per worker: small, so placement matters",
-    )
+    capacity_help = "KV capacity per worker: small, so placement matters"
+    parser.add_argument("--capacity-tokens", type=int, default=30_000, help=capacity_help)
     parser.add_argument("--workload", default="mixed")
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)

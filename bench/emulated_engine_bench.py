@@ -1,15 +1,9 @@
 """How fast the emulated engine runs in virtual time (the simulator's inner loop).
 
-Prints requests/s of wall time on one core for a synthetic chat workload and, when the trace
-exists, for the Mooncake trace (tokens synthesized from its hash ids). The cost is per request
-plus per block stored and evicted: the Mooncake trace churns ~900 16-token blocks a request,
-~30 of 512 tokens (its own hash granularity: `--block-size 512`). Each is
-driven two ways in the same run: jumping from event to event (`next_time`, how a simulator
-drives it) and step by step (`next_step_time`, the baseline), with the ratio between them.
-Prompt block keys are computed before the clock starts, as a simulator would cache them.
-"""
+    python bench/emulated_engine_bench.py [--requests N] [--block-size 512]
 
-from __future__ import annotations
+Event-driven vs step-by-step on a synthetic workload and the trace (docs/benchmarks.md).
+"""
 
 import argparse
 import json
@@ -17,12 +11,13 @@ import random
 import time
 from pathlib import Path
 
+from harness import SHARED_TRACE
+
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request
 from core.blocks import block_keys
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 _FILL = list(range(1000, 1510))  # a hash id's 512-token block: two tokens of id, then filler
 
 
@@ -86,7 +81,7 @@ def report(name: str, reqs: list[Request], block_size: int, events: bool) -> Non
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=SHARED_TRACE)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-events", action="store_true", help="emit no KV events")
     args = parser.parse_args()

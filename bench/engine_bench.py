@@ -1,28 +1,20 @@
 """The torch engine's numbers, each against a baseline measured in the same run.
 
-1. TTFT of a prompt whose 1,000-token prefix is cached vs the same prompt cold (target >= 10x).
-2. Output tokens/s with 1, 8 and 32 requests in flight (the continuous batching gain).
-3. Prefix-cache hit rate of two models sharing one page pool vs a static 50/50 split of the
-   same pages, on model mixes from balanced to skewed (target: never lower; >= 20% relative
-   higher when skewed).
+    python bench/engine_bench.py [--model llama-3.2-1b --device cuda] [--skip ttft,tps,pool]
 
-    python bench/engine_bench.py                          # CPU: the bench model, random weights
-    python bench/engine_bench.py --model llama-3.2-1b --device cuda   # a 1B shape on a GPU
-
-The engine runs in this process (no HTTP): these are the engine's numbers, not the server's.
+Cached vs cold TTFT, batching, a shared page pool vs a split; no HTTP (docs/benchmarks.md).
 """
-
-from __future__ import annotations
 
 import argparse
 import random
 import statistics
 import time
+from dataclasses import replace
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
 import torch
 
-from backends.torch_worker.config import PRESETS, LlamaConfig
+from backends.torch_worker.config import PRESETS
 from backends.torch_worker.engine import EngineConfig, TorchEngine, default_device
 from backends.torch_worker.loader import LoadedModel, load_model
 from backends.torch_worker.request import Request, SamplingParams
@@ -31,15 +23,14 @@ from backends.torch_worker.scheduler import SchedulerConfig
 # big enough that a forward pass is compute, not Python overhead, small enough for 2 CPU cores
 PRESETS.setdefault(
     "bench",
-    LlamaConfig(
-        vocab_size=260,
+    replace(
+        PRESETS["tiny"],  # its vocabulary (260) and positions (8192)
         hidden_size=256,
         intermediate_size=768,
         num_hidden_layers=4,
         num_attention_heads=8,
         num_key_value_heads=4,
         head_dim=32,
-        max_position_embeddings=8192,
     ),
 )
 
@@ -76,9 +67,8 @@ def ttft(engine: TorchEngine, prompt: list[int], device: torch.device) -> float:
 def bench_ttft(loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int) -> None:
     rng = random.Random(0)
     vocab = min(loaded.config.vocab_size, 256)
-    engine = engine_for(
-        {"m": loaded}, pages=4 * (prefix_len // 16 + 8) * repeats, chunk=4096, running=8
-    )
+    pages = 4 * (prefix_len // 16 + 8) * repeats
+    engine = engine_for({"m": loaded}, pages, chunk=4096, running=8)
     run_one(engine, "m", [rng.randrange(vocab) for _ in range(64)], 2)  # warm up kernels
     cold, warm = [], []
     for _ in range(repeats):
@@ -101,12 +91,8 @@ def bench_throughput(
     print(f"\nOutput tokens/s, closed loop, {prompt_len}-token prompts, {out_len} tokens out")
     base = None
     for concurrency in (1, 8, 32):
-        engine = engine_for(
-            {"m": loaded},
-            pages=concurrency * ((prompt_len + out_len) // 16 + 2) + 8,
-            chunk=max(512, prompt_len),
-            running=concurrency,
-        )
+        pages = concurrency * ((prompt_len + out_len) // 16 + 2) + 8
+        engine = engine_for({"m": loaded}, pages, chunk=max(512, prompt_len), running=concurrency)
         run_one(engine, "m", [rng.randrange(vocab) for _ in range(prompt_len)], 2)
 
         def new(engine: TorchEngine = engine) -> Request:
@@ -123,9 +109,7 @@ def bench_throughput(
         start = time.perf_counter()
         while time.perf_counter() - start < seconds:
             tokens += len(engine.step().emitted)
-            for i, req in enumerate(live):
-                if req.done:
-                    live[i] = new()
+            live = [new() if req.done else req for req in live]
         sync(device)
         rate = tokens / (time.perf_counter() - start)
         base = base or rate
@@ -147,8 +131,7 @@ def mix(shares: dict[str, float], requests: int) -> list[tuple[str, list[int]]]:
 def cached_and_total(
     served: dict[str, LoadedModel], sequence: list[tuple[str, list[int]]], pages: int
 ) -> tuple[int, int]:
-    """Prompt tokens found in the cache, and all prompt tokens, of the sequence's requests
-    for the models served (one at a time, in order)."""
+    """Cached and all prompt tokens of the sequence's requests for the models served, in order."""
     engine = engine_for(served, pages=pages, chunk=4096, running=4)
     cached = total = 0
     for model, prompt in sequence:
@@ -160,19 +143,18 @@ def cached_and_total(
 
 
 def bench_shared_pool(device: torch.device, requests: int) -> None:
-    a = load_model("tiny", device=device)
-    b = load_model("tiny", device=device, seed=1)  # the same layout, other weights
+    # the same layout, other weights
+    served = {name: load_model("tiny", device=device, seed=seed) for seed, name in enumerate("ab")}
     pages = 256  # one model's 12 prefixes need 192 pages; both together 384
     print(f"\nHit rate, two models, {pages} pages: one shared pool vs a static 50/50 split")
     print("  mix (a/b)    shared     split   relative")
     for share_a in (0.5, 0.7, 0.9):
         sequence = mix({"a": share_a, "b": 1 - share_a}, requests)
-        hits, total = cached_and_total({"a": a, "b": b}, sequence, pages)
+        hits, total = cached_and_total(served, sequence, pages)
         shared = hits / total
         # the split: each model alone in half of the pages, fed its part of the sequence
-        split_a = cached_and_total({"a": a}, sequence, pages // 2)
-        split_b = cached_and_total({"b": b}, sequence, pages // 2)
-        split = (split_a[0] + split_b[0]) / total
+        halves = [cached_and_total({m: model}, sequence, pages // 2) for m, model in served.items()]
+        split = sum(hits for hits, _ in halves) / total
         gain = (shared / split - 1) * 100 if split else float("inf")
         print(f"  {share_a:.0%}/{1 - share_a:.0%}   {shared:7.1%}   {split:7.1%}   {gain:+7.1f}%")
     print("  (target: never lower; >= +20% when skewed)")

@@ -1,53 +1,38 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
-K emulated workers with negligible, deterministic GPU time (prefill 1e9 tokens/s, a 0.01 ms
-decode step, 8 output tokens) leave HTTP and the router's own work; `urc gateway` and, when
-installed (here, or at `--sglang-router BIN`), SGLang's router front the SAME workers. Prompts of
-1-2k tokens (one ASCII byte per token) share a 1k-token prefix within a few groups, so tokenize +
-keys + match run on realistic input; "direct" sends each group to a fixed worker (group mod K).
+    python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp]
 
-Latency rows (non-streamed total, streamed time to first byte and total): each round sends the
-same block of prompts to every target in rotating order; the i-th request through a router is
-paired with direct's i-th, and the rows give p50, p99 and mean of the difference. Throughput:
-closed loops per target for `--duration` seconds, split over rounds in rotating order; median
-requests/s. Ratios are urc / sglang-router (goal: <= 1 for added latency, >= 1 for requests/s).
-Everything shares this machine's CPUs, the load generator too: the CPU lines say how busy each
-process was, so a row bound by the load generator or the workers shows as such.
+urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md.
 """
-
-from __future__ import annotations
 
 import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import os
 import signal
 import sys
+from argparse import BooleanOptionalAction
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
+import overhead_load as load
 from harness import fast_worker, log
-from overhead_load import MODEL, LatencyRow, Prompt, Target, ThroughputRow, build_prompts, measure
 
 from urc.processes import Child, free_port, start_gateway
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # sglang-router has fewer policies: the nearest one to ours, else cache_aware
 SGLANG_POLICY = {"round_robin": "round_robin", "power_of_two": "power_of_two"}
-# --variants: urc as shipped against urc without one of its speed parts, in the same run
-# (docs/compiled.md). "source": the gateway's compiled group runs from its Python source (the
-# index and policies stay compiled); "aiohttp": the front door hands inference requests to
-# aiohttp as it does every other request, instead of answering them on the transport.
+# --variants: urc without one of its speed parts (docs/benchmarks.md)
 GATEWAY_SOURCE = "router.gateway,router.kv_mirror,core.strict_json"
 AIOHTTP_FRONT = (  # the routes are registered before the hot paths are emptied
     "import sys, router.gateway.app, router.gateway.connection as c; c.HOT_PATHS = {}; "
     "from urc.cli import main; sys.exit(main())"
 )
+SHIPPED = ({}, ("-m", "urc.cli"))  # (env, launch) of urc as installed
 VARIANTS = {
-    "source": ({"URC_PURE_PYTHON": GATEWAY_SOURCE}, ("-m", "urc.cli")),
+    "source": ({"URC_PURE_PYTHON": GATEWAY_SOURCE}, SHIPPED[1]),
     "aiohttp": ({}, ("-c", AIOHTTP_FRONT)),
 }
 
@@ -55,28 +40,20 @@ VARIANTS = {
 def sglang_command(spec: str | None) -> list[str] | None:
     """How to launch sglang-router: BIN's Python (from its shebang) with `-m
     sglang_router.launch_router`, BIN itself with `launch`, or this environment's copy."""
-    if spec:
-        path = Path(spec)
-        if not path.exists():
-            raise SystemExit(f"--sglang-router: {spec} does not exist")
-        with open(path, "rb") as f:
-            first = f.readline(200)
-        if first.startswith(b"#!") and b"python" in first:
-            return [first[2:].decode().strip().split()[0], "-m", "sglang_router.launch_router"]
-        return [str(path), "launch"]
-    if importlib.util.find_spec("sglang_router") is not None:
-        return [sys.executable, "-m", "sglang_router.launch_router"]
-    return None
+    module = ["-m", "sglang_router.launch_router"]
+    if not spec:
+        return [sys.executable, *module] if importlib.util.find_spec("sglang_router") else None
+    if not Path(spec).exists():
+        raise SystemExit(f"--sglang-router: {spec} does not exist")
+    with open(spec, "rb") as f:
+        first = f.readline(200)
+    if first.startswith(b"#!") and b"python" in first:
+        return [first[2:].decode().strip().split()[0], *module]
+    return [spec, "launch"]
 
 
 def ratio(a: float, b: float) -> str:
-    if not (a > 0 and b > 0) or math.isnan(a) or math.isnan(b):
-        return "n/a"
-    return f"{a / b:.2f}"
-
-
-def fmt(x: float) -> str:
-    return "nan" if math.isnan(x) else f"{x:.2f}"
+    return f"{a / b:.2f}" if a > 0 and b > 0 else "n/a"  # NaN compares false: n/a too
 
 
 def _failed(failed: dict[str, int], gap: str) -> str:
@@ -84,7 +61,7 @@ def _failed(failed: dict[str, int], gap: str) -> str:
     return f"{gap}failed {failed}" if failed else ""
 
 
-def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list[str]:
+def latency_table(rows: list[load.LatencyRow], routers: list[str], sgl: bool) -> list[str]:
     out = ["added latency = through router - direct, paired per request, in ms"]
     cols = f"{'row':<20} {'c':>3} {'pairs':>6} {'direct p50':>10} {'p99':>7}"
     for name in routers:
@@ -94,10 +71,10 @@ def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list
     out.append(cols)
     for row in rows:
         line = f"{row.metric:<20} {row.concurrency:>3} {row.pairs:>6} "
-        line += f"{fmt(row.direct_p50_ms):>10} {fmt(row.direct_p99_ms):>7}"
+        line += f"{row.direct_p50_ms:>10.2f} {row.direct_p99_ms:>7.2f}"
         stats = (row.added_p50_ms, row.added_p99_ms, row.added_mean_ms)
         for name in routers:
-            p50, p99, mean = (fmt(stat[name]) for stat in stats)
+            p50, p99, mean = (f"{stat[name]:.2f}" for stat in stats)
             line += f" {p50:>{len(name) + 6}} {p99:>7} {mean:>7}"
         if sgl:
             p50, p99, mean = (ratio(stat["urc"], stat["sglang-router"]) for stat in stats)
@@ -106,7 +83,7 @@ def latency_table(rows: list[LatencyRow], routers: list[str], sgl: bool) -> list
     return out
 
 
-def throughput_lines(row: ThroughputRow, names: list[str], sgl: bool) -> list[str]:
+def throughput_lines(row: load.ThroughputRow, names: list[str], sgl: bool) -> list[str]:
     title = f"throughput, {row.metric}, concurrency {row.concurrency}: requests/s"
     out = ["", f"{title} (median of {len(row.rounds[names[0]])} rounds)"]
     line = "  ".join(f"{name} {row.rps[name]:.0f}" for name in names)
@@ -132,13 +109,13 @@ def throughput_lines(row: ThroughputRow, names: list[str], sgl: bool) -> list[st
     return out
 
 
-def report(result: dict[str, Any], names: list[str], header: str) -> str:
+def report(result: load.Result, names: list[str], header: str) -> str:
     routers = names[1:]
     sgl = "sglang-router" in routers
-    out = [header, "", *latency_table(result["latency"], routers, sgl)]
-    for row in result["throughput"]:
+    out = [header, "", *latency_table(result.latency, routers, sgl)]
+    for row in result.throughput:
         out += throughput_lines(row, names, sgl)
-    streamed = [row for row in result["latency"] if row.metric.startswith("streamed")]
+    streamed = [row for row in result.latency if row.metric.startswith("streamed")]
     if sgl and any(30 < row.added_p50_ms["sglang-router"] < 60 for row in streamed):
         note = "note: sglang-router's streamed rows add ~40 ms: on a kept-alive connection its "
         note += "first SSE chunk waits for the ACK of the headers (Nagle on its client socket vs "
@@ -148,53 +125,24 @@ def report(result: dict[str, Any], names: list[str], header: str) -> str:
     return "\n".join(out)
 
 
-def to_json(result: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    out = {
-        "config": config,
-        "latency": [asdict(row) for row in result["latency"]],
-        "throughput": [asdict(row) for row in result["throughput"]],
-        "measure_s": result["measure_s"],
-    }
-    return json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Latency urc's gateway adds over direct requests, and its throughput, "
-        "optionally against sglang-router in front of the same emulated workers.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add = parser.add_argument
     add("--workers", type=int, default=2, help="emulated workers (K)")
     add("--policy", default="cache_aware", help="urc's routing policy")
-    add(
-        "--sglang-router",
-        metavar="BIN",
-        help="sglang-router console script (e.g. /tmp/sgr/bin/sglang-router); default: the "
-        "sglang_router package of this environment, if installed",
-    )
+    add("--sglang-router", metavar="BIN", help="sglang-router script (default: sglang_router here)")
     add("--sglang-policy", default=None, help="default: nearest to --policy")
     add("--no-sglang", action="store_true", help="measure urc only")
-    add(
-        "--variants",
-        default="",
-        help="comma-separated: also measure urc with its gateway modules from source "
-        "('source') or with aiohttp serving inference requests ('aiohttp')",
-    )
+    add("--variants", default="", help="also measure, comma-separated: source, aiohttp")
     add("--api", choices=["completions", "chat"], default="completions")
-    # p99 of 1000 pairs is their 10th worst: one scheduling hiccup on a shared machine moves
-    # it; of 3000, the 30th (~3 min for the whole bench)
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
     add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
     add("--concurrency", type=int, nargs="+", default=[1, 32])
     add("--throughput-concurrency", type=int, default=64)
-    add(
-        "--stream-throughput",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="measure streamed requests/s too",
-    )
+    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed rps too")
     add("--groups", type=int, default=8, help="shared-prefix groups")
     add("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
     add("--prompts", type=int, default=512, help="distinct prompts")
@@ -206,40 +154,40 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def start_fleet(
-    args: argparse.Namespace, sglang: list[str] | None, probe: bytes, children: list[Child]
-) -> tuple[list[Target], list[int]]:
-    """Workers, then urc (and sglang-router) in front of them: the targets and the workers' pids.
-    Every child joins `children` as soon as it exists, so the caller can stop it whatever
-    happens next."""
-    for _ in range(args.workers):
-        children.append(fast_worker("--model", MODEL, decode_step_ms=args.decode_step_ms))
-    workers = [child.url for child in children]
-    worker_pids = [child.pid for child in children]
-    urc = start_gateway(workers, "--host", "127.0.0.1", "--policy", args.policy)
-    children.append(urc)
+    args: argparse.Namespace, sglang: list[str] | None, probe: bytes
+) -> tuple[list[load.Target], dict[str, list[int]]]:
+    """Workers, then urc (and sglang-router) in front of them: the targets and pids by role.
+    urc/processes.py stops every child at exit, whatever happens in between."""
+    step = args.decode_step_ms
+    fleet = [fast_worker("--model", load.MODEL, decode_step_ms=step) for _ in range(args.workers)]
+    workers = [child.url for child in fleet]
     path = PATHS[args.api]
-    urc.wait_serving(path, probe, 30)
-    targets = [Target("direct", workers, path, None), Target("urc", [urc.url], path, urc.pid)]
-    for variant in filter(None, args.variants.split(",")):
-        env, launch = VARIANTS[variant]
+    targets = [load.Target("direct", workers, path, None)]
+
+    def front(name: str, child: Child, timeout_s: float) -> None:
+        child.wait_serving(path, probe, timeout_s)
+        targets.append(load.Target(name, [child.url], path, child.pid))
+
+    urcs = [("urc", SHIPPED)] + [(f"urc-{v}", VARIANTS[v]) for v in variants(args)]
+    for name, (env, launch) in urcs:
         extra = ("--host", "127.0.0.1", "--policy", args.policy)
-        child = start_gateway(workers, *extra, env=env, launch=launch)
-        children.append(child)
-        child.wait_serving(path, probe, 30)
-        targets.append(Target(f"urc-{variant}", [child.url], path, child.pid))
+        front(name, start_gateway(workers, *extra, env=env, launch=launch), 30)
     if sglang is not None:
         port = free_port()
         cmd = [*sglang, "--host", "127.0.0.1", "--port", str(port), "--policy", args.sglang_policy]
         cmd += ["--worker-urls", *workers, "--log-level", "warn"]
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         sgl = Child("sglang-router", cmd, None, url=f"http://127.0.0.1:{port}")
-        children.append(sgl)
-        sgl.wait_serving(path, probe, 60)
-        targets.append(Target("sglang-router", [sgl.url], path, sgl.pid))
-    return targets, worker_pids
+        front("sglang-router", sgl, 60)
+    routers = {t.name: [t.pid] for t in targets if t.pid}
+    return targets, {"workers": [child.pid for child in fleet], **routers}
 
 
-def describe(args: argparse.Namespace, prompts: list[Prompt], sglang: bool) -> str:
+def variants(args: argparse.Namespace) -> list[str]:
+    return [name for name in args.variants.split(",") if name]
+
+
+def describe(args: argparse.Namespace, prompts: list[load.Prompt], sglang: bool) -> str:
     lengths = [p.tokens for p in prompts]
     routers = f"urc policy {args.policy}; " + (
         f"sglang-router policy {args.sglang_policy}" if sglang else "no sglang-router"
@@ -253,42 +201,34 @@ def describe(args: argparse.Namespace, prompts: list[Prompt], sglang: bool) -> s
     )
 
 
-def _raise_interrupt(_signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.requests < 1 or args.duration <= 0 or args.rounds < 1:
         raise SystemExit("need --workers >= 1, --requests >= 1, --duration > 0, --rounds >= 1")
-    if unknown := set(filter(None, args.variants.split(","))) - set(VARIANTS):
+    if unknown := set(variants(args)) - set(VARIANTS):
         raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     sglang = None if args.no_sglang else sglang_command(args.sglang_router)
     args.sglang_policy = args.sglang_policy or SGLANG_POLICY.get(args.policy, "cache_aware")
-    prompts = build_prompts(args)
+    prompts = load.build_prompts(args)
     header = describe(args, prompts, sglang is not None)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the children on `kill` too
-    children: list[Child] = []
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children on `kill` too
     try:
-        targets, worker_pids = start_fleet(args, sglang, prompts[0].bodies[0], children)
-        pids = {"workers": worker_pids, **{t.name: [t.pid] for t in targets if t.pid}}
+        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0])
         log(header.splitlines()[0])
-        result = asyncio.run(measure(args, targets, prompts, pids))
+        result = asyncio.run(load.measure(args, targets, prompts, pids))
     except KeyboardInterrupt:
         print("interrupted: stopping the processes", file=sys.stderr)
         return 130
     except RuntimeError as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 1
-    finally:
-        for child in reversed(children):
-            child.stop()
     print(report(result, [t.name for t in targets], header))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}
-        config["cpus"] = os.cpu_count()
-        Path(args.json).write_text(json.dumps(to_json(result, config), indent=2) + "\n")
+        out = {"config": {**config, "cpus": os.cpu_count()}, **asdict(result)}
+        out = json.loads(json.dumps(out), parse_constant=lambda _: None)  # JSON has no NaN: null
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 

@@ -1,7 +1,5 @@
 """What the benchmarks share besides their processes (urc/processes.py): CPU accounting from
-/proc, percentiles, progress lines, a worker with negligible GPU time."""
-
-from __future__ import annotations
+/proc, percentiles, progress lines, a worker with negligible GPU time, the shared trace."""
 
 import math
 import os
@@ -14,6 +12,7 @@ from loadgen.report import percentile as loadgen_percentile  # noqa: E402
 from urc.processes import Child, start_worker  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,31 +1,23 @@
 """Unified index benchmark: prompt keys + match, ingest rate, memory per block-residency.
 
-Builds an index of ~N distinct blocks over W workers the way a fleet fills it: shared system
-prompts replicated on several workers, long conversations each on one worker (some on two).
-Prints medians and p99s; the pure-Python key path is measured in the same run as a baseline.
-Targets (issue 2): keys + match of an 8k-token prompt <= 100 us, ingest >= 500k blocks/s,
-<= 150 bytes per block-residency.
-"""
+    python bench/index_bench.py [--blocks N] [--workers W]
 
-from __future__ import annotations
+Against the pure-Python keys of the same run; targets and method: docs/benchmarks.md.
+"""
 
 import argparse
 import gc
 import itertools
 import random
 import time
+import timeit
 import tracemalloc
+from functools import partial
 
 from harness import percentile
 
-from core.blocks import (
-    _python_chain_keys,
-    block_keys,
-    chain_keys,
-    has_native,
-    namespace,
-    parent_prefix,
-)
+from core.blocks import _python_chain_keys as python_chain_keys
+from core.blocks import block_keys, chain_keys, has_native, namespace, parent_prefix
 from core.kv_events import BlockStored, EventBatch, decode_batch, encode_batch
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
@@ -58,10 +50,7 @@ def build(index: UnifiedIndex, blocks: int, workers: list[str], rng: random.Rand
 
 def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 2000) -> None:
     prompts = [conversation_tokens(c, c % 256) for c in rng.sample(range(convs), 200)]
-    cold = [
-        list(range(50_000_000 + i * CONV_TOKENS, 50_000_000 + (i + 1) * CONV_TOKENS))
-        for i in range(20)
-    ]
+    cold = [[50_000_000 + i * CONV_TOKENS + t for t in range(CONV_TOKENS)] for i in range(20)]
     for label, pool in (("fully cached 8k prompt", prompts), ("cold 8k prompt", cold)):
         times = []
         for i in range(n):
@@ -74,23 +63,15 @@ def bench_match(index: UnifiedIndex, convs: int, rng: random.Random, n: int = 20
             f"   p99 {percentile(times, 0.99) * 1e6:7.1f} us"
         )
     tokens, ns = prompts[0], namespace(None)
-    for label, fn in (("keys only (native)", block_keys), ("keys only (pure Python)", None)):
-        times = []
-        for _ in range(300):
-            t0 = time.perf_counter()
-            if fn is None:
-                _python_chain_keys(tokens, BS, ns)
-            else:
-                fn(tokens, BS)
-            times.append(time.perf_counter() - t0)
+    variants = [("keys only (native)", chain_keys), ("keys only (pure Python)", python_chain_keys)]
+    for label, keys in variants:
+        times = timeit.repeat(partial(keys, tokens, BS, ns), setup=gc.enable, number=1, repeat=300)
         print(f"{label:38s} median {percentile(times, 0.5) * 1e6:7.1f} us")
 
 
 def bench_ingest(blocks: int = 192_000) -> None:
-    """Event ingest through the whole path: msgpack payload -> decode -> mirror -> index.
-
-    `ours`: engine hashes are our keys (our workers); `vllm`: random engine hashes, so the
-    mirror keeps the engine-hash -> key map. Also the bare insert, keys computed from tokens."""
+    """Event ingest through the whole path (payload -> decode -> mirror -> index), and the bare
+    insert; `vllm`: random engine hashes, so the mirror keeps the engine-hash -> key map."""
     rng = random.Random(1)
     # (blocks per BlockStored, events per batch): vLLM sends one batch per engine step
     shapes = ((8, 1), (8, 8), (32, 1))
@@ -154,11 +135,7 @@ def main() -> None:
         f"memory: {used / 2**20:.0f} MiB, {used / stats.blocks:.0f} bytes per block, "
         f"{used / stats.residencies:.0f} bytes per block-residency"
     )
-    pauses = []
-    for _ in range(3):  # what a full collection costs a process holding this index
-        t0 = time.perf_counter()
-        gc.collect()
-        pauses.append(time.perf_counter() - t0)
+    pauses = timeit.repeat(gc.collect, number=1, repeat=3)  # what a process holding it pays
     print(
         f"full garbage collection with the index: {min(pauses) * 1e3:.1f} ms "
         f"({len(gc.get_objects()):,} objects tracked)"

@@ -1,14 +1,14 @@
 """The load of bench/gateway_overhead.py: prompts sharing prefixes per group, requests timed
 per target (paired blocks for latency, closed loops for throughput), CPU per process role."""
 
-from __future__ import annotations
-
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +96,7 @@ class CpuMeter:
     """CPU seconds of every process of the run while a target is measured (wall too)."""
 
     pids: dict[str, list[int]]  # role -> pids; "loadgen" (this process), "machine" (all CPUs)
-    spent: dict[str, dict[str, float]] = field(default_factory=dict)  # target -> role -> s
-    per_worker: dict[str, list[float]] = field(default_factory=dict)  # target -> s per worker
+    spent: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # target -> role -> s
     wall: dict[str, float] = field(default_factory=dict)
 
     def snapshot(self) -> tuple[float, dict[str, list[float]]]:
@@ -106,61 +105,39 @@ class CpuMeter:
         now["machine"] = [machine_cpu_seconds()]
         return time.perf_counter(), now
 
-    def add(self, target: str, before: tuple[float, dict[str, list[float]]]) -> None:
+    def add(self, target: str, before: tuple[float, dict[str, list[float]]]) -> float:
+        """Adds what was spent since `before` (a snapshot); returns the wall seconds."""
         wall, after = self.snapshot()
         spent = self.spent.setdefault(target, {})
         for role, values in after.items():
-            deltas = [a - b for a, b in zip(values, before[1][role], strict=True)]
-            spent[role] = spent.get(role, 0.0) + sum(deltas)
-            if role == "workers":
-                acc = self.per_worker.setdefault(target, [0.0] * len(deltas))
-                self.per_worker[target] = [x + d for x, d in zip(acc, deltas, strict=True)]
+            old = spent.get(role, [0.0] * len(values))
+            spent[role] = [s + a - b for s, a, b in zip(old, values, before[1][role], strict=True)]
         self.wall[target] = self.wall.get(target, 0.0) + wall - before[0]
+        return wall - before[0]
 
 
-async def block(
+async def lanes(
     session: aiohttp.ClientSession,
     target: Target,
-    prompts: list[Prompt],
+    prompts: Iterable[Prompt],
     concurrency: int,
     stream: bool,
+    seconds: float = math.inf,
 ) -> list[Sample]:
-    """Send `prompts` with `concurrency` in flight; samples in prompt order."""
-    samples: list[Sample | None] = [None] * len(prompts)
-    todo = iter(enumerate(prompts))
+    """Send `prompts` with `concurrency` in flight until they run out or `seconds` have passed;
+    samples in prompt order."""
+    samples: dict[int, Sample] = {}
+    todo = enumerate(prompts)
+    deadline = time.perf_counter() + seconds
 
     async def lane() -> None:
         for i, prompt in todo:
+            if time.perf_counter() >= deadline:
+                return
             samples[i] = await target.send(session, prompt, stream)
 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
-    return [s for s in samples if s is not None]
-
-
-async def closed_loop(
-    session: aiohttp.ClientSession,
-    target: Target,
-    prompts: list[Prompt],
-    concurrency: int,
-    stream: bool,
-    seconds: float,
-    start: int,
-) -> tuple[int, int, float]:
-    """As many requests as `concurrency` lanes complete in `seconds`: (ok, failed, elapsed)."""
-    counts = [0, 0]
-    nxt = [start]
-    t0 = time.perf_counter()
-    deadline = t0 + seconds
-
-    async def lane() -> None:
-        while time.perf_counter() < deadline:
-            prompt = prompts[nxt[0] % len(prompts)]
-            nxt[0] += 1
-            sample = await target.send(session, prompt, stream)
-            counts[0 if sample.ok else 1] += 1
-
-    await asyncio.gather(*(lane() for _ in range(concurrency)))
-    return counts[0], counts[1], time.perf_counter() - t0
+    return [samples[i] for i in sorted(samples)]
 
 
 @dataclass(slots=True)
@@ -188,6 +165,18 @@ class ThroughputRow:
     worker_split: dict[str, list[float]]  # target -> share of worker CPU per worker
 
 
+@dataclass(slots=True)
+class Result:
+    latency: list[LatencyRow]
+    throughput: list[ThroughputRow]
+    measure_s: float
+
+
+def rotated(targets: list[Target], r: int) -> list[Target]:
+    """Round `r`'s order: each target leads in turn, so slow noise hits all of them alike."""
+    return targets[r % len(targets) :] + targets[: r % len(targets)]
+
+
 def session_for(concurrency: int, targets: int) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(
         limit=concurrency * targets, limit_per_host=concurrency, force_close=False
@@ -206,9 +195,8 @@ async def latency_rows(
             got: dict[str, list[Sample]] = {t.name: [] for t in targets}
             for r in range(rounds):
                 chunk = [prompts[(r * size + i) % len(prompts)] for i in range(size)]
-                for k in range(len(targets)):
-                    target = targets[(r + k) % len(targets)]
-                    got[target.name] += await block(session, target, chunk, concurrency, stream)
+                for target in rotated(targets, r):
+                    got[target.name] += await lanes(session, target, chunk, concurrency, stream)
             metrics = [("streamed TTFB", "ttfb_s"), ("streamed total", "total_s")]
             for metric, attr in metrics if stream else [("non-streamed total", "total_s")]:
                 rows.append(paired_row(metric, attr, concurrency, targets, got))
@@ -222,20 +210,18 @@ def paired_row(
     base = got[targets[0].name]
     ok_direct = [getattr(s, attr) for s in base if s.ok]
     direct_ms = [percentile(ok_direct, q) * 1e3 for q in (0.5, 0.99)]
-    row = LatencyRow(metric, concurrency, 0, *direct_ms, {}, {}, {}, {})
-    row.failed[targets[0].name] = sum(not s.ok for s in base)
+    failed = {t.name: sum(not s.ok for s in got[t.name]) for t in targets}
+    row = LatencyRow(metric, concurrency, 0, *direct_ms, {}, {}, {}, failed)
     for router in targets[1:]:
-        through = got[router.name]
         diffs = [
             getattr(t, attr) - getattr(d, attr)
-            for d, t in zip(base, through, strict=True)
+            for d, t in zip(base, got[router.name], strict=True)
             if d.ok and t.ok
         ]
         row.pairs = len(diffs)
         row.added_p50_ms[router.name] = percentile(diffs, 0.5) * 1e3
         row.added_p99_ms[router.name] = percentile(diffs, 0.99) * 1e3
         row.added_mean_ms[router.name] = sum(diffs) / len(diffs) * 1e3 if diffs else math.nan
-        row.failed[router.name] = sum(not s.ok for s in through)
     return row
 
 
@@ -248,33 +234,33 @@ async def throughput_row(
 ) -> ThroughputRow:
     """`args.rounds` rounds of closed loops over the targets, `args.duration` per target."""
     metric = "streamed" if stream else "non-streamed"
-    concurrency, rounds, seconds = args.throughput_concurrency, args.rounds, args.duration
+    concurrency, rounds = args.throughput_concurrency, args.rounds
+    seconds = args.duration / rounds  # per target and round
     log(f"  throughput at concurrency {concurrency} ({metric}) ...")
     row = ThroughputRow(metric, concurrency, {}, {t.name: [] for t in targets}, {}, {}, {}, {})
     done: dict[str, int] = {t.name: 0 for t in targets}
     async with session_for(concurrency, len(targets)) as session:
         for r in range(rounds):
-            for k in range(len(targets)):
-                target = targets[(r + k) % len(targets)]
+            for target in rotated(targets, r):
+                looped = itertools.islice(itertools.cycle(prompts), r * 997, None)  # closed loop
                 before = meter.snapshot()
-                ok, failed, elapsed = await closed_loop(
-                    session, target, prompts, concurrency, stream, seconds / rounds, r * 997
-                )
-                meter.add(target.name, before)
+                samples = await lanes(session, target, looped, concurrency, stream, seconds)
+                elapsed = meter.add(target.name, before)
+                ok = sum(s.ok for s in samples)
                 row.rounds[target.name].append(ok / elapsed)
-                row.failed[target.name] = row.failed.get(target.name, 0) + failed
+                row.failed[target.name] = row.failed.get(target.name, 0) + len(samples) - ok
                 done[target.name] += ok
     for t in targets:
         row.rps[t.name] = percentile(row.rounds[t.name], 0.5)
         n = max(done[t.name], 1)
-        spent = dict(meter.spent[t.name])
+        spent = {role: sum(s) for role, s in meter.spent[t.name].items()}
         machine = spent.pop("machine")
         spent["others"] = max(0.0, machine - sum(spent.values()))  # not ours: noise to note
         spent["machine"] = machine
         row.cpu_us_per_request[t.name] = {role: s / n * 1e6 for role, s in spent.items()}
         row.busy_cores[t.name] = {role: s / meter.wall[t.name] for role, s in spent.items()}
-        total = sum(meter.per_worker[t.name]) or 1.0
-        row.worker_split[t.name] = [w / total for w in meter.per_worker[t.name]]
+        per_worker = meter.spent[t.name]["workers"]
+        row.worker_split[t.name] = [w / (sum(per_worker) or 1.0) for w in per_worker]
     return row
 
 
@@ -283,15 +269,13 @@ async def measure(
     targets: list[Target],
     prompts: list[Prompt],
     pids: dict[str, list[int]],
-) -> dict[str, Any]:
-    warm = prompts[: min(len(prompts), 8 * args.groups)]
+) -> Result:
+    warm = prompts[: 8 * args.groups]
     async with session_for(8, len(targets)) as session:
-        for target in targets:
-            for stream in (False, True):
-                samples = await block(session, target, warm, 8, stream)
-                bad = sum(not s.ok for s in samples)
-                if bad:
-                    raise RuntimeError(f"{target.name}: {bad} of {len(samples)} warm-ups failed")
+        for target, stream in itertools.product(targets, (False, True)):
+            samples = await lanes(session, target, warm, 8, stream)
+            if bad := sum(not s.ok for s in samples):
+                raise RuntimeError(f"{target.name}: {bad} of {len(samples)} warm-ups failed")
     started = time.perf_counter()
     rows: list[LatencyRow] = []
     for concurrency in args.concurrency:
@@ -302,4 +286,4 @@ async def measure(
     throughput = [
         await throughput_row(targets, prompts, args, stream, CpuMeter(pids)) for stream in streams
     ]
-    return {"latency": rows, "throughput": throughput, "measure_s": time.perf_counter() - started}
+    return Result(rows, throughput, time.perf_counter() - started)

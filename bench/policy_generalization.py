@@ -1,24 +1,9 @@
 """Does `cache_aware` win beyond the trace it was looked at on? Policies x workloads, offline.
 
-Every scenario is replayed by the simulator (`urc replay`'s engine, virtual time) under each
-policy with its defaults; the table shows the hit rate and TTFT p50/p99, and the summary counts
-the scenarios where `cache_aware` is ahead of each baseline on hit rate and on p99 TTFT.
+    python bench/policy_generalization.py [--seeds 0,1,2] [--quick] [--variant LABEL:K=V,...]
 
-Scenarios: the shared Mooncake trace (if present) at three fleet shapes; synthetic
-Mooncake-style traces made here from seeds (shared documents with Zipf popularity, multi-turn
-sessions and agent loops that extend their last prompt, unique suffixes, Poisson arrivals), each
-with its own sharing structure, lengths, load, cache size and 4, 8 or 16 workers; and the
-built-in workloads of `urc bench` (system prompts, multi-turn chats, the mix) open-loop with
-small caches. Every cache is far smaller than its scenario's working set.
-
-`--seeds`: seed 0 is the default set; others draw other synthetic traces and workloads of the
-same shapes and name the workers differently (the rendezvous hashes names), and the summary
-counts over all of them. `--variant` adds a row per scenario for `cache_aware` with other
-parameters (for ablations; `fleet.NAME=VALUE` sets the replay's FleetConfig instead, e.g.
-`fleet.pending_ttl_s=10`). `--quick` halves the synthetic scenarios (about 20 s per seed).
+Hit rate and TTFT per policy and scenario, and wins/ties/losses (docs/benchmarks.md).
 """
-
-from __future__ import annotations
 
 import argparse
 import json
@@ -28,10 +13,9 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import harness  # noqa: F401  (puts the repository root on sys.path)
+from harness import SHARED_TRACE
 
 from router.policies import make_policy
 from simulation.compare import build_params
@@ -41,7 +25,6 @@ from simulation.requests import SimRequest
 from simulation.traces import parse_trace, read_trace, trace_requests
 from simulation.workloads import workload_requests
 
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
 BLOCK = 512  # tokens per hash id, as in Mooncake's traces
 HIT_TIE = 0.002  # hit rates this close are a tie (0.2 points)
 P99_TIE = 0.01  # p99 TTFTs within 1% are a tie
@@ -66,27 +49,27 @@ class Synthetic:
     def records(self) -> list[str]:
         rng = random.Random(f"synthetic/{self.seed}")
         next_id = iter(range(1 << 62))
-        doc_len = [_lognormal(rng, self.doc_blocks) for _ in range(self.docs)]
-        docs = [[next(next_id) for _ in range(n)] for n in doc_len]
+
+        def fresh(mean: float) -> list[int]:  # new hash ids, lognormally many
+            sigma = 0.8
+            count = max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
+            return [next(next_id) for _ in range(count)]
+
+        docs = [fresh(self.doc_blocks) for _ in range(self.docs)]
         weights = [1.0 / (k + 1) ** self.zipf for k in range(self.docs)]
         sessions: list[list[int]] = []
         t, lines = 0.0, []
         while len(lines) < self.requests:
             if sessions and rng.random() < self.session_p:
                 s = rng.randrange(len(sessions))
-                ids = sessions[s] + [
-                    next(next_id) for _ in range(_lognormal(rng, self.turn_blocks))
-                ]
-                sessions[s] = ids
+                ids = sessions[s] = sessions[s] + fresh(self.turn_blocks)
                 if rng.random() < 0.25:  # the conversation ends
                     sessions.pop(s)
                 batch = [ids]
             else:
                 (doc,) = rng.choices(docs, weights)
-                batch = [  # fan-out: parallel calls on one document, each with its own question
-                    doc + [next(next_id) for _ in range(_lognormal(rng, self.unique_blocks))]
-                    for _ in range(self.fanout)
-                ]
+                # fan-out: parallel calls on one document, each with its own question
+                batch = [doc + fresh(self.unique_blocks) for _ in range(self.fanout)]
                 sessions.append(batch[0])
                 if len(sessions) > 64:
                     sessions.pop(0)
@@ -104,11 +87,6 @@ class Synthetic:
         return lines
 
 
-def _lognormal(rng: random.Random, mean: float) -> int:
-    sigma = 0.8
-    return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
-
-
 @dataclass(slots=True)
 class Scenario:
     name: str
@@ -119,8 +97,8 @@ class Scenario:
     names: str = "w"  # worker names are this + 0, 1, ... (rendezvous hashes them)
 
 
-def _trace(path: Path, time_scale: float = 1.0) -> Callable[[], list[SimRequest]]:
-    return lambda: trace_requests(read_trace(path), time_scale=time_scale)
+def _shared_trace(time_scale: float) -> Callable[[], list[SimRequest]]:
+    return lambda: trace_requests(read_trace(SHARED_TRACE), time_scale=time_scale)
 
 
 def _fleet(name: str) -> tuple[int, int]:
@@ -152,7 +130,7 @@ def scenarios(quick: bool, seed: int = 0) -> list[Scenario]:
 
     if SHARED_TRACE.exists():
         for name, scale in [("8x400k", 1.0), ("16x200k", 1.0), ("4x800k slow", 2.0)]:
-            out.append(Scenario(f"mooncake {name}", _trace(SHARED_TRACE, scale), *_fleet(name)))
+            out.append(Scenario(f"mooncake {name}", _shared_trace(scale), *_fleet(name)))
     out += [
         docs("docs zipf1.0 8x400k", 1, rate=4.0),
         docs("docs long 8x200k", 2, rate=2.0, docs=200, doc_blocks=40, unique_blocks=10),

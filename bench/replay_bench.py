@@ -1,24 +1,9 @@
 """How fast `urc replay` runs, and (with --fidelity) how close it is to a live cluster.
 
-Speed: simulated requests per CPU second, per policy, on one core, on the shared Mooncake
-trace (best of --repeat runs; loading the trace and keying it once, shared by every
-policy, is timed apart). The target is 50,000; the ratio to it is printed. Two in-run
-baselines (--no-baseline skips them):
-- `python`: the same replay from the Python source (URC_PURE_PYTHON=1, in a child process),
-  where the compiled modules are built (core/native.py); `x python` is what compiling buys;
-- `per-step`: the same replay with one event per forward pass, as a real-time loop steps the
-  engine, instead of a decode stretch in one event: the same outcome (asserted), and
-  `x per-step` is what the segments buy.
---breakdown times what each request costs in the unified index, the policy, the engines and
-the loop itself (the wrappers add their own few percent); --profile runs pyinstrument over one
-policy's replay. Both wrap methods, which compiled classes do not allow: they run the source.
+    python bench/replay_bench.py [--breakdown] [--profile POLICY] [--fidelity]
 
-Fidelity: the same seeded workload through `urc cluster` of emulated workers with `urc bench`,
-and offline through the replay with the same worker parameters and names; prints both and the
-differences (targets: hit rate within 2 points, TTFT p50 within 15 %).
+Requests per CPU second against in-run baselines, or live vs offline (docs/benchmarks.md).
 """
-
-from __future__ import annotations
 
 import argparse
 import math
@@ -30,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import harness  # noqa: F401  (puts the repository root on sys.path)
+from harness import SHARED_TRACE
 
 from core import native
 from router.policies import make_policy
@@ -38,11 +23,11 @@ from simulation.compare import build_params, policy_names
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.traces import read_trace, trace_requests
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 TARGET = 50_000
-# a few hundred uncached tokens a request: tens of ms of modelled TTFT, so the live run's own
-# HTTP hops and event-loop wake-ups (several ms on a small machine) do not dominate it
-FIDELITY_PARAMS = ["groups=40", "question_tokens=400"]
+SOURCE_ENV = {**os.environ, "URC_PURE_PYTHON": "1"}  # every module from its Python source
+FIDELITY_PARAMS = ["groups=40", "question_tokens=400"]  # of the default workload
+# FidelityCase's fields that --fidelity-NAME sets, and their defaults here
+FIDELITY = dict(requests=1200, workers=8, capacity_tokens=30_000, prefill_tps=5e3, concurrency=24)
 
 
 def _timed(obj: Any, attr: str, totals: dict[str, float], label: str) -> None:
@@ -78,17 +63,14 @@ def speed(args: argparse.Namespace) -> None:
         f"{'per-step':>10s}{'x per-step':>12s}{'steps/req':>11s}{'events/req':>12s}"
     )
     for name in policy_names(args.policies):
-        best, result = 0.0, None
-        for _ in range(args.repeat):
-            rate, result = _replay_speed(requests, name, fleet)
-            best = max(best, rate)
-        assert result is not None
+        runs = [_replay_speed(requests, name, fleet) for _ in range(args.repeat)]
+        best, result = max(rate for rate, _ in runs), runs[-1][1]
         if args.rate_only:  # the child of `_source_speed`
             print(best)
             return
         python, per_step = f"{'-':>10s}{'-':>10s}", f"{'-':>10s}{'-':>12s}"
         if args.baseline and native.compiled():
-            base = _source_speed(args, name)
+            base = _source_speed(name)
             python = f"{base:>10,.0f}{best / base:>10.2f}"
         if args.baseline:  # same outcome, one event per forward pass
             base, stepped = _replay_speed(requests, name, fleet, per_step=True)
@@ -110,15 +92,10 @@ def _outcome(r: RunResult) -> tuple:
     return r.worker, r.cached_tokens, times
 
 
-def _source_speed(args: argparse.Namespace, policy: str) -> float:
-    """The same measurement from the Python source, in a child process (module doc)."""
-    argv = [sys.executable, __file__, "--trace", args.trace, "--policies", policy, "--rate-only"]
-    argv += ["--workers", str(args.workers), "--repeat", str(args.repeat)]
-    argv += ["--kv-capacity-tokens", str(args.kv_capacity_tokens)]
-    if args.requests:
-        argv += ["--requests", str(args.requests)]
-    env = {**os.environ, "URC_PURE_PYTHON": "1"}
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout
+def _source_speed(policy: str) -> float:
+    """This run's measurement of `policy` from the Python source, in a child process."""
+    argv = [sys.executable, __file__, *sys.argv[1:], "--policies", policy, "--rate-only"]
+    out = subprocess.run(argv, env=SOURCE_ENV, capture_output=True, text=True, check=True).stdout
     return float(out.split()[-1])
 
 
@@ -131,8 +108,7 @@ def _replay(requests: list, name: str, fleet: FleetConfig, per_step: bool = Fals
 def _replay_speed(
     requests: list, name: str, fleet: FleetConfig, per_step: bool = False
 ) -> tuple[float, RunResult]:
-    """Simulated requests per CPU second of one replay (CPU time: robust to a machine shared
-    with others), and its result."""
+    """Simulated requests per CPU second of one replay (robust to a shared machine), its result."""
     replay = _replay(requests, name, fleet, per_step)
     t = time.process_time()
     result = replay.run()
@@ -179,11 +155,7 @@ def fidelity(args: argparse.Namespace) -> None:
             policy=policy,
             workload=args.fidelity_workload,
             params=dict(item.split("=", 1) for item in items),
-            requests=args.fidelity_requests,
-            workers=args.fidelity_workers,
-            capacity_tokens=args.fidelity_capacity_tokens,
-            prefill_tps=args.fidelity_prefill_tps,
-            concurrency=args.fidelity_concurrency,
+            **{name: getattr(args, f"fidelity_{name}") for name in FIDELITY},
         )
         outcome = run_case(case)
         print(outcome.describe())
@@ -197,36 +169,28 @@ def fidelity(args: argparse.Namespace) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", default=str(TRACE))
-    parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--kv-capacity-tokens", type=int, default=400_000)
-    parser.add_argument("--policies", default="all")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument(
-        "--baseline",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also time the per-step replay (the in-run baseline)",
-    )
-    parser.add_argument("--rate-only", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--breakdown", action="store_true")
-    parser.add_argument("--profile", metavar="POLICY")
-    parser.add_argument("--fidelity", action="store_true", help="live vs offline instead")
-    parser.add_argument("--fidelity-policy", default="cache_aware,sglang,round_robin")
-    parser.add_argument("--fidelity-workload", default="system-prompts")
-    parser.add_argument("--fidelity-param", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--fidelity-requests", type=int, default=1200)
-    parser.add_argument("--fidelity-workers", type=int, default=8)
-    parser.add_argument("--fidelity-capacity-tokens", type=int, default=30_000)
-    parser.add_argument("--fidelity-prefill-tps", type=float, default=5_000.0)
-    parser.add_argument("--fidelity-concurrency", type=int, default=24)
+    add = parser.add_argument
+    add("--trace", default=str(SHARED_TRACE))
+    add("--requests", type=int, default=None)
+    add("--workers", type=int, default=8)
+    add("--kv-capacity-tokens", type=int, default=400_000)
+    add("--policies", default="all")
+    add("--repeat", type=int, default=3)
+    baseline = "also time the replay from source and per step (the in-run baselines)"
+    add("--baseline", action=argparse.BooleanOptionalAction, default=True, help=baseline)
+    add("--rate-only", action="store_true", help=argparse.SUPPRESS)
+    add("--breakdown", action="store_true")
+    add("--profile", metavar="POLICY")
+    add("--fidelity", action="store_true", help="live vs offline instead")
+    add("--fidelity-policy", default="cache_aware,sglang,round_robin")
+    add("--fidelity-workload", default="system-prompts")
+    add("--fidelity-param", action="append", default=[], metavar="KEY=VALUE")
+    for name, default in FIDELITY.items():
+        add(f"--fidelity-{name.replace('_', '-')}", type=type(default), default=default)
     args = parser.parse_args()
     if (args.breakdown or args.profile) and native.compiled():  # wrappers need the source
         print("--breakdown/--profile: running the Python source (URC_PURE_PYTHON=1)", flush=True)
-        os.execve(
-            sys.executable, [sys.executable, *sys.argv], {**os.environ, "URC_PURE_PYTHON": "1"}
-        )
+        os.execve(sys.executable, [sys.executable, *sys.argv], SOURCE_ENV)
     if args.fidelity:
         fidelity(args)
     else:

@@ -1,19 +1,9 @@
 """What the strict parse costs: per request, and as a share of the gateway's CPU per request.
 
-The parse an inference request goes through at the gateway, on three bodies (a completion with
-an 8k-token prompt, the same prompt as 8k token ids, a chat of 8 messages):
-- before: msgspec's decode, the routing fields checked (the same compiled checks as after),
-  and the tenant's `cache_salt` spliced into the client's bytes (what the gateway did before
-  it re-encoded bodies);
-- after: the strict decode (depth, int64; core/strict_json.py), the same checks plus token
-  ids in int32, and the worker's body re-encoded from what was parsed (request_body.py).
-Both are timed in this process, as the best of 5 runs of `--repeat` calls each. Then, in the
-same run, `urc gateway` in front of two emulated workers (negligible modelled GPU time) serves
-`--requests` of each body, and its CPU seconds per request give the share. Prints numbers;
-asserts nothing.
-"""
+    python bench/strict_parse.py [--requests N] [--repeat N]
 
-from __future__ import annotations
+The parse before and after, timed here, against a live gateway's CPU (docs/benchmarks.md).
+"""
 
 import argparse
 import concurrent.futures as cf
@@ -39,12 +29,10 @@ def bodies() -> dict[str, tuple[str, dict[str, Any]]]:
         {"role": ("user", "assistant")[i % 2], "content": text[i * 700 : (i + 1) * 700]}
         for i in range(7)
     ]
+    ids = [32 + i % 90 for i in range(8000)]
     return {
         "prompt 8k chars": ("/v1/completions", {"model": "emulated", "prompt": text}),
-        "prompt 8k ids": (
-            "/v1/completions",
-            {"model": "emulated", "prompt": [32 + i % 90 for i in range(8000)]},
-        ),
+        "prompt 8k ids": ("/v1/completions", {"model": "emulated", "prompt": ids}),
         "chat 8 messages": ("/v1/chat/completions", {"model": "emulated", "messages": chat}),
     }
 
@@ -90,20 +78,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000, help="through the live gateway")
     parser.add_argument("--repeat", type=int, default=2000, help="calls per timing run")
     args = parser.parse_args()
-    rows = []
+    print(
+        f"{'body':18} {'bytes':>7} {'before us':>10} {'after us':>9} {'added us':>9} "
+        f"{'gateway CPU us/req':>19} {'added share':>12}"
+    )
     for name, (path, body) in bodies().items():
         raw = json.dumps({**body, "max_tokens": 8}).encode()
         chat = path.endswith("chat/completions")
         old = per_call_us(before, raw, chat, args.repeat)
         new = per_call_us(after, raw, chat, args.repeat)
-        rows.append((name, len(raw), old, new, gateway_cpu_us(path, raw, args.requests)))
-    print(
-        f"{'body':18} {'bytes':>7} {'before us':>10} {'after us':>9} {'added us':>9} "
-        f"{'gateway CPU us/req':>19} {'added share':>12}"
-    )
-    for name, size, old, new, cpu in rows:
+        cpu = gateway_cpu_us(path, raw, args.requests)
         print(
-            f"{name:18} {size:7d} {old:10.1f} {new:9.1f} {new - old:9.1f} {cpu:19.0f} "
+            f"{name:18} {len(raw):7d} {old:10.1f} {new:9.1f} {new - old:9.1f} {cpu:19.0f} "
             f"{(new - old) / cpu:12.1%}"
         )
 
