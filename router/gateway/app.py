@@ -77,7 +77,7 @@ class Gateway:
             self.metrics.registry.register(ParityCollector(self.parity))
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
-        self.residency = RoutedResidency(self.index)  # invalidation.py marks when one begins
+        self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin
         self._tasks: list[asyncio.Task[None]] = []
         # errors become JSON per handler (json_errors), not in a middleware: a middleware
         # costs every request a wrapper object
