@@ -252,7 +252,7 @@ async def serve_gateway(
     )
     await runner.setup()
     assert runner.server is not None
-    front = FrontServer(gateway.serve, runner.server, config.limits())
+    front = FrontServer(gateway.serve, runner.server, config)
     metrics_runner: web.AppRunner | None = None
     try:
         port = await front.start(config.host, config.port)

@@ -7,7 +7,7 @@ import argparse
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from router.policies import POLICY_NAMES
 
@@ -16,17 +16,6 @@ ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
 
 class ConfigError(ValueError):
     pass
-
-
-class Limits(NamedTuple):
-    """The front door's limits (router/gateway/server.py); each is a GatewayConfig field."""
-
-    max_body_bytes: int
-    max_request_line_bytes: int
-    max_header_bytes: int
-    header_timeout_s: float
-    body_timeout_s: float
-    keepalive_s: float
 
 
 def _flag(default: Any, flag: str, help: str, kind: type | None = None) -> Any:
@@ -73,8 +62,8 @@ class GatewayConfig:
     policy: str = "cache_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
     admin_key: str | None = None
-    # the limits, timeouts and secrets below are flags too (README, "Limits, timeouts and
-    # failure handling"); those of the front door are its Limits
+    # flags too (README, "Limits, timeouts and failure handling"); the front door's are read
+    # straight from here by router/gateway/connection.py
     salt_secret: str = _flag(
         "",
         "--salt-secret",
@@ -135,9 +124,6 @@ class GatewayConfig:
     degraded: bool = False  # route by plain least load (the degrade switch)
     shadow_policies: list[str] = field(default_factory=list)  # watch, never act
     parity_interval_s: float = 300.0  # token-parity probes of every worker (0: none at all)
-
-    def limits(self) -> Limits:
-        return Limits(*(getattr(self, name) for name in Limits._fields))
 
 
 def _entries(raw: dict[str, Any], key: str, cls: type) -> list[Any]:

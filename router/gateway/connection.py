@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from core.errors import APIError
-from router.gateway.config import Limits
+from router.gateway.config import GatewayConfig
 from router.gateway.reply import JSON_HEADERS, LeanReply
 
 if TYPE_CHECKING:
@@ -341,7 +341,7 @@ class FrontProtocol(asyncio.Protocol):
         """Between requests: nothing being received, answered or waiting."""
         return self.task is None and self.began == 0.0 and not self.queue
 
-    def check_timeouts(self, now: float, limits: Limits) -> None:
+    def check_timeouts(self, now: float, limits: GatewayConfig) -> None:
         """The reaper's look at this connection (once a second)."""
         if self.refused or self.began == 0.0:
             return
@@ -355,6 +355,6 @@ class FrontProtocol(asyncio.Protocol):
         self._refuse(APIError(408, message, code="timeout"))
 
 
-def _headers_too_large(limits: Limits) -> APIError:
+def _headers_too_large(limits: GatewayConfig) -> APIError:
     message = f"request headers too large (limit {limits.max_header_bytes} bytes)"
     return APIError(431, message, code="headers_too_large")

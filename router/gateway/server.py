@@ -5,7 +5,7 @@
 straight on the transport. A connection whose request is anything else is handed, with the
 bytes received so far, to aiohttp's protocol and stays with aiohttp; a request pipelined behind
 another one cannot be handed over (its first byte is unknown): a JSON 400, then close. Every
-request's head is read here under `Limits`, whichever server answers it.
+request's head is read here under the config's limits, whichever server answers it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import ctypes.util
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from router.gateway.config import Limits
+from router.gateway.config import GatewayConfig
 from router.gateway.connection import FrontProtocol
 from router.gateway.reply import LeanReply
 
@@ -30,7 +30,7 @@ class FrontServer:
     """The listening socket, its connections, and where to send what is not ours."""
 
     def __init__(
-        self, serve: Serve, fallback: Callable[[], asyncio.Protocol], limits: Limits
+        self, serve: Serve, fallback: Callable[[], asyncio.Protocol], limits: GatewayConfig
     ) -> None:
         self.serve = serve
         self.fallback = fallback
