@@ -1,10 +1,5 @@
-"""The gateway's HTTP surface: OpenAI endpoints, health, metrics; admin routes in admin.py.
-
-Each request: authenticate -> parse -> plan (tokenize, keys, match, policy) -> mark its keys
-pending on a worker with KV events -> forward with the tenant's `cache_salt` -> record
-approximate residency for workers without events (router/dispatch.py's rules) -> respond, with
-`x-urc-route` saying where it went and why.
-"""
+"""The gateway's HTTP surface: OpenAI endpoints, health, metrics (admin routes: admin.py); the
+steps of a request are docs/README.md's "A request through the gateway"."""
 
 from __future__ import annotations
 
@@ -32,7 +27,7 @@ from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.modes import RoutingModes
-from router.gateway.parity import ParityCollector, ParityProbe
+from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
@@ -74,7 +69,7 @@ class Gateway:
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
         if config.parity_interval_s > 0:
             self.fleet.on_up.append(self.parity.on_up)
-            self.metrics.registry.register(ParityCollector(self.parity))
+            self.metrics.registry.register(self.parity)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin

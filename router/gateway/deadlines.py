@@ -1,10 +1,6 @@
 """Request deadlines without a timer per request: each running attempt is one dict entry, and a
-sweep four times a second cancels the tasks past due (a dict insert and pop on the hot path,
-where `asyncio.timeout` costs a timer, a context object and a task lookup).
-
-A deadline may come with `renew`, asked when it passes for a later one (or one not later than
-now to let it expire); `expire` ends a task's wait at once.
-"""
+sweep four times a second cancels the tasks past due (`asyncio.timeout` costs a timer, a context
+object and a task lookup per request)."""
 
 from __future__ import annotations
 
@@ -33,8 +29,8 @@ class Deadlines:
         return loop
 
     def enter(self, seconds: float, renew: Renew | None = None) -> asyncio.Task[object]:
-        """The current task must finish within `seconds` (or what `renew` then gives) or be
-        cancelled."""
+        """The current task must finish within `seconds` or be cancelled; when they pass,
+        `renew(now)` may give a later deadline."""
         loop = self.loop()
         task = asyncio.current_task(loop)
         assert task is not None

@@ -1,13 +1,7 @@
 """Request identity and isolation (docs/isolation.md): the API key names the tenant, the tenant
-its cache salt, and its isolation level which of its requests may reuse each other's KV.
-
-With no keys configured auth is off and every request belongs to one shared tenant keyed in the
-shared namespace. Salts are keyed hashes (a client cannot name another tenant's, and every
-replica derives the same ones) and structured, so every scope of invalidation is a test on the
-salt alone: tenant `T`, user `T.u.<h(user)>`, session `T.s.<h(session)>`; `shared` keys the
-leading system prompt in the shared namespace (`urc_public_tokens`, core/blocks.py) and the
-rest as the tenant's.
-"""
+its cache salt, and its isolation level which of its requests may reuse each other's KV. Salts
+are structured (`T`, `T.u.<h(user)>`, `T.s.<h(session)>`): every invalidation scope is a test on
+the salt alone."""
 
 from __future__ import annotations
 

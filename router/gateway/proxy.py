@@ -1,8 +1,5 @@
-"""Forwarding: the worker's body (request_body.py) to the planned worker, failing over to the
-next one while nothing has reached the client; SSE chunks are passed through as they arrive.
-Each attempt holds a share of its worker's load (router/dispatch.py) until its first byte; a
-non-streamed answer's prefill is aged out after the time the prefill-rate estimate gives it.
-"""
+"""Forwarding to the planned worker, failover while nothing has reached the client, SSE passed
+through as it arrives, and the load ledger of each attempt (docs/dispatch.md, 3 and 5)."""
 
 from __future__ import annotations
 
@@ -68,12 +65,8 @@ class Proxy:
         stream: bool,
         on_success: Callable[[Plan, Worker, Usage], None],
     ) -> None:
-        """Send the request on; the answer (or the last worker's error) goes to `reply`.
-
-        A worker that cannot be reached, breaks the exchange or sends nothing in time counts
-        against its health and the next one is tried. A worker that answers 5xx is alive (the
-        request itself may be the cause): it is not counted, and one other worker is tried
-        before that answer goes back to the client."""
+        """Send the request on; the answer (or the last worker's error) goes to `reply`. A
+        worker's 5xx counts against no worker's health and gets one other worker tried."""
         t0 = time.monotonic()
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
@@ -166,9 +159,8 @@ class _Attempt:
             proxy.deadlines.leave(task)
 
     def renew(self, now: float) -> float:
-        """A stream's first byte is due within the time to first byte. A non-streamed answer
-        comes whole, after the generation: it may wait longer while its worker shows signs of
-        life (answers, health checks) within that time."""
+        """A non-streamed answer comes whole, after the generation: it waits on while its
+        worker shows signs of life (answers, health checks) within the time to first byte."""
         return now + self.worker.alive_at + self.proxy.ttfb_timeout_s - time.monotonic()
 
     def _first_byte(self) -> None:

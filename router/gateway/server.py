@@ -1,12 +1,6 @@
-"""The gateway's front door: a lean HTTP/1.1 server for the two inference endpoints
-(README.md, "Limits, timeouts and failure handling").
-
-`POST /v1/completions` and `POST /v1/chat/completions` are parsed by httptools and answered
-straight on the transport. A connection whose request is anything else is handed, with the
-bytes received so far, to aiohttp's protocol and stays with aiohttp; a request pipelined behind
-another one cannot be handed over (its first byte is unknown): a JSON 400, then close. Every
-request's head is read here under the config's limits, whichever server answers it.
-"""
+"""The gateway's front door (README.md, "Limits, timeouts and failure handling"): the two
+inference endpoints are parsed by httptools and answered straight on the transport, any other
+request is handed with its connection to aiohttp; every head is read here under the limits."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """A lean HTTP/1.1 client for the hop to the workers: pooled keep-alive connections, the request
 written in one call, the response parsed by httptools as it arrives (a fraction of aiohttp's
-ClientSession per request). A pooled connection the worker closed before answering is retried
-once on a fresh one (nothing was processed).
-"""
+ClientSession per request)."""
 
 from __future__ import annotations
 
@@ -171,20 +169,16 @@ class UpstreamPool:
         return conn
 
     def give_back(self, conn: _Connection) -> None:
-        if (
-            conn.complete
-            and conn.keep_alive
-            and not conn.lost
-            and not conn.chunks
-            and len(self._idle) < _MAX_IDLE
-        ):
+        clean = conn.complete and conn.keep_alive and not conn.lost and not conn.chunks
+        if clean and len(self._idle) < _MAX_IDLE:
             conn._reset()
             self._idle.append(conn)
         elif conn.transport is not None:
             conn.transport.close()
 
     async def post(self, path: str, body: bytes) -> UpstreamResponse:
-        """Send; return once the status line and headers are in."""
+        """Send; return once the status line and headers are in. A pooled connection the worker
+        closed before answering is retried once on a fresh one (nothing was processed)."""
         head = b"POST %b HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n"
         request = head % (path.encode(), self._head, len(body)) + body
         for fresh in (False, True):
