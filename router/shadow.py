@@ -1,6 +1,6 @@
 """Shadow policies: choose on every request without acting, and count what the choice predicts.
 
-The gateway (router/gateway/modes.py) and `urc replay --shadow` (simulation/shadow.py) both call
+The gateway (router/gateway/routing.py) and `urc replay --shadow` (simulation/shadow.py) both call
 `ShadowPolicies.watch` with the candidates the live policy saw, so their numbers cannot drift.
 Per policy, over the requests watched:
 

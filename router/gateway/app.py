@@ -26,13 +26,12 @@ from router.gateway.errors import Handler, add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
 from router.gateway.metrics import GatewayMetrics
-from router.gateway.modes import RoutingModes
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
 from router.gateway.request_body import forwarded, parse_request
-from router.gateway.routing import Plan, Router
+from router.gateway.routing import Plan, Router, RoutingModes
 from router.gateway.server import FrontServer
 from router.index import UnifiedIndex
 from router.policies import make_policy

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from router.gateway.fleet import Fleet
-from router.gateway.modes import RoutingModes
+from router.gateway.routing import RoutingModes
 from router.index import UnifiedIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

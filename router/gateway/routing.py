@@ -1,8 +1,7 @@
-"""The routing step of a request: tokenize -> block keys -> match -> policy.
-
-Synchronous and free of I/O: the HTTP handler parses and checks the body (request_body.py),
-calls `Router.plan` and then forwards. The candidates are router/dispatch.py's, as the replay's.
-"""
+"""The routing step of a request: tokenize -> block keys -> match -> policy, synchronous and free
+of I/O, on router/dispatch.py's candidates as the replay's; and which policy routes: the live
+one, or plain least load while *degraded* (by the operator, or while every KV-event stream is
+lost), with shadow policies choosing on every request without being acted on."""
 
 from __future__ import annotations
 
@@ -19,7 +18,8 @@ from router.gateway.errors import bad_request, unavailable
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens
 from router.index import UnifiedIndex
-from router.policies import Candidate, Decision, Policy, RouteRequest
+from router.policies import Candidate, Decision, Policy, RouteRequest, make_policy
+from router.shadow import ShadowPolicies
 
 
 class Plan:
@@ -146,3 +146,38 @@ class Router:
         decision = policy.choose(request, seen)
         decision_s = time.perf_counter() - t0
         return Plan(model, decision, workers, decision_s, arrived, policy.name, public_tokens)
+
+
+class RoutingModes:
+    def __init__(
+        self, live: Policy, shadows: list[str], prefill_tokens_per_s: float, degraded: bool
+    ) -> None:
+        self.live = live
+        self.fallback = make_policy("least_load")
+        self.manual = degraded  # the operator's switch
+        self.auto = False  # the index is unhealthy
+        # the same counting as `urc replay --shadow` (router/shadow.py)
+        self.shadow = ShadowPolicies(shadows, prefill_tokens_per_s)
+        self.shadows = self.shadow.policies
+        self.stats = self.shadow.stats
+
+    @property
+    def degraded(self) -> bool:
+        return self.manual or self.auto
+
+    def active(self) -> Policy:
+        return self.fallback if self.degraded else self.live
+
+    def watch(self, plan: Plan) -> None:
+        """Run every shadow policy on this request's candidates; count what it would do."""
+        self.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "mode": "degraded" if self.degraded else "live",
+            "live_policy": self.live.name,
+            "active_policy": self.active().name,
+            "degraded_by_operator": self.manual,
+            "degraded_by_index_health": self.auto,
+            "shadows": self.shadow.describe(),
+        }
