@@ -12,8 +12,10 @@ import signal
 import time
 from collections.abc import Coroutine, Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -28,7 +30,6 @@ from router.gateway.isolation import Tenants
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
-from router.gateway.recorder import Recorder
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
 from router.gateway.request_body import forwarded, parse_request
 from router.gateway.routing import Plan, Router, RoutingModes
@@ -224,6 +225,37 @@ class Gateway:
     async def scrape(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class Recorder:
+    """`--record FILE`: one Mooncake JSON line per served request (docs/traces.md), written as
+    requests finish (sort them before replaying)."""
+
+    def __init__(self, path: str | Path, policy: str) -> None:
+        self.path = Path(path)
+        self.policy = policy
+        self._file = self.path.open("ab", buffering=1 << 16)
+        self._t0 = time.monotonic()  # the clock of Plan.arrived
+        self._encode = msgspec.json.Encoder().encode
+
+    def record(self, plan: Plan, worker: Worker, tenant: str, usage: Usage) -> None:
+        line = {
+            "timestamp": round((plan.arrived - self._t0) * 1000, 3),
+            "input_length": plan.prompt_tokens,
+            "output_length": usage.output_tokens or 0,
+            "hash_ids": plan.keys,
+            "block_size": plan.model.block_size,
+            "model": plan.model.name,
+            "tenant": tenant,
+            "worker": worker.name,
+            "policy": self.policy,
+            "predicted_tokens": plan.matched(worker.name),
+            "cached_tokens": usage.cached_tokens,
+        }
+        self._file.write(self._encode(line) + b"\n")
+
+    def close(self) -> None:
+        self._file.close()
 
 
 async def serve_gateway(
