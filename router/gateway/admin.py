@@ -211,7 +211,7 @@ class Invalidator:
             group = _need(body, "kv_group")
             return Resolved(scope, {"kv_group": group}, None, group, {"kv_group": group})
         if scope == "model":
-            model = self.gateway.fleet.model(_need(body, "model"))
+            model = self.gateway.fleet.models.get(_need(body, "model"))
             if model is None:
                 raise APIError(404, f"no model named {body['model']!r}", code="model_not_found")
             group = model.kv_group

@@ -209,8 +209,7 @@ class Gateway:
         return web.json_response(body, status=status)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        """On the API port: behind the metrics key when one is set, and when tenants are
-        configured (its counters show every tenant's traffic) behind that or the admin key."""
+        """On the API port: behind the metrics or admin key (README.md, "GET /metrics")."""
         keys = self.metrics_keys
         if self.config.metrics_key or self.tenants.auth:
             authorization = request.headers.get("Authorization")
@@ -261,9 +260,8 @@ class Recorder:
 async def serve_gateway(
     config: GatewayConfig, stop: asyncio.Event, config_path: str | None = None
 ) -> None:
-    """Serve until `stop` is set, then drain (readiness false, in-flight requests finish
-    within the drain timeout); print `gateway: URL` once the socket accepts connections.
-    With `config_path`, SIGHUP reloads it."""
+    """Serve until `stop` is set, then drain; print `gateway: URL` once the socket accepts
+    connections. With `config_path`, SIGHUP reloads it."""
     gateway = Gateway(config)
     if config_path:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)

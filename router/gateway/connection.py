@@ -34,8 +34,7 @@ class _Request:
     def __init__(self, path: str, refusal: APIError | None = None, hot: bool = True) -> None:
         self.path = path
         self.hot = hot  # an inference request, served here (else buffered for aiohttp)
-        # not served: this error is the answer, then the connection ends (a body too large is
-        # read to its end and dropped)
+        # not served: this error is the answer, then the connection ends
         self.refusal = refusal
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
@@ -134,9 +133,8 @@ class FrontProtocol(asyncio.Protocol):
             self._refuse(_headers_too_large(limits))
 
     def _without_upgrade(self) -> None:
-        """llhttp stops at an `Upgrade` (h2c, from `curl --http2`), before the body: we take
-        none, so the message is parsed again without its upgrade headers, answered over
-        HTTP/1.1, and the connection closes after it."""
+        """llhttp stops at an `Upgrade` (h2c), before the body: the message is parsed again
+        without its upgrade headers, answered over HTTP/1.1, then the connection closes."""
         head = self.head
         if head is None or not self.queue:  # it began behind another message in its chunk
             self._refuse(APIError(400, "Upgrade is not supported here", code="upgrade"))
@@ -258,8 +256,7 @@ class FrontProtocol(asyncio.Protocol):
         protocol.data_received(b"".join(self.head))
 
     def _drop_receiving(self) -> None:
-        """Forget the request being received (the front server counts its bytes, to give the
-        memory back)."""
+        """Forget the request being received (its bytes count toward giving memory back)."""
         if self.request is not None:
             self.front.released_bytes += self.request.size
             self.request = None

@@ -183,9 +183,6 @@ class Fleet:
         for alias in config.aliases if config else ():
             self.models[alias] = model
 
-    def model(self, name: str) -> Model | None:
-        return self.models.get(name)
-
     def candidates(self, kv_group: str) -> list[Worker]:
         return self._by_group.get(kv_group, [])
 
@@ -278,8 +275,7 @@ class Fleet:
 
     async def health_loop(self) -> None:
         """Probe every worker each interval, except those up that answered a request within
-        it: under load, requests are the health checks (a failing one counts as a failed
-        check), and the probes would only take the workers' and the gateway's time."""
+        it: under load, requests are the health checks (a failing one counts as failed)."""
         interval = self.config.health_interval_s
         while True:
             await asyncio.sleep(interval)

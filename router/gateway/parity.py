@@ -110,7 +110,7 @@ class ParityProbe(Collector):
             await self._probe_group(worker, group, name)
 
     async def _probe_group(self, worker: Worker, group: str, name: str) -> None:
-        model = self.fleet.model(name)
+        model = self.fleet.models.get(name)
         if model is None:
             return
         state = self.states.setdefault((worker.name, name), ParityState())

@@ -51,8 +51,7 @@ class Proxy:
         fleet.on_down.append(self.abandon)
 
     def abandon(self, worker: Worker) -> None:
-        """`worker` left the fleet: its attempts that have sent nothing to their clients fail
-        over now instead of waiting for it."""
+        """`worker` left the fleet: its attempts that sent nothing to the client fail over now."""
         for task in list(worker.waiting):
             self.deadlines.expire(task)
 

@@ -5,6 +5,7 @@ the front door (server.py), `AiohttpReply` answers on one aiohttp holds.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Protocol
 
@@ -57,19 +58,20 @@ class AiohttpReply:
 
     async def send(self, chunk: bytes) -> bool:
         assert self.response is not None
-        try:
-            await self.response.write(chunk)
-        except ConnectionResetError:
-            return False
-        return True
+        return await _written(self.response.write(chunk))
 
     async def end(self) -> bool:
         assert self.response is not None
-        try:
-            await self.response.write_eof()
-        except ConnectionResetError:
-            return False
-        return True
+        return await _written(self.response.write_eof())
+
+
+async def _written(write: Awaitable[None]) -> bool:
+    """False when the client has gone."""
+    try:
+        await write
+    except ConnectionResetError:
+        return False
+    return True
 
 
 def _status_line(status: int) -> bytes:

@@ -125,7 +125,7 @@ class Router:
         arrived = time.monotonic()
         t0 = time.perf_counter()
         name = body["model"]
-        model = self.fleet.model(name)
+        model = self.fleet.models.get(name)
         if model is None:
             raise APIError(
                 404, f"The model '{name}' does not exist", param="model", code="model_not_found"

@@ -9,6 +9,7 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from router.gateway.config import GatewayConfig
@@ -51,9 +52,7 @@ class FrontServer:
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Drain: stop accepting; answer the requests under way (and any that arrive on open
-        connections) with `Connection: close`, close idle connections, for up to `grace_s`;
-        then close the rest."""
+        """Drain (README.md, "Graceful drain") for up to `grace_s`, then close what is left."""
         self.draining = True
         if self.server is not None:
             self.server.close()
@@ -73,8 +72,7 @@ class FrontServer:
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
 
     async def _reap(self) -> None:
-        """Once a second: requests past their header or body timeout get 408; kept-alive
-        connections silent for longer than `keepalive_s` close."""
+        """Once a second: 408 past the header or body timeout, idle connections closed."""
         limits = self.limits
         while True:
             await asyncio.sleep(1.0)
@@ -93,15 +91,9 @@ class FrontServer:
                 self._trim()
 
 
-def _malloc_trim() -> Callable[[], None]:
+def _malloc_trim() -> Callable[[], object]:
     """glibc's malloc_trim(0), or nothing where there is none."""
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        return partial(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim, 0)
     except (OSError, AttributeError):
-        trim = None
-
-    def trim_all() -> None:
-        if trim is not None:
-            trim(0)
-
-    return trim_all
+        return lambda: None

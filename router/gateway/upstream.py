@@ -117,8 +117,7 @@ class UpstreamResponse:
         return next((v for k, v in self.headers if k.lower() == name), None)
 
     async def next_chunk(self) -> bytes | None:
-        """The body that arrived since the last call, as soon as there is some; None at its
-        end."""
+        """The body that arrived since the last call, once there is some; None at its end."""
         conn = self._conn
         while True:
             if conn.chunks:
