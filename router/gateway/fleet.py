@@ -114,6 +114,7 @@ class Worker:
     name: str
     url: str
     config: WorkerConfig
+    pool: UpstreamPool  # keep-alive connections for requests
     models: dict[str, str] = field(default_factory=dict)  # served name -> kv_group
     block_size: int = 16
     up: bool = False
@@ -125,7 +126,6 @@ class Worker:
     load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
     # KV events, one stream per kv_group (a group without one: approximate residency)
     streams: list[EventStream] = field(default_factory=list)
-    pool: UpstreamPool | None = None  # keep-alive connections for requests
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
 
     def __post_init__(self) -> None:
@@ -209,7 +209,8 @@ class Fleet:
 
     async def close(self) -> None:
         for worker in list(self.workers.values()):
-            await self._stop_events(worker)
+            for stream in worker.streams:
+                await stream.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -220,8 +221,8 @@ class Fleet:
         name = config.name or f"{url.hostname}:{port}"
         if name in self.workers:
             raise ValueError(f"worker {name!r} is already in the fleet")
-        worker = Worker(name, config.url.rstrip("/"), config)
-        worker.pool = UpstreamPool(url.hostname or "127.0.0.1", port, tls)
+        pool = UpstreamPool(url.hostname or "127.0.0.1", port, tls)
+        worker = Worker(name, config.url.rstrip("/"), config, pool)
         self.workers[name] = worker
         await self.check(worker)
         return worker
@@ -231,8 +232,7 @@ class Fleet:
         if worker is None:
             return False
         await self._mark_down(worker, "removed")
-        if worker.pool is not None:
-            worker.pool.close()
+        worker.pool.close()
         return True
 
     def events_lost(self) -> bool:
@@ -313,7 +313,6 @@ class Fleet:
             self._adopt_block_size(name, worker)
             served[name] = model.kv_group
         worker.models = served
-        host = urlparse(worker.url).hostname or "127.0.0.1"
         if config.kv_events:  # configured: one stream, meaningful only for a single kv_group
             groups = set(served.values())
             worker.streams = (
@@ -322,7 +321,7 @@ class Fleet:
                 else []
             )
         else:  # discovered afresh each time: a restart may move them
-            worker.streams = discovered_streams(info, served, host)
+            worker.streams = discovered_streams(info, served, worker.pool.host)
 
     def _adopt_block_size(self, name: str, worker: Worker) -> None:
         """A model configured without a block size is keyed with its workers' (a kv_group has
@@ -353,12 +352,8 @@ class Fleet:
         self._regroup()
         for hook in self.on_down:
             hook(worker)
-        await self._stop_events(worker)
-        self.index.clear(worker.name)
-        if worker.pool is not None:
-            worker.pool.close()
-        log.warning("worker %s down (%s): its residency left the index", worker.name, why)
-
-    async def _stop_events(self, worker: Worker) -> None:
         for stream in worker.streams:
             await stream.stop()
+        self.index.clear(worker.name)
+        worker.pool.close()
+        log.warning("worker %s down (%s): its residency left the index", worker.name, why)

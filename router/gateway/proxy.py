@@ -127,7 +127,6 @@ class _Attempt:
     async def run(self, path: str, payload: bytes, stream: bool) -> tuple[int, Usage | None]:
         """Its status and, on success, usage."""
         proxy, worker = self.proxy, self.worker
-        assert worker.pool is not None
         total = proxy.request_timeout_s - (time.monotonic() - self.t0)
         ttfb = proxy.ttfb_timeout_s
         task = proxy.deadlines.enter(
