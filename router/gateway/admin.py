@@ -190,9 +190,8 @@ class Invalidator:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
         registry = gateway.metrics.registry
-        self.calls = Counter(
-            "urc_invalidations", "Admin invalidations by scope", ["scope"], registry=registry
-        )
+        doc = "Admin invalidations by scope"
+        self.calls = Counter("urc_invalidations", doc, ["scope"], registry=registry)
         doc = "Block residencies dropped from the index by admin invalidations"
         self.blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
@@ -295,10 +294,8 @@ def _need(body: dict[str, Any], field: str) -> str:
 
 
 def _narrower(scope: str, tenant: str, isolation: str) -> APIError:
-    return APIError(
-        409,
+    message = (
         f"tenant {tenant!r} is isolated per {isolation}, so its cache cannot be told apart "
-        f"per {scope}: invalidate the whole tenant (scope 'tenant') instead",
-        param="scope",
-        code="scope_narrower_than_isolation",
+        f"per {scope}: invalidate the whole tenant (scope 'tenant') instead"
     )
+    return APIError(409, message, param="scope", code="scope_narrower_than_isolation")

@@ -19,8 +19,7 @@ class ConfigError(ValueError):
 
 
 def _flag(default: Any, flag: str, help: str, kind: type | None = None) -> Any:
-    """A setting that is also a command-line flag (`kind`: its type, when the default is None).
-    The flag's help gets the default."""
+    """A setting that is also a command-line flag (`kind`: its type, when the default is None)."""
     metadata = {"flag": flag, "help": help, "kind": kind or type(default)}
     return field(default=default, metadata=metadata)
 
@@ -62,8 +61,7 @@ class GatewayConfig:
     policy: str = "cache_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
     admin_key: str | None = None
-    # flags too (README, "Limits, timeouts and failure handling"); the front door's are read
-    # straight from here by router/gateway/connection.py
+    # also flags (README, "Limits, timeouts and failure handling"); connection.py reads limits
     salt_secret: str = _flag(
         "",
         "--salt-secret",
@@ -114,10 +112,7 @@ class GatewayConfig:
     unhealthy_after: int = 2  # consecutive failed health checks or requests
     breaker_cooldown_s: float = 3.0  # a worker taken out stays out at least this long
     approx_ttl_s: float = 120.0
-    # a request's keys count as held by its worker (one with KV events) from dispatch until the
-    # worker's events confirm them, or for this long: queueing + prefill + event delay. Off by
-    # default: it raises hit rates but concentrates load (README, "pending prefixes")
-    pending_ttl_s: float = 0.0
+    pending_ttl_s: float = 0.0  # --pending-ttl: keys pending from dispatch (0: off)
     index_max_blocks: int = 20_000_000
     prefill_tokens_per_s: float = 15_000.0  # to age queued prefill of non-streamed requests
     record: str | None = None  # a JSONL file: every served request, for `urc replay`

@@ -37,23 +37,6 @@ def session_salt(tenant_salt: str, session: str) -> str:
     return f"{tenant_salt}.s.{_h(session)}"
 
 
-def request_scope(
-    isolation: str, tenant_salt: str | None, body: dict[str, Any], headers: Mapping[str, str]
-) -> Scope:
-    """The salt of one request under its tenant's isolation level."""
-    if tenant_salt is None or isolation == "tenant":
-        return Scope(tenant_salt, False)
-    if isolation == "shared":
-        return Scope(tenant_salt, True)
-    if isolation == "user":
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise bad_request("'user' must be a string", "user")
-        return Scope(user_salt(tenant_salt, user) if user else tenant_salt, False)
-    session = next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
-    return Scope(session_salt(tenant_salt, session) if session else tenant_salt, False)
-
-
 def public_tokens(tokens: Sequence[int], system_tokens: Sequence[int], block_size: int) -> int:
     """The tokens of the public prefix: what the render of the leading system messages alone
     has in common with the full render, cut down to whole blocks."""
@@ -82,7 +65,18 @@ class Tenant(NamedTuple):
 
     def scope(self, body: dict[str, Any], headers: Mapping[str, str]) -> Scope:
         """The salt of one request of this tenant under its isolation level."""
-        return request_scope(self.isolation, self.salt, body, headers)
+        salt, isolation = self.salt, self.isolation
+        if salt is None or isolation == "tenant":
+            return Scope(salt, False)
+        if isolation == "shared":
+            return Scope(salt, True)
+        if isolation == "user":
+            user = body.get("user")
+            if user is not None and not isinstance(user, str):
+                raise bad_request("'user' must be a string", "user")
+            return Scope(user_salt(salt, user) if user else salt, False)
+        session = next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
+        return Scope(session_salt(salt, session) if session else salt, False)
 
 
 class Tenants:

@@ -1,7 +1,6 @@
 """How a response reaches the client, whichever server took the request: `whole` for a complete
 answer, `start` / `send` / `end` for a stream. `LeanReply` writes straight to a connection of
-the front door (server.py), `AiohttpReply` answers on one aiohttp holds.
-"""
+the front door (server.py), `AiohttpReply` answers on one aiohttp holds."""
 
 from __future__ import annotations
 
@@ -19,19 +18,17 @@ JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 class Reply(Protocol):
+    """`send` (a chunk of the stream) and `end` return False when the client has gone."""
+
     started: bool  # something reached the client: an error can no longer be sent instead
 
     def whole(self, status: int, headers: Headers, body: bytes) -> None: ...
 
     async def start(self, status: int, headers: Headers) -> None: ...
 
-    async def send(self, chunk: bytes) -> bool:
-        """Write a chunk of the stream; False when the client has gone."""
-        ...
+    async def send(self, chunk: bytes) -> bool: ...
 
-    async def end(self) -> bool:
-        """Close the stream; False when the client has gone."""
-        ...
+    async def end(self) -> bool: ...
 
 
 class AiohttpReply:
@@ -113,8 +110,7 @@ class LeanReply:
 
     def whole(self, status: int, headers: Headers, body: bytes) -> None:
         self.started = self.complete = True
-        close = self._close()
-        extra = b"Content-Length: %d\r\n%s\r\n" % (len(body), close)
+        extra = b"Content-Length: %d\r\n%s\r\n" % (len(body), self._close())
         self.conn.write(_head(status, headers, extra) + body)
 
     async def start(self, status: int, headers: Headers) -> None:
@@ -123,8 +119,7 @@ class LeanReply:
             self.keep_alive = False
             self.conn.write(_head(status, headers, b"Connection: close\r\n\r\n"))
         else:
-            close = self._close()
-            extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % close
+            extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % self._close()
             self.conn.write(_head(status, headers, extra))
         await self.conn.drain()
 
