@@ -171,7 +171,7 @@ class Gateway:
         if modes.shadows:
             modes.watch(plan)
         self.metrics.decision.observe(plan.decision_s)
-        self.metrics.reason(plan.decision.reason).inc()
+        self.metrics.reasons[plan.decision.reason].inc()
         chosen = plan.worker(plan.decision.worker)
         group = chosen.kv_group_of(plan.model)
         self.residency.dispatched(

@@ -39,7 +39,7 @@ class _Request:
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0
-        self.keep_alive = True
+        self.keep_alive = refusal is None
         self.chunked = True  # HTTP/1.1: a stream goes chunked; HTTP/1.0: raw until close
 
 
@@ -82,7 +82,10 @@ class FrontProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.front.connections.discard(self)
-        self._drop()
+        self._drop_receiving()
+        for request in self.queue:  # forget what was received and not answered
+            self.front.released_bytes += request.size
+        self.queue.clear()
         self.head = None
         self._wake_writer()
         if self.task is not None:  # the client left: its request (and the worker's) stops
@@ -244,8 +247,7 @@ class FrontProtocol(asyncio.Protocol):
         if self.transport is None or self.transport.is_closing():
             return
         if self.head is None or self.task is not None or self.queue:
-            # pipelined behind an inference request: its first byte is unknown, or the
-            # transport is still answering
+            # behind an inference request: its first byte is unknown, or an answer is under way
             message = "pipelined requests are only served on the inference endpoints"
             self._refuse(APIError(400, message, code="pipelining"))
             return
@@ -262,20 +264,11 @@ class FrontProtocol(asyncio.Protocol):
             self.request = None
         self.began = 0.0
 
-    def _drop(self) -> None:
-        """Forget every request received and not answered."""
-        self._drop_receiving()
-        for request in self.queue:
-            self.front.released_bytes += request.size
-        self.queue.clear()
-
     def _refuse(self, error: APIError) -> None:
         """Answer `error` after the requests already received, then close."""
         self.refused = True
         self._drop_receiving()
-        refusal = _Request("", error)
-        refusal.keep_alive = False
-        self._enqueue(refusal)
+        self._enqueue(_Request("", error))
 
     async def _serve_queue(self) -> None:
         try:

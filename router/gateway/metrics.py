@@ -7,9 +7,10 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
+from collections import defaultdict
 from collections.abc import Iterator
 from functools import partial
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -23,7 +24,6 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 # a rough per-block cost of the index (bench/index_bench.py measures it)
 INDEX_BYTES_PER_BLOCK = 100
-K = TypeVar("K")
 
 
 class Count:
@@ -71,13 +71,6 @@ class Series(NamedTuple):
     error: Count
 
 
-def _count(counts: dict[K, Count], key: K) -> Count:
-    count = counts.get(key)
-    if count is None:
-        count = counts[key] = Count()
-    return count
-
-
 class GatewayMetrics(Collector):
     """The request path updates plain numbers; `registry` renders them, the fleet's and index's
     state and the routing modes at scrape time."""
@@ -92,9 +85,9 @@ class GatewayMetrics(Collector):
         self.policy_name = policy_name
         self.decision = Hist(_DECISION_BUCKETS)
         self._series: dict[tuple[str, str], Series] = {}
-        self._status: dict[tuple[str, str, int], Count] = {}
-        self._reasons: dict[str, Count] = {}
-        self._failovers: dict[str, Count] = {}
+        self.statuses: defaultdict[tuple[str, str, int], Count] = defaultdict(Count)
+        self.reasons: defaultdict[str, Count] = defaultdict(Count)
+        self.failovers: defaultdict[str, Count] = defaultdict(Count)  # by worker
         Gauge(
             "urc_policy_info", "The live routing policy", ["policy"], registry=self.registry
         ).labels(policy_name).set(1)
@@ -108,15 +101,6 @@ class GatewayMetrics(Collector):
             )
         return series
 
-    def status(self, model: str, worker: str, status: int) -> Count:
-        return _count(self._status, (model, worker, status))
-
-    def reason(self, reason: str) -> Count:
-        return _count(self._reasons, reason)
-
-    def failover(self, worker: str) -> Count:
-        return _count(self._failovers, worker)
-
     def collect(self) -> Iterator[Any]:
         yield from self._requests()
         yield from self._fleet()
@@ -125,7 +109,7 @@ class GatewayMetrics(Collector):
     def _requests(self) -> Iterator[Any]:
         doc = "Requests by model, worker and status"
         requests = CounterMetricFamily("urc_requests", doc, labels=["model", "worker", "status"])
-        for (model, worker, status), count in list(self._status.items()):
+        for (model, worker, status), count in list(self.statuses.items()):
             requests.add_metric([model, worker, str(status)], count.value)
         yield requests
         per_worker = [
@@ -163,12 +147,12 @@ class GatewayMetrics(Collector):
         reasons = CounterMetricFamily(
             "urc_route_reasons", "Routing decisions by reason", labels=["policy", "reason"]
         )
-        for reason, count in list(self._reasons.items()):
+        for reason, count in list(self.reasons.items()):
             reasons.add_metric([self.policy_name, reason], count.value)
         yield reasons
         doc = "Requests retried on another worker before the first byte"
         failovers = CounterMetricFamily("urc_failovers", doc, labels=["worker"])
-        for worker, count in list(self._failovers.items()):
+        for worker, count in list(self.failovers.items()):
             failovers.add_metric([worker], count.value)
         yield failovers
 

@@ -90,7 +90,7 @@ class Proxy:
                 load.finish()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
-                self.metrics.failover(worker.name).inc()
+                self.metrics.failovers[worker.name].inc()
                 if failed.answer is None:
                     self.fleet.failed(worker)
                 elif answered is None:
@@ -187,7 +187,7 @@ class _Attempt:
             raise _Failover(str(exc)) from None
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
-            self.metrics.status(self.plan.model.name, self.worker.name, status).inc()
+            self.metrics.statuses[self.plan.model.name, self.worker.name, status].inc()
             raise _Failover(f"answered {status}", (status, self._headers(upstream), body))
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
@@ -249,7 +249,7 @@ class _Attempt:
         worker.failures = 0
         if status < 500:  # it answered for itself: as good as a health check
             worker.answered_at = now
-        self.metrics.status(plan.model.name, worker.name, status).inc()
+        self.metrics.statuses[plan.model.name, worker.name, status].inc()
         series = self.metrics.series(plan.model.name, worker.name)
         series.latency.observe(now - self.t0)
         if usage is not None:
