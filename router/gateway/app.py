@@ -77,16 +77,11 @@ class Gateway:
         # errors become JSON per handler (json_errors), not in a middleware: a middleware
         # costs every request a wrapper object
         self.app = web.Application(client_max_size=config.max_body_bytes)
-        self.app.add_routes(
-            [web.post(path, json_errors(self._via_aiohttp(path))) for path in HOT_PATHS.values()]
-        )
-        self.app.add_routes(
-            [
-                web.get("/v1/models", json_errors(self.list_models)),
-                web.get("/health", self.health),
-                web.get("/metrics", self.metrics_endpoint),
-            ]
-        )
+        routes = [web.post(p, json_errors(self._via_aiohttp(p))) for p in HOT_PATHS.values()]
+        routes.append(web.get("/v1/models", json_errors(self.list_models)))
+        routes.append(web.get("/health", self.health))
+        routes.append(web.get("/metrics", self.metrics_endpoint))
+        self.app.add_routes(routes)
         add_admin_routes(self.app, self)
         add_fallback_route(self.app)
         self.app.on_startup.append(self._start)
@@ -120,13 +115,6 @@ class Gateway:
         self.modes.manual = fresh.degraded
         log.warning("config reloaded: routing %s", "degraded" if fresh.degraded else "live")
 
-    def metrics_app(self) -> web.Application:
-        """The listener of `--metrics-port`: /metrics with no key, and /health."""
-        app = web.Application()
-        app.add_routes([web.get("/metrics", self.scrape), web.get("/health", self.health)])
-        add_fallback_route(app)
-        return app
-
     async def _stop(self, _app: web.Application) -> None:
         for task in self._tasks:
             task.cancel()
@@ -137,8 +125,6 @@ class Gateway:
         await self.fleet.close()
         if self.recorder is not None:
             self.recorder.close()
-
-    # -- OpenAI endpoints --------------------------------------------------------------------
 
     def _via_aiohttp(self, path: str) -> Handler:
         """The handler of `path` on a connection aiohttp holds (server.py says when)."""
@@ -280,8 +266,12 @@ async def serve_gateway(
     metrics_runner: web.AppRunner | None = None
     try:
         port = await front.start(config.host, config.port)
-        if config.metrics_port is not None:
-            metrics_runner = web.AppRunner(gateway.metrics_app(), access_log=None)
+        if config.metrics_port is not None:  # /metrics with no key, and /health
+            metrics_app = web.Application()
+            routes = [web.get("/metrics", gateway.scrape), web.get("/health", gateway.health)]
+            metrics_app.add_routes(routes)
+            add_fallback_route(metrics_app)
+            metrics_runner = web.AppRunner(metrics_app, access_log=None)
             await metrics_runner.setup()
             site = web.TCPSite(metrics_runner, config.host, config.metrics_port)
             await site.start()

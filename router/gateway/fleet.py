@@ -172,8 +172,6 @@ class Fleet:
         self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
         self.on_down: list[Callable[[Worker], None]] = []  # called when a worker is taken out
 
-    # -- models ------------------------------------------------------------------------------
-
     def _declare(self, name: str, config: ModelConfig | None, group: str, block_size: int) -> None:
         spec = config.tokenizer if config else "byte"
         if spec not in self._tokenizers:
@@ -198,8 +196,6 @@ class Fleet:
                     groups.setdefault(group, []).append(worker)
         self._by_group = groups
         self._loads = {group: [w.load for w in workers] for group, workers in groups.items()}
-
-    # -- membership --------------------------------------------------------------------------
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
@@ -241,8 +237,6 @@ class Fleet:
             s for w in self.workers.values() if w.up for s in w.streams if s.subscriber is not None
         ]
         return bool(streams) and not any(s.subscriber and s.subscriber.connected for s in streams)
-
-    # -- health ------------------------------------------------------------------------------
 
     async def check(self, worker: Worker) -> None:
         """One health check; discovery when the worker comes (back) up."""

@@ -103,11 +103,9 @@ class Proxy:
                 on_success(plan, worker, usage)
             return
         if answered is not None:
-            status, headers, body = answered
-            reply.whole(status, headers, body)
+            reply.whole(*answered)
             return
-        model = plan.model.name
-        raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
+        raise bad_gateway(f"every worker failed for model '{plan.model.name}' (last: {last_error})")
 
 
 class _Attempt:

@@ -41,8 +41,6 @@ class _Connection(asyncio.Protocol):
         self.keep_alive = True
         self.delimited = False  # a Content-Length or chunked body: its end is in the stream
 
-    # -- asyncio.Protocol --------------------------------------------------------------------
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
@@ -65,8 +63,6 @@ class _Connection(asyncio.Protocol):
             self.keep_alive = False
         self._notify()
 
-    # -- httptools callbacks -----------------------------------------------------------------
-
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.decode("latin-1")
         self.headers.append((key, value.decode("latin-1")))
@@ -83,8 +79,6 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
-
-    # -- waiting -----------------------------------------------------------------------------
 
     def _notify(self) -> None:
         if self._wake is not None and not self._wake.done():
