@@ -69,8 +69,6 @@ class FrontProtocol(asyncio.Protocol):
         self.closing = False  # answer what came, then close (after an Upgrade)
         self.reparsed = False  # the message is parsed again (its 100 Continue already sent)
 
-    # -- asyncio.Protocol --------------------------------------------------------------------
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.last_active = self.front.now()
@@ -155,8 +153,6 @@ class FrontProtocol(asyncio.Protocol):
         self.head = None
         self._feed(b"\r\n".join(lines) + b"\r\nConnection: close" + raw[end:])
 
-    # -- httptools callbacks -----------------------------------------------------------------
-
     def on_message_begin(self) -> None:
         # the message's first byte is the chunk's first byte unless another one ended before it
         self.head = None if self.ended_in_chunk else [self.data]
@@ -240,8 +236,6 @@ class FrontProtocol(asyncio.Protocol):
             assert self.transport is not None
             self.transport.pause_reading()
 
-    # -- serving -----------------------------------------------------------------------------
-
     def _hand_over(self) -> None:
         """Give the connection to aiohttp with the bytes of the message that began."""
         if self.transport is None or self.transport.is_closing():
@@ -305,8 +299,6 @@ class FrontProtocol(asyncio.Protocol):
             reply.whole(500, JSON_HEADERS, error.body())
         # a stream cut short (or raw, HTTP/1.0) ends only when the connection does
         return reply.complete and reply.keep_alive
-
-    # -- the transport -----------------------------------------------------------------------
 
     def write(self, data: bytes) -> None:
         if not self.lost and self.transport is not None:

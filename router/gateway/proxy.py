@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from core.errors import APIError
 from router.dispatch import LoadShare, dispatch
-from router.gateway.errors import bad_gateway
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.reply import Headers, Reply
@@ -105,7 +105,8 @@ class Proxy:
         if answered is not None:
             reply.whole(*answered)
             return
-        raise bad_gateway(f"every worker failed for model '{plan.model.name}' (last: {last_error})")
+        message = f"every worker failed for model '{plan.model.name}' (last: {last_error})"
+        raise APIError(502, message, type="bad_gateway", code="worker_failed")
 
 
 class _Attempt:

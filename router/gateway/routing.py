@@ -14,7 +14,7 @@ import msgspec
 from core.blocks import block_keys
 from core.errors import APIError
 from router.dispatch import candidate, candidates
-from router.gateway.errors import bad_request, unavailable
+from router.gateway.errors import bad_request
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens
 from router.index import UnifiedIndex
@@ -133,7 +133,8 @@ class Router:
         group = model.kv_group
         workers = self.fleet.candidates(group)
         if not workers:
-            raise unavailable(f"no healthy worker serves model '{name}'")
+            message = f"no healthy worker serves model '{name}'"
+            raise APIError(503, message, type="service_unavailable", code="no_worker")
         tokens = self.tokens(model, body, chat)
         public_tokens = self.public_tokens(model, body, tokens) if public and chat and salt else 0
         public_blocks = public_tokens // model.block_size
