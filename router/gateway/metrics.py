@@ -72,8 +72,8 @@ class Series(NamedTuple):
 
 
 class GatewayMetrics(Collector):
-    """The request path updates plain numbers; `registry` renders them, the fleet's and index's
-    state and the routing modes at scrape time."""
+    """`registry` renders the request counters, the fleet's and index's state and the routing
+    modes (see the module's docstring)."""
 
     def __init__(
         self, fleet: Fleet, index: UnifiedIndex, modes: RoutingModes, policy_name: str
@@ -120,8 +120,7 @@ class GatewayMetrics(Collector):
         for name, doc, field in per_worker:
             family = HistogramMetricFamily(name, doc, labels=["model", "worker"])
             for (model, worker), s in series:
-                buckets, total = getattr(s, field).family_point()
-                family.add_metric([model, worker], buckets, total)
+                family.add_metric([model, worker], *getattr(s, field).family_point())
             yield family
         counters = [
             ("urc_prompt_tokens", "Prompt tokens routed", "prompt_tokens"),
@@ -138,15 +137,12 @@ class GatewayMetrics(Collector):
             for (model, worker), s in series:
                 family.add_metric([worker, model], getattr(s, field).value)
             yield family
-        buckets, total = self.decision.family_point()
-        decision = HistogramMetricFamily(
-            "urc_decision_seconds", "Tokenize + keys + match + policy", labels=[]
-        )
-        decision.add_metric([], buckets, total)
+        doc = "Tokenize + keys + match + policy"
+        decision = HistogramMetricFamily("urc_decision_seconds", doc, labels=[])
+        decision.add_metric([], *self.decision.family_point())
         yield decision
-        reasons = CounterMetricFamily(
-            "urc_route_reasons", "Routing decisions by reason", labels=["policy", "reason"]
-        )
+        doc = "Routing decisions by reason"
+        reasons = CounterMetricFamily("urc_route_reasons", doc, labels=["policy", "reason"])
         for reason, count in list(self.reasons.items()):
             reasons.add_metric([self.policy_name, reason], count.value)
         yield reasons
@@ -160,30 +156,21 @@ class GatewayMetrics(Collector):
         stats = self.index.stats()
         yield GaugeMetricFamily("urc_index_blocks", "Blocks in the unified index", stats.blocks)
         yield GaugeMetricFamily("urc_index_runs", "Radix nodes (runs of blocks)", stats.runs)
-        yield GaugeMetricFamily(
-            "urc_index_residencies", "(block, worker) residencies", stats.residencies
-        )
-        yield GaugeMetricFamily(
-            "urc_index_pending_residencies",
-            "Residencies marked at dispatch, not yet confirmed by the worker's KV events",
-            stats.pending,
-        )
-        yield GaugeMetricFamily(
-            "urc_index_memory_bytes",
-            "Estimated memory of the index",
-            stats.blocks * INDEX_BYTES_PER_BLOCK,
-        )
-        yield CounterMetricFamily(
-            "urc_index_evicted_blocks", "Blocks dropped by the memory budget", stats.evicted
-        )
+        doc = "(block, worker) residencies"
+        yield GaugeMetricFamily("urc_index_residencies", doc, stats.residencies)
+        doc = "Residencies marked at dispatch, not yet confirmed by the worker's KV events"
+        yield GaugeMetricFamily("urc_index_pending_residencies", doc, stats.pending)
+        memory = stats.blocks * INDEX_BYTES_PER_BLOCK
+        yield GaugeMetricFamily("urc_index_memory_bytes", "Estimated memory of the index", memory)
+        doc = "Blocks dropped by the memory budget"
+        yield CounterMetricFamily("urc_index_evicted_blocks", doc, stats.evicted)
         gauge = partial(GaugeMetricFamily, labels=["worker"])
         counter = partial(CounterMetricFamily, labels=["worker"])
         healthy = gauge("urc_worker_healthy", "1 if the worker is up")
         exact = gauge("urc_worker_exact", "1 if residency comes from KV events")
         in_flight = gauge("urc_worker_in_flight", "Requests in flight")
-        queued = gauge(
-            "urc_worker_queued_prefill_tokens", "Uncached prompt tokens routed, not yet prefilled"
-        )
+        doc = "Uncached prompt tokens routed, not yet prefilled"
+        queued = gauge("urc_worker_queued_prefill_tokens", doc)
         held = gauge("urc_worker_cached_blocks", "Blocks held")
         lag = gauge("urc_kv_event_lag_seconds", "Now minus the newest event's timestamp")
         gaps = counter("urc_kv_event_gaps", "Sequence gaps seen")
@@ -209,9 +196,8 @@ class GatewayMetrics(Collector):
         modes = self.modes
         doc = "1 while routing falls back to least load"
         yield GaugeMetricFamily("urc_routing_degraded", doc, float(modes.degraded))
-        active = GaugeMetricFamily(
-            "urc_routing_policy", "The policy routing now", labels=["policy"]
-        )
+        doc = "The policy routing now"
+        active = GaugeMetricFamily("urc_routing_policy", doc, labels=["policy"])
         active.add_metric([modes.active().name], 1.0)
         yield active
         fields = [
