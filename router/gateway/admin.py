@@ -50,9 +50,8 @@ def bearer_matches(authorization: str | None, key: str) -> bool:
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer":
         return False
-    return hmac.compare_digest(
-        given.strip().encode("utf-8", "surrogateescape"), key.encode("utf-8", "surrogateescape")
-    )
+    given_bytes = given.strip().encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(given_bytes, key.encode("utf-8", "surrogateescape"))
 
 
 def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
@@ -224,10 +223,8 @@ class Invalidator:
                 raise _narrower(scope, tenant.name, "tenant")
             return Resolved(scope, {"tenant": tenant.name}, None, None, {})
         if scope == "tenant":
-            test = salt_scope(salt_prefix=tenant.salt)
-            return Resolved(
-                scope, {"tenant": tenant.name}, test, None, {"salt_prefix": tenant.salt}
-            )
+            test, fields = salt_scope(salt_prefix=tenant.salt), {"salt_prefix": tenant.salt}
+            return Resolved(scope, {"tenant": tenant.name}, test, None, fields)
         if tenant.isolation != scope:
             raise _narrower(scope, tenant.name, tenant.isolation)
         value = _need(body, scope)
@@ -263,9 +260,8 @@ class Invalidator:
         timeout = aiohttp.ClientTimeout(total=self.gateway.config.connect_timeout_s * 5)
         try:
             if worker.incarnation is not None:  # ours: it frees exactly the scope
-                async with session.post(
-                    worker.url + "/urc/invalidate", json=fields, timeout=timeout
-                ) as resp:
+                url = worker.url + "/urc/invalidate"
+                async with session.post(url, json=fields, timeout=timeout) as resp:
                     answer = await resp.json(content_type=None)
                     if resp.status != 200:
                         return {"status": "error", "http_status": resp.status, "detail": answer}

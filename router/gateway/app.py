@@ -160,9 +160,8 @@ class Gateway:
         self.metrics.reasons[plan.decision.reason].inc()
         chosen = plan.worker(plan.decision.worker)
         group = chosen.kv_group_of(plan.model)
-        self.residency.dispatched(
-            plan.request, chosen.name, group, chosen.exact(group), plan.arrived
-        )
+        exact = chosen.exact(group)
+        self.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
         payload = forwarded(body, scope.salt, plan.public_tokens)
         on_success = partial(self._served, tenant=tenant.name)
         await self.proxy.forward(reply, path, payload, plan, body.get("stream") is True, on_success)
@@ -170,10 +169,8 @@ class Gateway:
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: residency for workers without KV events; the recording."""
         group = worker.kv_group_of(plan.model)
-        exact = worker.exact(group)
-        self.residency.served(
-            plan.request, worker.name, group, exact, plan.arrived, time.monotonic()
-        )
+        exact, now = worker.exact(group), time.monotonic()
+        self.residency.served(plan.request, worker.name, group, exact, plan.arrived, now)
         if self.recorder is not None:
             self.recorder.record(plan, worker, tenant, usage)
 

@@ -91,12 +91,9 @@ def discovered_streams(
 
 
 def _stream(group: str, events: dict[str, Any], host: str) -> EventStream:
-    return EventStream(
-        group,
-        reachable(events["endpoint"], host) or "",
-        reachable(events.get("replay_endpoint"), host),
-        events.get("topic", ""),
-    )
+    endpoint = reachable(events["endpoint"], host) or ""
+    replay = reachable(events.get("replay_endpoint"), host)
+    return EventStream(group, endpoint, replay, events.get("topic", ""))
 
 
 @dataclass(slots=True)
@@ -309,11 +306,8 @@ class Fleet:
         worker.models = served
         if config.kv_events:  # configured: one stream, meaningful only for a single kv_group
             groups = set(served.values())
-            worker.streams = (
-                [EventStream(groups.pop(), config.kv_events, config.kv_replay, config.kv_topic)]
-                if len(groups) == 1
-                else []
-            )
+            ends = (config.kv_events, config.kv_replay, config.kv_topic)
+            worker.streams = [EventStream(groups.pop(), *ends)] if len(groups) == 1 else []
         else:  # discovered afresh each time: a restart may move them
             worker.streams = discovered_streams(info, served, worker.pool.host)
 

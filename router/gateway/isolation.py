@@ -82,10 +82,10 @@ class Tenant(NamedTuple):
 class Tenants:
     def __init__(self, tenants: list[TenantConfig], secret: str) -> None:
         self._by_key: dict[str, Tenant] = {}
+        secret_key = secret.encode()[:64]
         for config in tenants:
-            digest = hashlib.blake2b(
-                config.name.encode(), key=secret.encode()[:64], digest_size=16
-            ).hexdigest()
+            name = config.name.encode()
+            digest = hashlib.blake2b(name, key=secret_key, digest_size=16).hexdigest()
             tenant = Tenant(config.name, f"urc-{digest}", config.isolation)
             for key in config.api_keys:
                 self._by_key[key] = tenant

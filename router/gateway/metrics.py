@@ -88,9 +88,9 @@ class GatewayMetrics(Collector):
         self.statuses: defaultdict[tuple[str, str, int], Count] = defaultdict(Count)
         self.reasons: defaultdict[str, Count] = defaultdict(Count)
         self.failovers: defaultdict[str, Count] = defaultdict(Count)  # by worker
-        Gauge(
-            "urc_policy_info", "The live routing policy", ["policy"], registry=self.registry
-        ).labels(policy_name).set(1)
+        registry = self.registry
+        info = Gauge("urc_policy_info", "The live routing policy", ["policy"], registry=registry)
+        info.labels(policy_name).set(1)
         self.registry.register(self)
 
     def series(self, model: str, worker: str) -> Series:

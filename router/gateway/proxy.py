@@ -128,9 +128,8 @@ class _Attempt:
         proxy, worker = self.proxy, self.worker
         total = proxy.request_timeout_s - (time.monotonic() - self.t0)
         ttfb = proxy.ttfb_timeout_s
-        task = proxy.deadlines.enter(
-            ttfb if ttfb < total else total, None if stream else self.renew
-        )
+        due = ttfb if ttfb < total else total
+        task = proxy.deadlines.enter(due, None if stream else self.renew)
         worker.waiting.add(task)
         try:
             try:

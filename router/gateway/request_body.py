@@ -62,10 +62,8 @@ def validate(body: dict[str, Any], chat: bool) -> None:
     else:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and _token_ids(prompt))):
-            raise bad_request(
-                f"'prompt' must be a string or an array of token ids in [0, {TOKEN_ID_MAX}]",
-                "prompt",
-            )
+            message = f"'prompt' must be a string or an array of token ids in [0, {TOKEN_ID_MAX}]"
+            raise bad_request(message, "prompt")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise bad_request("'stream' must be a boolean", "stream")
     _check_int(body, "max_tokens")

@@ -127,9 +127,8 @@ class Router:
         name = body["model"]
         model = self.fleet.models.get(name)
         if model is None:
-            raise APIError(
-                404, f"The model '{name}' does not exist", param="model", code="model_not_found"
-            )
+            message = f"The model '{name}' does not exist"
+            raise APIError(404, message, param="model", code="model_not_found")
         group = model.kv_group
         workers = self.fleet.candidates(group)
         if not workers:
