@@ -45,8 +45,7 @@ def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
 
 
 def bearer_matches(authorization: str | None, key: str) -> bool:
-    """`Authorization: Bearer KEY` names `key` (compared in constant time, as bytes: a header
-    may hold any character)."""
+    """`Authorization: Bearer KEY` names `key` (in constant time, as bytes: any character)."""
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer":
         return False
@@ -95,15 +94,14 @@ class _Admin:
         return wrapped
 
     async def list_workers(self, request: web.Request) -> web.Response:
-        fleet = self.gateway.fleet
-        return web.json_response(
-            {
-                "workers": [describe(w, self.gateway.index) for w in fleet.workers.values()],
-                "index": self.gateway.index.stats()._asdict(),
-                "tokenizer_parity": self.gateway.parity.describe(),
-                "policy": self.gateway.config.policy,
-            }
-        )
+        gateway = self.gateway
+        body = {
+            "workers": [describe(w, gateway.index) for w in gateway.fleet.workers.values()],
+            "index": gateway.index.stats()._asdict(),
+            "tokenizer_parity": gateway.parity.describe(),
+            "policy": gateway.config.policy,
+        }
+        return web.json_response(body)
 
     async def add_worker(self, request: web.Request) -> web.Response:
         body = parse_body(await request.read())
@@ -140,19 +138,18 @@ class _Admin:
         policy = copy.deepcopy(self.gateway.modes.active())
         scope = tenant.scope(body, request.headers)
         plan = self.gateway.router.plan(body, chat, scope.salt, policy, scope.public)
-        return web.json_response(
-            {
-                "worker": plan.decision.worker,
-                "reason": plan.decision.reason,
-                "policy": self.gateway.config.policy,
-                "model": plan.model.name,
-                "kv_group": plan.model.kv_group,
-                "prompt_tokens": plan.prompt_tokens,
-                "blocks": len(plan.keys),
-                "decision_us": round(plan.decision_s * 1e6, 1),
-                "candidates": [asdict(s) for s in plan.decision.scores],
-            }
-        )
+        answer = {
+            "worker": plan.decision.worker,
+            "reason": plan.decision.reason,
+            "policy": self.gateway.config.policy,
+            "model": plan.model.name,
+            "kv_group": plan.model.kv_group,
+            "prompt_tokens": plan.prompt_tokens,
+            "blocks": len(plan.keys),
+            "decision_us": round(plan.decision_s * 1e6, 1),
+            "candidates": [asdict(s) for s in plan.decision.scores],
+        }
+        return web.json_response(answer)
 
     async def list_tenants(self, request: web.Request) -> web.Response:
         tenants = [{"name": t.name, "isolation": t.isolation} for t in self.gateway.tenants.all()]

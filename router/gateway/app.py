@@ -154,7 +154,7 @@ class Gateway:
         modes = self.modes
         scope = tenant.scope(body, headers)
         plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
-        if modes.shadows:
+        if modes.shadow.policies:
             modes.watch(plan)
         self.metrics.decision.observe(plan.decision_s)
         self.metrics.reasons[plan.decision.reason].inc()
@@ -243,8 +243,7 @@ class Recorder:
 async def serve_gateway(
     config: GatewayConfig, stop: asyncio.Event, config_path: str | None = None
 ) -> None:
-    """Serve until `stop` is set, then drain; print `gateway: URL` once the socket accepts
-    connections. With `config_path`, SIGHUP reloads it."""
+    """Serve (print `gateway: URL` once listening) until `stop` is set, then drain."""
     gateway = Gateway(config)
     if config_path:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)

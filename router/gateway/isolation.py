@@ -38,8 +38,8 @@ def session_salt(tenant_salt: str, session: str) -> str:
 
 
 def public_tokens(tokens: Sequence[int], system_tokens: Sequence[int], block_size: int) -> int:
-    """The tokens of the public prefix: what the render of the leading system messages alone
-    has in common with the full render, cut down to whole blocks."""
+    """The public prefix: the full render's tokens in common with the system messages' alone,
+    in whole blocks."""
     n = 0
     for a, b in zip(tokens, system_tokens, strict=False):
         if a != b:

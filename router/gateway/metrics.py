@@ -72,9 +72,6 @@ class Series(NamedTuple):
 
 
 class GatewayMetrics(Collector):
-    """`registry` renders the request counters, the fleet's and index's state and the routing
-    modes (see the module's docstring)."""
-
     def __init__(
         self, fleet: Fleet, index: UnifiedIndex, modes: RoutingModes, policy_name: str
     ) -> None:
@@ -221,6 +218,6 @@ class GatewayMetrics(Collector):
         ]
         for name, doc, field in fields:
             family = CounterMetricFamily(name, doc, labels=["policy"])
-            for policy, stats in modes.stats.items():
+            for policy, stats in modes.shadow.stats.items():
                 family.add_metric([policy], float(getattr(stats, field)))
             yield family

@@ -5,6 +5,7 @@ approximate mode until one matches again (docs/block-keys.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -48,8 +49,7 @@ class ParityState:
 
 
 class ParityProbe(Collector):
-    """Probes the fleet's workers (`on_up` is Fleet's hook, `run` the periodic loop) and
-    exports the verdicts."""
+    """Probes the fleet's workers (`on_up`: Fleet's hook, `run`: the loop); exports verdicts."""
 
     def __init__(self, fleet: Fleet, interval_s: float) -> None:
         self.fleet = fleet
@@ -115,13 +115,9 @@ class ParityProbe(Collector):
             return
         state = self.states.setdefault((worker.name, name), ParityState())
         tokenizer = model.tokenizer
-        try:
-            expected = {
-                "chat": len(tokenizer.encode_chat(PROBE_CHAT)),
-                "completion": len(tokenizer.encode(PROBE_TEXT)),
-            }
-        except ValueError:  # no chat template: only completions can be compared
-            expected = {"completion": len(tokenizer.encode(PROBE_TEXT))}
+        expected = {"completion": len(tokenizer.encode(PROBE_TEXT))}
+        with contextlib.suppress(ValueError):  # no chat template: only completions compare
+            expected = {"chat": len(tokenizer.encode_chat(PROBE_CHAT)), **expected}
         actual: dict[str, int] = {}
         for kind in expected:
             count = await self._prompt_tokens(worker, name, kind)

@@ -71,19 +71,11 @@ async def _written(write: Awaitable[None]) -> bool:
     return True
 
 
-def _status_line(status: int) -> bytes:
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        phrase = "Unknown"
-    return f"HTTP/1.1 {status} {phrase}\r\n".encode()
-
-
-_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 
 
 def _head(status: int, headers: Headers, extra: bytes) -> bytes:
-    lines = [_STATUS_LINES.get(status) or _status_line(status)]
+    lines = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status]
     lines += [f"{key}: {value}\r\n".encode("latin-1") for key, value in headers]
     lines.append(extra)
     return b"".join(lines)

@@ -50,8 +50,7 @@ def _token_ids(prompt: list[Any]) -> bool:
 
 
 def validate(body: dict[str, Any], chat: bool) -> None:
-    """The fields routing needs, with OpenAI's wording for what is wrong. The rest is the
-    worker's to check (its 4xx goes back to the client as is)."""
+    """The fields routing needs, in OpenAI's wording; the rest is the worker's to check."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "model")

@@ -158,8 +158,6 @@ class RoutingModes:
         self.auto = False  # the index is unhealthy
         # the same counting as `urc replay --shadow` (router/shadow.py)
         self.shadow = ShadowPolicies(shadows, prefill_tokens_per_s)
-        self.shadows = self.shadow.policies
-        self.stats = self.shadow.stats
 
     @property
     def degraded(self) -> bool:
