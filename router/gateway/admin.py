@@ -144,8 +144,8 @@ class _Admin:
             "policy": self.gateway.config.policy,
             "model": plan.model.name,
             "kv_group": plan.model.kv_group,
-            "prompt_tokens": plan.prompt_tokens,
-            "blocks": len(plan.keys),
+            "prompt_tokens": plan.request.prompt_tokens,
+            "blocks": len(plan.request.block_keys),
             "decision_us": round(plan.decision_s * 1e6, 1),
             "candidates": [asdict(s) for s in plan.decision.scores],
         }

@@ -24,7 +24,7 @@ from router.dispatch import RoutedResidency
 from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
-from router.gateway.errors import Handler, add_fallback_route, json_errors
+from router.gateway.errors import add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
 from router.gateway.metrics import GatewayMetrics
@@ -77,7 +77,8 @@ class Gateway:
         # errors become JSON per handler (json_errors), not in a middleware: a middleware
         # costs every request a wrapper object
         self.app = web.Application(client_max_size=config.max_body_bytes)
-        routes = [web.post(p, json_errors(self._via_aiohttp(p))) for p in HOT_PATHS.values()]
+        via_aiohttp = self._via_aiohttp
+        routes = [web.post(p, json_errors(partial(via_aiohttp, p))) for p in HOT_PATHS.values()]
         routes.append(web.get("/v1/models", json_errors(self.list_models)))
         routes.append(web.get("/health", self.health))
         routes.append(web.get("/metrics", self.metrics_endpoint))
@@ -126,16 +127,12 @@ class Gateway:
         if self.recorder is not None:
             self.recorder.close()
 
-    def _via_aiohttp(self, path: str) -> Handler:
-        """The handler of `path` on a connection aiohttp holds (server.py says when)."""
-
-        async def handle(request: web.Request) -> web.StreamResponse:
-            reply = AiohttpReply(request)
-            await self.serve(reply, path, request.headers, await request.read())
-            assert reply.response is not None
-            return reply.response
-
-        return handle
+    async def _via_aiohttp(self, path: str, request: web.Request) -> web.StreamResponse:
+        """`path` on a connection aiohttp holds (server.py says when)."""
+        reply = AiohttpReply(request)
+        await self.serve(reply, path, request.headers, await request.read())
+        assert reply.response is not None
+        return reply.response
 
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
         """One inference request, whichever server took it; `headers` are looked up by
@@ -223,9 +220,9 @@ class Recorder:
     def record(self, plan: Plan, worker: Worker, tenant: str, usage: Usage) -> None:
         line = {
             "timestamp": round((plan.arrived - self._t0) * 1000, 3),
-            "input_length": plan.prompt_tokens,
+            "input_length": plan.request.prompt_tokens,
             "output_length": usage.output_tokens or 0,
-            "hash_ids": plan.keys,
+            "hash_ids": plan.request.block_keys,
             "block_size": plan.model.block_size,
             "model": plan.model.name,
             "tenant": tenant,

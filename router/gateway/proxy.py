@@ -171,7 +171,7 @@ class _Attempt:
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
         route = (
             f"worker={name}; matched_tokens={plan.matched(name)}; "
-            f"prompt_tokens={plan.prompt_tokens}; "
+            f"prompt_tokens={plan.request.prompt_tokens}; "
             f"reason={plan.decision.reason}; policy={plan.policy}"
         )
         headers.append(("x-urc-route", route))
@@ -252,7 +252,7 @@ class _Attempt:
         series.latency.observe(now - self.t0)
         if usage is not None:
             predicted = plan.matched(worker.name)
-            series.prompt_tokens.inc(plan.prompt_tokens)
+            series.prompt_tokens.inc(plan.request.prompt_tokens)
             series.predicted.inc(predicted)
             if usage.cached_tokens is not None:
                 series.actual.inc(usage.cached_tokens)

@@ -50,14 +50,6 @@ class Plan:
         """What the policy saw (shadow policies see the same)."""
         return self.decision.request
 
-    @property
-    def keys(self) -> Sequence[int]:
-        return self.decision.request.block_keys
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.decision.request.prompt_tokens
-
     def candidate(self, worker: str) -> Candidate:
         return candidate(self.decision.candidates, worker)
 
