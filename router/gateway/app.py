@@ -266,8 +266,7 @@ async def serve_gateway(
             add_fallback_route(metrics_app)
             metrics_runner = web.AppRunner(metrics_app, access_log=None)
             await metrics_runner.setup()
-            site = web.TCPSite(metrics_runner, config.host, config.metrics_port)
-            await site.start()
+            await web.TCPSite(metrics_runner, config.host, config.metrics_port).start()
             metrics_port = metrics_runner.addresses[0][1]
             print(f"metrics: http://{config.host}:{metrics_port}/metrics", flush=True)
         # what startup made lives as long as the process: out of the collector's sight, so

@@ -1,6 +1,5 @@
-"""One client connection of the front server (router/gateway/server.py says what it serves and
-refuses): httptools parses, inference requests queue and are answered in order, anything else
-is buffered whole and handed to aiohttp, limits and the `Upgrade` rewrite are applied here."""
+"""One client connection of the front door (server.py): httptools parses, inference requests are
+answered in order, anything else goes to aiohttp; limits and the `Upgrade` rewrite apply here."""
 
 from __future__ import annotations
 

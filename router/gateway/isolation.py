@@ -1,7 +1,5 @@
 """Request identity and isolation (docs/isolation.md): the API key names the tenant, the tenant
-its cache salt, and its isolation level which of its requests may reuse each other's KV. Salts
-are structured (`T`, `T.u.<h(user)>`, `T.s.<h(session)>`): every invalidation scope is a test on
-the salt alone."""
+its cache salt, and its isolation level which of its requests may reuse each other's KV."""
 
 from __future__ import annotations
 
@@ -119,6 +117,4 @@ class Tenants:
             gauge.labels(tenant.name, tenant.isolation).set(1)
 
     def by_name(self, name: str) -> Tenant | None:
-        if not self.auth and name == SHARED_TENANT:
-            return self._shared
-        return next((t for t in self._by_key.values() if t.name == name), None)
+        return next((t for t in self.all() if t.name == name), None)

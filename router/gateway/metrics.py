@@ -1,6 +1,5 @@
-"""Prometheus metrics of the gateway. The request path bumps plain numbers (no locks, no label
-lookups); collectors render them, and the index's, event streams' and workers' state, at
-scrape time."""
+"""Prometheus metrics of the gateway: the request path bumps plain numbers (no locks, no label
+lookups), rendered with the index's, event streams' and workers' state at scrape time."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""How a response reaches the client, whichever server took the request: `whole` for a complete
-answer, `start` / `send` / `end` for a stream. `LeanReply` writes straight to a connection of
-the front door (server.py), `AiohttpReply` answers on one aiohttp holds."""
+"""How a response reaches the client, whichever server took the request: `LeanReply` writes to a
+connection of the front door (server.py), `AiohttpReply` answers on one aiohttp holds."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """An inference request's body: parsed strictly once (core/strict_json.py), checked, and rebuilt
-for the worker with the fields only the gateway may set (`cache_salt`, `urc_public_tokens`);
-a client's `cache_salt` and every field whose decoded name starts with `urc_` are dropped."""
+for the worker with only the gateway's `cache_salt` and `urc_*` fields (docs/isolation.md)."""
 
 from __future__ import annotations
 

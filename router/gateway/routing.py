@@ -1,7 +1,5 @@
-"""The routing step of a request: tokenize -> block keys -> match -> policy, synchronous and free
-of I/O, on router/dispatch.py's candidates as the replay's; and which policy routes: the live
-one, or plain least load while *degraded* (by the operator, or while every KV-event stream is
-lost), with shadow policies choosing on every request without being acted on."""
+"""The routing step of a request (docs/dispatch.md, 1), free of I/O: tokenize -> block keys ->
+match -> policy; and the routing modes: live or degraded (least load), shadows that only watch."""
 
 from __future__ import annotations
 
