@@ -74,8 +74,7 @@ class Gateway:
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin
         self._tasks: list[asyncio.Task[None]] = []
-        # errors become JSON per handler (json_errors), not in a middleware: a middleware
-        # costs every request a wrapper object
+        # JSON errors per handler (json_errors), not a middleware: it costs every request a wrapper
         self.app = web.Application(client_max_size=config.max_body_bytes)
         via_aiohttp = self._via_aiohttp
         routes = [web.post(p, json_errors(partial(via_aiohttp, p))) for p in HOT_PATHS.values()]
@@ -138,30 +137,28 @@ class Gateway:
         """One inference request, whichever server took it; `headers` are looked up by
         lowercase name. An error before the first byte leaves as OpenAI-style JSON."""
         try:
-            await self._serve(reply, path, headers, raw)
+            chat = path == "/v1/chat/completions"
+            tenant = self.tenants.authenticate(headers.get("authorization"))
+            body = parse_request(raw, chat)
+            modes = self.modes
+            scope = tenant.scope(body, headers)
+            plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
+            if modes.shadow.policies:
+                modes.watch(plan)
+            self.metrics.decision.observe(plan.decision_s)
+            self.metrics.reasons[plan.decision.reason].inc()
+            chosen = plan.worker(plan.decision.worker)
+            group = chosen.kv_group_of(plan.model)
+            exact = chosen.exact(group)
+            self.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
+            payload = forwarded(body, scope.salt, plan.public_tokens)
+            on_success = partial(self._served, tenant=tenant.name)
+            stream = body.get("stream") is True
+            await self.proxy.forward(reply, path, payload, plan, stream, on_success)
         except APIError as exc:
             if reply.started:
                 raise
             reply.whole(exc.status, JSON_HEADERS, exc.body())
-
-    async def _serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
-        chat = path == "/v1/chat/completions"
-        tenant = self.tenants.authenticate(headers.get("authorization"))
-        body = parse_request(raw, chat)
-        modes = self.modes
-        scope = tenant.scope(body, headers)
-        plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
-        if modes.shadow.policies:
-            modes.watch(plan)
-        self.metrics.decision.observe(plan.decision_s)
-        self.metrics.reasons[plan.decision.reason].inc()
-        chosen = plan.worker(plan.decision.worker)
-        group = chosen.kv_group_of(plan.model)
-        exact = chosen.exact(group)
-        self.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
-        payload = forwarded(body, scope.salt, plan.public_tokens)
-        on_success = partial(self._served, tenant=tenant.name)
-        await self.proxy.forward(reply, path, payload, plan, body.get("stream") is True, on_success)
 
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: residency for workers without KV events; the recording."""
@@ -269,8 +266,7 @@ async def serve_gateway(
             await web.TCPSite(metrics_runner, config.host, config.metrics_port).start()
             metrics_port = metrics_runner.addresses[0][1]
             print(f"metrics: http://{config.host}:{metrics_port}/metrics", flush=True)
-        # what startup made lives as long as the process: out of the collector's sight, so
-        # full collections under load walk only what requests and the index made since
+        # what startup made lives as long as the process: frozen, collections under load skip it
         gc.collect()
         gc.freeze()
         print(f"gateway: http://{config.host}:{port}", flush=True)

@@ -73,8 +73,7 @@ class FrontProtocol(asyncio.Protocol):
         self.last_active = self.front.now()
         self.front.connections.add(self)
 
-    # EOF from the client (asyncio's default eof_received) closes the connection: a client
-    # that stops sending has given up (as nginx takes it), and its request is cancelled
+    # EOF from the client closes the connection (asyncio's default): its request is cancelled
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

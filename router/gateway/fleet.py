@@ -121,8 +121,7 @@ class Worker:
     alive_at: float = 0.0  # its last answer of any kind, or passed health check (monotonic)
     incarnation: str | None = None
     load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
-    # KV events, one stream per kv_group (a group without one: approximate residency)
-    streams: list[EventStream] = field(default_factory=list)
+    streams: list[EventStream] = field(default_factory=list)  # KV events, one per kv_group
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
 
     def __post_init__(self) -> None:

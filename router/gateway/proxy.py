@@ -116,7 +116,6 @@ class _Attempt:
         self, proxy: Proxy, reply: Reply, plan: Plan, worker: Worker, load: LoadShare, t0: float
     ) -> None:
         self.proxy = proxy
-        self.metrics = proxy.metrics
         self.reply = reply
         self.plan = plan
         self.worker = worker
@@ -162,7 +161,7 @@ class _Attempt:
 
     def _first_byte(self) -> None:
         self.load.first_token()
-        series = self.metrics.series(self.plan.model.name, self.worker.name)
+        series = self.proxy.metrics.series(self.plan.model.name, self.worker.name)
         series.ttft.observe(time.monotonic() - self.t0)
 
     def _headers(self, upstream: UpstreamResponse) -> Headers:
@@ -185,7 +184,7 @@ class _Attempt:
             raise _Failover(str(exc)) from None
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
-            self.metrics.statuses[self.plan.model.name, self.worker.name, status].inc()
+            self.proxy.metrics.statuses[self.plan.model.name, self.worker.name, status].inc()
             raise _Failover(f"answered {status}", (status, self._headers(upstream), body))
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
@@ -247,8 +246,8 @@ class _Attempt:
         worker.failures = 0
         if status < 500:  # it answered for itself: as good as a health check
             worker.answered_at = now
-        self.metrics.statuses[plan.model.name, worker.name, status].inc()
-        series = self.metrics.series(plan.model.name, worker.name)
+        self.proxy.metrics.statuses[plan.model.name, worker.name, status].inc()
+        series = self.proxy.metrics.series(plan.model.name, worker.name)
         series.latency.observe(now - self.t0)
         if usage is not None:
             predicted = plan.matched(worker.name)

@@ -36,8 +36,7 @@ class FrontServer:
         self.released_bytes = 0  # request bodies dropped since memory was last given back
         self._trim = _malloc_trim()
         self._reaper: asyncio.Task[None] | None = None
-        # asyncio.get_running_loop() costs a getpid() system call (CPython 3.11): the hot
-        # path asks this once
+        # asked once: asyncio.get_running_loop() costs a getpid() system call (CPython 3.11)
         self.loop = asyncio.get_running_loop()
         self.now = self.loop.time
 
