@@ -172,6 +172,10 @@ class _Admin:
 
 SCOPES = ("tenant", "user", "session", "model", "kv_group", "all")
 _RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, SGLang's
+_UNROUTABLE = (
+    "this engine cannot drop part of its cache: the gateway no longer routes on these blocks, "
+    "but the engine still holds them until it evicts them (scope 'all' resets it)"
+)
 
 
 class Resolved(NamedTuple):
@@ -264,12 +268,7 @@ class Invalidator:
                         return {"status": "error", "http_status": resp.status, "detail": answer}
                     return {"status": "invalidated", **answer}
             if scope != "all":
-                return {
-                    "status": "unroutable",
-                    "detail": "this engine cannot drop part of its cache: the gateway no longer "
-                    "routes on these blocks, but the engine still holds them until it evicts "
-                    "them (scope 'all' resets it)",
-                }
+                return {"status": "unroutable", "detail": _UNROUTABLE}
             for path in _RESETS:
                 async with session.post(worker.url + path, timeout=timeout) as resp:
                     if resp.status < 300:

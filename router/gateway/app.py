@@ -134,8 +134,7 @@ class Gateway:
         return reply.response
 
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
-        """One inference request, whichever server took it; `headers` are looked up by
-        lowercase name. An error before the first byte leaves as OpenAI-style JSON."""
+        """One inference request, whichever server took it (`headers` by lowercase name)."""
         try:
             chat = path == "/v1/chat/completions"
             tenant = self.tenants.authenticate(headers.get("authorization"))
@@ -204,8 +203,7 @@ class Gateway:
 
 
 class Recorder:
-    """`--record FILE`: one Mooncake JSON line per served request (docs/traces.md), written as
-    requests finish (sort them before replaying)."""
+    """`--record FILE`: a Mooncake JSON line per served request, as it ends (docs/traces.md)."""
 
     def __init__(self, path: str | Path, policy: str) -> None:
         self.path = Path(path)

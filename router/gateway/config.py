@@ -320,9 +320,8 @@ def validate(config: GatewayConfig) -> None:
                 raise ConfigError(f"API key of tenant {tenant.name!r} is used twice")
             keys.add(key)
         if tenant.isolation not in ISOLATION_LEVELS:
-            raise ConfigError(
-                f"tenant {tenant.name!r}: isolation must be one of {', '.join(ISOLATION_LEVELS)}"
-            )
+            levels = ", ".join(ISOLATION_LEVELS)
+            raise ConfigError(f"tenant {tenant.name!r}: isolation must be one of {levels}")
     for name in _POSITIVE:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

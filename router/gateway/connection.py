@@ -33,8 +33,7 @@ class _Request:
     def __init__(self, path: str, refusal: APIError | None = None, hot: bool = True) -> None:
         self.path = path
         self.hot = hot  # an inference request, served here (else buffered for aiohttp)
-        # not served: this error is the answer, then the connection ends
-        self.refusal = refusal
+        self.refusal = refusal  # not served: this error is the answer, then the connection ends
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0

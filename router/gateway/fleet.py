@@ -229,10 +229,9 @@ class Fleet:
 
     def events_lost(self) -> bool:
         """The index is unhealthy: workers publish KV events, and no stream is connected."""
-        streams = [
-            s for w in self.workers.values() if w.up for s in w.streams if s.subscriber is not None
-        ]
-        return bool(streams) and not any(s.subscriber and s.subscriber.connected for s in streams)
+        up = [s.subscriber for w in self.workers.values() if w.up for s in w.streams]
+        subscribers = [s for s in up if s is not None]
+        return bool(subscribers) and not any(s.connected for s in subscribers)
 
     async def check(self, worker: Worker) -> None:
         """One health check; discovery when the worker comes (back) up."""
@@ -264,8 +263,7 @@ class Fleet:
             asyncio.get_running_loop().create_task(self._mark_down(worker, "unhealthy"))
 
     async def health_loop(self) -> None:
-        """Probe every worker each interval, except those up that answered a request within
-        it: under load, requests are the health checks (a failing one counts as failed)."""
+        """Probe every worker each interval but those up that answered a request within it."""
         interval = self.config.health_interval_s
         while True:
             await asyncio.sleep(interval)
@@ -311,8 +309,7 @@ class Fleet:
             worker.streams = discovered_streams(info, served, worker.pool.host)
 
     def _adopt_block_size(self, name: str, worker: Worker) -> None:
-        """A model configured without a block size is keyed with its workers' (a kv_group has
-        one block size: a worker that disagrees cannot be mirrored exactly)."""
+        """A model configured without a block size is keyed with its workers' (one per kv_group)."""
         configured = self._configured.get(name)
         model = self.models[name]
         if configured is not None and configured.block_size is None:
@@ -322,8 +319,7 @@ class Fleet:
             log.warning(message, worker.name, worker.block_size, name, model.block_size)
 
     async def _mark_up(self, worker: Worker) -> None:
-        worker.up = True
-        worker.failures = 0
+        worker.up = True  # (its failures were reset by the check that found it healthy)
         for stream in worker.streams:
             stream.start(self.index, worker.name, worker.block_size)
         self._regroup()

@@ -188,7 +188,6 @@ class GatewayMetrics(Collector):
         yield from (healthy, exact, in_flight, queued, held, lag, gaps, resets)
 
     def _modes(self) -> Iterator[Any]:
-        """Which routing mode is active, and what the shadow policies would have done."""
         modes = self.modes
         doc = "1 while routing falls back to least load"
         yield GaugeMetricFamily("urc_routing_degraded", doc, float(modes.degraded))

@@ -271,8 +271,7 @@ class Deadlines:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def loop(self) -> asyncio.AbstractEventLoop:
-        """The running loop, asked once: `asyncio.get_running_loop()` and a `current_task()`
-        without a loop cost a getpid() system call each (CPython 3.11)."""
+        """The running loop, asked once (each lookup costs a getpid() call, CPython 3.11)."""
         loop = self._loop
         if loop is None or loop.is_closed():
             loop = self._loop = asyncio.get_running_loop()

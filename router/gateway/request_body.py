@@ -23,8 +23,8 @@ def parse_body(raw: bytes, checked: str = "") -> dict[str, Any]:
 
 
 def parse_request(raw: bytes, chat: bool) -> dict[str, Any]:
-    """An inference request's body with its routing fields checked (a prompt once, by
-    `validate`: token ids in int32 are within the parse's limits too)."""
+    """An inference request's body, its routing fields checked (a prompt once, by `validate`:
+    token ids in int32 are within the parse's limits too)."""
     body = parse_body(raw, "" if chat else "prompt")
     validate(body, chat)
     return body

@@ -77,8 +77,7 @@ class Router:
         self.fleet = fleet
         self.index = index
         self.policy = policy
-        # (tokenizer, the system messages and tools as JSON) -> their render alone: in shared
-        # mode the same few system prompts come back on every request (oldest dropped first)
+        # (tokenizer, system messages and tools as JSON) -> their render: shared mode repeats a few
         self._system_renders: dict[tuple[object, bytes], Sequence[int]] = {}
 
     def tokens(self, model: Model, body: dict[str, Any], chat: bool) -> Sequence[int]:
@@ -146,8 +145,7 @@ class RoutingModes:
         self.fallback = make_policy("least_load")
         self.manual = degraded  # the operator's switch
         self.auto = False  # the index is unhealthy
-        # the same counting as `urc replay --shadow` (router/shadow.py)
-        self.shadow = ShadowPolicies(shadows, prefill_tokens_per_s)
+        self.shadow = ShadowPolicies(shadows, prefill_tokens_per_s)  # as `urc replay --shadow`
 
     @property
     def degraded(self) -> bool:

@@ -42,11 +42,9 @@ class FrontServer:
 
     async def start(self, host: str, port: int) -> int:
         """Listen; the port it listens on (`port` 0: one the system chose)."""
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: FrontProtocol(self), host, port, backlog=1024
-        )
-        self._reaper = loop.create_task(self._reap())
+        protocol = partial(FrontProtocol, self)
+        self.server = await self.loop.create_server(protocol, host, port, backlog=1024)
+        self._reaper = self.loop.create_task(self._reap())
         server: Any = self.server  # its sockets are a list on uvloop, a tuple on asyncio
         return int(server.sockets[0].getsockname()[1])
 
