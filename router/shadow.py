@@ -1,5 +1,5 @@
 """Shadow policies (docs/policies.md): choose on every request without acting, and count what
-each choice predicts. The gateway (router/gateway/modes.py) and `urc replay --shadow`
+each choice predicts. The gateway (router/gateway/routing.py) and `urc replay --shadow`
 (simulation/shadow.py) both call `ShadowPolicies.watch`, so their numbers cannot drift.
 """
 

@@ -1,10 +1,5 @@
-"""The gateway's HTTP surface: OpenAI endpoints, health, metrics; admin routes in admin.py.
-
-Each request: authenticate -> parse -> plan (tokenize, keys, match, policy) -> mark its keys
-pending on a worker with KV events -> forward with the tenant's `cache_salt` -> record
-approximate residency for workers without events (router/dispatch.py's rules) -> respond, with
-`x-urc-route` saying where it went and why.
-"""
+"""The gateway's HTTP surface: OpenAI endpoints, health, metrics (admin routes: admin.py); the
+steps of a request are docs/README.md's "A request through the gateway"."""
 
 from __future__ import annotations
 
@@ -17,8 +12,10 @@ import signal
 import time
 from collections.abc import Coroutine, Mapping
 from functools import partial
+from pathlib import Path
 from typing import Any
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -27,17 +24,15 @@ from router.dispatch import RoutedResidency
 from router.gateway.admin import add_admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
-from router.gateway.errors import Handler, add_fallback_route, json_errors
+from router.gateway.errors import add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
 from router.gateway.metrics import GatewayMetrics
-from router.gateway.modes import RoutingModes
-from router.gateway.parity import ParityCollector, ParityProbe
+from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
-from router.gateway.recorder import Recorder
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
 from router.gateway.request_body import forwarded, parse_request
-from router.gateway.routing import Plan, Router
+from router.gateway.routing import Plan, Router, RoutingModes
 from router.gateway.server import FrontServer
 from router.index import UnifiedIndex
 from router.policies import make_policy
@@ -74,24 +69,19 @@ class Gateway:
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
         if config.parity_interval_s > 0:
             self.fleet.on_up.append(self.parity.on_up)
-            self.metrics.registry.register(ParityCollector(self.parity))
+            self.metrics.registry.register(self.parity)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
-        self.residency = RoutedResidency(self.index)  # invalidation.py marks when one begins
+        self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin
         self._tasks: list[asyncio.Task[None]] = []
-        # errors become JSON per handler (json_errors), not in a middleware: a middleware
-        # costs every request a wrapper object
+        # JSON errors per handler (json_errors), not a middleware: it costs every request a wrapper
         self.app = web.Application(client_max_size=config.max_body_bytes)
-        self.app.add_routes(
-            [web.post(path, json_errors(self._via_aiohttp(path))) for path in HOT_PATHS.values()]
-        )
-        self.app.add_routes(
-            [
-                web.get("/v1/models", json_errors(self.list_models)),
-                web.get("/health", self.health),
-                web.get("/metrics", self.metrics_endpoint),
-            ]
-        )
+        via_aiohttp = self._via_aiohttp
+        routes = [web.post(p, json_errors(partial(via_aiohttp, p))) for p in HOT_PATHS.values()]
+        routes.append(web.get("/v1/models", json_errors(self.list_models)))
+        routes.append(web.get("/health", self.health))
+        routes.append(web.get("/metrics", self.metrics_endpoint))
+        self.app.add_routes(routes)
         add_admin_routes(self.app, self)
         add_fallback_route(self.app)
         self.app.on_startup.append(self._start)
@@ -125,13 +115,6 @@ class Gateway:
         self.modes.manual = fresh.degraded
         log.warning("config reloaded: routing %s", "degraded" if fresh.degraded else "live")
 
-    def metrics_app(self) -> web.Application:
-        """The listener of `--metrics-port`: /metrics with no key, and /health."""
-        app = web.Application()
-        app.add_routes([web.get("/metrics", self.scrape), web.get("/health", self.health)])
-        add_fallback_route(app)
-        return app
-
     async def _stop(self, _app: web.Application) -> None:
         for task in self._tasks:
             task.cancel()
@@ -143,56 +126,44 @@ class Gateway:
         if self.recorder is not None:
             self.recorder.close()
 
-    # -- OpenAI endpoints --------------------------------------------------------------------
-
-    def _via_aiohttp(self, path: str) -> Handler:
-        """The handler of `path` on a connection aiohttp holds (server.py says when)."""
-
-        async def handle(request: web.Request) -> web.StreamResponse:
-            reply = AiohttpReply(request)
-            await self.serve(reply, path, request.headers, await request.read())
-            assert reply.response is not None
-            return reply.response
-
-        return handle
+    async def _via_aiohttp(self, path: str, request: web.Request) -> web.StreamResponse:
+        """`path` on a connection aiohttp holds (server.py says when)."""
+        reply = AiohttpReply(request)
+        await self.serve(reply, path, request.headers, await request.read())
+        assert reply.response is not None
+        return reply.response
 
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
-        """One inference request, whichever server took it; `headers` are looked up by
-        lowercase name. An error before the first byte leaves as OpenAI-style JSON."""
+        """One inference request, whichever server took it (`headers` by lowercase name)."""
         try:
-            await self._serve(reply, path, headers, raw)
+            chat = path == "/v1/chat/completions"
+            tenant = self.tenants.authenticate(headers.get("authorization"))
+            body = parse_request(raw, chat)
+            modes = self.modes
+            scope = tenant.scope(body, headers)
+            plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
+            if modes.shadow.policies:
+                modes.watch(plan)
+            self.metrics.decision.observe(plan.decision_s)
+            self.metrics.reasons[plan.decision.reason].inc()
+            chosen = plan.worker(plan.decision.worker)
+            group = chosen.kv_group_of(plan.model)
+            exact = chosen.exact(group)
+            self.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
+            payload = forwarded(body, scope.salt, plan.public_tokens)
+            on_success = partial(self._served, tenant=tenant.name)
+            stream = body.get("stream") is True
+            await self.proxy.forward(reply, path, payload, plan, stream, on_success)
         except APIError as exc:
             if reply.started:
                 raise
             reply.whole(exc.status, JSON_HEADERS, exc.body())
 
-    async def _serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
-        chat = path == "/v1/chat/completions"
-        tenant = self.tenants.authenticate(headers.get("authorization"))
-        body = parse_request(raw, chat)
-        modes = self.modes
-        scope = tenant.scope(body, headers)
-        plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
-        if modes.shadows:
-            modes.watch(plan)
-        self.metrics.decision.observe(plan.decision_s)
-        self.metrics.reason(plan.decision.reason).inc()
-        chosen = plan.worker(plan.decision.worker)
-        group = chosen.kv_group_of(plan.model)
-        self.residency.dispatched(
-            plan.request, chosen.name, group, chosen.exact(group), plan.arrived
-        )
-        payload = forwarded(body, scope.salt, plan.public_tokens)
-        on_success = partial(self._served, tenant=tenant.name)
-        await self.proxy.forward(reply, path, payload, plan, body.get("stream") is True, on_success)
-
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: residency for workers without KV events; the recording."""
         group = worker.kv_group_of(plan.model)
-        exact = worker.exact(group)
-        self.residency.served(
-            plan.request, worker.name, group, exact, plan.arrived, time.monotonic()
-        )
+        exact, now = worker.exact(group), time.monotonic()
+        self.residency.served(plan.request, worker.name, group, exact, plan.arrived, now)
         if self.recorder is not None:
             self.recorder.record(plan, worker, tenant, usage)
 
@@ -214,8 +185,7 @@ class Gateway:
         return web.json_response(body, status=status)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        """On the API port: behind the metrics key when one is set, and when tenants are
-        configured (its counters show every tenant's traffic) behind that or the admin key."""
+        """On the API port: behind the metrics or admin key (README.md, "GET /metrics")."""
         keys = self.metrics_keys
         if self.config.metrics_key or self.tenants.auth:
             authorization = request.headers.get("Authorization")
@@ -232,12 +202,40 @@ class Gateway:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+class Recorder:
+    """`--record FILE`: a Mooncake JSON line per served request, as it ends (docs/traces.md)."""
+
+    def __init__(self, path: str | Path, policy: str) -> None:
+        self.path = Path(path)
+        self.policy = policy
+        self._file = self.path.open("ab", buffering=1 << 16)
+        self._t0 = time.monotonic()  # the clock of Plan.arrived
+        self._encode = msgspec.json.Encoder().encode
+
+    def record(self, plan: Plan, worker: Worker, tenant: str, usage: Usage) -> None:
+        line = {
+            "timestamp": round((plan.arrived - self._t0) * 1000, 3),
+            "input_length": plan.request.prompt_tokens,
+            "output_length": usage.output_tokens or 0,
+            "hash_ids": plan.request.block_keys,
+            "block_size": plan.model.block_size,
+            "model": plan.model.name,
+            "tenant": tenant,
+            "worker": worker.name,
+            "policy": self.policy,
+            "predicted_tokens": plan.matched(worker.name),
+            "cached_tokens": usage.cached_tokens,
+        }
+        self._file.write(self._encode(line) + b"\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
 async def serve_gateway(
     config: GatewayConfig, stop: asyncio.Event, config_path: str | None = None
 ) -> None:
-    """Serve until `stop` is set, then drain (readiness false, in-flight requests finish
-    within the drain timeout); print `gateway: URL` once the socket accepts connections.
-    With `config_path`, SIGHUP reloads it."""
+    """Serve (print `gateway: URL` once listening) until `stop` is set, then drain."""
     gateway = Gateway(config)
     if config_path:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)
@@ -252,19 +250,21 @@ async def serve_gateway(
     )
     await runner.setup()
     assert runner.server is not None
-    front = FrontServer(gateway.serve, runner.server, config.limits())
+    front = FrontServer(gateway.serve, runner.server, config)
     metrics_runner: web.AppRunner | None = None
     try:
         port = await front.start(config.host, config.port)
-        if config.metrics_port is not None:
-            metrics_runner = web.AppRunner(gateway.metrics_app(), access_log=None)
+        if config.metrics_port is not None:  # /metrics with no key, and /health
+            metrics_app = web.Application()
+            routes = [web.get("/metrics", gateway.scrape), web.get("/health", gateway.health)]
+            metrics_app.add_routes(routes)
+            add_fallback_route(metrics_app)
+            metrics_runner = web.AppRunner(metrics_app, access_log=None)
             await metrics_runner.setup()
-            site = web.TCPSite(metrics_runner, config.host, config.metrics_port)
-            await site.start()
+            await web.TCPSite(metrics_runner, config.host, config.metrics_port).start()
             metrics_port = metrics_runner.addresses[0][1]
             print(f"metrics: http://{config.host}:{metrics_port}/metrics", flush=True)
-        # what startup made lives as long as the process: out of the collector's sight, so
-        # full collections under load walk only what requests and the index made since
+        # what startup made lives as long as the process: frozen, collections under load skip it
         gc.collect()
         gc.freeze()
         print(f"gateway: http://{config.host}:{port}", flush=True)

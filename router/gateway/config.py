@@ -7,7 +7,7 @@ import argparse
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from router.policies import POLICY_NAMES
 
@@ -18,20 +18,8 @@ class ConfigError(ValueError):
     pass
 
 
-class Limits(NamedTuple):
-    """The front door's limits (router/gateway/server.py); each is a GatewayConfig field."""
-
-    max_body_bytes: int
-    max_request_line_bytes: int
-    max_header_bytes: int
-    header_timeout_s: float
-    body_timeout_s: float
-    keepalive_s: float
-
-
 def _flag(default: Any, flag: str, help: str, kind: type | None = None) -> Any:
-    """A setting that is also a command-line flag (`kind`: its type, when the default is None).
-    The flag's help gets the default."""
+    """A setting that is also a command-line flag (`kind`: its type, when the default is None)."""
     metadata = {"flag": flag, "help": help, "kind": kind or type(default)}
     return field(default=default, metadata=metadata)
 
@@ -73,8 +61,7 @@ class GatewayConfig:
     policy: str = "cache_aware"
     policy_params: dict[str, Any] = field(default_factory=dict)
     admin_key: str | None = None
-    # the limits, timeouts and secrets below are flags too (README, "Limits, timeouts and
-    # failure handling"); those of the front door are its Limits
+    # also flags (README, "Limits, timeouts and failure handling"); connection.py reads limits
     salt_secret: str = _flag(
         "",
         "--salt-secret",
@@ -125,19 +112,13 @@ class GatewayConfig:
     unhealthy_after: int = 2  # consecutive failed health checks or requests
     breaker_cooldown_s: float = 3.0  # a worker taken out stays out at least this long
     approx_ttl_s: float = 120.0
-    # a request's keys count as held by its worker (one with KV events) from dispatch until the
-    # worker's events confirm them, or for this long: queueing + prefill + event delay. Off by
-    # default: it raises hit rates but concentrates load (README, "pending prefixes")
-    pending_ttl_s: float = 0.0
+    pending_ttl_s: float = 0.0  # --pending-ttl: keys pending from dispatch (0: off)
     index_max_blocks: int = 20_000_000
     prefill_tokens_per_s: float = 15_000.0  # to age queued prefill of non-streamed requests
     record: str | None = None  # a JSONL file: every served request, for `urc replay`
     degraded: bool = False  # route by plain least load (the degrade switch)
     shadow_policies: list[str] = field(default_factory=list)  # watch, never act
     parity_interval_s: float = 300.0  # token-parity probes of every worker (0: none at all)
-
-    def limits(self) -> Limits:
-        return Limits(*(getattr(self, name) for name in Limits._fields))
 
 
 def _entries(raw: dict[str, Any], key: str, cls: type) -> list[Any]:
@@ -339,9 +320,8 @@ def validate(config: GatewayConfig) -> None:
                 raise ConfigError(f"API key of tenant {tenant.name!r} is used twice")
             keys.add(key)
         if tenant.isolation not in ISOLATION_LEVELS:
-            raise ConfigError(
-                f"tenant {tenant.name!r}: isolation must be one of {', '.join(ISOLATION_LEVELS)}"
-            )
+            levels = ", ".join(ISOLATION_LEVELS)
+            raise ConfigError(f"tenant {tenant.name!r}: isolation must be one of {levels}")
     for name in _POSITIVE:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:

@@ -1,6 +1,5 @@
-"""One client connection of the front server (router/gateway/server.py says what it serves and
-refuses): httptools parses, inference requests queue and are answered in order, anything else
-is buffered whole and handed to aiohttp, limits and the `Upgrade` rewrite are applied here."""
+"""One client connection of the front door (server.py): httptools parses, inference requests are
+answered in order, anything else goes to aiohttp; limits and the `Upgrade` rewrite apply here."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from typing import TYPE_CHECKING
 import httptools
 
 from core.errors import APIError
-from router.gateway.config import Limits
+from router.gateway.config import GatewayConfig
 from router.gateway.reply import JSON_HEADERS, LeanReply
 
 if TYPE_CHECKING:
@@ -34,13 +33,11 @@ class _Request:
     def __init__(self, path: str, refusal: APIError | None = None, hot: bool = True) -> None:
         self.path = path
         self.hot = hot  # an inference request, served here (else buffered for aiohttp)
-        # not served: this error is the answer, then the connection ends (a body too large is
-        # read to its end and dropped)
-        self.refusal = refusal
+        self.refusal = refusal  # not served: this error is the answer, then the connection ends
         self.headers: dict[str, str] = {}
         self.body: list[bytes] = []
         self.size = 0
-        self.keep_alive = True
+        self.keep_alive = refusal is None
         self.chunked = True  # HTTP/1.1: a stream goes chunked; HTTP/1.0: raw until close
 
 
@@ -70,20 +67,20 @@ class FrontProtocol(asyncio.Protocol):
         self.closing = False  # answer what came, then close (after an Upgrade)
         self.reparsed = False  # the message is parsed again (its 100 Continue already sent)
 
-    # -- asyncio.Protocol --------------------------------------------------------------------
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.last_active = self.front.now()
         self.front.connections.add(self)
 
-    # EOF from the client (asyncio's default eof_received) closes the connection: a client
-    # that stops sending has given up (as nginx takes it), and its request is cancelled
+    # EOF from the client closes the connection (asyncio's default): its request is cancelled
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self.front.connections.discard(self)
-        self._drop()
+        self._drop_receiving()
+        for request in self.queue:  # forget what was received and not answered
+            self.front.released_bytes += request.size
+        self.queue.clear()
         self.head = None
         self._wake_writer()
         if self.task is not None:  # the client left: its request (and the worker's) stops
@@ -134,9 +131,8 @@ class FrontProtocol(asyncio.Protocol):
             self._refuse(_headers_too_large(limits))
 
     def _without_upgrade(self) -> None:
-        """llhttp stops at an `Upgrade` (h2c, from `curl --http2`), before the body: we take
-        none, so the message is parsed again without its upgrade headers, answered over
-        HTTP/1.1, and the connection closes after it."""
+        """llhttp stops at an `Upgrade` (h2c), before the body: the message is parsed again
+        without its upgrade headers, answered over HTTP/1.1, then the connection closes."""
         head = self.head
         if head is None or not self.queue:  # it began behind another message in its chunk
             self._refuse(APIError(400, "Upgrade is not supported here", code="upgrade"))
@@ -153,8 +149,6 @@ class FrontProtocol(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.head = None
         self._feed(b"\r\n".join(lines) + b"\r\nConnection: close" + raw[end:])
-
-    # -- httptools callbacks -----------------------------------------------------------------
 
     def on_message_begin(self) -> None:
         # the message's first byte is the chunk's first byte unless another one ended before it
@@ -239,15 +233,12 @@ class FrontProtocol(asyncio.Protocol):
             assert self.transport is not None
             self.transport.pause_reading()
 
-    # -- serving -----------------------------------------------------------------------------
-
     def _hand_over(self) -> None:
         """Give the connection to aiohttp with the bytes of the message that began."""
         if self.transport is None or self.transport.is_closing():
             return
         if self.head is None or self.task is not None or self.queue:
-            # pipelined behind an inference request: its first byte is unknown, or the
-            # transport is still answering
+            # behind an inference request: its first byte is unknown, or an answer is under way
             message = "pipelined requests are only served on the inference endpoints"
             self._refuse(APIError(400, message, code="pipelining"))
             return
@@ -258,27 +249,17 @@ class FrontProtocol(asyncio.Protocol):
         protocol.data_received(b"".join(self.head))
 
     def _drop_receiving(self) -> None:
-        """Forget the request being received (the front server counts its bytes, to give the
-        memory back)."""
+        """Forget the request being received (its bytes count toward giving memory back)."""
         if self.request is not None:
             self.front.released_bytes += self.request.size
             self.request = None
         self.began = 0.0
 
-    def _drop(self) -> None:
-        """Forget every request received and not answered."""
-        self._drop_receiving()
-        for request in self.queue:
-            self.front.released_bytes += request.size
-        self.queue.clear()
-
     def _refuse(self, error: APIError) -> None:
         """Answer `error` after the requests already received, then close."""
         self.refused = True
         self._drop_receiving()
-        refusal = _Request("", error)
-        refusal.keep_alive = False
-        self._enqueue(refusal)
+        self._enqueue(_Request("", error))
 
     async def _serve_queue(self) -> None:
         try:
@@ -316,8 +297,6 @@ class FrontProtocol(asyncio.Protocol):
         # a stream cut short (or raw, HTTP/1.0) ends only when the connection does
         return reply.complete and reply.keep_alive
 
-    # -- the transport -----------------------------------------------------------------------
-
     def write(self, data: bytes) -> None:
         if not self.lost and self.transport is not None:
             self.transport.write(data)
@@ -341,7 +320,7 @@ class FrontProtocol(asyncio.Protocol):
         """Between requests: nothing being received, answered or waiting."""
         return self.task is None and self.began == 0.0 and not self.queue
 
-    def check_timeouts(self, now: float, limits: Limits) -> None:
+    def check_timeouts(self, now: float, limits: GatewayConfig) -> None:
         """The reaper's look at this connection (once a second)."""
         if self.refused or self.began == 0.0:
             return
@@ -355,6 +334,6 @@ class FrontProtocol(asyncio.Protocol):
         self._refuse(APIError(408, message, code="timeout"))
 
 
-def _headers_too_large(limits: Limits) -> APIError:
+def _headers_too_large(limits: GatewayConfig) -> APIError:
     message = f"request headers too large (limit {limits.max_header_bytes} bytes)"
     return APIError(431, message, code="headers_too_large")

@@ -19,14 +19,6 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
-def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="service_unavailable", code="no_worker")
-
-
-def bad_gateway(message: str) -> APIError:
-    return APIError(502, message, type="bad_gateway", code="worker_failed")
-
-
 def json_errors(handler: Handler) -> Handler:
     """Every error of `handler` leaves as OpenAI-style JSON with its status, never a 500 page."""
 

@@ -1,29 +1,99 @@
-"""The fleet as the gateway sees it: workers, what they serve, their health and load.
-
-A worker is *up* once it answers; after `unhealthy_after` failed checks or requests in a row it
-leaves the candidates (and its residency the index) until it answers again. Workers with KV
-events are mirrored exactly, the others approximately (docs/index.md).
-"""
+"""The fleet as the gateway sees it: workers, what they serve, their health and load, and their
+KV-event streams, one per kv_group (docs/dispatch.md, "The fleet"; docs/kv-events.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlparse
 
 import aiohttp
 
 from core.tokenizer import Tokenizer, load_tokenizer
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
-from router.gateway.events import EventStream, discovered_streams
 from router.gateway.upstream import UpstreamPool
 from router.index import UnifiedIndex
+from router.kv_mirror import WorkerMirror
+from router.kv_subscriber import KVEventSubscriber
 from router.policies import WorkerLoad
 
 log = logging.getLogger(__name__)
+_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", "127.0.0.1", "localhost"}
+
+
+def reachable(endpoint: str | None, worker_host: str) -> str | None:
+    """A worker reports its bind address (tcp://*:5557, tcp://127.0.0.1:5557); seen from the
+    gateway its events live on the host of its URL (a container name, another machine)."""
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return endpoint
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if sep and host in _WILDCARD_HOSTS:
+        return f"tcp://{worker_host}:{port}"
+    return endpoint
+
+
+@dataclass(slots=True, eq=False)
+class EventStream:
+    kv_group: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    mirror: WorkerMirror | None = None
+    subscriber: KVEventSubscriber | None = None
+    task: asyncio.Task[None] | None = None
+
+    def start(self, index: UnifiedIndex, worker: str, block_size: int) -> None:
+        self.mirror = WorkerMirror(index, worker, self.kv_group, block_size=block_size)
+        self.subscriber = KVEventSubscriber(
+            self.mirror, self.endpoint, self.replay_endpoint, topic=self.topic, clock=time.monotonic
+        )
+        self.task = asyncio.get_running_loop().create_task(self.subscriber.run())
+
+    async def stop(self) -> None:
+        if self.subscriber is not None:
+            self.subscriber.stop()
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+        self.subscriber = self.task = self.mirror = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kv_group": self.kv_group,
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "mirror": self.mirror.stats()._asdict() if self.mirror is not None else None,
+        }
+
+
+def discovered_streams(
+    info: dict[str, Any], served: dict[str, str], host: str
+) -> list[EventStream]:
+    """The streams a worker's /urc/info describes: per model, or one for a single kv_group."""
+    streams: dict[str, EventStream] = {}
+    for entry in info.get("models", []):
+        events = entry.get("kv_events")
+        group = served.get(entry.get("name", ""))
+        if events and group and events.get("endpoint"):
+            streams.setdefault(group, _stream(group, events, host))
+    top = info.get("kv_events")
+    groups = set(served.values())
+    if not streams and top and top.get("endpoint") and len(groups) == 1:
+        group = groups.pop()
+        streams[group] = _stream(group, top, host)
+    return list(streams.values())
+
+
+def _stream(group: str, events: dict[str, Any], host: str) -> EventStream:
+    endpoint = reachable(events["endpoint"], host) or ""
+    replay = reachable(events.get("replay_endpoint"), host)
+    return EventStream(group, endpoint, replay, events.get("topic", ""))
 
 
 @dataclass(slots=True)
@@ -41,6 +111,7 @@ class Worker:
     name: str
     url: str
     config: WorkerConfig
+    pool: UpstreamPool  # keep-alive connections for requests
     models: dict[str, str] = field(default_factory=dict)  # served name -> kv_group
     block_size: int = 16
     up: bool = False
@@ -50,9 +121,7 @@ class Worker:
     alive_at: float = 0.0  # its last answer of any kind, or passed health check (monotonic)
     incarnation: str | None = None
     load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
-    # KV events, one stream per kv_group (a group without one: approximate residency)
-    streams: list[EventStream] = field(default_factory=list)
-    pool: UpstreamPool | None = None  # keep-alive connections for requests
+    streams: list[EventStream] = field(default_factory=list)  # KV events, one per kv_group
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
 
     def __post_init__(self) -> None:
@@ -99,8 +168,6 @@ class Fleet:
         self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
         self.on_down: list[Callable[[Worker], None]] = []  # called when a worker is taken out
 
-    # -- models ------------------------------------------------------------------------------
-
     def _declare(self, name: str, config: ModelConfig | None, group: str, block_size: int) -> None:
         spec = config.tokenizer if config else "byte"
         if spec not in self._tokenizers:
@@ -109,9 +176,6 @@ class Fleet:
         self.models[name] = model
         for alias in config.aliases if config else ():
             self.models[alias] = model
-
-    def model(self, name: str) -> Model | None:
-        return self.models.get(name)
 
     def candidates(self, kv_group: str) -> list[Worker]:
         return self._by_group.get(kv_group, [])
@@ -129,8 +193,6 @@ class Fleet:
         self._by_group = groups
         self._loads = {group: [w.load for w in workers] for group, workers in groups.items()}
 
-    # -- membership --------------------------------------------------------------------------
-
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
@@ -139,7 +201,8 @@ class Fleet:
 
     async def close(self) -> None:
         for worker in list(self.workers.values()):
-            await self._stop_events(worker)
+            for stream in worker.streams:
+                await stream.stop()
         if self.session is not None:
             await self.session.close()
 
@@ -150,8 +213,8 @@ class Fleet:
         name = config.name or f"{url.hostname}:{port}"
         if name in self.workers:
             raise ValueError(f"worker {name!r} is already in the fleet")
-        worker = Worker(name, config.url.rstrip("/"), config)
-        worker.pool = UpstreamPool(url.hostname or "127.0.0.1", port, tls)
+        pool = UpstreamPool(url.hostname or "127.0.0.1", port, tls)
+        worker = Worker(name, config.url.rstrip("/"), config, pool)
         self.workers[name] = worker
         await self.check(worker)
         return worker
@@ -161,18 +224,14 @@ class Fleet:
         if worker is None:
             return False
         await self._mark_down(worker, "removed")
-        if worker.pool is not None:
-            worker.pool.close()
+        worker.pool.close()
         return True
 
     def events_lost(self) -> bool:
         """The index is unhealthy: workers publish KV events, and no stream is connected."""
-        streams = [
-            s for w in self.workers.values() if w.up for s in w.streams if s.subscriber is not None
-        ]
-        return bool(streams) and not any(s.subscriber and s.subscriber.connected for s in streams)
-
-    # -- health ------------------------------------------------------------------------------
+        up = [s.subscriber for w in self.workers.values() if w.up for s in w.streams]
+        subscribers = [s for s in up if s is not None]
+        return bool(subscribers) and not any(s.connected for s in subscribers)
 
     async def check(self, worker: Worker) -> None:
         """One health check; discovery when the worker comes (back) up."""
@@ -204,9 +263,7 @@ class Fleet:
             asyncio.get_running_loop().create_task(self._mark_down(worker, "unhealthy"))
 
     async def health_loop(self) -> None:
-        """Probe every worker each interval, except those up that answered a request within
-        it: under load, requests are the health checks (a failing one counts as a failed
-        check), and the probes would only take the workers' and the gateway's time."""
+        """Probe every worker each interval but those up that answered a request within it."""
         interval = self.config.health_interval_s
         while True:
             await asyncio.sleep(interval)
@@ -244,20 +301,15 @@ class Fleet:
             self._adopt_block_size(name, worker)
             served[name] = model.kv_group
         worker.models = served
-        host = urlparse(worker.url).hostname or "127.0.0.1"
         if config.kv_events:  # configured: one stream, meaningful only for a single kv_group
             groups = set(served.values())
-            worker.streams = (
-                [EventStream(groups.pop(), config.kv_events, config.kv_replay, config.kv_topic)]
-                if len(groups) == 1
-                else []
-            )
+            ends = (config.kv_events, config.kv_replay, config.kv_topic)
+            worker.streams = [EventStream(groups.pop(), *ends)] if len(groups) == 1 else []
         else:  # discovered afresh each time: a restart may move them
-            worker.streams = discovered_streams(info, served, host)
+            worker.streams = discovered_streams(info, served, worker.pool.host)
 
     def _adopt_block_size(self, name: str, worker: Worker) -> None:
-        """A model configured without a block size is keyed with its workers' (a kv_group has
-        one block size: a worker that disagrees cannot be mirrored exactly)."""
+        """A model configured without a block size is keyed with its workers' (one per kv_group)."""
         configured = self._configured.get(name)
         model = self.models[name]
         if configured is not None and configured.block_size is None:
@@ -267,8 +319,7 @@ class Fleet:
             log.warning(message, worker.name, worker.block_size, name, model.block_size)
 
     async def _mark_up(self, worker: Worker) -> None:
-        worker.up = True
-        worker.failures = 0
+        worker.up = True  # (its failures were reset by the check that found it healthy)
         for stream in worker.streams:
             stream.start(self.index, worker.name, worker.block_size)
         self._regroup()
@@ -284,12 +335,8 @@ class Fleet:
         self._regroup()
         for hook in self.on_down:
             hook(worker)
-        await self._stop_events(worker)
-        self.index.clear(worker.name)
-        if worker.pool is not None:
-            worker.pool.close()
-        log.warning("worker %s down (%s): its residency left the index", worker.name, why)
-
-    async def _stop_events(self, worker: Worker) -> None:
         for stream in worker.streams:
             await stream.stop()
+        self.index.clear(worker.name)
+        worker.pool.close()
+        log.warning("worker %s down (%s): its residency left the index", worker.name, why)

@@ -1,13 +1,5 @@
 """Request identity and isolation (docs/isolation.md): the API key names the tenant, the tenant
-its cache salt, and its isolation level which of its requests may reuse each other's KV.
-
-With no keys configured auth is off and every request belongs to one shared tenant keyed in the
-shared namespace. Salts are keyed hashes (a client cannot name another tenant's, and every
-replica derives the same ones) and structured, so every scope of invalidation is a test on the
-salt alone: tenant `T`, user `T.u.<h(user)>`, session `T.s.<h(session)>`; `shared` keys the
-leading system prompt in the shared namespace (`urc_public_tokens`, core/blocks.py) and the
-rest as the tenant's.
-"""
+its cache salt, and its isolation level which of its requests may reuse each other's KV."""
 
 from __future__ import annotations
 
@@ -43,26 +35,9 @@ def session_salt(tenant_salt: str, session: str) -> str:
     return f"{tenant_salt}.s.{_h(session)}"
 
 
-def request_scope(
-    isolation: str, tenant_salt: str | None, body: dict[str, Any], headers: Mapping[str, str]
-) -> Scope:
-    """The salt of one request under its tenant's isolation level."""
-    if tenant_salt is None or isolation == "tenant":
-        return Scope(tenant_salt, False)
-    if isolation == "shared":
-        return Scope(tenant_salt, True)
-    if isolation == "user":
-        user = body.get("user")
-        if user is not None and not isinstance(user, str):
-            raise bad_request("'user' must be a string", "user")
-        return Scope(user_salt(tenant_salt, user) if user else tenant_salt, False)
-    session = next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
-    return Scope(session_salt(tenant_salt, session) if session else tenant_salt, False)
-
-
 def public_tokens(tokens: Sequence[int], system_tokens: Sequence[int], block_size: int) -> int:
-    """The tokens of the public prefix: what the render of the leading system messages alone
-    has in common with the full render, cut down to whole blocks."""
+    """The public prefix: the full render's tokens in common with the system messages' alone,
+    in whole blocks."""
     n = 0
     for a, b in zip(tokens, system_tokens, strict=False):
         if a != b:
@@ -88,16 +63,27 @@ class Tenant(NamedTuple):
 
     def scope(self, body: dict[str, Any], headers: Mapping[str, str]) -> Scope:
         """The salt of one request of this tenant under its isolation level."""
-        return request_scope(self.isolation, self.salt, body, headers)
+        salt, isolation = self.salt, self.isolation
+        if salt is None or isolation == "tenant":
+            return Scope(salt, False)
+        if isolation == "shared":
+            return Scope(salt, True)
+        if isolation == "user":
+            user = body.get("user")
+            if user is not None and not isinstance(user, str):
+                raise bad_request("'user' must be a string", "user")
+            return Scope(user_salt(salt, user) if user else salt, False)
+        session = next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
+        return Scope(session_salt(salt, session) if session else salt, False)
 
 
 class Tenants:
     def __init__(self, tenants: list[TenantConfig], secret: str) -> None:
         self._by_key: dict[str, Tenant] = {}
+        secret_key = secret.encode()[:64]
         for config in tenants:
-            digest = hashlib.blake2b(
-                config.name.encode(), key=secret.encode()[:64], digest_size=16
-            ).hexdigest()
+            name = config.name.encode()
+            digest = hashlib.blake2b(name, key=secret_key, digest_size=16).hexdigest()
             tenant = Tenant(config.name, f"urc-{digest}", config.isolation)
             for key in config.api_keys:
                 self._by_key[key] = tenant
@@ -131,6 +117,4 @@ class Tenants:
             gauge.labels(tenant.name, tenant.isolation).set(1)
 
     def by_name(self, name: str) -> Tenant | None:
-        if not self.auth and name == SHARED_TENANT:
-            return self._shared
-        return next((t for t in self._by_key.values() if t.name == name), None)
+        return next((t for t in self.all() if t.name == name), None)

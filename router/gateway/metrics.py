@@ -1,29 +1,28 @@
-"""Prometheus metrics of the gateway. The request path bumps plain numbers (no locks, no label
-lookups); collectors render them, and the index's, event streams' and workers' state, at
-scrape time."""
+"""Prometheus metrics of the gateway: the request path bumps plain numbers (no locks, no label
+lookups), rendered with the index's, event streams' and workers' state at scrape time."""
 
 from __future__ import annotations
 
 import math
 import time
 from bisect import bisect_left
+from collections import defaultdict
 from collections.abc import Iterator
 from functools import partial
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from router.gateway.fleet import Fleet
-from router.gateway.modes import RoutingModes
+from router.gateway.routing import RoutingModes
 from router.index import UnifiedIndex
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 # a rough per-block cost of the index (bench/index_bench.py measures it)
 INDEX_BYTES_PER_BLOCK = 100
-K = TypeVar("K")
 
 
 class Count:
@@ -71,17 +70,7 @@ class Series(NamedTuple):
     error: Count
 
 
-def _count(counts: dict[K, Count], key: K) -> Count:
-    count = counts.get(key)
-    if count is None:
-        count = counts[key] = Count()
-    return count
-
-
 class GatewayMetrics(Collector):
-    """The request path updates plain numbers; `registry` renders them, the fleet's and index's
-    state and the routing modes at scrape time."""
-
     def __init__(
         self, fleet: Fleet, index: UnifiedIndex, modes: RoutingModes, policy_name: str
     ) -> None:
@@ -92,12 +81,12 @@ class GatewayMetrics(Collector):
         self.policy_name = policy_name
         self.decision = Hist(_DECISION_BUCKETS)
         self._series: dict[tuple[str, str], Series] = {}
-        self._status: dict[tuple[str, str, int], Count] = {}
-        self._reasons: dict[str, Count] = {}
-        self._failovers: dict[str, Count] = {}
-        Gauge(
-            "urc_policy_info", "The live routing policy", ["policy"], registry=self.registry
-        ).labels(policy_name).set(1)
+        self.statuses: defaultdict[tuple[str, str, int], Count] = defaultdict(Count)
+        self.reasons: defaultdict[str, Count] = defaultdict(Count)
+        self.failovers: defaultdict[str, Count] = defaultdict(Count)  # by worker
+        registry = self.registry
+        info = Gauge("urc_policy_info", "The live routing policy", ["policy"], registry=registry)
+        info.labels(policy_name).set(1)
         self.registry.register(self)
 
     def series(self, model: str, worker: str) -> Series:
@@ -108,15 +97,6 @@ class GatewayMetrics(Collector):
             )
         return series
 
-    def status(self, model: str, worker: str, status: int) -> Count:
-        return _count(self._status, (model, worker, status))
-
-    def reason(self, reason: str) -> Count:
-        return _count(self._reasons, reason)
-
-    def failover(self, worker: str) -> Count:
-        return _count(self._failovers, worker)
-
     def collect(self) -> Iterator[Any]:
         yield from self._requests()
         yield from self._fleet()
@@ -125,7 +105,7 @@ class GatewayMetrics(Collector):
     def _requests(self) -> Iterator[Any]:
         doc = "Requests by model, worker and status"
         requests = CounterMetricFamily("urc_requests", doc, labels=["model", "worker", "status"])
-        for (model, worker, status), count in list(self._status.items()):
+        for (model, worker, status), count in list(self.statuses.items()):
             requests.add_metric([model, worker, str(status)], count.value)
         yield requests
         per_worker = [
@@ -136,8 +116,7 @@ class GatewayMetrics(Collector):
         for name, doc, field in per_worker:
             family = HistogramMetricFamily(name, doc, labels=["model", "worker"])
             for (model, worker), s in series:
-                buckets, total = getattr(s, field).family_point()
-                family.add_metric([model, worker], buckets, total)
+                family.add_metric([model, worker], *getattr(s, field).family_point())
             yield family
         counters = [
             ("urc_prompt_tokens", "Prompt tokens routed", "prompt_tokens"),
@@ -154,21 +133,18 @@ class GatewayMetrics(Collector):
             for (model, worker), s in series:
                 family.add_metric([worker, model], getattr(s, field).value)
             yield family
-        buckets, total = self.decision.family_point()
-        decision = HistogramMetricFamily(
-            "urc_decision_seconds", "Tokenize + keys + match + policy", labels=[]
-        )
-        decision.add_metric([], buckets, total)
+        doc = "Tokenize + keys + match + policy"
+        decision = HistogramMetricFamily("urc_decision_seconds", doc, labels=[])
+        decision.add_metric([], *self.decision.family_point())
         yield decision
-        reasons = CounterMetricFamily(
-            "urc_route_reasons", "Routing decisions by reason", labels=["policy", "reason"]
-        )
-        for reason, count in list(self._reasons.items()):
+        doc = "Routing decisions by reason"
+        reasons = CounterMetricFamily("urc_route_reasons", doc, labels=["policy", "reason"])
+        for reason, count in list(self.reasons.items()):
             reasons.add_metric([self.policy_name, reason], count.value)
         yield reasons
         doc = "Requests retried on another worker before the first byte"
         failovers = CounterMetricFamily("urc_failovers", doc, labels=["worker"])
-        for worker, count in list(self._failovers.items()):
+        for worker, count in list(self.failovers.items()):
             failovers.add_metric([worker], count.value)
         yield failovers
 
@@ -176,30 +152,21 @@ class GatewayMetrics(Collector):
         stats = self.index.stats()
         yield GaugeMetricFamily("urc_index_blocks", "Blocks in the unified index", stats.blocks)
         yield GaugeMetricFamily("urc_index_runs", "Radix nodes (runs of blocks)", stats.runs)
-        yield GaugeMetricFamily(
-            "urc_index_residencies", "(block, worker) residencies", stats.residencies
-        )
-        yield GaugeMetricFamily(
-            "urc_index_pending_residencies",
-            "Residencies marked at dispatch, not yet confirmed by the worker's KV events",
-            stats.pending,
-        )
-        yield GaugeMetricFamily(
-            "urc_index_memory_bytes",
-            "Estimated memory of the index",
-            stats.blocks * INDEX_BYTES_PER_BLOCK,
-        )
-        yield CounterMetricFamily(
-            "urc_index_evicted_blocks", "Blocks dropped by the memory budget", stats.evicted
-        )
+        doc = "(block, worker) residencies"
+        yield GaugeMetricFamily("urc_index_residencies", doc, stats.residencies)
+        doc = "Residencies marked at dispatch, not yet confirmed by the worker's KV events"
+        yield GaugeMetricFamily("urc_index_pending_residencies", doc, stats.pending)
+        memory = stats.blocks * INDEX_BYTES_PER_BLOCK
+        yield GaugeMetricFamily("urc_index_memory_bytes", "Estimated memory of the index", memory)
+        doc = "Blocks dropped by the memory budget"
+        yield CounterMetricFamily("urc_index_evicted_blocks", doc, stats.evicted)
         gauge = partial(GaugeMetricFamily, labels=["worker"])
         counter = partial(CounterMetricFamily, labels=["worker"])
         healthy = gauge("urc_worker_healthy", "1 if the worker is up")
         exact = gauge("urc_worker_exact", "1 if residency comes from KV events")
         in_flight = gauge("urc_worker_in_flight", "Requests in flight")
-        queued = gauge(
-            "urc_worker_queued_prefill_tokens", "Uncached prompt tokens routed, not yet prefilled"
-        )
+        doc = "Uncached prompt tokens routed, not yet prefilled"
+        queued = gauge("urc_worker_queued_prefill_tokens", doc)
         held = gauge("urc_worker_cached_blocks", "Blocks held")
         lag = gauge("urc_kv_event_lag_seconds", "Now minus the newest event's timestamp")
         gaps = counter("urc_kv_event_gaps", "Sequence gaps seen")
@@ -221,13 +188,11 @@ class GatewayMetrics(Collector):
         yield from (healthy, exact, in_flight, queued, held, lag, gaps, resets)
 
     def _modes(self) -> Iterator[Any]:
-        """Which routing mode is active, and what the shadow policies would have done."""
         modes = self.modes
         doc = "1 while routing falls back to least load"
         yield GaugeMetricFamily("urc_routing_degraded", doc, float(modes.degraded))
-        active = GaugeMetricFamily(
-            "urc_routing_policy", "The policy routing now", labels=["policy"]
-        )
+        doc = "The policy routing now"
+        active = GaugeMetricFamily("urc_routing_policy", doc, labels=["policy"])
         active.add_metric([modes.active().name], 1.0)
         yield active
         fields = [
@@ -251,6 +216,6 @@ class GatewayMetrics(Collector):
         ]
         for name, doc, field in fields:
             family = CounterMetricFamily(name, doc, labels=["policy"])
-            for policy, stats in modes.stats.items():
+            for policy, stats in modes.shadow.stats.items():
                 family.add_metric([policy], float(getattr(stats, field)))
             yield family

@@ -1,16 +1,11 @@
-"""Token parity: the gateway keys prompts with its own tokenizer, so its keys are the engine's
-only if both turn a request into the same token ids (docs/block-keys.md).
-
-When a worker comes up, and every `parity_interval_s`, a known chat and completion (one output
-token each) go to each kv_group it serves, and its `usage.prompt_tokens` is compared with the
-gateway's count. A mismatch *downgrades* that kv_group of the worker to approximate mode (its
-event stream stopped, its residency cleared) until a probe matches again; a probe that gets no
-answer changes nothing.
-"""
+"""Token parity: the gateway's keys are the engine's only if both make the same token ids of a
+request. Probes compare the counts, and a kv_group of a worker that disagrees is routed in
+approximate mode until one matches again (docs/block-keys.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -23,6 +18,7 @@ from prometheus_client.registry import Collector
 from router.gateway.fleet import Fleet, Worker
 
 log = logging.getLogger(__name__)
+_TIMEOUT_S = 30.0  # a probe's answer: one output token, behind whatever the worker runs
 
 # Text that tokenizers disagree on: casing, digits, punctuation runs, spacing, non-ASCII.
 PROBE_TEXT = (
@@ -52,13 +48,12 @@ class ParityState:
     errors: int = 0
 
 
-class ParityProbe:
-    """Probes the fleet's workers; `on_up` is Fleet's hook, `run` the periodic loop."""
+class ParityProbe(Collector):
+    """Probes the fleet's workers (`on_up`: Fleet's hook, `run`: the loop); exports verdicts."""
 
-    def __init__(self, fleet: Fleet, interval_s: float, timeout_s: float = 30.0) -> None:
+    def __init__(self, fleet: Fleet, interval_s: float) -> None:
         self.fleet = fleet
         self.interval_s = interval_s
-        self.timeout_s = timeout_s
         self.states: dict[tuple[str, str], ParityState] = {}
         self.downgraded: set[tuple[str, str]] = set()  # (worker, kv_group)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -88,6 +83,24 @@ class ParityProbe:
             for (worker, model), state in sorted(self.states.items())
         ]
 
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        labels = ["worker", "model"]
+        doc = "1 if the worker counts the probe's prompt tokens as the gateway does, 0 if not"
+        parity = GaugeMetricFamily("urc_tokenizer_parity", doc, labels=labels)
+        doc = "Parity probes whose prompt-token counts differed"
+        mismatches = CounterMetricFamily("urc_tokenizer_parity_mismatches", doc, labels=labels)
+        doc = "Parity probes that got no usable answer"
+        errors = CounterMetricFamily("urc_tokenizer_parity_probe_errors", doc, labels=labels)
+        fleet = self.fleet.workers
+        for (worker, model), state in list(self.states.items()):
+            if worker not in fleet:  # removed from the fleet
+                continue
+            if state.ok is not None:
+                parity.add_metric([worker, model], float(state.ok))
+            mismatches.add_metric([worker, model], state.mismatches)
+            errors.add_metric([worker, model], state.errors)
+        yield from (parity, mismatches, errors)
+
     async def probe(self, worker: Worker) -> None:
         """One probe per kv_group the worker serves (through the first model of the group)."""
         by_group: dict[str, str] = {}
@@ -97,18 +110,14 @@ class ParityProbe:
             await self._probe_group(worker, group, name)
 
     async def _probe_group(self, worker: Worker, group: str, name: str) -> None:
-        model = self.fleet.model(name)
+        model = self.fleet.models.get(name)
         if model is None:
             return
         state = self.states.setdefault((worker.name, name), ParityState())
         tokenizer = model.tokenizer
-        try:
-            expected = {
-                "chat": len(tokenizer.encode_chat(PROBE_CHAT)),
-                "completion": len(tokenizer.encode(PROBE_TEXT)),
-            }
-        except ValueError:  # no chat template: only completions can be compared
-            expected = {"completion": len(tokenizer.encode(PROBE_TEXT))}
+        expected = {"completion": len(tokenizer.encode(PROBE_TEXT))}
+        with contextlib.suppress(ValueError):  # no chat template: only completions compare
+            expected = {"chat": len(tokenizer.encode_chat(PROBE_CHAT)), **expected}
         actual: dict[str, int] = {}
         for kind in expected:
             count = await self._prompt_tokens(worker, name, kind)
@@ -139,7 +148,7 @@ class ParityProbe:
             return None
         path, field, prompt = _PROBES[kind]
         body = {"model": model, "max_tokens": 1, "temperature": 0.0, field: prompt}
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=_TIMEOUT_S)
         try:
             async with session.post(worker.url + path, json=body, timeout=timeout) as resp:
                 if resp.status != 200:
@@ -171,32 +180,3 @@ class ParityProbe:
         for stream in worker.streams:
             if stream.kv_group == group and stream.subscriber is None:
                 stream.start(self.fleet.index, worker.name, worker.block_size)
-
-
-class ParityCollector(Collector):
-    def __init__(self, probe: ParityProbe) -> None:
-        self.probe = probe
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        labels = ["worker", "model"]
-        parity = GaugeMetricFamily(
-            "urc_tokenizer_parity",
-            "1 if the worker counts the probe's prompt tokens as the gateway does, 0 if not",
-            labels=labels,
-        )
-        mismatches = CounterMetricFamily(
-            "urc_tokenizer_parity_mismatches",
-            "Parity probes whose prompt-token counts differed",
-            labels=labels,
-        )
-        doc = "Parity probes that got no usable answer"
-        errors = CounterMetricFamily("urc_tokenizer_parity_probe_errors", doc, labels=labels)
-        fleet = self.probe.fleet.workers
-        for (worker, model), state in list(self.probe.states.items()):
-            if worker not in fleet:  # removed from the fleet
-                continue
-            if state.ok is not None:
-                parity.add_metric([worker, model], float(state.ok))
-            mismatches.add_metric([worker, model], state.mismatches)
-            errors.add_metric([worker, model], state.errors)
-        yield from (parity, mismatches, errors)

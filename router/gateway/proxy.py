@@ -1,20 +1,17 @@
-"""Forwarding: the worker's body (request_body.py) to the planned worker, failing over to the
-next one while nothing has reached the client; SSE chunks are passed through as they arrive.
-Each attempt holds a share of its worker's load (router/dispatch.py) until its first byte; a
-non-streamed answer's prefill is aged out after the time the prefill-rate estimate gives it.
-"""
+"""Forwarding to the planned worker, failover while nothing has reached the client, SSE passed
+through as it arrives, and the load ledger of each attempt (docs/dispatch.md, 3 and 5)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from core.errors import APIError
 from router.dispatch import LoadShare, dispatch
-from router.gateway.deadlines import Deadlines
-from router.gateway.errors import bad_gateway
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.reply import Headers, Reply
@@ -23,6 +20,7 @@ from router.gateway.upstream import UpstreamError, UpstreamResponse
 
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _OUTPUT_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+Renew = Callable[[float], float]  # loop time now -> the next deadline
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
 
@@ -54,8 +52,7 @@ class Proxy:
         fleet.on_down.append(self.abandon)
 
     def abandon(self, worker: Worker) -> None:
-        """`worker` left the fleet: its attempts that have sent nothing to their clients fail
-        over now instead of waiting for it."""
+        """`worker` left the fleet: its attempts that sent nothing to the client fail over now."""
         for task in list(worker.waiting):
             self.deadlines.expire(task)
 
@@ -68,12 +65,8 @@ class Proxy:
         stream: bool,
         on_success: Callable[[Plan, Worker, Usage], None],
     ) -> None:
-        """Send the request on; the answer (or the last worker's error) goes to `reply`.
-
-        A worker that cannot be reached, breaks the exchange or sends nothing in time counts
-        against its health and the next one is tried. A worker that answers 5xx is alive (the
-        request itself may be the cause): it is not counted, and one other worker is tried
-        before that answer goes back to the client."""
+        """Send the request on; the answer (or the last worker's error) goes to `reply`. A
+        worker's 5xx counts against no worker's health and gets one other worker tried."""
         t0 = time.monotonic()
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
@@ -97,7 +90,7 @@ class Proxy:
                 load.finish()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
-                self.metrics.failover(worker.name).inc()
+                self.metrics.failovers[worker.name].inc()
                 if failed.answer is None:
                     self.fleet.failed(worker)
                 elif answered is None:
@@ -110,11 +103,10 @@ class Proxy:
                 on_success(plan, worker, usage)
             return
         if answered is not None:
-            status, headers, body = answered
-            reply.whole(status, headers, body)
+            reply.whole(*answered)
             return
-        model = plan.model.name
-        raise bad_gateway(f"every worker failed for model '{model}' (last: {last_error})")
+        message = f"every worker failed for model '{plan.model.name}' (last: {last_error})"
+        raise APIError(502, message, type="bad_gateway", code="worker_failed")
 
 
 class _Attempt:
@@ -124,7 +116,6 @@ class _Attempt:
         self, proxy: Proxy, reply: Reply, plan: Plan, worker: Worker, load: LoadShare, t0: float
     ) -> None:
         self.proxy = proxy
-        self.metrics = proxy.metrics
         self.reply = reply
         self.plan = plan
         self.worker = worker
@@ -134,12 +125,10 @@ class _Attempt:
     async def run(self, path: str, payload: bytes, stream: bool) -> tuple[int, Usage | None]:
         """Its status and, on success, usage."""
         proxy, worker = self.proxy, self.worker
-        assert worker.pool is not None
         total = proxy.request_timeout_s - (time.monotonic() - self.t0)
         ttfb = proxy.ttfb_timeout_s
-        task = proxy.deadlines.enter(
-            ttfb if ttfb < total else total, None if stream else self.renew
-        )
+        due = ttfb if ttfb < total else total
+        task = proxy.deadlines.enter(due, None if stream else self.renew)
         worker.waiting.add(task)
         try:
             try:
@@ -166,14 +155,13 @@ class _Attempt:
             proxy.deadlines.leave(task)
 
     def renew(self, now: float) -> float:
-        """A stream's first byte is due within the time to first byte. A non-streamed answer
-        comes whole, after the generation: it may wait longer while its worker shows signs of
-        life (answers, health checks) within that time."""
+        """A non-streamed answer comes whole, after the generation: it waits on while its
+        worker shows signs of life (answers, health checks) within the time to first byte."""
         return now + self.worker.alive_at + self.proxy.ttfb_timeout_s - time.monotonic()
 
     def _first_byte(self) -> None:
         self.load.first_token()
-        series = self.metrics.series(self.plan.model.name, self.worker.name)
+        series = self.proxy.metrics.series(self.plan.model.name, self.worker.name)
         series.ttft.observe(time.monotonic() - self.t0)
 
     def _headers(self, upstream: UpstreamResponse) -> Headers:
@@ -182,7 +170,7 @@ class _Attempt:
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
         route = (
             f"worker={name}; matched_tokens={plan.matched(name)}; "
-            f"prompt_tokens={plan.prompt_tokens}; "
+            f"prompt_tokens={plan.request.prompt_tokens}; "
             f"reason={plan.decision.reason}; policy={plan.policy}"
         )
         headers.append(("x-urc-route", route))
@@ -196,7 +184,7 @@ class _Attempt:
             raise _Failover(str(exc)) from None
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
-            self.metrics.status(self.plan.model.name, self.worker.name, status).inc()
+            self.proxy.metrics.statuses[self.plan.model.name, self.worker.name, status].inc()
             raise _Failover(f"answered {status}", (status, self._headers(upstream), body))
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
@@ -258,16 +246,96 @@ class _Attempt:
         worker.failures = 0
         if status < 500:  # it answered for itself: as good as a health check
             worker.answered_at = now
-        self.metrics.status(plan.model.name, worker.name, status).inc()
-        series = self.metrics.series(plan.model.name, worker.name)
+        self.proxy.metrics.statuses[plan.model.name, worker.name, status].inc()
+        series = self.proxy.metrics.series(plan.model.name, worker.name)
         series.latency.observe(now - self.t0)
         if usage is not None:
             predicted = plan.matched(worker.name)
-            series.prompt_tokens.inc(plan.prompt_tokens)
+            series.prompt_tokens.inc(plan.request.prompt_tokens)
             series.predicted.inc(predicted)
             if usage.cached_tokens is not None:
                 series.actual.inc(usage.cached_tokens)
                 series.error.inc(abs(predicted - usage.cached_tokens))
+
+
+class Deadlines:
+    """Deadlines without a timer per request (as `asyncio.timeout` has): each attempt is one dict
+    entry, and a sweep four times a second cancels the tasks past due."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s = period_s
+        self._due: dict[asyncio.Task[object], float] = {}
+        self._renew: dict[asyncio.Task[object], Renew] = {}
+        self._expired: set[asyncio.Task[object]] = set()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop, asked once (each lookup costs a getpid() call, CPython 3.11)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def enter(self, seconds: float, renew: Renew | None = None) -> asyncio.Task[object]:
+        """The current task must finish within `seconds` or be cancelled; when they pass,
+        `renew(now)` may give a later deadline."""
+        loop = self.loop()
+        task = asyncio.current_task(loop)
+        assert task is not None
+        self._due[task] = loop.time() + seconds
+        if renew is not None:
+            self._renew[task] = renew
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = loop.create_task(self._sweep())
+        return task
+
+    def rearm(self, task: asyncio.Task[object], seconds: float) -> None:
+        """A new deadline `seconds` from now, with no renewal."""
+        if task in self._due:
+            self._due[task] = self.loop().time() + seconds
+            self._renew.pop(task, None)
+
+    def expire(self, task: asyncio.Task[object]) -> None:
+        """Now: the task is cancelled as if its deadline had passed."""
+        if self._due.pop(task, None) is not None:
+            self._renew.pop(task, None)
+            self._expired.add(task)
+            task.cancel()
+
+    def leave(self, task: asyncio.Task[object]) -> None:
+        self._due.pop(task, None)
+        self._renew.pop(task, None)
+        self._expired.discard(task)
+
+    def expired(self, task: asyncio.Task[object]) -> bool:
+        """After a CancelledError: was it the deadline (then the cancel is taken back)?"""
+        if task not in self._expired:
+            return False
+        self._expired.discard(task)
+        task.uncancel()
+        return True
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self._due:
+            await asyncio.sleep(self.period_s)
+            now = loop.time()
+            for task, due in list(self._due.items()):
+                if due > now:
+                    continue
+                renew = self._renew.get(task)
+                later = renew(now) if renew is not None else now
+                if later > now:
+                    self._due[task] = later
+                else:
+                    self.expire(task)
+
+    async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
 
 
 def _is_json_object(body: bytes) -> bool:

@@ -1,10 +1,9 @@
-"""How a response reaches the client, whichever server took the request: `whole` for a complete
-answer, `start` / `send` / `end` for a stream. `LeanReply` writes straight to a connection of
-the front door (server.py), `AiohttpReply` answers on one aiohttp holds.
-"""
+"""How a response reaches the client, whichever server took the request: `LeanReply` writes to a
+connection of the front door (server.py), `AiohttpReply` answers on one aiohttp holds."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Protocol
 
@@ -18,19 +17,17 @@ JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 class Reply(Protocol):
+    """`send` (a chunk of the stream) and `end` return False when the client has gone."""
+
     started: bool  # something reached the client: an error can no longer be sent instead
 
     def whole(self, status: int, headers: Headers, body: bytes) -> None: ...
 
     async def start(self, status: int, headers: Headers) -> None: ...
 
-    async def send(self, chunk: bytes) -> bool:
-        """Write a chunk of the stream; False when the client has gone."""
-        ...
+    async def send(self, chunk: bytes) -> bool: ...
 
-    async def end(self) -> bool:
-        """Close the stream; False when the client has gone."""
-        ...
+    async def end(self) -> bool: ...
 
 
 class AiohttpReply:
@@ -57,34 +54,27 @@ class AiohttpReply:
 
     async def send(self, chunk: bytes) -> bool:
         assert self.response is not None
-        try:
-            await self.response.write(chunk)
-        except ConnectionResetError:
-            return False
-        return True
+        return await _written(self.response.write(chunk))
 
     async def end(self) -> bool:
         assert self.response is not None
-        try:
-            await self.response.write_eof()
-        except ConnectionResetError:
-            return False
-        return True
+        return await _written(self.response.write_eof())
 
 
-def _status_line(status: int) -> bytes:
+async def _written(write: Awaitable[None]) -> bool:
+    """False when the client has gone."""
     try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        phrase = "Unknown"
-    return f"HTTP/1.1 {status} {phrase}\r\n".encode()
+        await write
+    except ConnectionResetError:
+        return False
+    return True
 
 
-_STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+_STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 
 
 def _head(status: int, headers: Headers, extra: bytes) -> bytes:
-    lines = [_STATUS_LINES.get(status) or _status_line(status)]
+    lines = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status]
     lines += [f"{key}: {value}\r\n".encode("latin-1") for key, value in headers]
     lines.append(extra)
     return b"".join(lines)
@@ -111,8 +101,7 @@ class LeanReply:
 
     def whole(self, status: int, headers: Headers, body: bytes) -> None:
         self.started = self.complete = True
-        close = self._close()
-        extra = b"Content-Length: %d\r\n%s\r\n" % (len(body), close)
+        extra = b"Content-Length: %d\r\n%s\r\n" % (len(body), self._close())
         self.conn.write(_head(status, headers, extra) + body)
 
     async def start(self, status: int, headers: Headers) -> None:
@@ -121,8 +110,7 @@ class LeanReply:
             self.keep_alive = False
             self.conn.write(_head(status, headers, b"Connection: close\r\n\r\n"))
         else:
-            close = self._close()
-            extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % close
+            extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % self._close()
             self.conn.write(_head(status, headers, extra))
         await self.conn.drain()
 

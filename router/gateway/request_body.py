@@ -1,7 +1,5 @@
 """An inference request's body: parsed strictly once (core/strict_json.py), checked, and rebuilt
-for the worker with the fields only the gateway may set (`cache_salt`, `urc_public_tokens`);
-a client's `cache_salt` and every field whose decoded name starts with `urc_` are dropped.
-"""
+for the worker with only the gateway's `cache_salt` and `urc_*` fields (docs/isolation.md)."""
 
 from __future__ import annotations
 
@@ -25,8 +23,8 @@ def parse_body(raw: bytes, checked: str = "") -> dict[str, Any]:
 
 
 def parse_request(raw: bytes, chat: bool) -> dict[str, Any]:
-    """An inference request's body with its routing fields checked; a completion's prompt is
-    checked once, by `validate` (token ids in int32 are within the parse's limits too)."""
+    """An inference request's body, its routing fields checked (a prompt once, by `validate`:
+    token ids in int32 are within the parse's limits too)."""
     body = parse_body(raw, "" if chat else "prompt")
     validate(body, chat)
     return body
@@ -51,8 +49,7 @@ def _token_ids(prompt: list[Any]) -> bool:
 
 
 def validate(body: dict[str, Any], chat: bool) -> None:
-    """The fields routing needs, with OpenAI's wording for what is wrong. The rest is the
-    worker's to check (its 4xx goes back to the client as is)."""
+    """The fields routing needs, in OpenAI's wording; the rest is the worker's to check."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_request("'model' is required and must be a string", "model")
@@ -63,10 +60,8 @@ def validate(body: dict[str, Any], chat: bool) -> None:
     else:
         prompt = body.get("prompt")
         if not (isinstance(prompt, str) or (isinstance(prompt, list) and _token_ids(prompt))):
-            raise bad_request(
-                f"'prompt' must be a string or an array of token ids in [0, {TOKEN_ID_MAX}]",
-                "prompt",
-            )
+            message = f"'prompt' must be a string or an array of token ids in [0, {TOKEN_ID_MAX}]"
+            raise bad_request(message, "prompt")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise bad_request("'stream' must be a boolean", "stream")
     _check_int(body, "max_tokens")

@@ -1,8 +1,5 @@
-"""The routing step of a request: tokenize -> block keys -> match -> policy.
-
-Synchronous and free of I/O: the HTTP handler parses and checks the body (request_body.py),
-calls `Router.plan` and then forwards. The candidates are router/dispatch.py's, as the replay's.
-"""
+"""The routing step of a request (docs/dispatch.md, 1), free of I/O: tokenize -> block keys ->
+match -> policy; and the routing modes: live or degraded (least load), shadows that only watch."""
 
 from __future__ import annotations
 
@@ -15,11 +12,12 @@ import msgspec
 from core.blocks import block_keys
 from core.errors import APIError
 from router.dispatch import candidate, candidates
-from router.gateway.errors import bad_request, unavailable
+from router.gateway.errors import bad_request
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens
 from router.index import UnifiedIndex
-from router.policies import Candidate, Decision, Policy, RouteRequest
+from router.policies import Candidate, Decision, Policy, RouteRequest, make_policy
+from router.shadow import ShadowPolicies
 
 
 class Plan:
@@ -50,14 +48,6 @@ class Plan:
         """What the policy saw (shadow policies see the same)."""
         return self.decision.request
 
-    @property
-    def keys(self) -> Sequence[int]:
-        return self.decision.request.block_keys
-
-    @property
-    def prompt_tokens(self) -> int:
-        return self.decision.request.prompt_tokens
-
     def candidate(self, worker: str) -> Candidate:
         return candidate(self.decision.candidates, worker)
 
@@ -87,8 +77,7 @@ class Router:
         self.fleet = fleet
         self.index = index
         self.policy = policy
-        # (tokenizer, the system messages and tools as JSON) -> their render alone: in shared
-        # mode the same few system prompts come back on every request (oldest dropped first)
+        # (tokenizer, system messages and tools as JSON) -> their render: shared mode repeats a few
         self._system_renders: dict[tuple[object, bytes], Sequence[int]] = {}
 
     def tokens(self, model: Model, body: dict[str, Any], chat: bool) -> Sequence[int]:
@@ -125,15 +114,15 @@ class Router:
         arrived = time.monotonic()
         t0 = time.perf_counter()
         name = body["model"]
-        model = self.fleet.model(name)
+        model = self.fleet.models.get(name)
         if model is None:
-            raise APIError(
-                404, f"The model '{name}' does not exist", param="model", code="model_not_found"
-            )
+            message = f"The model '{name}' does not exist"
+            raise APIError(404, message, param="model", code="model_not_found")
         group = model.kv_group
         workers = self.fleet.candidates(group)
         if not workers:
-            raise unavailable(f"no healthy worker serves model '{name}'")
+            message = f"no healthy worker serves model '{name}'"
+            raise APIError(503, message, type="service_unavailable", code="no_worker")
         tokens = self.tokens(model, body, chat)
         public_tokens = self.public_tokens(model, body, tokens) if public and chat and salt else 0
         public_blocks = public_tokens // model.block_size
@@ -146,3 +135,35 @@ class Router:
         decision = policy.choose(request, seen)
         decision_s = time.perf_counter() - t0
         return Plan(model, decision, workers, decision_s, arrived, policy.name, public_tokens)
+
+
+class RoutingModes:
+    def __init__(
+        self, live: Policy, shadows: list[str], prefill_tokens_per_s: float, degraded: bool
+    ) -> None:
+        self.live = live
+        self.fallback = make_policy("least_load")
+        self.manual = degraded  # the operator's switch
+        self.auto = False  # the index is unhealthy
+        self.shadow = ShadowPolicies(shadows, prefill_tokens_per_s)  # as `urc replay --shadow`
+
+    @property
+    def degraded(self) -> bool:
+        return self.manual or self.auto
+
+    def active(self) -> Policy:
+        return self.fallback if self.degraded else self.live
+
+    def watch(self, plan: Plan) -> None:
+        """Run every shadow policy on this request's candidates; count what it would do."""
+        self.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "mode": "degraded" if self.degraded else "live",
+            "live_policy": self.live.name,
+            "active_policy": self.active().name,
+            "degraded_by_operator": self.manual,
+            "degraded_by_index_health": self.auto,
+            "shadows": self.shadow.describe(),
+        }

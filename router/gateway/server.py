@@ -1,12 +1,6 @@
-"""The gateway's front door: a lean HTTP/1.1 server for the two inference endpoints
-(README.md, "Limits, timeouts and failure handling").
-
-`POST /v1/completions` and `POST /v1/chat/completions` are parsed by httptools and answered
-straight on the transport. A connection whose request is anything else is handed, with the
-bytes received so far, to aiohttp's protocol and stays with aiohttp; a request pipelined behind
-another one cannot be handed over (its first byte is unknown): a JSON 400, then close. Every
-request's head is read here under `Limits`, whichever server answers it.
-"""
+"""The gateway's front door (README.md, "Limits, timeouts and failure handling"): the two
+inference endpoints are parsed by httptools and answered straight on the transport, any other
+request is handed with its connection to aiohttp; every head is read here under the limits."""
 
 from __future__ import annotations
 
@@ -15,9 +9,10 @@ import contextlib
 import ctypes
 import ctypes.util
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
-from router.gateway.config import Limits
+from router.gateway.config import GatewayConfig
 from router.gateway.connection import FrontProtocol
 from router.gateway.reply import LeanReply
 
@@ -30,7 +25,7 @@ class FrontServer:
     """The listening socket, its connections, and where to send what is not ours."""
 
     def __init__(
-        self, serve: Serve, fallback: Callable[[], asyncio.Protocol], limits: Limits
+        self, serve: Serve, fallback: Callable[[], asyncio.Protocol], limits: GatewayConfig
     ) -> None:
         self.serve = serve
         self.fallback = fallback
@@ -41,25 +36,20 @@ class FrontServer:
         self.released_bytes = 0  # request bodies dropped since memory was last given back
         self._trim = _malloc_trim()
         self._reaper: asyncio.Task[None] | None = None
-        # asyncio.get_running_loop() costs a getpid() system call (CPython 3.11): the hot
-        # path asks this once
+        # asked once: asyncio.get_running_loop() costs a getpid() system call (CPython 3.11)
         self.loop = asyncio.get_running_loop()
         self.now = self.loop.time
 
     async def start(self, host: str, port: int) -> int:
         """Listen; the port it listens on (`port` 0: one the system chose)."""
-        loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(
-            lambda: FrontProtocol(self), host, port, backlog=1024
-        )
-        self._reaper = loop.create_task(self._reap())
+        protocol = partial(FrontProtocol, self)
+        self.server = await self.loop.create_server(protocol, host, port, backlog=1024)
+        self._reaper = self.loop.create_task(self._reap())
         server: Any = self.server  # its sockets are a list on uvloop, a tuple on asyncio
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Drain: stop accepting; answer the requests under way (and any that arrive on open
-        connections) with `Connection: close`, close idle connections, for up to `grace_s`;
-        then close the rest."""
+        """Drain (README.md, "Graceful drain") for up to `grace_s`, then close what is left."""
         self.draining = True
         if self.server is not None:
             self.server.close()
@@ -79,8 +69,7 @@ class FrontServer:
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
 
     async def _reap(self) -> None:
-        """Once a second: requests past their header or body timeout get 408; kept-alive
-        connections silent for longer than `keepalive_s` close."""
+        """Once a second: 408 past the header or body timeout, idle connections closed."""
         limits = self.limits
         while True:
             await asyncio.sleep(1.0)
@@ -99,15 +88,9 @@ class FrontServer:
                 self._trim()
 
 
-def _malloc_trim() -> Callable[[], None]:
+def _malloc_trim() -> Callable[[], object]:
     """glibc's malloc_trim(0), or nothing where there is none."""
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        return partial(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim, 0)
     except (OSError, AttributeError):
-        trim = None
-
-    def trim_all() -> None:
-        if trim is not None:
-            trim(0)
-
-    return trim_all
+        return lambda: None

@@ -1,13 +1,12 @@
 """A lean HTTP/1.1 client for the hop to the workers: pooled keep-alive connections, the request
 written in one call, the response parsed by httptools as it arrives (a fraction of aiohttp's
-ClientSession per request). A pooled connection the worker closed before answering is retried
-once on a fresh one (nothing was processed).
-"""
+ClientSession per request)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from functools import partial
 
 import httptools
 
@@ -22,8 +21,10 @@ class UpstreamError(Exception):
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to a worker, and the response being received on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: UpstreamPool) -> None:
         self._loop = asyncio.get_running_loop()  # made by create_connection, on its loop
+        self._pool = pool
+        self.released = True  # not handed out by `post`
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
@@ -39,8 +40,6 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self.keep_alive = True
         self.delimited = False  # a Content-Length or chunked body: its end is in the stream
-
-    # -- asyncio.Protocol --------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -64,8 +63,6 @@ class _Connection(asyncio.Protocol):
             self.keep_alive = False
         self._notify()
 
-    # -- httptools callbacks -----------------------------------------------------------------
-
     def on_header(self, name: bytes, value: bytes) -> None:
         key = name.decode("latin-1")
         self.headers.append((key, value.decode("latin-1")))
@@ -82,8 +79,6 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self.complete = True
-
-    # -- waiting -----------------------------------------------------------------------------
 
     def _notify(self) -> None:
         if self._wake is not None and not self._wake.done():
@@ -103,48 +98,38 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-
-class UpstreamResponse:
-    """A worker's answer: status and headers now, the body as it comes."""
-
-    def __init__(self, pool: UpstreamPool, conn: _Connection) -> None:
-        self._pool = pool
-        self._conn = conn
-        self.status = conn.status
-        self.headers = conn.headers
-        self._released = False
-
     def header(self, name: str) -> str | None:
         name = name.lower()
         return next((v for k, v in self.headers if k.lower() == name), None)
 
     async def next_chunk(self) -> bytes | None:
-        """The body that arrived since the last call, as soon as there is some; None at its
-        end."""
-        conn = self._conn
+        """The body that arrived since the last call, once there is some; None at its end."""
         while True:
-            if conn.chunks:
-                return conn.take()
-            if conn.complete:
+            if self.chunks:
+                return self.take()
+            if self.complete:
                 return None
-            if conn.lost:
+            if self.lost:
                 raise UpstreamError("the worker closed the connection mid-response")
-            await conn.wait()
+            await self.wait()
 
     async def read(self) -> bytes:
-        if self._conn.complete:  # small answers are usually whole by now
-            return self._conn.take()
+        if self.complete:  # small answers are usually whole by now
+            return self.take()
         parts = []
         while (chunk := await self.next_chunk()) is not None:
             parts.append(chunk)
         return b"".join(parts)
 
     def release(self) -> None:
-        """Back to the pool when the exchange completed cleanly; closed otherwise."""
-        if self._released:
-            return
-        self._released = True
-        self._pool.give_back(self._conn)
+        """Back to the pool when the exchange completed cleanly; closed otherwise (once)."""
+        if not self.released:
+            self.released = True
+            self._pool.give_back(self)
+
+
+# what `post` returns: the connection, with the status and headers in, the body as it comes
+UpstreamResponse = _Connection
 
 
 class UpstreamPool:
@@ -158,12 +143,11 @@ class UpstreamPool:
         self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
 
     async def _connect(self) -> _Connection:
-        loop = asyncio.get_running_loop()
+        connect = asyncio.get_running_loop().create_connection(
+            partial(_Connection, self), self.host, self.port, ssl=self.tls or None
+        )
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(_Connection, self.host, self.port, ssl=self.tls or None),
-                _CONNECT_TIMEOUT_S,
-            )
+            _, conn = await asyncio.wait_for(connect, _CONNECT_TIMEOUT_S)
         except TimeoutError:
             raise UpstreamError(f"no connection within {_CONNECT_TIMEOUT_S} s") from None
         except OSError as exc:
@@ -171,20 +155,16 @@ class UpstreamPool:
         return conn
 
     def give_back(self, conn: _Connection) -> None:
-        if (
-            conn.complete
-            and conn.keep_alive
-            and not conn.lost
-            and not conn.chunks
-            and len(self._idle) < _MAX_IDLE
-        ):
+        clean = conn.complete and conn.keep_alive and not conn.lost and not conn.chunks
+        if clean and len(self._idle) < _MAX_IDLE:
             conn._reset()
             self._idle.append(conn)
         elif conn.transport is not None:
             conn.transport.close()
 
     async def post(self, path: str, body: bytes) -> UpstreamResponse:
-        """Send; return once the status line and headers are in."""
+        """Send; return once the status line and headers are in. A pooled connection the worker
+        closed before answering is retried once on a fresh one (nothing was processed)."""
         head = b"POST %b HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n"
         request = head % (path.encode(), self._head, len(body)) + body
         for fresh in (False, True):
@@ -201,7 +181,8 @@ class UpstreamPool:
                 conn.transport.close()
                 raise
             if conn.headers_done:
-                return UpstreamResponse(self, conn)
+                conn.released = False
+                return conn
             if conn.transport is not None:
                 conn.transport.close()
             if fresh:  # a fresh connection failed: the worker is the problem

@@ -22,10 +22,10 @@ from core.tokenizer import ByteTokenizer
 from router.gateway.config import ConfigError, add_gateway_arguments, apply_flags, load_config
 from router.gateway.fleet import Model
 from router.gateway.isolation import (
+    Tenant,
     Tenants,
     leading_system,
     public_tokens,
-    request_scope,
     session_salt,
     user_salt,
 )
@@ -65,12 +65,12 @@ def test_public_blocks_are_shared_and_the_rest_is_salted() -> None:
 
 def test_request_scopes_and_salt_tests() -> None:
     headers = {"x-urc-session": "s1"}
-    assert request_scope("tenant", "T", {"user": "u"}, headers) == ("T", False)
-    assert request_scope("shared", "T", {}, headers) == ("T", True)
-    assert request_scope("user", "T", {"user": "u"}, {}).salt == user_salt("T", "u")
-    assert request_scope("user", "T", {}, {}).salt == "T"  # no user: the tenant's
-    assert request_scope("session", "T", {}, headers).salt == session_salt("T", "s1")
-    assert request_scope("session", None, {}, headers).salt is None  # auth off
+    assert Tenant("t", "T", "tenant").scope({"user": "u"}, headers) == ("T", False)
+    assert Tenant("t", "T", "shared").scope({}, headers) == ("T", True)
+    assert Tenant("t", "T", "user").scope({"user": "u"}, {}).salt == user_salt("T", "u")
+    assert Tenant("t", "T", "user").scope({}, {}).salt == "T"  # no user: the tenant's
+    assert Tenant("t", "T", "session").scope({}, headers).salt == session_salt("T", "s1")
+    assert Tenant("t", None, "session").scope({}, headers).salt is None  # auth off
     tenant = salt_scope(salt_prefix="T")
     assert tenant("T") and tenant(user_salt("T", "u")) and tenant(session_salt("T", "s"))
     assert not tenant("T2") and not tenant("U.u.x")

@@ -46,7 +46,7 @@ async def front() -> AsyncIterator[int]:
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     assert runner.server is not None
-    server = FrontServer(fake_serve, runner.server, GatewayConfig(max_body_bytes=1 << 16).limits())
+    server = FrontServer(fake_serve, runner.server, GatewayConfig(max_body_bytes=1 << 16))
     port = await server.start("127.0.0.1", 0)
     try:
         yield port

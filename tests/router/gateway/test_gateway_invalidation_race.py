@@ -9,6 +9,7 @@ from router.gateway.config import GatewayConfig, WorkerConfig
 from router.gateway.fleet import Model, Worker
 from router.gateway.proxy import Usage
 from router.gateway.routing import Plan
+from router.gateway.upstream import UpstreamPool
 from router.policies import Candidate, Decision, RouteRequest
 
 KEYS = [11, 12, 13]
@@ -17,7 +18,8 @@ KEYS = [11, 12, 13]
 def served(gateway: Gateway, arrived: float) -> None:
     model = Model("m", "m", ByteTokenizer(), 16)
     url = "http://127.0.0.1:1"
-    worker = Worker("w", url, WorkerConfig(url=url), models={"m": "m"})  # no KV events
+    pool = UpstreamPool("127.0.0.1", 1)
+    worker = Worker("w", url, WorkerConfig(url=url), pool, models={"m": "m"})  # no KV events
     request = RouteRequest(KEYS, 48, 16, "m", "m")
     decision = Decision("w", "cache_hit", request, [Candidate("w", 0)], [0.0])
     plan = Plan(model, decision, [worker], 0.0, arrived, "test")
