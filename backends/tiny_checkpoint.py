@@ -74,8 +74,7 @@ def write_checkpoint(
     import torch
     from safetensors.torch import save_file
 
-    from backends.torch_worker.config import LlamaConfig
-    from backends.torch_worker.model import LlamaForCausalLM
+    from backends.torch_worker.model import LlamaConfig, LlamaForCausalLM
 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,9 @@ from dataclasses import replace
 import harness  # noqa: F401  (puts the repository root on sys.path)
 import torch
 
-from backends.torch_worker.config import PRESETS
 from backends.torch_worker.engine import EngineConfig, TorchEngine, default_device
 from backends.torch_worker.loader import LoadedModel, load_model
+from backends.torch_worker.model import PRESETS
 from backends.torch_worker.request import Request, SamplingParams
 from backends.torch_worker.scheduler import SchedulerConfig
 

@@ -4,12 +4,13 @@ FlashInfer (CUDA) implementations of one contract (docs/workers.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from backends.torch_worker.config import LlamaConfig
+if TYPE_CHECKING:
+    from backends.torch_worker.model import LlamaConfig
 
 try:  # optional: only on CUDA machines that have it
     import flashinfer  # type: ignore[import-not-found]

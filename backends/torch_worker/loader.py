@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from backends.torch_worker.config import PRESETS, LlamaConfig
-from backends.torch_worker.model import LlamaForCausalLM
+from backends.torch_worker.model import PRESETS, LlamaConfig, LlamaForCausalLM
 from backends.torch_worker.paging import KVLayout
 from core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 

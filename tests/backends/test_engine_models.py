@@ -17,10 +17,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from backends.torch_worker.config import PRESETS, LlamaConfig
 from backends.torch_worker.engine import EngineConfig, TorchEngine
 from backends.torch_worker.loader import LoadedModel, load_model, on_kv_path
-from backends.torch_worker.model import LlamaForCausalLM, apply_rope, inv_frequencies
+from backends.torch_worker.model import (
+    PRESETS,
+    LlamaConfig,
+    LlamaForCausalLM,
+    apply_rope,
+    inv_frequencies,
+)
 from backends.torch_worker.request import SamplingParams
 
 torch.set_num_threads(2)
