@@ -1,5 +1,5 @@
 """`urc cluster` (docs/cli.md): the gateway in this process, N workers as child processes on
-127.0.0.1 (or real engines: backends/real/cluster.py); SIGINT/SIGTERM stop the gateway, then them.
+127.0.0.1 (or real engines: backends/real/process.py); SIGINT/SIGTERM stop the gateway, then them.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from router.gateway.config import (
 from urc.cli import ENGINES
 from urc.processes import Child
 
-REAL_ENGINES = ("vllm", "sglang")  # backends/real/cluster.py, imported only when asked for
+REAL_ENGINES = ("vllm", "sglang")  # backends/real/process.py, imported only when asked for
 READY_TIMEOUT_S = 120.0
 
 
@@ -37,7 +37,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="an argument passed to every worker, e.g. --worker-arg=--capacity-tokens=200000",
     )
-    from backends.real.cluster import add_real_engine_arguments
+    from backends.real.process import add_real_engine_arguments
 
     add_real_engine_arguments(parser)
     add_gateway_arguments(parser)
@@ -46,7 +46,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 async def run_real_cluster(
     args: argparse.Namespace, config: GatewayConfig, stop: asyncio.Event
 ) -> None:
-    from backends.real.cluster import start_real_engines, stop_engines
+    from backends.real.process import start_real_engines, stop_engines
 
     engines = await start_real_engines(args)
     try:

@@ -13,8 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backends.real.cluster import free_ports
-from backends.real.process import EngineSpec, sglang_launch, vllm_launch
+from backends.real.process import EngineSpec, free_ports, sglang_launch, vllm_launch
 from core.blocks import block_keys
 from core.kv_events import decode_batch
 from router.gateway.config import ConfigError, parse_attach

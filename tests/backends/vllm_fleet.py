@@ -14,8 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from backends.real.cluster import free_ports
-from backends.real.process import EngineProcess, EngineSpec, start_engine, vllm_launch
+from backends.real.process import EngineProcess, EngineSpec, free_ports, start_engine, vllm_launch
 
 VLLM_PYTHON = os.environ.get("URC_VLLM_PYTHON", "")
 MODEL = "tiny"
