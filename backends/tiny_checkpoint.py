@@ -1,7 +1,6 @@
 """A tiny random-weight Llama checkpoint that real engines load as any Hugging Face directory
 (config.json, model.safetensors, a byte-level BPE tokenizer.json trained here, a chat
-template). Nothing is downloaded; the same arguments write the same files.
-"""
+template). Nothing is downloaded; the same arguments write the same files."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
     python bench/compare_policies.py [--policies a,b] [--out out/run]
 
-`urc cluster` + `urc bench` per policy, then one table (docs/benchmarks.md).
-"""
+`urc cluster` + `urc bench` per policy, then one table (docs/benchmarks.md)."""
 
 import argparse
 import json

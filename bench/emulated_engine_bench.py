@@ -2,8 +2,7 @@
 
     python bench/emulated_engine_bench.py [--requests N] [--block-size 512]
 
-Event-driven vs step-by-step on a synthetic workload and the trace (docs/benchmarks.md).
-"""
+Event-driven vs step-by-step on a synthetic workload and the trace (docs/benchmarks.md)."""
 
 import argparse
 import json

@@ -2,8 +2,7 @@
 
     python bench/engine_bench.py [--model llama-3.2-1b --device cuda] [--skip ttft,tps,pool]
 
-Cached vs cold TTFT, batching, a shared page pool vs a split; no HTTP (docs/benchmarks.md).
-"""
+Cached vs cold TTFT, batching, a shared page pool vs a split; no HTTP (docs/benchmarks.md)."""
 
 import argparse
 import random

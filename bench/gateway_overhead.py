@@ -2,8 +2,7 @@
 
     python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp]
 
-urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md.
-"""
+urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md."""
 
 import argparse
 import asyncio

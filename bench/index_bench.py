@@ -2,8 +2,7 @@
 
     python bench/index_bench.py [--blocks N] [--workers W]
 
-Against the pure-Python keys of the same run; targets and method: docs/benchmarks.md.
-"""
+Against the pure-Python keys of the same run; targets and method: docs/benchmarks.md."""
 
 import argparse
 import gc

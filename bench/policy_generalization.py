@@ -2,8 +2,7 @@
 
     python bench/policy_generalization.py [--seeds 0,1,2] [--quick] [--variant LABEL:K=V,...]
 
-Hit rate and TTFT per policy and scenario, and wins/ties/losses (docs/benchmarks.md).
-"""
+Hit rate and TTFT per policy and scenario, and wins/ties/losses (docs/benchmarks.md)."""
 
 import argparse
 import json

@@ -2,8 +2,7 @@
 
     python bench/replay_bench.py [--breakdown] [--profile POLICY] [--fidelity]
 
-Requests per CPU second against in-run baselines, or live vs offline (docs/benchmarks.md).
-"""
+Requests per CPU second against in-run baselines, or live vs offline (docs/benchmarks.md)."""
 
 import argparse
 import math

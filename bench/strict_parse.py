@@ -2,8 +2,7 @@
 
     python bench/strict_parse.py [--requests N] [--repeat N]
 
-The parse before and after, timed here, against a live gateway's CPU (docs/benchmarks.md).
-"""
+The parse before and after, timed here, against a live gateway's CPU (docs/benchmarks.md)."""
 
 import argparse
 import concurrent.futures as cf

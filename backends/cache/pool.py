@@ -6,8 +6,7 @@ token of the pool is in exactly one of four states (check.py asserts it):
     protected    cached in a run some request locks (on the path of a locked node)
     allocated    private to a request (not in a tree): computed KV not yet inserted
 
-Eviction frees only the shortfall of an `allocate`, from the oldest unlocked leaf of any tree.
-"""
+Eviction frees only the shortfall of an `allocate`, from the oldest unlocked leaf of any tree."""
 
 from __future__ import annotations
 

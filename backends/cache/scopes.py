@@ -1,8 +1,7 @@
 """Scoped invalidation of the radix cache (radix.py; docs/isolation.md): unlocked runs of the
 scope are freed now; locked ones are re-keyed below zero, unmatchable, and evicted like any leaf
 once released. BlockRemoved is announced at once for all. The torch worker calls it on the
-thread that owns its engine.
-"""
+thread that owns its engine."""
 
 from __future__ import annotations
 

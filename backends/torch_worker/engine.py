@@ -1,6 +1,5 @@
 """The torch engine: several models, one radix cache per page pool, continuous batching; a
-synchronous state machine whose driver owns the only thread that touches it (docs/workers.md).
-"""
+synchronous state machine whose driver owns the only thread that touches it (docs/workers.md)."""
 
 from __future__ import annotations
 

@@ -122,10 +122,7 @@ class Scheduler:
         while not grow(pool.cache, req, need):
             victim = max(pool.running, key=lambda r: r.order)
             self.preempt(victim)
-            for i, item in enumerate(items):
-                if item.req is victim:
-                    del items[i]
-                    break
+            items[:] = [item for item in items if item.req is not victim]
             if victim is req:
                 return False
         return True
