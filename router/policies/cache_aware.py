@@ -119,7 +119,7 @@ class CacheAwarePolicy:
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
         """Estimated seconds to this request's first token on `candidate` (its own queue)."""
         matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
-        work: float = candidate.queued_prefill_tokens + request.prompt_tokens - matched
+        work = float(candidate.queued_prefill_tokens + request.prompt_tokens - matched)
         steps = -(-work // self.chunk_tokens)  # chunks; at least one step (no builtins: hot)
         if steps < 1.0:
             steps = 1.0
