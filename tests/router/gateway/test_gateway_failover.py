@@ -10,7 +10,8 @@ import time
 import httpx
 
 from tests.gateway import admin_workers
-from urc.processes import start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_worker
 
 
 def by_name(gateway: str) -> dict[str, dict]:

@@ -15,7 +15,8 @@ import time
 import httpx
 
 from tests.gateway import ADMIN, admin_workers, all_exact
-from urc.processes import Child, start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import Child, start_gateway, start_worker
 
 FAST = ("--decode-base-ms", "2")
 
