@@ -97,10 +97,6 @@ class Child:
             time.sleep(0.2)
         raise self.fail(f"did not serve within {timeout_s:.0f} s")
 
-    def kill(self) -> None:
-        """SIGKILL: the process dies without any goodbye, as a crashed worker does."""
-        self.stop(signal.SIGKILL)
-
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         """Send `sig` (if it still runs), then its exit code; killed after 10 s."""
         if self.popen.poll() is None:
