@@ -1,6 +1,5 @@
 """`urc cluster` (docs/cli.md): the gateway in this process, N workers as child processes on
-127.0.0.1 (or real engines: backends/real/cluster.py); SIGINT/SIGTERM stop the gateway, then them.
-"""
+127.0.0.1 (real engines: backends/real/cluster.py); SIGINT/SIGTERM stop the gateway, then those."""
 
 from __future__ import annotations
 
