@@ -37,11 +37,8 @@ def _delegate(command: str, argv: list[str]) -> int:
         pre.add_argument("--engine", default="emulated")
         known, argv = pre.parse_known_args(argv)
         if known.engine not in ENGINES:
-            print(
-                f"urc worker: unknown engine {known.engine!r} (emulated, torch; vllm/sglang: "
-                "issue 6)",
-                file=sys.stderr,
-            )
+            why = f"unknown engine {known.engine!r} (emulated, torch; vllm/sglang: issue 6)"
+            print(f"urc worker: {why}", file=sys.stderr)
             return 2
         module = ENGINES[known.engine]
     else:
