@@ -1,5 +1,4 @@
-"""The shared core both sides speak (docs/README.md lists its modules); it imports nothing of
-ours. `core.native` switches between the compiled modules and their source."""
+"""The shared core both sides speak (docs/README.md); `core.native` picks compiled or source."""
 
 from core import native
 

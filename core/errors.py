@@ -1,5 +1,4 @@
-"""The OpenAI-style error both the gateway and our workers answer with:
-`{"error": {"message", "type", "param", "code"}}` and the right status."""
+"""The OpenAI-style error of the gateway and our workers: `{"error": {message, type, ...}}`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Which compiled modules run, the extensions or their Python source (docs/compiled.md). Each
-package's `__init__` calls `install()` before it imports a compiled module.
-"""
+package's `__init__` calls `install()` before it imports a compiled module."""
 
 from __future__ import annotations
 

@@ -197,7 +197,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         write_json(summary, args.json)
     return 0 if summary["counts"]["ok"] > 0 else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -128,18 +128,6 @@ def request_body(spec: RequestSpec) -> dict[str, Any]:
     }
 
 
-def _read_usage(result: RequestResult, usage: Any) -> None:
-    if not isinstance(usage, dict):
-        return
-    result.prompt_tokens = parse_int(usage.get("prompt_tokens"))
-    completion = parse_int(usage.get("completion_tokens"))
-    if completion is not None:
-        result.output_tokens = completion
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict):
-        result.cached_tokens = parse_int(details.get("cached_tokens"))
-
-
 def _content(choice: Any) -> str:
     """A chunk's new text: chat `delta.content`, completion `text` (or a whole `message`)."""
     if not isinstance(choice, dict):
@@ -163,8 +151,14 @@ def _read_chunk(result: RequestResult, chunk: Any, parts: list[str], sent_at: fl
                 result.ttft_s = time.perf_counter() - sent_at
             parts.append(text)
             result.output_tokens += 1  # a content chunk; usage.completion_tokens overrides
-    if chunk.get("usage") is not None:
-        _read_usage(result, chunk["usage"])
+    if isinstance(usage := chunk.get("usage"), dict):
+        result.prompt_tokens = parse_int(usage.get("prompt_tokens"))
+        completion = parse_int(usage.get("completion_tokens"))
+        if completion is not None:
+            result.output_tokens = completion
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            result.cached_tokens = parse_int(details.get("cached_tokens"))
 
 
 async def _read_stream(

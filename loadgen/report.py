@@ -45,26 +45,23 @@ def request_row(r: RequestResult) -> dict[str, Any]:
     return row
 
 
-def _gap(r: RequestResult) -> float | None:
-    """Predicted - actual cached tokens, in % of the prompt, where an ok request reports both."""
-    predicted, actual, prompt = r.predicted_tokens, r.actual_cached_tokens, r.prompt_tokens
-    if not r.ok or predicted is None or actual is None or prompt is None or prompt <= 0:
-        return None
-    return 100.0 * (predicted - actual) / prompt
-
-
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
 def _cache(results: Sequence[RequestResult]) -> tuple[int, int, list[float]]:
-    """Prompt and cached tokens summed over the ok requests that report both; the gaps."""
+    """Prompt and cached tokens summed over the ok requests that report both; the gaps: predicted
+    - actual cached tokens in % of the prompt, where such a request also reports a prediction."""
     prompt = cached = 0
+    gaps: list[float] = []
     for r in results:
-        if r.ok and r.prompt_tokens is not None and r.actual_cached_tokens is not None:
-            prompt += r.prompt_tokens
-            cached += r.actual_cached_tokens
-    return prompt, cached, [gap for r in results if (gap := _gap(r)) is not None]
+        if not r.ok or r.prompt_tokens is None or (actual := r.actual_cached_tokens) is None:
+            continue
+        prompt += r.prompt_tokens
+        cached += actual
+        if r.predicted_tokens is not None and r.prompt_tokens > 0:
+            gaps.append(100.0 * (r.predicted_tokens - actual) / r.prompt_tokens)
+    return prompt, cached, gaps
 
 
 def _per_worker(results: Sequence[RequestResult]) -> dict[str, dict[str, Any]]:

@@ -160,26 +160,25 @@ class _Engine:
                 result.error, result.detail = "cancelled", "still in flight when the run ended"
 
     async def show_progress(self, out: TextIO) -> None:
-        total = self.config.progress_total
         try:
             while True:
                 await asyncio.sleep(0.25)
-                out.write("\r" + self._progress_line(total))
-                out.flush()
+                self._write_progress(out)
         finally:  # cancelled at the end of the run: the last line stays
-            out.write("\r" + self._progress_line(total) + "\n")
-            out.flush()
+            self._write_progress(out, "\n")
 
-    def _progress_line(self, total: int | None) -> str:
+    def _write_progress(self, out: TextIO, end: str = "") -> None:
         elapsed = time.perf_counter() - self.t0
         done = len(self.results) - self.active
         errors = sum(1 for r in self.results if r.error is not None)
+        total = self.config.progress_total
         of = f"/{total}" if total is not None else ""
         rate = done / elapsed if elapsed > 0 else 0.0
-        return (
-            f"[urc bench] {done}{of} done  {self.active} in flight  {errors} errors  "
-            f"{rate:.1f} req/s  {elapsed:.1f}s "
+        out.write(
+            f"\r[urc bench] {done}{of} done  {self.active} in flight  {errors} errors  "
+            f"{rate:.1f} req/s  {elapsed:.1f}s {end}"
         )
+        out.flush()
 
 
 async def run_bench(

@@ -1,6 +1,5 @@
-"""Built-in workloads: pure, seeded, endless streams of `RequestSpec`s (no I/O, no clock). The
-same `(name, seed, models, params)` always yields the same specs, so `urc bench` and `urc replay`
-send identical traffic (docs/loadgen.md)."""
+"""Built-in workloads: pure, seeded, endless streams of `RequestSpec`s: the same `(name, seed,
+models, params)` yields the same specs, so `urc bench` and `urc replay` agree (docs/loadgen.md)."""
 
 from __future__ import annotations
 

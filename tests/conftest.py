@@ -8,7 +8,8 @@ from collections.abc import Callable, Iterator, Sequence
 import pytest
 
 from tests.gateway import all_exact
-from urc.processes import Child, start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import Child, start_gateway, start_worker
 
 Fleet = tuple[Child, list[Child]]
 

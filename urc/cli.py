@@ -23,17 +23,9 @@ def _gateway(args: argparse.Namespace) -> int:
     from router.gateway.app import run_gateway
     from router.gateway.config import ConfigError, apply_flags, load_config
 
-    try:
-        config = apply_flags(load_config(args.config), args)
-    except ConfigError as exc:
-        print(f"urc gateway: {exc}", file=sys.stderr)
-        return 2
+    config = apply_flags(load_config(args.config), args)
     if not config.workers:
-        print(
-            "urc gateway: no workers: give --worker URL (repeatable) or a config file",
-            file=sys.stderr,
-        )
-        return 2
+        raise ConfigError("no workers: give --worker URL (repeatable) or a config file")
     run_gateway(config, args.config)
     return 0
 
@@ -45,11 +37,8 @@ def _delegate(command: str, argv: list[str]) -> int:
         pre.add_argument("--engine", default="emulated")
         known, argv = pre.parse_known_args(argv)
         if known.engine not in ENGINES:
-            print(
-                f"urc worker: unknown engine {known.engine!r} (emulated, torch; vllm/sglang: "
-                "issue 6)",
-                file=sys.stderr,
-            )
+            why = f"unknown engine {known.engine!r} (emulated, torch; vllm/sglang: issue 6)"
+            print(f"urc worker: {why}", file=sys.stderr)
             return 2
         module = ENGINES[known.engine]
     else:
@@ -98,7 +87,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return handlers[args.command](args)
+    from router.gateway.config import ConfigError
+
+    try:
+        return handlers[args.command](args)
+    except ConfigError as exc:  # a bad config file or flag: before anything starts
+        print(f"urc {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

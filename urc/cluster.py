@@ -1,6 +1,5 @@
 """`urc cluster` (docs/cli.md): the gateway in this process, N workers as child processes on
-127.0.0.1 (or real engines: backends/real/process.py); SIGINT/SIGTERM stop the gateway, then them.
-"""
+127.0.0.1 (real engines: backends/real/process.py); SIGINT/SIGTERM stop the gateway, then those."""
 
 from __future__ import annotations
 
@@ -92,13 +91,8 @@ async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
 
 def cluster_main(args: argparse.Namespace) -> int:
     if args.workers < 1:
-        print("urc cluster: --workers must be at least 1", file=sys.stderr)
-        return 2
-    try:
-        config = apply_flags(load_config(args.config), args)
-    except ConfigError as exc:
-        print(f"urc cluster: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError("--workers must be at least 1")
+    config = apply_flags(load_config(args.config), args)
     try:
         run_async(run_cluster(args, config))
     except (RuntimeError, ValueError) as exc:

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,10 +97,6 @@ class Child:
             time.sleep(0.2)
         raise self.fail(f"did not serve within {timeout_s:.0f} s")
 
-    def kill(self) -> None:
-        """SIGKILL: the process dies without any goodbye, as a crashed worker does."""
-        self.stop(signal.SIGKILL)
-
     def stop(self, sig: signal.Signals = signal.SIGTERM) -> int:
         """Send `sig` (if it still runs), then its exit code; killed after 10 s."""
         if self.popen.poll() is None:
@@ -137,25 +133,3 @@ def start_gateway(
     for url in workers:
         argv += ["--worker", url]
     return Child("urc gateway", [*argv, *extra], "gateway: ", env=env).wait_announced()
-
-
-@contextlib.contextmanager
-def running_worker(
-    module: str, *args: str, stop: signal.Signals = signal.SIGTERM
-) -> Iterator[Child]:
-    """A worker for the length of a `with`; on leaving, `stop` it and require exit code 0."""
-    child = start_worker(*args, module=module)
-    try:
-        yield child
-    finally:
-        if (code := child.stop(stop)) != 0:
-            raise child.fail(f"exited with {code} on {stop.name}")
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())

@@ -26,7 +26,7 @@ from core.tokenizer import ByteTokenizer
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
-from urc import processes
+from tests import processes
 from urc.processes import Child
 
 pytestmark = pytest.mark.timeout(60)

@@ -20,9 +20,10 @@ from core.blocks import block_keys
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
+from tests import processes
 from tests.backends.test_engine_models import write_model
-from urc import processes
-from urc.processes import Child, start_gateway, wait_for
+from tests.processes import wait_for
+from urc.processes import Child, start_gateway
 
 pytestmark = pytest.mark.timeout(90)
 

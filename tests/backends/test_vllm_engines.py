@@ -27,7 +27,8 @@ from tests.backends.vllm_fleet import (
     settle,
     start_vllm_engines,
 )
-from urc.processes import start_gateway, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway
 
 pytestmark = [
     pytest.mark.skipif(not VLLM_PYTHON, reason="URC_VLLM_PYTHON unset (make test-vllm)"),

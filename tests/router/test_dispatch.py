@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from router.dispatch import LoadShare
 from router.policies import RouteRequest, WorkerLoad
 from tests.gateway import ADMIN, all_exact, route
-from urc.processes import start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway, start_worker
 
 BS = 16
 

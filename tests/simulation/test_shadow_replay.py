@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from core.blocks import block_keys
 from simulation import cli
 from tests.gateway import ADMIN, admin_workers, all_exact
-from urc.processes import start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway, start_worker
 
 SHADOWS = ("cache_aware", "consistent_hash", "sglang")
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import httpx
 
-from urc.processes import start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway, start_worker
 
 
 def test_a_model_without_a_block_size_takes_its_workers() -> None:

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from tests.gateway import ADMIN, admin_workers, all_exact, best_match, route
-from urc.processes import start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway, start_worker
 
 
 @pytest.fixture(scope="module")

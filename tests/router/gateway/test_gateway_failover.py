@@ -4,13 +4,15 @@ a restarted worker comes back with a resynced mirror."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
 import threading
 import time
 
 import httpx
 
 from tests.gateway import admin_workers
-from urc.processes import start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_worker
 
 
 def by_name(gateway: str) -> dict[str, dict]:
@@ -39,7 +41,7 @@ def test_killed_worker_fails_over_and_comes_back(start_fleet):
         futures = [pool.submit(load, i) for i in range(6)]
         assert wait_for(lambda: by_name(url)[victim.url]["cached_blocks"] > 0, 10)
         time.sleep(0.5)
-        victim.kill()
+        victim.stop(signal.SIGKILL)
         killed_at = time.monotonic()
         assert wait_for(
             lambda: (

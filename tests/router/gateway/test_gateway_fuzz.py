@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from urc.processes import Child, start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import Child, start_gateway, start_worker
 
 SEED = 20_250_611
 ADMIN = "admin-secret"

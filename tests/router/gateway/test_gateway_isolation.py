@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 
 from tests.gateway import ADMIN, all_exact
-from urc.processes import start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway, start_worker
 
 SYSTEM = "You are a careful assistant of the Example Corporation. " * 18  # ~1,000 tokens
 

@@ -11,7 +11,8 @@ import httpx
 
 from core.kv_publisher import KVEventPublisher
 from tests.gateway import ADMIN, all_exact, route
-from urc.processes import free_port, start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import free_port, start_gateway, start_worker
 
 
 def mode(url: str) -> dict:

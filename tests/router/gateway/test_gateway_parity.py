@@ -16,7 +16,8 @@ from router.gateway.config import GatewayConfig, WorkerConfig
 from router.gateway.fleet import Fleet
 from router.gateway.parity import ParityProbe
 from router.index import UnifiedIndex
-from urc.processes import start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway, start_worker
 
 ADMIN = {"Authorization": "Bearer k"}
 

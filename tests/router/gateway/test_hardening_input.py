@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from tests.gateway import admin_workers, all_exact
-from urc.processes import start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import start_gateway, start_worker
 
 KEYS = ("--api-key", "acme:key-acme", "--api-key", "beta:key-beta", "--admin-key", "admin-secret")
 ACME = {"Authorization": "Bearer key-acme"}

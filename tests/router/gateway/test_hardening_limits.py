@@ -14,8 +14,9 @@ import httpx
 import pytest
 
 from tests.gateway import ADMIN, all_exact
+from tests.processes import wait_for
 from tests.router.gateway.test_hardening_input import KEYS
-from urc.processes import free_port, start_gateway, start_worker, wait_for
+from urc.processes import free_port, start_gateway, start_worker
 
 ADMIN_FLAG = ("--admin-key", "admin-secret")
 

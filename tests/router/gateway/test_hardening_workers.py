@@ -15,7 +15,8 @@ import time
 import httpx
 
 from tests.gateway import ADMIN, admin_workers, all_exact
-from urc.processes import Child, start_gateway, start_worker, wait_for
+from tests.processes import wait_for
+from urc.processes import Child, start_gateway, start_worker
 
 FAST = ("--decode-base-ms", "2")
 
@@ -108,7 +109,7 @@ def test_a_restarted_worker_is_routed_to_once_it_is_up():
         for t in threads:
             t.start()
         time.sleep(1.0)
-        victim.kill()  # mid-request: its requests fail over, its counters must not go astray
+        victim.stop(signal.SIGKILL)  # mid-request: its requests fail over, its counters stay right
         name = f"127.0.0.1:{port}"
         assert wait_for(lambda: not {w["name"]: w for w in admin_workers(url)}[name]["up"], 10)
         reborn = start_worker(*FAST, port=port)
