@@ -1,8 +1,7 @@
 """`urc replay`: a trace, a gateway recording (--shadow) or a built-in workload through the
 gateway's policies against emulated workers, offline (docs/cli.md). Prints a table; --out DIR
 gets report.md, report.json, series.json and PNG plots; --json FILE the report alone.
-Exit status: 0 on success, 2 on bad arguments or an unreadable trace.
-"""
+Exit status: 0 on success, 2 on bad arguments or an unreadable trace."""
 
 from __future__ import annotations
 

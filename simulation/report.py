@@ -1,6 +1,5 @@
 """A replay's report: the `--json` document (schema "urc.replay/1", docs/cli.md), the terminal
-table, the Markdown page and the PNG plots (with matplotlib, the `plot` extra).
-"""
+table, the Markdown page and the PNG plots (with matplotlib, the `plot` extra)."""
 
 from __future__ import annotations
 

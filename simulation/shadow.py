@@ -1,7 +1,6 @@
 """`urc replay REC --shadow NAME`: a gateway recording replayed on its live decisions, so the
 index and load view evolve as the gateway's did, while each NAME is asked beside them and counted
-as the gateway counts its --shadow-policy (router/shadow.py). The report's section: docs/cli.md.
-"""
+as the gateway counts its --shadow-policy (router/shadow.py). The report's section: docs/cli.md."""
 
 from __future__ import annotations
 
