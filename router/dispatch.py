@@ -1,9 +1,5 @@
-"""A request's dispatch (docs/dispatch.md), written once for the gateway (routing.py, proxy.py,
-app.py) and the replay (simulation/replay.py): the candidates a policy sees, the load the request
-adds to its worker (`LoadShare`, each transition at most once), and the residency the gateway
-writes into the index itself (`RoutedResidency`: pending at dispatch, approximate after a
-success on a worker without KV events).
-"""
+"""A request's dispatch (docs/dispatch.md), shared by the gateway and the replay: the candidates
+a policy sees, the load it adds (`LoadShare`), the residency the gateway writes itself."""
 
 from __future__ import annotations
 

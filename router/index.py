@@ -1,6 +1,5 @@
 """The unified index (docs/index.md): one compressed tree of block keys for the whole fleet; its
-shape is router/run_tree.py, who holds each run router/residency.py.
-"""
+shape is router/run_tree.py, who holds each run router/residency.py."""
 
 from __future__ import annotations
 

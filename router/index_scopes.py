@@ -1,6 +1,5 @@
 """Scoped invalidation of the unified index (docs/index.md): an operator's call, never the
-request path, so it lives beside the index rather than in its hot module.
-"""
+request path, so it lives beside the index rather than in its hot module."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """One worker's KV event stream mirrored into the unified index, each block re-keyed from its
-token ids, each batch placed by its seq (docs/kv-events.md, "The mirror"). Pure: no I/O.
-"""
+token ids, each batch placed by its seq (docs/kv-events.md, "The mirror"). Pure: no I/O."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A WorkerMirror's asyncio shell (docs/kv-events.md): a SUB socket follows the worker's stream,
 a fresh DEALER per replay request asks for what was missed, and whenever the mirror may be
-behind it catches up from the last seq it applied.
-"""
+behind it catches up from the last seq it applied."""
 
 from __future__ import annotations
 

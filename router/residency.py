@@ -1,6 +1,5 @@
 """Who holds what in the unified index (docs/index.md): each `(worker, kv_group)` (a resident)
-owns one bit of a run's mask; a hold ends by remove, clear, expiry or LRU eviction.
-"""
+owns one bit of a run's mask; a hold ends by remove, clear, expiry or LRU eviction."""
 
 from __future__ import annotations
 

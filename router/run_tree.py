@@ -1,6 +1,5 @@
 """The compressed tree under the unified index (docs/index.md): runs of chained block keys, with
-the leaf runs in an intrusive LRU list (oldest at the head) so that eviction never scans.
-"""
+the leaf runs in an intrusive LRU list (oldest at the head) so that eviction never scans."""
 
 from __future__ import annotations
 

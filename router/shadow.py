@@ -1,7 +1,6 @@
 """Shadow policies (docs/policies.md): choose on every request without acting, and count what
 each choice predicts. The gateway (router/gateway/routing.py) and `urc replay --shadow`
-(simulation/shadow.py) both call `ShadowPolicies.watch`, so their numbers cannot drift.
-"""
+(simulation/shadow.py) both call `ShadowPolicies.watch`, so their numbers cannot drift."""
 
 from __future__ import annotations
 

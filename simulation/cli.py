@@ -1,8 +1,7 @@
 """`urc replay`: a trace, a gateway recording (--shadow) or a built-in workload through the
 gateway's policies against emulated workers, offline (docs/cli.md). Prints a table; --out DIR
 gets report.md, report.json, series.json and PNG plots; --json FILE the report alone.
-Exit status: 0 on success, 2 on bad arguments or an unreadable trace.
-"""
+Exit status: 0 on success, 2 on bad arguments or an unreadable trace."""
 
 from __future__ import annotations
 
@@ -272,31 +271,30 @@ def run(args: argparse.Namespace) -> int:
         return _fail("no requests to replay")
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = Progress(len(requests), sys.stderr) if show else None
-    shadow = None
+    section = watched = None
     try:
         comparison = compare(
             requests, names, fleet, params=given, seed=args.seed, progress=progress
         )
-        if args.shadow and trace is not None:
-            shadow = replay_shadow(trace, requests, args.shadow, fleet, progress)
+        runs = comparison.runs
+        if args.shadow and trace is not None:  # the followed live decisions: the first row
+            live, section = replay_shadow(trace, requests, args.shadow, fleet, progress)
+            runs = {LIVE: live, **runs}
     except ValueError as e:
         return _fail(str(e))
     finally:
         if progress is not None:
             progress.end()
     config.update(policies=names, policy_params=comparison.params)
-    runs = comparison.runs
-    if shadow is not None:  # the followed live decisions: the first row, LIVE
+    if section is not None:
         config["shadow"] = list(args.shadow)
-        runs = {LIVE: shadow.run, **runs}
     recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
     summaries = {name: run.summary for name, run in runs.items()}
-    section = None if shadow is None else shadow.section
     report = build_report(config, summaries, comparison.bound, recorded, section)
     speeds = {name: run.speed for name, run in runs.items()}
     print(format_table(table_rows(report["policies"], report["bound"]["hit_rate"], speeds)))
-    watched = None if shadow is None else shadow_rows(shadow.section)
-    if watched is not None:
+    if section is not None:
+        watched = shadow_rows(section)
         print()
         print(format_table(watched))
     if args.json:

@@ -1,7 +1,6 @@
 """The load generator in virtual time: when each request is sent, by the rules of
 loadgen/runner.py (open or closed loop) and loadgen/sessions.py (a session's turn waits for the
-previous one; a failed turn drops the session's later turns).
-"""
+previous one; a failed turn drops the session's later turns)."""
 
 from __future__ import annotations
 

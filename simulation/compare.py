@@ -1,6 +1,5 @@
 """Several policies over the same requests, each on a fresh fleet, index, client and policy
-(built as the gateway builds it). Each run's wall-clock speed stays out of the report's JSON.
-"""
+(built as the gateway builds it). Each run's wall-clock speed stays out of the report's JSON."""
 
 from __future__ import annotations
 

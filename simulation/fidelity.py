@@ -1,7 +1,6 @@
 """Live against offline: one seeded workload through `urc cluster` and through the replay with
 the same worker parameters, names and candidate order, so the two differ only in what real time
-adds (HTTP hops, event-loop wake-ups, KV events in flight). No API keys: one namespace.
-"""
+adds (HTTP hops, event-loop wake-ups, KV events in flight). No API keys: one namespace."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The discrete-event replay (docs/dispatch.md, "The replay does the same"): requests through
-the gateway's index and policy to emulated workers in virtual time.
-"""
+the gateway's index and policy to emulated workers in virtual time."""
 
 from __future__ import annotations
 

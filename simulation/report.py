@@ -1,6 +1,5 @@
 """A replay's report: the `--json` document (schema "urc.replay/1", docs/cli.md), the terminal
-table, the Markdown page and the PNG plots (with matplotlib, the `plot` extra).
-"""
+table, the Markdown page and the PNG plots (with matplotlib, the `plot` extra)."""
 
 from __future__ import annotations
 
@@ -127,10 +126,9 @@ def write_out(
     )
     ttfts = {name: run.result.ttft_s for name, run in runs.items()}
     written = write_plots(out, ttfts, curves, bound)
-    note = None if written else MISSING
-    if note:
-        print(f"urc replay: {note}", file=sys.stderr)
-    (out / "report.md").write_text(markdown(report, written, note, shadow), encoding="utf-8")
+    if not written:
+        print(f"urc replay: {MISSING}", file=sys.stderr)
+    (out / "report.md").write_text(markdown(report, written, shadow), encoding="utf-8")
     print(f"report: {out / 'report.md'}")
 
 
@@ -141,12 +139,9 @@ def markdown_table(rows: Sequence[Sequence[str]]) -> str:
 
 
 def markdown(
-    report: Mapping[str, Any],
-    plots: Sequence[str],
-    plot_note: str | None,
-    shadow: Sequence[Sequence[str]] | None = None,
+    report: Mapping[str, Any], plots: Sequence[str], shadow: Sequence[Sequence[str]] | None = None
 ) -> str:
-    """A short page: what was replayed on what, the table, the plots (and the shadow rows)."""
+    """A short page: what was replayed on what, the table, the plots (or why none), the shadows."""
     cfg = report["config"]
     fleet = cfg.get("fleet", {})
     rows = table_rows(report["policies"], report["bound"]["hit_rate"])
@@ -179,10 +174,7 @@ def markdown(
         text = ", ".join(f"{k} {v}" for k, v in s.get("reasons", {}).items())
         lines.append(f"- `{name}`: {text}")
     lines.append("")
-    if plots:
-        lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    elif plot_note:
-        lines.append(plot_note)
+    lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots] if plots else [MISSING]
     if shadow is not None:
         lines += ["", "Shadow policies on the recorded decisions:", "", markdown_table(shadow)]
     return "\n".join(lines) + "\n"
@@ -213,8 +205,7 @@ def write_plots(
     for name, values in ttfts.items():
         xs = sorted(v for v in values if not math.isnan(v) and v > 0)
         if xs:
-            ys = [(i + 1) / len(xs) for i in range(len(xs))]
-            ax.step(xs, ys, where="post", label=name)
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
     ax.set(xscale="log", xlabel="time to first token (s)", ylabel="fraction of requests")
     ax.set_title("TTFT CDF")
     ax.grid(True, which="both", alpha=0.3)

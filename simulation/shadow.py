@@ -1,12 +1,10 @@
 """`urc replay REC --shadow NAME`: a gateway recording replayed on its live decisions, so the
 index and load view evolve as the gateway's did, while each NAME is asked beside them and counted
-as the gateway counts its --shadow-policy (router/shadow.py). The report's section: docs/cli.md.
-"""
+as the gateway counts its --shadow-policy (router/shadow.py). The report's section: docs/cli.md."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from router.policies import Candidate, Decision, RouteRequest
@@ -45,12 +43,6 @@ class RecordedChoice:
         return Decision(worker, "recorded", request, candidates, [0.0] * len(candidates))
 
 
-@dataclass(slots=True)
-class ShadowReplay:
-    run: Run  # the followed live decisions
-    section: dict[str, Any]  # the report's "shadow"
-
-
 def fleet_names(trace: Trace, limit: int, given: Sequence[str] | None) -> list[str]:
     """The simulated workers: `given` (the gateway's order, GET /admin/workers), else those of
     the first `limit` lines by first use. ValueError on a line without one or not in `given`."""
@@ -73,9 +65,10 @@ def replay_shadow(
     shadows: Sequence[str],
     fleet: FleetConfig,
     progress: Callable[[str, int], None] | None = None,
-) -> ShadowReplay:
+) -> tuple[Run, dict[str, Any]]:
     """Replay `requests` (made by `trace_requests` from `trace`, a recording) on the recorded
-    decisions with `shadows` watching. The fleet's names must hold every recorded worker."""
+    decisions with `shadows` watching: the run and the report's "shadow" section. The fleet's
+    names must hold every recorded worker."""
     if not trace.recorded:
         raise ValueError("--shadow needs a gateway recording (urc gateway --record FILE)")
     lines = trace.ordered(len(requests))
@@ -107,7 +100,7 @@ def replay_shadow(
             for name, s in watch.stats.items()
         },
     }
-    return ShadowReplay(run, section)
+    return run, section
 
 
 SHADOW_COLUMNS = (

@@ -81,9 +81,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", skip_bad: bool = 
         size = obj.get("block_size") if isinstance(obj, dict) else None
         try:
             record = parse_record(text, n)
-            if size is not None and (
-                not isinstance(size, int) or isinstance(size, bool) or size <= 0
-            ):
+            if size is not None and not (type(size) is int and size > 0):  # no bool either
                 raise ValueError(f"'block_size' must be a positive integer, got {size!r}")
         except ValueError as e:
             errors.append((n, str(e)))

@@ -1,6 +1,5 @@
 """Built-in workloads (loadgen.workloads) -> `SimRequest`s with the exact tokens `urc bench
---workload NAME --seed S` sends, turns built from the emulated worker's deterministic replies.
-"""
+--workload NAME --seed S` sends, turns built from the emulated worker's deterministic replies."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""What every routing policy sees and returns (docs/policies.md).
-
-Dataclasses with a written-out `__init__`: compiled, they are built and read natively, where a
-NamedTuple or a generated `__init__` would run Python code on every request (docs/compiled.md).
-"""
+"""What every routing policy sees and returns (docs/policies.md): dataclasses with a written-out
+`__init__`, built and read natively once compiled (docs/compiled.md)."""
 
 from __future__ import annotations
 

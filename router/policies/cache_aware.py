@@ -1,7 +1,6 @@
 """Our policy: send each request where it costs the fleet least time to first token, a queueing
 model of each worker's engine in seconds; new content goes to the cache that took the least of
-it lately (docs/policies.md states the cost and why each term is there).
-"""
+it lately (docs/policies.md states the cost and why each term is there)."""
 
 from __future__ import annotations
 

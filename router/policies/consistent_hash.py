@@ -1,6 +1,5 @@
 """Consistent hashing of a prompt's first blocks onto a ring of worker virtual nodes; each
-worker's points are hashed and sorted once, the ring of a candidate set never built.
-"""
+worker's points are hashed and sorted once, the ring of a candidate set never built."""
 
 from __future__ import annotations
 

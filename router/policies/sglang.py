@@ -1,6 +1,5 @@
 """SGLang router's `cache_aware` decision over our unified index; the original, its ties, its
-tree size and how ours differs: docs/policies.md.
-"""
+tree size and how ours differs: docs/policies.md."""
 
 from __future__ import annotations
 
