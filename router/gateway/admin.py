@@ -18,30 +18,30 @@ from prometheus_client import Counter
 from core.blocks import salt_scope
 from core.errors import APIError
 from router.gateway.config import WorkerConfig
-from router.gateway.errors import Handler, bad_request, json_errors
 from router.gateway.fleet import Worker
 from router.gateway.isolation import session_salt, user_salt
-from router.gateway.request_body import parse_body, validate
+from router.gateway.request_body import bad_request, parse_body, validate
 from router.index import UnifiedIndex
 from router.index_scopes import SaltTest, invalidate
 
 if TYPE_CHECKING:
-    from router.gateway.app import Gateway
+    from router.gateway.app import Gateway, Handler
 
 
-def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
+def admin_routes(gateway: Gateway) -> list[tuple[Callable[..., web.RouteDef], str, Handler]]:
+    """The admin API's routes, each behind the admin key."""
     admin = _Admin(gateway)
-    routes: list[tuple[Callable[..., web.RouteDef], str, Handler]] = [
-        (web.get, "/admin/workers", admin.list_workers),
-        (web.post, "/admin/workers", admin.add_worker),
-        (web.delete, "/admin/workers/{name}", admin.remove_worker),
-        (web.post, "/admin/route", admin.dry_run),
-        (web.get, "/admin/mode", admin.get_mode),
-        (web.post, "/admin/mode", admin.set_mode),
-        (web.post, "/admin/invalidate", admin.invalidate),
-        (web.get, "/admin/tenants", admin.list_tenants),
+    auth = admin.authorized
+    return [
+        (web.get, "/admin/workers", auth(admin.list_workers)),
+        (web.post, "/admin/workers", auth(admin.add_worker)),
+        (web.delete, "/admin/workers/{name}", auth(admin.remove_worker)),
+        (web.post, "/admin/route", auth(admin.dry_run)),
+        (web.get, "/admin/mode", auth(admin.get_mode)),
+        (web.post, "/admin/mode", auth(admin.set_mode)),
+        (web.post, "/admin/invalidate", auth(admin.invalidate)),
+        (web.get, "/admin/tenants", auth(admin.list_tenants)),
     ]
-    app.add_routes([route(path, json_errors(admin.authorized(h))) for route, path, h in routes])
 
 
 def bearer_matches(authorization: str | None, key: str) -> bool:

@@ -90,7 +90,7 @@ class Proxy:
                 load.finish()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
-                self.metrics.failovers[worker.name].inc()
+                self.metrics.failovers[worker.name] += 1
                 if failed.answer is None:
                     self.fleet.failed(worker)
                 elif answered is None:
@@ -161,7 +161,7 @@ class _Attempt:
 
     def _first_byte(self) -> None:
         self.load.first_token()
-        series = self.proxy.metrics.series(self.plan.model.name, self.worker.name)
+        series = self.proxy.metrics.series[self.plan.model.name, self.worker.name]
         series.ttft.observe(time.monotonic() - self.t0)
 
     def _headers(self, upstream: UpstreamResponse) -> Headers:
@@ -184,7 +184,7 @@ class _Attempt:
             raise _Failover(str(exc)) from None
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
-            self.proxy.metrics.statuses[self.plan.model.name, self.worker.name, status].inc()
+            self.proxy.metrics.statuses[self.plan.model.name, self.worker.name, status] += 1
             raise _Failover(f"answered {status}", (status, self._headers(upstream), body))
         if status == 200 and not _is_json_object(body):
             raise _Failover("answered 200 with a body that is not a JSON object")
@@ -246,16 +246,16 @@ class _Attempt:
         worker.failures = 0
         if status < 500:  # it answered for itself: as good as a health check
             worker.answered_at = now
-        self.proxy.metrics.statuses[plan.model.name, worker.name, status].inc()
-        series = self.proxy.metrics.series(plan.model.name, worker.name)
+        self.proxy.metrics.statuses[plan.model.name, worker.name, status] += 1
+        series = self.proxy.metrics.series[plan.model.name, worker.name]
         series.latency.observe(now - self.t0)
         if usage is not None:
             predicted = plan.matched(worker.name)
-            series.prompt_tokens.inc(plan.request.prompt_tokens)
-            series.predicted.inc(predicted)
+            series.prompt_tokens += plan.request.prompt_tokens
+            series.predicted += predicted
             if usage.cached_tokens is not None:
-                series.actual.inc(usage.cached_tokens)
-                series.error.inc(abs(predicted - usage.cached_tokens))
+                series.actual += usage.cached_tokens
+                series.error += abs(predicted - usage.cached_tokens)
 
 
 class Deadlines:

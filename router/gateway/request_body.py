@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Final
 
+from core.errors import APIError
 from core.strict_json import BodyError, decode_object, encode
-from router.gateway.errors import bad_request
 
 SALT_FIELD: Final = "cache_salt"
 PUBLIC_FIELD: Final = "urc_public_tokens"
 RESERVED_PREFIX: Final = "urc_"
 TOKEN_ID_MAX: Final = 2**31 - 1  # block keys hash token ids as int32
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
 
 
 def parse_body(raw: bytes, checked: str = "") -> dict[str, Any]:

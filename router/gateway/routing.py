@@ -12,9 +12,9 @@ import msgspec
 from core.blocks import block_keys
 from core.errors import APIError
 from router.dispatch import candidate, candidates
-from router.gateway.errors import bad_request
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens
+from router.gateway.request_body import bad_request
 from router.index import UnifiedIndex
 from router.policies import Candidate, Decision, Policy, RouteRequest, make_policy
 from router.shadow import ShadowPolicies
