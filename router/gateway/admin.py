@@ -73,10 +73,30 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
     }
 
 
+SCOPES = ("tenant", "user", "session", "model", "kv_group", "all")
+_RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, SGLang's
+_UNROUTABLE = (
+    "this engine cannot drop part of its cache: the gateway no longer routes on these blocks, "
+    "but the engine still holds them until it evicts them (scope 'all' resets it)"
+)
+
+
+class Resolved(NamedTuple):
+    scope: str
+    named: dict[str, str]  # what the scope names, echoed in the answer
+    test: SaltTest | None  # on the salts of namespaces; None: every block
+    kv_group: str | None  # None: every group
+    worker_fields: dict[str, str]  # the body of our workers' POST /urc/invalidate
+
+
 class _Admin:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.invalidator = Invalidator(gateway)
+        registry = gateway.metrics.registry
+        doc = "Admin invalidations by scope"
+        self.invalidations = Counter("urc_invalidations", doc, ["scope"], registry=registry)
+        doc = "Block residencies dropped from the index by admin invalidations"
+        self.invalidated_blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
     def authorized(self, handler: Handler) -> Handler:
         """`handler` behind the admin key."""
@@ -155,10 +175,6 @@ class _Admin:
         tenants = [{"name": t.name, "isolation": t.isolation} for t in self.gateway.tenants.all()]
         return web.json_response({"tenants": tenants})
 
-    async def invalidate(self, request: web.Request) -> web.Response:
-        body = parse_body(await request.read())
-        return web.json_response(await self.invalidator.run(body))
-
     async def get_mode(self, request: web.Request) -> web.Response:
         return web.json_response(self.gateway.modes.describe())
 
@@ -168,32 +184,6 @@ class _Admin:
             raise bad_request("send {'degraded': true} or {'degraded': false}", "degraded")
         self.gateway.modes.manual = body["degraded"]
         return web.json_response(self.gateway.modes.describe())
-
-
-SCOPES = ("tenant", "user", "session", "model", "kv_group", "all")
-_RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, SGLang's
-_UNROUTABLE = (
-    "this engine cannot drop part of its cache: the gateway no longer routes on these blocks, "
-    "but the engine still holds them until it evicts them (scope 'all' resets it)"
-)
-
-
-class Resolved(NamedTuple):
-    scope: str
-    named: dict[str, str]  # what the scope names, echoed in the answer
-    test: SaltTest | None  # on the salts of namespaces; None: every block
-    kv_group: str | None  # None: every group
-    worker_fields: dict[str, str]  # the body of our workers' POST /urc/invalidate
-
-
-class Invalidator:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        registry = gateway.metrics.registry
-        doc = "Admin invalidations by scope"
-        self.calls = Counter("urc_invalidations", doc, ["scope"], registry=registry)
-        doc = "Block residencies dropped from the index by admin invalidations"
-        self.blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
     def resolve(self, body: Any) -> Resolved:
         """What an admin body names; OpenAI-style 4xx for what cannot be done."""
@@ -234,22 +224,19 @@ class Invalidator:
         named = {"tenant": tenant.name, scope: value}
         return Resolved(scope, named, salt_scope(salt), None, {"salt": salt})
 
-    async def run(self, body: Any) -> dict[str, Any]:
-        scope, named, test, kv_group, fields = self.resolve(body)
+    async def invalidate(self, request: web.Request) -> web.Response:
+        scope, named, test, kv_group, fields = self.resolve(parse_body(await request.read()))
         self.gateway.residency.invalidated_at = time.monotonic()  # responses under way
         index = self.gateway.index
         dropped = invalidate(index, test, kv_group)
         workers = list(self.gateway.fleet.workers.values())
         answers = await asyncio.gather(*(self._worker(w, scope, fields, kv_group) for w in workers))
         dropped += invalidate(index, test, kv_group)
-        self.calls.labels(scope).inc()
-        self.blocks.inc(dropped)
-        return {
-            "scope": scope,
-            **named,
-            "index_blocks_dropped": dropped,
-            "workers": {w.name: a for w, a in zip(workers, answers, strict=True)},
-        }
+        self.invalidations.labels(scope).inc()
+        self.invalidated_blocks.inc(dropped)
+        by_worker = {w.name: a for w, a in zip(workers, answers, strict=True)}
+        body = {"scope": scope, **named, "index_blocks_dropped": dropped, "workers": by_worker}
+        return web.json_response(body)
 
     async def _worker(
         self, worker: Worker, scope: str, fields: dict[str, str], kv_group: str | None
