@@ -4,7 +4,7 @@ its cache salt, and its isolation level which of its requests may reuse each oth
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Gauge
@@ -14,7 +14,6 @@ from router.gateway.config import TenantConfig
 from router.gateway.request_body import bad_request
 
 SESSION_HEADERS = ("x-urc-session", "x-session-id")
-_PUBLIC_ROLES = frozenset({"system", "developer"})
 SHARED_TENANT = "default"
 
 
@@ -33,27 +32,6 @@ def user_salt(tenant_salt: str, user: str) -> str:
 
 def session_salt(tenant_salt: str, session: str) -> str:
     return f"{tenant_salt}.s.{_h(session)}"
-
-
-def public_tokens(tokens: Sequence[int], system_tokens: Sequence[int], block_size: int) -> int:
-    """The public prefix: the full render's tokens in common with the system messages' alone,
-    in whole blocks."""
-    n = 0
-    for a, b in zip(tokens, system_tokens, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n // block_size * block_size
-
-
-def leading_system(messages: list[Any]) -> list[Any]:
-    """The leading system (or developer) messages of a chat: its public part in shared mode."""
-    n = 0
-    while n < len(messages) and isinstance(messages[n], dict):
-        if messages[n].get("role") not in _PUBLIC_ROLES:
-            break
-        n += 1
-    return messages[:n] if n < len(messages) else []
 
 
 class Tenant(NamedTuple):

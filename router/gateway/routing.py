@@ -13,7 +13,6 @@ from core.blocks import block_keys
 from core.errors import APIError
 from router.dispatch import candidate, candidates
 from router.gateway.fleet import Fleet, Model, Worker
-from router.gateway.isolation import leading_system, public_tokens
 from router.gateway.request_body import bad_request
 from router.index import UnifiedIndex
 from router.policies import Candidate, Decision, Policy, RouteRequest, make_policy
@@ -69,6 +68,7 @@ class Plan:
 
 
 SYSTEM_RENDERS = 1024  # shared isolation: distinct system prompts whose render is kept
+_PUBLIC_ROLES = frozenset({"system", "developer"})
 _json = msgspec.json.Encoder(order="sorted")
 
 
@@ -90,10 +90,17 @@ class Router:
             raise bad_request(str(exc), "messages" if chat else "prompt") from None
 
     def public_tokens(self, model: Model, body: dict[str, Any], tokens: Sequence[int]) -> int:
-        """Shared isolation: the whole blocks of the leading system prompt."""
-        system = leading_system(body["messages"])
-        if not system:
+        """Shared isolation: the whole blocks the render has in common with that of its leading
+        system (or developer) messages alone (none when the chat is only those)."""
+        messages = body["messages"]
+        n = 0
+        while n < len(messages) and isinstance(messages[n], dict):
+            if messages[n].get("role") not in _PUBLIC_ROLES:
+                break
+            n += 1
+        if n == 0 or n == len(messages):
             return 0
+        system = messages[:n]
         key = (model.tokenizer, _json.encode([system, body.get("tools")]))
         rendered = self._system_renders.get(key)
         if rendered is None:
@@ -101,7 +108,12 @@ class Router:
             if len(self._system_renders) >= SYSTEM_RENDERS:
                 del self._system_renders[next(iter(self._system_renders))]
             self._system_renders[key] = rendered
-        return public_tokens(tokens, rendered, model.block_size)
+        common = 0
+        for a, b in zip(tokens, rendered, strict=False):
+            if a != b:
+                break
+            common += 1
+        return common // model.block_size * model.block_size
 
     def plan(
         self,
