@@ -46,11 +46,8 @@ class AiohttpReply:
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
-        response = web.StreamResponse(status=status)
-        for key, value in headers:
-            response.headers[key] = value
-        self.response = response
-        await response.prepare(self.request)
+        self.response = web.StreamResponse(status=status, headers=dict(headers))
+        await self.response.prepare(self.request)
 
     async def send(self, chunk: bytes) -> bool:
         assert self.response is not None
