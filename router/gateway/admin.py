@@ -20,7 +20,7 @@ from core.errors import APIError
 from router.gateway.config import WorkerConfig
 from router.gateway.fleet import Worker
 from router.gateway.isolation import session_salt, user_salt
-from router.gateway.request_body import bad_request, parse_body, validate
+from router.gateway.routing import bad_request, parse_body, validate
 from router.index import UnifiedIndex
 from router.index_scopes import SaltTest, invalidate
 

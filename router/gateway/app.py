@@ -31,8 +31,7 @@ from router.gateway.metrics import GatewayMetrics
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
-from router.gateway.request_body import forwarded, parse_request
-from router.gateway.routing import Plan, Router, RoutingModes
+from router.gateway.routing import Plan, Router, RoutingModes, forwarded, parse_request
 from router.gateway.server import FrontServer
 from router.index import UnifiedIndex
 from router.policies import make_policy

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from core.errors import APIError
 from router.gateway.config import TenantConfig
-from router.gateway.request_body import bad_request
+from router.gateway.routing import bad_request
 
 SESSION_HEADERS = ("x-urc-session", "x-session-id")
 SHARED_TENANT = "default"
