@@ -4,16 +4,16 @@ its cache salt, and its isolation level which of its requests may reuse each oth
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry, Gauge
 
 from core.errors import APIError
 from router.gateway.config import TenantConfig
-from router.gateway.routing import bad_request
 
 SESSION_HEADERS = ("x-urc-session", "x-session-id")
+_PUBLIC_ROLES = frozenset({"system", "developer"})
 SHARED_TENANT = "default"
 
 
@@ -34,6 +34,27 @@ def session_salt(tenant_salt: str, session: str) -> str:
     return f"{tenant_salt}.s.{_h(session)}"
 
 
+def public_tokens(tokens: Sequence[int], system_tokens: Sequence[int], block_size: int) -> int:
+    """The public prefix: the full render's tokens in common with the system messages' alone,
+    in whole blocks."""
+    n = 0
+    for a, b in zip(tokens, system_tokens, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n // block_size * block_size
+
+
+def leading_system(messages: list[Any]) -> list[Any]:
+    """The leading system (or developer) messages of a chat: its public part in shared mode."""
+    n = 0
+    while n < len(messages) and isinstance(messages[n], dict):
+        if messages[n].get("role") not in _PUBLIC_ROLES:
+            break
+        n += 1
+    return messages[:n] if n < len(messages) else []
+
+
 class Tenant(NamedTuple):
     name: str
     salt: str | None  # forwarded as `cache_salt`; None: the shared namespace
@@ -49,7 +70,7 @@ class Tenant(NamedTuple):
         if isolation == "user":
             user = body.get("user")
             if user is not None and not isinstance(user, str):
-                raise bad_request("'user' must be a string", "user")
+                raise APIError(400, "'user' must be a string", param="user")
             return Scope(user_salt(salt, user) if user else salt, False)
         session = next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
         return Scope(session_salt(salt, session) if session else salt, False)

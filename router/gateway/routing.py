@@ -16,6 +16,7 @@ from core.errors import APIError
 from core.strict_json import BodyError, decode_object, encode
 from router.dispatch import candidate, candidates
 from router.gateway.fleet import Fleet, Model, Worker
+from router.gateway.isolation import leading_system, public_tokens
 from router.index import UnifiedIndex
 from router.policies import Candidate, Decision, Policy, RouteRequest, make_policy
 from router.shadow import ShadowPolicies
@@ -147,7 +148,6 @@ class Plan:
 
 
 SYSTEM_RENDERS = 1024  # shared isolation: distinct system prompts whose render is kept
-_PUBLIC_ROLES = frozenset({"system", "developer"})
 _json = msgspec.json.Encoder(order="sorted")
 
 
@@ -169,17 +169,10 @@ class Router:
             raise bad_request(str(exc), "messages" if chat else "prompt") from None
 
     def public_tokens(self, model: Model, body: dict[str, Any], tokens: Sequence[int]) -> int:
-        """Shared isolation: the whole blocks the render has in common with that of its leading
-        system (or developer) messages alone (none when the chat is only those)."""
-        messages = body["messages"]
-        n = 0
-        while n < len(messages) and isinstance(messages[n], dict):
-            if messages[n].get("role") not in _PUBLIC_ROLES:
-                break
-            n += 1
-        if n == 0 or n == len(messages):
+        """Shared isolation: the whole blocks of the leading system prompt."""
+        system = leading_system(body["messages"])
+        if not system:
             return 0
-        system = messages[:n]
         key = (model.tokenizer, _json.encode([system, body.get("tools")]))
         rendered = self._system_renders.get(key)
         if rendered is None:
@@ -187,12 +180,7 @@ class Router:
             if len(self._system_renders) >= SYSTEM_RENDERS:
                 del self._system_renders[next(iter(self._system_renders))]
             self._system_renders[key] = rendered
-        common = 0
-        for a, b in zip(tokens, rendered, strict=False):
-            if a != b:
-                break
-            common += 1
-        return common // model.block_size * model.block_size
+        return public_tokens(tokens, rendered, model.block_size)
 
     def plan(
         self,
