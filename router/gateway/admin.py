@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 
 def admin_routes(gateway: Gateway) -> list[tuple[Callable[..., web.RouteDef], str, Handler]]:
-    """The admin API's routes, each behind the admin key."""
     admin = _Admin(gateway)
     auth = admin.authorized
     return [
@@ -99,8 +98,6 @@ class _Admin:
         self.invalidated_blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
     def authorized(self, handler: Handler) -> Handler:
-        """`handler` behind the admin key."""
-
         async def wrapped(request: web.Request) -> web.StreamResponse:
             key = self.gateway.config.admin_key
             if not key:

@@ -50,8 +50,6 @@ class Hist:
 
 @dataclass(slots=True, eq=False)
 class Series:
-    """What one (model, worker) accumulates per request."""
-
     ttft: Hist = field(default_factory=partial(Hist, _LATENCY_BUCKETS))
     latency: Hist = field(default_factory=partial(Hist, _LATENCY_BUCKETS))
     prompt_tokens: float = 0.0

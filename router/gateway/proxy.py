@@ -123,7 +123,6 @@ class _Attempt:
         self.t0 = t0  # when the request's forwarding began
 
     async def run(self, path: str, payload: bytes, stream: bool) -> tuple[int, Usage | None]:
-        """Its status and, on success, usage."""
         proxy, worker = self.proxy, self.worker
         total = proxy.request_timeout_s - (time.monotonic() - self.t0)
         ttfb = proxy.ttfb_timeout_s

@@ -59,7 +59,6 @@ class AiohttpReply:
 
 
 async def _written(write: Awaitable[None]) -> bool:
-    """False when the client has gone."""
     try:
         await write
     except ConnectionResetError:
