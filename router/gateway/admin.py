@@ -147,8 +147,7 @@ class _Admin:
         chat = isinstance(body, dict) and "messages" in body
         validate(body, chat)
         tenant_name = request.query.get("tenant")
-        tenants = self.gateway.tenants
-        tenant = tenants.by_name(tenant_name) if tenant_name else tenants.by_name("default")
+        tenant = self.gateway.tenants.by_name(tenant_name or "default")
         if tenant is None:
             raise bad_request(f"unknown tenant {tenant_name!r}", "tenant")
         # a copy: a dry run must not move the live policy's state (round robin, routed sizes)

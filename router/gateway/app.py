@@ -142,8 +142,8 @@ class Gateway:
             modes = self.modes
             scope = tenant.scope(body, headers)
             plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
-            if modes.shadow.policies:
-                modes.watch(plan)
+            if modes.shadow.policies:  # they choose among the same candidates
+                modes.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
             self.metrics.decision.observe(plan.decision_s)
             self.metrics.reasons[plan.decision.reason] += 1
             chosen = plan.worker(plan.decision.worker)

@@ -233,10 +233,6 @@ class RoutingModes:
     def active(self) -> Policy:
         return self.fallback if self.degraded else self.live
 
-    def watch(self, plan: Plan) -> None:
-        """Run every shadow policy on this request's candidates; count what it would do."""
-        self.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
-
     def describe(self) -> dict[str, object]:
         return {
             "mode": "degraded" if self.degraded else "live",
