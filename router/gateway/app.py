@@ -45,11 +45,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.index = UnifiedIndex(
-            max_blocks=config.index_max_blocks,
-            approx_ttl_s=config.approx_ttl_s,
-            pending_ttl_s=config.pending_ttl_s,
-        )
+        max_blocks = config.index_max_blocks
+        self.index = UnifiedIndex(max_blocks, config.approx_ttl_s, config.pending_ttl_s)
         self.fleet = Fleet(config, self.index)
         self.policy = make_policy(config.policy, **config.policy_params)
         self.router = Router(self.fleet, self.index, self.policy)
