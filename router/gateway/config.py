@@ -146,6 +146,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     def repeatable(flag: str, metavar: str, help: str, **kwargs: Any) -> None:
         parser.add_argument(flag, action="append", default=[], metavar=metavar, help=help, **kwargs)
 
+    def seconds(flag: str, help: str) -> None:  # the setting `name_s` of the flag `--name`
+        dest = flag[2:].replace("-", "_") + "_s"
+        parser.add_argument(flag, dest=dest, type=float, metavar="S", help=help)
+
     parser.add_argument("--config", help="TOML file (flags override it)")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
@@ -197,20 +201,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "an engine started elsewhere (vLLM, SGLang), e.g. http://h:8000,model=llama,"
         "kv_events=tcp://h:5557,kv_replay=tcp://h:5558,kv_topic=kv,block_size=16; repeatable",
     )
-    parser.add_argument(
+    seconds(
         "--parity-interval",
-        dest="parity_interval_s",
-        type=float,
-        metavar="S",
-        help="probe every worker's token counts against the gateway's every S seconds, and "
+        "probe every worker's token counts against the gateway's every S seconds, and "
         "when it comes up (default 300; 0: never)",
     )
-    parser.add_argument(
+    seconds(
         "--pending-ttl",
-        dest="pending_ttl_s",
-        type=float,
-        metavar="S",
-        help="hold a request's prefix on its worker from dispatch until the worker's KV events "
+        "hold a request's prefix on its worker from dispatch until the worker's KV events "
         "confirm it, or for S seconds, so that concurrent requests find it (e.g. 10; default "
         "0: off)",
     )
