@@ -264,8 +264,7 @@ class Deadlines:
 
     def __init__(self, period_s: float = 0.25) -> None:
         self.period_s = period_s
-        self._due: dict[asyncio.Task[object], float] = {}
-        self._renew: dict[asyncio.Task[object], Renew] = {}
+        self._due: dict[asyncio.Task[object], tuple[float, Renew | None]] = {}  # and its renewal
         self._expired: set[asyncio.Task[object]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -283,9 +282,7 @@ class Deadlines:
         loop = self.loop()
         task = asyncio.current_task(loop)
         assert task is not None
-        self._due[task] = loop.time() + seconds
-        if renew is not None:
-            self._renew[task] = renew
+        self._due[task] = (loop.time() + seconds, renew)
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = loop.create_task(self._sweep())
         return task
@@ -293,19 +290,16 @@ class Deadlines:
     def rearm(self, task: asyncio.Task[object], seconds: float) -> None:
         """A new deadline `seconds` from now, with no renewal."""
         if task in self._due:
-            self._due[task] = self.loop().time() + seconds
-            self._renew.pop(task, None)
+            self._due[task] = (self.loop().time() + seconds, None)
 
     def expire(self, task: asyncio.Task[object]) -> None:
         """Now: the task is cancelled as if its deadline had passed."""
         if self._due.pop(task, None) is not None:
-            self._renew.pop(task, None)
             self._expired.add(task)
             task.cancel()
 
     def leave(self, task: asyncio.Task[object]) -> None:
         self._due.pop(task, None)
-        self._renew.pop(task, None)
         self._expired.discard(task)
 
     def expired(self, task: asyncio.Task[object]) -> bool:
@@ -321,13 +315,12 @@ class Deadlines:
         while self._due:
             await asyncio.sleep(self.period_s)
             now = loop.time()
-            for task, due in list(self._due.items()):
+            for task, (due, renew) in list(self._due.items()):
                 if due > now:
                     continue
-                renew = self._renew.get(task)
                 later = renew(now) if renew is not None else now
                 if later > now:
-                    self._due[task] = later
+                    self._due[task] = (later, renew)
                 else:
                     self.expire(task)
 
