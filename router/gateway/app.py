@@ -60,7 +60,6 @@ class Gateway:
             )
         self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
         self.draining = False  # SIGTERM: /health says so, and the front server drains
-        self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
         self.metrics = GatewayMetrics(self.fleet, self.index, self.modes, config.policy)
         self.tenants.export(self.metrics.registry)
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
@@ -183,13 +182,12 @@ class Gateway:
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics or admin key (README.md, "GET /metrics")."""
-        keys = self.metrics_keys
+        keys = [k for k in (self.config.metrics_key, self.config.admin_key) if k]
         if self.config.metrics_key or self.tenants.auth:
-            authorization = request.headers.get("Authorization")
             if not keys:
                 message = "metrics are off on the API port: set --metrics-key or --metrics-port"
                 return APIError(403, message, type="permission_error").response()
-            if not any(bearer_matches(authorization, k) for k in keys):
+            if not any(bearer_matches(request.headers.get("Authorization"), k) for k in keys):
                 message = "wrong or missing metrics key"
                 return APIError(401, message, type="authentication_error").response()
         return await self.scrape(request)

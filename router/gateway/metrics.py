@@ -99,13 +99,10 @@ class GatewayMetrics(Collector):
             for (model, worker), s in series:
                 family.add_metric([model, worker], *getattr(s, attr).family_point())
             yield family
+        predicted_doc = "Cached tokens the index predicted on the chosen worker"
         counters = [
             ("urc_prompt_tokens", "Prompt tokens routed", "prompt_tokens"),
-            (
-                "urc_predicted_cached_tokens",
-                "Cached tokens the index predicted on the chosen worker",
-                "predicted",
-            ),
+            ("urc_predicted_cached_tokens", predicted_doc, "predicted"),
             ("urc_actual_cached_tokens", "Cached tokens the worker reported (usage)", "actual"),
             ("urc_prediction_abs_error_tokens", "|predicted - actual| cached tokens", "error"),
         ]
@@ -176,24 +173,15 @@ class GatewayMetrics(Collector):
         active = GaugeMetricFamily("urc_routing_policy", doc, labels=["policy"])
         active.add_metric([modes.active().name], 1.0)
         yield active
+        hit_doc = "Cached tokens its choices would have found"
+        ttft_doc = "Sum of the TTFT predicted at its choices"
+        disagreed_doc = "Requests where it chose another worker than the live policy"
         fields = [
             ("urc_shadow_requests", "Requests a shadow policy saw", "requests"),
             ("urc_shadow_prompt_tokens", "Prompt tokens a shadow policy saw", "prompt_tokens"),
-            (
-                "urc_shadow_predicted_hit_tokens",
-                "Cached tokens its choices would have found",
-                "predicted_hit_tokens",
-            ),
-            (
-                "urc_shadow_predicted_ttft_seconds",
-                "Sum of the TTFT predicted at its choices",
-                "predicted_ttft_s",
-            ),
-            (
-                "urc_shadow_disagreements",
-                "Requests where it chose another worker than the live policy",
-                "disagreements",
-            ),
+            ("urc_shadow_predicted_hit_tokens", hit_doc, "predicted_hit_tokens"),
+            ("urc_shadow_predicted_ttft_seconds", ttft_doc, "predicted_ttft_s"),
+            ("urc_shadow_disagreements", disagreed_doc, "disagreements"),
         ]
         for name, doc, attr in fields:
             family = CounterMetricFamily(name, doc, labels=["policy"])
