@@ -18,30 +18,29 @@ from prometheus_client import Counter
 from core.blocks import salt_scope
 from core.errors import APIError
 from router.gateway.config import WorkerConfig
-from router.gateway.errors import Handler, bad_request, json_errors
 from router.gateway.fleet import Worker
 from router.gateway.isolation import session_salt, user_salt
-from router.gateway.request_body import parse_body, validate
+from router.gateway.routing import bad_request, parse_body, validate
 from router.index import UnifiedIndex
 from router.index_scopes import SaltTest, invalidate
 
 if TYPE_CHECKING:
-    from router.gateway.app import Gateway
+    from router.gateway.app import Gateway, Handler
 
 
-def add_admin_routes(app: web.Application, gateway: Gateway) -> None:
+def admin_routes(gateway: Gateway) -> list[tuple[Callable[..., web.RouteDef], str, Handler]]:
     admin = _Admin(gateway)
-    routes: list[tuple[Callable[..., web.RouteDef], str, Handler]] = [
-        (web.get, "/admin/workers", admin.list_workers),
-        (web.post, "/admin/workers", admin.add_worker),
-        (web.delete, "/admin/workers/{name}", admin.remove_worker),
-        (web.post, "/admin/route", admin.dry_run),
-        (web.get, "/admin/mode", admin.get_mode),
-        (web.post, "/admin/mode", admin.set_mode),
-        (web.post, "/admin/invalidate", admin.invalidate),
-        (web.get, "/admin/tenants", admin.list_tenants),
+    auth = admin.authorized
+    return [
+        (web.get, "/admin/workers", auth(admin.list_workers)),
+        (web.post, "/admin/workers", auth(admin.add_worker)),
+        (web.delete, "/admin/workers/{name}", auth(admin.remove_worker)),
+        (web.post, "/admin/route", auth(admin.dry_run)),
+        (web.get, "/admin/mode", auth(admin.get_mode)),
+        (web.post, "/admin/mode", auth(admin.set_mode)),
+        (web.post, "/admin/invalidate", auth(admin.invalidate)),
+        (web.get, "/admin/tenants", auth(admin.list_tenants)),
     ]
-    app.add_routes([route(path, json_errors(admin.authorized(h))) for route, path, h in routes])
 
 
 def bearer_matches(authorization: str | None, key: str) -> bool:
@@ -73,14 +72,32 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
     }
 
 
+SCOPES = ("tenant", "user", "session", "model", "kv_group", "all")
+_RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, SGLang's
+_UNROUTABLE = (
+    "this engine cannot drop part of its cache: the gateway no longer routes on these blocks, "
+    "but the engine still holds them until it evicts them (scope 'all' resets it)"
+)
+
+
+class Resolved(NamedTuple):
+    scope: str
+    named: dict[str, str]  # what the scope names, echoed in the answer
+    test: SaltTest | None  # on the salts of namespaces; None: every block
+    kv_group: str | None  # None: every group
+    worker_fields: dict[str, str]  # the body of our workers' POST /urc/invalidate
+
+
 class _Admin:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
-        self.invalidator = Invalidator(gateway)
+        registry = gateway.metrics.registry
+        doc = "Admin invalidations by scope"
+        self.invalidations = Counter("urc_invalidations", doc, ["scope"], registry=registry)
+        doc = "Block residencies dropped from the index by admin invalidations"
+        self.invalidated_blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
     def authorized(self, handler: Handler) -> Handler:
-        """`handler` behind the admin key."""
-
         async def wrapped(request: web.Request) -> web.StreamResponse:
             key = self.gateway.config.admin_key
             if not key:
@@ -130,8 +147,7 @@ class _Admin:
         chat = isinstance(body, dict) and "messages" in body
         validate(body, chat)
         tenant_name = request.query.get("tenant")
-        tenants = self.gateway.tenants
-        tenant = tenants.by_name(tenant_name) if tenant_name else tenants.by_name("default")
+        tenant = self.gateway.tenants.by_name(tenant_name or "default")
         if tenant is None:
             raise bad_request(f"unknown tenant {tenant_name!r}", "tenant")
         # a copy: a dry run must not move the live policy's state (round robin, routed sizes)
@@ -155,10 +171,6 @@ class _Admin:
         tenants = [{"name": t.name, "isolation": t.isolation} for t in self.gateway.tenants.all()]
         return web.json_response({"tenants": tenants})
 
-    async def invalidate(self, request: web.Request) -> web.Response:
-        body = parse_body(await request.read())
-        return web.json_response(await self.invalidator.run(body))
-
     async def get_mode(self, request: web.Request) -> web.Response:
         return web.json_response(self.gateway.modes.describe())
 
@@ -168,32 +180,6 @@ class _Admin:
             raise bad_request("send {'degraded': true} or {'degraded': false}", "degraded")
         self.gateway.modes.manual = body["degraded"]
         return web.json_response(self.gateway.modes.describe())
-
-
-SCOPES = ("tenant", "user", "session", "model", "kv_group", "all")
-_RESETS = ("/reset_prefix_cache", "/flush_cache")  # vLLM's, SGLang's
-_UNROUTABLE = (
-    "this engine cannot drop part of its cache: the gateway no longer routes on these blocks, "
-    "but the engine still holds them until it evicts them (scope 'all' resets it)"
-)
-
-
-class Resolved(NamedTuple):
-    scope: str
-    named: dict[str, str]  # what the scope names, echoed in the answer
-    test: SaltTest | None  # on the salts of namespaces; None: every block
-    kv_group: str | None  # None: every group
-    worker_fields: dict[str, str]  # the body of our workers' POST /urc/invalidate
-
-
-class Invalidator:
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
-        registry = gateway.metrics.registry
-        doc = "Admin invalidations by scope"
-        self.calls = Counter("urc_invalidations", doc, ["scope"], registry=registry)
-        doc = "Block residencies dropped from the index by admin invalidations"
-        self.blocks = Counter("urc_invalidated_blocks", doc, registry=registry)
 
     def resolve(self, body: Any) -> Resolved:
         """What an admin body names; OpenAI-style 4xx for what cannot be done."""
@@ -234,22 +220,19 @@ class Invalidator:
         named = {"tenant": tenant.name, scope: value}
         return Resolved(scope, named, salt_scope(salt), None, {"salt": salt})
 
-    async def run(self, body: Any) -> dict[str, Any]:
-        scope, named, test, kv_group, fields = self.resolve(body)
+    async def invalidate(self, request: web.Request) -> web.Response:
+        scope, named, test, kv_group, fields = self.resolve(parse_body(await request.read()))
         self.gateway.residency.invalidated_at = time.monotonic()  # responses under way
         index = self.gateway.index
         dropped = invalidate(index, test, kv_group)
         workers = list(self.gateway.fleet.workers.values())
         answers = await asyncio.gather(*(self._worker(w, scope, fields, kv_group) for w in workers))
         dropped += invalidate(index, test, kv_group)
-        self.calls.labels(scope).inc()
-        self.blocks.inc(dropped)
-        return {
-            "scope": scope,
-            **named,
-            "index_blocks_dropped": dropped,
-            "workers": {w.name: a for w, a in zip(workers, answers, strict=True)},
-        }
+        self.invalidations.labels(scope).inc()
+        self.invalidated_blocks.inc(dropped)
+        by_worker = {w.name: a for w, a in zip(workers, answers, strict=True)}
+        body = {"scope": scope, **named, "index_blocks_dropped": dropped, "workers": by_worker}
+        return web.json_response(body)
 
     async def _worker(
         self, worker: Worker, scope: str, fields: dict[str, str], kv_group: str | None

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import secrets
 import signal
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,23 +22,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.errors import APIError
 from router.dispatch import RoutedResidency
-from router.gateway.admin import add_admin_routes, bearer_matches
+from router.gateway.admin import admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
-from router.gateway.errors import add_fallback_route, json_errors
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
-from router.gateway.request_body import forwarded, parse_request
-from router.gateway.routing import Plan, Router, RoutingModes
+from router.gateway.routing import Plan, Router, RoutingModes, forwarded, parse_request
 from router.gateway.server import FrontServer
 from router.index import UnifiedIndex
 from router.policies import make_policy
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class Gateway:
@@ -45,11 +45,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self.index = UnifiedIndex(
-            max_blocks=config.index_max_blocks,
-            approx_ttl_s=config.approx_ttl_s,
-            pending_ttl_s=config.pending_ttl_s,
-        )
+        max_blocks = config.index_max_blocks
+        self.index = UnifiedIndex(max_blocks, config.approx_ttl_s, config.pending_ttl_s)
         self.fleet = Fleet(config, self.index)
         self.policy = make_policy(config.policy, **config.policy_params)
         self.router = Router(self.fleet, self.index, self.policy)
@@ -63,7 +60,6 @@ class Gateway:
             )
         self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
         self.draining = False  # SIGTERM: /health says so, and the front server drains
-        self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
         self.metrics = GatewayMetrics(self.fleet, self.index, self.modes, config.policy)
         self.tenants.export(self.metrics.registry)
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
@@ -81,8 +77,8 @@ class Gateway:
         routes.append(web.get("/v1/models", json_errors(self.list_models)))
         routes.append(web.get("/health", self.health))
         routes.append(web.get("/metrics", self.metrics_endpoint))
+        routes += [route(path, json_errors(h)) for route, path, h in admin_routes(self)]
         self.app.add_routes(routes)
-        add_admin_routes(self.app, self)
         add_fallback_route(self.app)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
@@ -142,10 +138,10 @@ class Gateway:
             modes = self.modes
             scope = tenant.scope(body, headers)
             plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
-            if modes.shadow.policies:
-                modes.watch(plan)
+            if modes.shadow.policies:  # they choose among the same candidates
+                modes.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
             self.metrics.decision.observe(plan.decision_s)
-            self.metrics.reasons[plan.decision.reason].inc()
+            self.metrics.reasons[plan.decision.reason] += 1
             chosen = plan.worker(plan.decision.worker)
             group = chosen.kv_group_of(plan.model)
             exact = chosen.exact(group)
@@ -186,13 +182,12 @@ class Gateway:
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics or admin key (README.md, "GET /metrics")."""
-        keys = self.metrics_keys
+        keys = [k for k in (self.config.metrics_key, self.config.admin_key) if k]
         if self.config.metrics_key or self.tenants.auth:
-            authorization = request.headers.get("Authorization")
             if not keys:
                 message = "metrics are off on the API port: set --metrics-key or --metrics-port"
                 return APIError(403, message, type="permission_error").response()
-            if not any(bearer_matches(authorization, k) for k in keys):
+            if not any(bearer_matches(request.headers.get("Authorization"), k) for k in keys):
                 message = "wrong or missing metrics key"
                 return APIError(401, message, type="authentication_error").response()
         return await self.scrape(request)
@@ -200,6 +195,44 @@ class Gateway:
     async def scrape(self, _request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def json_errors(handler: Handler) -> Handler:
+    """Every error of `handler` leaves as OpenAI-style JSON with its status, never a 500 page."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return exc.response()
+        except web.HTTPRequestEntityTooLarge as exc:
+            message = f"request body too large: {exc.text}"
+            return APIError(413, message, code="body_too_large").response()
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return APIError(exc.status, exc.reason).response()
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("internal error on %s %s", request.method, request.path)
+            return APIError(500, "internal error in the gateway", type="server_error").response()
+
+    return wrapped
+
+
+def add_fallback_route(app: web.Application) -> None:
+    """Unknown paths and wrong methods get JSON errors too (add it after every other route)."""
+    known = {r.canonical for r in app.router.resources()}
+
+    async def fallback(request: web.Request) -> web.Response:
+        if request.path in known:
+            message = f"{request.method} is not allowed on {request.path}"
+            return APIError(405, message, code="method_not_allowed").response()
+        return APIError(404, f"no such endpoint: {request.path}", code="not_found").response()
+
+    app.router.add_route("*", "/{tail:.*}", fallback)
 
 
 class Recorder:

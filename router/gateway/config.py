@@ -18,8 +18,9 @@ class ConfigError(ValueError):
     pass
 
 
-def _flag(default: Any, flag: str, help: str, kind: type | None = None) -> Any:
-    """A setting that is also a command-line flag (`kind`: its type, when the default is None)."""
+def _flag(default: Any, help: str, kind: type | None = None, flag: str = "") -> Any:
+    """A setting that is also a command-line flag: its name dashed, less a unit `_s`, unless
+    `flag` says (`kind`: its type, when the default is None)."""
     metadata = {"flag": flag, "help": help, "kind": kind or type(default)}
     return field(default=default, metadata=metadata)
 
@@ -64,50 +65,37 @@ class GatewayConfig:
     # also flags (README, "Limits, timeouts and failure handling"); connection.py reads limits
     salt_secret: str = _flag(
         "",
-        "--salt-secret",
         "keys the tenants' cache salts (unset: random per process; gateway replicas in front "
         "of one fleet must share one)",
     )
-    metrics_port: int | None = _flag(
-        None, "--metrics-port", "serve /metrics and /health on this port too", int
-    )
+    metrics_port: int | None = _flag(None, "serve /metrics and /health on this port too", int)
     metrics_key: str | None = _flag(
         None,
-        "--metrics-key",
         "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
         str,
     )
-    max_body_bytes: int = _flag(16 * 2**20, "--max-body-bytes", "larger request bodies get 413")
-    max_request_line_bytes: int = _flag(8192, "--max-request-line-bytes", "longer URLs get 414")
-    max_header_bytes: int = _flag(65536, "--max-header-bytes", "larger request headers get 431")
+    max_body_bytes: int = _flag(16 * 2**20, "larger request bodies get 413")
+    max_request_line_bytes: int = _flag(8192, "longer URLs get 414")
+    max_header_bytes: int = _flag(65536, "larger request headers get 431")
     header_timeout_s: float = _flag(
-        10.0,
-        "--header-timeout",
-        "seconds from a request's first byte to the end of its headers, else 408",
+        10.0, "seconds from a request's first byte to the end of its headers, else 408"
     )
     body_timeout_s: float = _flag(
-        60.0,
-        "--body-timeout",
-        "seconds from the end of the headers to the end of the body, else 408",
+        60.0, "seconds from the end of the headers to the end of the body, else 408"
     )
     keepalive_s: float = _flag(
-        75.0, "--keepalive-timeout", "seconds before idle kept-alive connections close"
+        75.0, "seconds before idle kept-alive connections close", flag="--keepalive-timeout"
     )
     drain_timeout_s: float = _flag(
-        30.0,
-        "--drain-timeout",
-        "on SIGTERM, seconds in-flight requests have to finish before the gateway exits",
+        30.0, "on SIGTERM, seconds in-flight requests have to finish before the gateway exits"
     )
-    connect_timeout_s: float = _flag(2.0, "--connect-timeout", "seconds to connect to a worker")
+    connect_timeout_s: float = _flag(2.0, "seconds to connect to a worker")
     ttfb_timeout_s: float = _flag(
         30.0,
-        "--ttfb-timeout",
         "seconds to a worker's first byte before the request fails over; a non-streamed one "
         "waits on while its worker answers health checks",
     )
-    request_timeout_s: float = _flag(
-        600.0, "--request-timeout", "seconds a request may take in all"
-    )
+    request_timeout_s: float = _flag(600.0, "seconds a request may take in all")
     health_interval_s: float = 0.5
     unhealthy_after: int = 2  # consecutive failed health checks or requests
     breaker_cooldown_s: float = 3.0  # a worker taken out stays out at least this long
@@ -157,6 +145,10 @@ def load_config(path: str | Path | None = None) -> GatewayConfig:
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     def repeatable(flag: str, metavar: str, help: str, **kwargs: Any) -> None:
         parser.add_argument(flag, action="append", default=[], metavar=metavar, help=help, **kwargs)
+
+    def seconds(flag: str, help: str) -> None:  # the setting `name_s` of the flag `--name`
+        dest = flag[2:].replace("-", "_") + "_s"
+        parser.add_argument(flag, dest=dest, type=float, metavar="S", help=help)
 
     parser.add_argument("--config", help="TOML file (flags override it)")
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -209,20 +201,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "an engine started elsewhere (vLLM, SGLang), e.g. http://h:8000,model=llama,"
         "kv_events=tcp://h:5557,kv_replay=tcp://h:5558,kv_topic=kv,block_size=16; repeatable",
     )
-    parser.add_argument(
+    seconds(
         "--parity-interval",
-        dest="parity_interval_s",
-        type=float,
-        metavar="S",
-        help="probe every worker's token counts against the gateway's every S seconds, and "
+        "probe every worker's token counts against the gateway's every S seconds, and "
         "when it comes up (default 300; 0: never)",
     )
-    parser.add_argument(
+    seconds(
         "--pending-ttl",
-        dest="pending_ttl_s",
-        type=float,
-        metavar="S",
-        help="hold a request's prefix on its worker from dispatch until the worker's KV events "
+        "hold a request's prefix on its worker from dispatch until the worker's KV events "
         "confirm it, or for S seconds, so that concurrent requests find it (e.g. 10; default "
         "0: off)",
     )
@@ -232,7 +218,8 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "tokenizer of a model: 'byte' or a model directory; repeatable",
     )
     for setting in _FLAGS:  # the help gets the setting's default
-        flag, help = setting.metadata["flag"], setting.metadata["help"]
+        help = setting.metadata["help"]
+        flag = setting.metadata["flag"] or "--" + setting.name.removesuffix("_s").replace("_", "-")
         shown = f"{help} (default {setting.default})" if setting.default else help
         parser.add_argument(flag, dest=setting.name, type=setting.metadata["kind"], help=shown)
 

@@ -42,8 +42,6 @@ class _Request:
 
 
 class FrontProtocol(asyncio.Protocol):
-    """One client connection (see the module's docstring)."""
-
     def __init__(self, front: FrontServer) -> None:
         self.front = front
         self.transport: asyncio.Transport | None = None

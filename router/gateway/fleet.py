@@ -168,7 +168,7 @@ class Fleet:
         self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
         self.on_down: list[Callable[[Worker], None]] = []  # called when a worker is taken out
 
-    def _declare(self, name: str, config: ModelConfig | None, group: str, block_size: int) -> None:
+    def _declare(self, name: str, config: ModelConfig | None, group: str, block_size: int) -> Model:
         spec = config.tokenizer if config else "byte"
         if spec not in self._tokenizers:
             self._tokenizers[spec] = load_tokenizer(spec)
@@ -176,6 +176,7 @@ class Fleet:
         self.models[name] = model
         for alias in config.aliases if config else ():
             self.models[alias] = model
+        return model
 
     def candidates(self, kv_group: str) -> list[Worker]:
         return self._by_group.get(kv_group, [])
@@ -294,10 +295,7 @@ class Fleet:
                 self._declare(name, configured, group, worker.block_size)
             self._adopt_block_size(name, worker)
         for name in config.models or ():
-            model = self.models.get(name)
-            if model is None:
-                self._declare(name, None, name, worker.block_size)
-                model = self.models[name]
+            model = self.models.get(name) or self._declare(name, None, name, worker.block_size)
             self._adopt_block_size(name, worker)
             served[name] = model.kv_group
         worker.models = served

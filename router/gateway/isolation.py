@@ -11,7 +11,6 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from core.errors import APIError
 from router.gateway.config import TenantConfig
-from router.gateway.errors import bad_request
 
 SESSION_HEADERS = ("x-urc-session", "x-session-id")
 _PUBLIC_ROLES = frozenset({"system", "developer"})
@@ -71,7 +70,7 @@ class Tenant(NamedTuple):
         if isolation == "user":
             user = body.get("user")
             if user is not None and not isinstance(user, str):
-                raise bad_request("'user' must be a string", "user")
+                raise APIError(400, "'user' must be a string", param="user")
             return Scope(user_salt(salt, user) if user else salt, False)
         session = next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
         return Scope(session_salt(salt, session) if session else salt, False)

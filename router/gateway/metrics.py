@@ -8,8 +8,9 @@ import time
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -23,18 +24,6 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _DECISION_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 5e-2)
 # a rough per-block cost of the index (bench/index_bench.py measures it)
 INDEX_BYTES_PER_BLOCK = 100
-
-
-class Count:
-    """A counter the request path bumps without a lock (one event loop owns it)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0.0
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
 
 
 class Hist:
@@ -59,15 +48,14 @@ class Hist:
         return cumulative, self.sum
 
 
-class Series(NamedTuple):
-    """What one (model, worker) accumulates per request."""
-
-    ttft: Hist
-    latency: Hist
-    prompt_tokens: Count
-    predicted: Count
-    actual: Count
-    error: Count
+@dataclass(slots=True, eq=False)
+class Series:
+    ttft: Hist = field(default_factory=partial(Hist, _LATENCY_BUCKETS))
+    latency: Hist = field(default_factory=partial(Hist, _LATENCY_BUCKETS))
+    prompt_tokens: float = 0.0
+    predicted: float = 0.0
+    actual: float = 0.0
+    error: float = 0.0
 
 
 class GatewayMetrics(Collector):
@@ -80,22 +68,15 @@ class GatewayMetrics(Collector):
         self.modes = modes
         self.policy_name = policy_name
         self.decision = Hist(_DECISION_BUCKETS)
-        self._series: dict[tuple[str, str], Series] = {}
-        self.statuses: defaultdict[tuple[str, str, int], Count] = defaultdict(Count)
-        self.reasons: defaultdict[str, Count] = defaultdict(Count)
-        self.failovers: defaultdict[str, Count] = defaultdict(Count)  # by worker
+        # plain numbers the request path bumps without a lock (one event loop owns them)
+        self.series: defaultdict[tuple[str, str], Series] = defaultdict(Series)  # (model, worker)
+        self.statuses: defaultdict[tuple[str, str, int], float] = defaultdict(float)
+        self.reasons: defaultdict[str, float] = defaultdict(float)
+        self.failovers: defaultdict[str, float] = defaultdict(float)  # by worker
         registry = self.registry
         info = Gauge("urc_policy_info", "The live routing policy", ["policy"], registry=registry)
         info.labels(policy_name).set(1)
         self.registry.register(self)
-
-    def series(self, model: str, worker: str) -> Series:
-        series = self._series.get((model, worker))
-        if series is None:
-            series = self._series[(model, worker)] = Series(
-                Hist(_LATENCY_BUCKETS), Hist(_LATENCY_BUCKETS), Count(), Count(), Count(), Count()
-            )
-        return series
 
     def collect(self) -> Iterator[Any]:
         yield from self._requests()
@@ -106,32 +87,29 @@ class GatewayMetrics(Collector):
         doc = "Requests by model, worker and status"
         requests = CounterMetricFamily("urc_requests", doc, labels=["model", "worker", "status"])
         for (model, worker, status), count in list(self.statuses.items()):
-            requests.add_metric([model, worker, str(status)], count.value)
+            requests.add_metric([model, worker, str(status)], count)
         yield requests
         per_worker = [
             ("urc_ttft_seconds", "Time to first byte from the worker", "ttft"),
             ("urc_request_latency_seconds", "End-to-end latency", "latency"),
         ]
-        series = list(self._series.items())
-        for name, doc, field in per_worker:
+        series = list(self.series.items())
+        for name, doc, attr in per_worker:
             family = HistogramMetricFamily(name, doc, labels=["model", "worker"])
             for (model, worker), s in series:
-                family.add_metric([model, worker], *getattr(s, field).family_point())
+                family.add_metric([model, worker], *getattr(s, attr).family_point())
             yield family
+        predicted_doc = "Cached tokens the index predicted on the chosen worker"
         counters = [
             ("urc_prompt_tokens", "Prompt tokens routed", "prompt_tokens"),
-            (
-                "urc_predicted_cached_tokens",
-                "Cached tokens the index predicted on the chosen worker",
-                "predicted",
-            ),
+            ("urc_predicted_cached_tokens", predicted_doc, "predicted"),
             ("urc_actual_cached_tokens", "Cached tokens the worker reported (usage)", "actual"),
             ("urc_prediction_abs_error_tokens", "|predicted - actual| cached tokens", "error"),
         ]
-        for name, doc, field in counters:
+        for name, doc, attr in counters:
             family = CounterMetricFamily(name, doc, labels=["worker", "model"])
             for (model, worker), s in series:
-                family.add_metric([worker, model], getattr(s, field).value)
+                family.add_metric([worker, model], getattr(s, attr))
             yield family
         doc = "Tokenize + keys + match + policy"
         decision = HistogramMetricFamily("urc_decision_seconds", doc, labels=[])
@@ -140,12 +118,12 @@ class GatewayMetrics(Collector):
         doc = "Routing decisions by reason"
         reasons = CounterMetricFamily("urc_route_reasons", doc, labels=["policy", "reason"])
         for reason, count in list(self.reasons.items()):
-            reasons.add_metric([self.policy_name, reason], count.value)
+            reasons.add_metric([self.policy_name, reason], count)
         yield reasons
         doc = "Requests retried on another worker before the first byte"
         failovers = CounterMetricFamily("urc_failovers", doc, labels=["worker"])
         for worker, count in list(self.failovers.items()):
-            failovers.add_metric([worker], count.value)
+            failovers.add_metric([worker], count)
         yield failovers
 
     def _fleet(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -195,27 +173,18 @@ class GatewayMetrics(Collector):
         active = GaugeMetricFamily("urc_routing_policy", doc, labels=["policy"])
         active.add_metric([modes.active().name], 1.0)
         yield active
+        hit_doc = "Cached tokens its choices would have found"
+        ttft_doc = "Sum of the TTFT predicted at its choices"
+        disagreed_doc = "Requests where it chose another worker than the live policy"
         fields = [
             ("urc_shadow_requests", "Requests a shadow policy saw", "requests"),
             ("urc_shadow_prompt_tokens", "Prompt tokens a shadow policy saw", "prompt_tokens"),
-            (
-                "urc_shadow_predicted_hit_tokens",
-                "Cached tokens its choices would have found",
-                "predicted_hit_tokens",
-            ),
-            (
-                "urc_shadow_predicted_ttft_seconds",
-                "Sum of the TTFT predicted at its choices",
-                "predicted_ttft_s",
-            ),
-            (
-                "urc_shadow_disagreements",
-                "Requests where it chose another worker than the live policy",
-                "disagreements",
-            ),
+            ("urc_shadow_predicted_hit_tokens", hit_doc, "predicted_hit_tokens"),
+            ("urc_shadow_predicted_ttft_seconds", ttft_doc, "predicted_ttft_s"),
+            ("urc_shadow_disagreements", disagreed_doc, "disagreements"),
         ]
-        for name, doc, field in fields:
+        for name, doc, attr in fields:
             family = CounterMetricFamily(name, doc, labels=["policy"])
             for policy, stats in modes.shadow.stats.items():
-                family.add_metric([policy], float(getattr(stats, field)))
+                family.add_metric([policy], float(getattr(stats, attr)))
             yield family

@@ -90,7 +90,7 @@ class Proxy:
                 load.finish()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
-                self.metrics.failovers[worker.name].inc()
+                self.metrics.failovers[worker.name] += 1
                 if failed.answer is None:
                     self.fleet.failed(worker)
                 elif answered is None:
@@ -123,7 +123,6 @@ class _Attempt:
         self.t0 = t0  # when the request's forwarding began
 
     async def run(self, path: str, payload: bytes, stream: bool) -> tuple[int, Usage | None]:
-        """Its status and, on success, usage."""
         proxy, worker = self.proxy, self.worker
         total = proxy.request_timeout_s - (time.monotonic() - self.t0)
         ttfb = proxy.ttfb_timeout_s
@@ -161,7 +160,7 @@ class _Attempt:
 
     def _first_byte(self) -> None:
         self.load.first_token()
-        series = self.proxy.metrics.series(self.plan.model.name, self.worker.name)
+        series = self.proxy.metrics.series[self.plan.model.name, self.worker.name]
         series.ttft.observe(time.monotonic() - self.t0)
 
     def _headers(self, upstream: UpstreamResponse) -> Headers:
@@ -184,9 +183,10 @@ class _Attempt:
             raise _Failover(str(exc)) from None
         status = upstream.status
         if status >= 500:  # nothing reached the client yet: the next worker may serve it
-            self.proxy.metrics.statuses[self.plan.model.name, self.worker.name, status].inc()
+            self.proxy.metrics.statuses[self.plan.model.name, self.worker.name, status] += 1
             raise _Failover(f"answered {status}", (status, self._headers(upstream), body))
-        if status == 200 and not _is_json_object(body):
+        stripped = body.strip()  # a cheap sanity check (the client parses the body)
+        if status == 200 and not (stripped[:1] == b"{" and stripped[-1:] == b"}"):
             raise _Failover("answered 200 with a body that is not a JSON object")
         self._first_byte()
         usage = None
@@ -246,16 +246,16 @@ class _Attempt:
         worker.failures = 0
         if status < 500:  # it answered for itself: as good as a health check
             worker.answered_at = now
-        self.proxy.metrics.statuses[plan.model.name, worker.name, status].inc()
-        series = self.proxy.metrics.series(plan.model.name, worker.name)
+        self.proxy.metrics.statuses[plan.model.name, worker.name, status] += 1
+        series = self.proxy.metrics.series[plan.model.name, worker.name]
         series.latency.observe(now - self.t0)
         if usage is not None:
             predicted = plan.matched(worker.name)
-            series.prompt_tokens.inc(plan.request.prompt_tokens)
-            series.predicted.inc(predicted)
+            series.prompt_tokens += plan.request.prompt_tokens
+            series.predicted += predicted
             if usage.cached_tokens is not None:
-                series.actual.inc(usage.cached_tokens)
-                series.error.inc(abs(predicted - usage.cached_tokens))
+                series.actual += usage.cached_tokens
+                series.error += abs(predicted - usage.cached_tokens)
 
 
 class Deadlines:
@@ -264,8 +264,7 @@ class Deadlines:
 
     def __init__(self, period_s: float = 0.25) -> None:
         self.period_s = period_s
-        self._due: dict[asyncio.Task[object], float] = {}
-        self._renew: dict[asyncio.Task[object], Renew] = {}
+        self._due: dict[asyncio.Task[object], tuple[float, Renew | None]] = {}  # and its renewal
         self._expired: set[asyncio.Task[object]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -283,9 +282,7 @@ class Deadlines:
         loop = self.loop()
         task = asyncio.current_task(loop)
         assert task is not None
-        self._due[task] = loop.time() + seconds
-        if renew is not None:
-            self._renew[task] = renew
+        self._due[task] = (loop.time() + seconds, renew)
         if self._sweeper is None or self._sweeper.done():
             self._sweeper = loop.create_task(self._sweep())
         return task
@@ -293,19 +290,16 @@ class Deadlines:
     def rearm(self, task: asyncio.Task[object], seconds: float) -> None:
         """A new deadline `seconds` from now, with no renewal."""
         if task in self._due:
-            self._due[task] = self.loop().time() + seconds
-            self._renew.pop(task, None)
+            self._due[task] = (self.loop().time() + seconds, None)
 
     def expire(self, task: asyncio.Task[object]) -> None:
         """Now: the task is cancelled as if its deadline had passed."""
         if self._due.pop(task, None) is not None:
-            self._renew.pop(task, None)
             self._expired.add(task)
             task.cancel()
 
     def leave(self, task: asyncio.Task[object]) -> None:
         self._due.pop(task, None)
-        self._renew.pop(task, None)
         self._expired.discard(task)
 
     def expired(self, task: asyncio.Task[object]) -> bool:
@@ -321,13 +315,12 @@ class Deadlines:
         while self._due:
             await asyncio.sleep(self.period_s)
             now = loop.time()
-            for task, due in list(self._due.items()):
+            for task, (due, renew) in list(self._due.items()):
                 if due > now:
                     continue
-                renew = self._renew.get(task)
                 later = renew(now) if renew is not None else now
                 if later > now:
-                    self._due[task] = later
+                    self._due[task] = (later, renew)
                 else:
                     self.expire(task)
 
@@ -336,12 +329,6 @@ class Deadlines:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
-
-
-def _is_json_object(body: bytes) -> bool:
-    """A cheap sanity check (the client parses the body): it looks like a JSON object."""
-    stripped = body.strip()
-    return stripped[:1] == b"{" and stripped[-1:] == b"}"
 
 
 def _header_int(upstream: UpstreamResponse) -> int | None:

@@ -1,11 +1,13 @@
 """How a response reaches the client, whichever server took the request: `LeanReply` writes to a
-connection of the front door (server.py), `AiohttpReply` answers on one aiohttp holds."""
+connection of the front door (server.py), `AiohttpReply` answers on one aiohttp holds. Either
+has `whole`, `start`, `send` and `end` (the last two: False when the client has gone), and
+`started`: something reached the client, so an error can no longer be sent instead."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -16,22 +18,8 @@ Headers = list[tuple[str, str]]
 JSON_HEADERS = [("Content-Type", "application/json")]
 
 
-class Reply(Protocol):
-    """`send` (a chunk of the stream) and `end` return False when the client has gone."""
-
-    started: bool  # something reached the client: an error can no longer be sent instead
-
-    def whole(self, status: int, headers: Headers, body: bytes) -> None: ...
-
-    async def start(self, status: int, headers: Headers) -> None: ...
-
-    async def send(self, chunk: bytes) -> bool: ...
-
-    async def end(self) -> bool: ...
-
-
 class AiohttpReply:
-    """The same interface over an aiohttp request; `response` is what the handler returns."""
+    """`response` is what the aiohttp handler returns."""
 
     __slots__ = ("request", "response", "started")
 
@@ -46,11 +34,8 @@ class AiohttpReply:
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
-        response = web.StreamResponse(status=status)
-        for key, value in headers:
-            response.headers[key] = value
-        self.response = response
-        await response.prepare(self.request)
+        self.response = web.StreamResponse(status=status, headers=dict(headers))
+        await self.response.prepare(self.request)
 
     async def send(self, chunk: bytes) -> bool:
         assert self.response is not None
@@ -62,7 +47,6 @@ class AiohttpReply:
 
 
 async def _written(write: Awaitable[None]) -> bool:
-    """False when the client has gone."""
     try:
         await write
     except ConnectionResetError:
@@ -126,3 +110,6 @@ class LeanReply:
             self.conn.write(b"0\r\n\r\n")
         await self.conn.drain()
         return not self.conn.lost
+
+
+Reply = LeanReply | AiohttpReply

@@ -1,23 +1,102 @@
-"""The routing step of a request (docs/dispatch.md, 1), free of I/O: tokenize -> block keys ->
-match -> policy; and the routing modes: live or degraded (least load), shadows that only watch."""
+"""The routing step of a request (docs/dispatch.md, 1), free of I/O: its body parsed strictly
+once (core/strict_json.py) and checked, tokenize -> block keys -> match -> policy, the body
+rebuilt for the worker (docs/isolation.md); and the routing modes: live or degraded (least
+load), shadows that only watch."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
 from core.blocks import block_keys
 from core.errors import APIError
+from core.strict_json import BodyError, decode_object, encode
 from router.dispatch import candidate, candidates
-from router.gateway.errors import bad_request
 from router.gateway.fleet import Fleet, Model, Worker
 from router.gateway.isolation import leading_system, public_tokens
 from router.index import UnifiedIndex
 from router.policies import Candidate, Decision, Policy, RouteRequest, make_policy
 from router.shadow import ShadowPolicies
+
+SALT_FIELD: Final = "cache_salt"
+PUBLIC_FIELD: Final = "urc_public_tokens"
+RESERVED_PREFIX: Final = "urc_"
+TOKEN_ID_MAX: Final = 2**31 - 1  # block keys hash token ids as int32
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def parse_body(raw: bytes, checked: str = "") -> dict[str, Any]:
+    """A JSON object body, strictly parsed (400 otherwise)."""
+    try:
+        return decode_object(raw, checked=checked)
+    except BodyError as exc:
+        raise bad_request(str(exc)) from None
+
+
+def parse_request(raw: bytes, chat: bool) -> dict[str, Any]:
+    """An inference request's body, its routing fields checked (a prompt once, by `validate`:
+    token ids in int32 are within the parse's limits too)."""
+    body = parse_body(raw, "" if chat else "prompt")
+    validate(body, chat)
+    return body
+
+
+def _check_int(body: dict[str, Any], field: str, low: int = 0) -> None:
+    value = body.get(field)
+    if value is not None and (type(value) is not int or value < low):
+        raise bad_request(f"'{field}' must be an integer >= {low}", field)
+
+
+def _token_ids(prompt: list[Any]) -> bool:
+    if not prompt:
+        return False
+    for token in prompt:
+        if not isinstance(token, int) or isinstance(token, bool):
+            return False
+        value: int = token  # compiled: compared as a native int
+        if value < 0 or value > TOKEN_ID_MAX:
+            return False
+    return True
+
+
+def validate(body: dict[str, Any], chat: bool) -> None:
+    """The fields routing needs, in OpenAI's wording; the rest is the worker's to check."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad_request("'messages' must be a non-empty array", "messages")
+    else:
+        prompt = body.get("prompt")
+        if not (isinstance(prompt, str) or (isinstance(prompt, list) and _token_ids(prompt))):
+            message = f"'prompt' must be a string or an array of token ids in [0, {TOKEN_ID_MAX}]"
+            raise bad_request(message, "prompt")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    _check_int(body, "max_tokens")
+    _check_int(body, "max_completion_tokens")
+    _check_int(body, "n", 1)
+
+
+def forwarded(body: dict[str, Any], salt: str | None, public_tokens: int) -> bytes:
+    """The worker's body: the gateway's fields first, then the client's, none reserved."""
+    out: dict[str, Any] = {}
+    if salt is not None:
+        out[SALT_FIELD] = salt
+        if public_tokens:
+            out[PUBLIC_FIELD] = public_tokens
+    for key, value in body.items():
+        if key != SALT_FIELD and not key.startswith(RESERVED_PREFIX):
+            out[key] = value
+    return encode(out)
 
 
 class Plan:
@@ -153,10 +232,6 @@ class RoutingModes:
 
     def active(self) -> Policy:
         return self.fallback if self.degraded else self.live
-
-    def watch(self, plan: Plan) -> None:
-        """Run every shadow policy on this request's candidates; count what it would do."""
-        self.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
 
     def describe(self) -> dict[str, object]:
         return {

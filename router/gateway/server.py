@@ -53,9 +53,8 @@ class FrontServer:
         self.draining = True
         if self.server is not None:
             self.server.close()
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self.connections and loop.time() < deadline:
+        deadline = self.now() + grace_s
+        while self.connections and self.now() < deadline:
             for conn in list(self.connections):
                 if conn.idle:
                     conn.close()

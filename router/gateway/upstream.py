@@ -133,8 +133,6 @@ UpstreamResponse = _Connection
 
 
 class UpstreamPool:
-    """Keep-alive connections to one worker."""
-
     def __init__(self, host: str, port: int, tls: bool = False) -> None:
         self.host = host
         self.port = port

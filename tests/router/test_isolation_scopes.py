@@ -29,8 +29,7 @@ from router.gateway.isolation import (
     session_salt,
     user_salt,
 )
-from router.gateway.request_body import forwarded, parse_body
-from router.gateway.routing import Router
+from router.gateway.routing import Router, forwarded, parse_body
 from router.index import UnifiedIndex
 from router.index_scopes import invalidate as invalidate_index
 from router.kv_mirror import WorkerMirror

@@ -541,7 +541,7 @@ def fleet() -> Iterator[Fleet]:
 
 def settled_rss(fleet: Fleet) -> int:
     """The gateway's RSS once back within 20 % of its start (or as it is after 10 s)."""
-    wait_for(lambda: rss_kb(fleet.gateway.popen.pid) <= 1.2 * fleet.start_rss_kb, 10, 0.25)
+    wait_for(lambda: rss_kb(fleet.gateway.popen.pid) <= 1.2 * fleet.start_rss_kb, 10)
     return rss_kb(fleet.gateway.popen.pid)
 
 
