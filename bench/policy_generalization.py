@@ -18,9 +18,9 @@ from harness import SHARED_TRACE
 
 from router.policies import make_policy
 from simulation.compare import build_params
-from simulation.metrics import summarize
 from simulation.replay import FleetConfig, Replay
 from simulation.requests import SimRequest
+from simulation.summary import summarize
 from simulation.traces import parse_trace, read_trace, trace_requests
 from simulation.workloads import workload_requests
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.policies import POLICY_NAMES, Policy, make_policy, policy_params
-from simulation.metrics import series, summarize
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
+from simulation.summary import series, summarize
 
 
 @dataclass(slots=True)

@@ -45,7 +45,7 @@ class FidelityCase:
 class FidelityOutcome:
     case: FidelityCase
     live: dict[str, Any]  # the urc bench summary (loadgen.report)
-    offline: dict[str, Any]  # the replay summary (simulation.metrics)
+    offline: dict[str, Any]  # the replay summary (simulation.summary)
 
     @property
     def hit_rate_diff(self) -> float:

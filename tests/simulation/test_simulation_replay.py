@@ -14,9 +14,9 @@ from backends.emulated.request import Request, tail_keys
 from core.blocks import block_keys
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from simulation.compare import compare, infinite_cache_hit_rate
-from simulation.metrics import summarize
 from simulation.replay import FleetConfig, Replay
 from simulation.requests import SimRequest
+from simulation.summary import summarize
 from simulation.workloads import workload_requests
 
 
