@@ -1,6 +1,6 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
-    python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp]
+    python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp,python]
 
 urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md."""
 
@@ -33,6 +33,7 @@ SHIPPED = ({}, ("-m", "urc.cli"))  # (env, launch) of urc as installed
 VARIANTS = {
     "source": ({"URC_PURE_PYTHON": GATEWAY_SOURCE}, SHIPPED[1]),
     "aiohttp": ({}, ("-c", AIOHTTP_FRONT)),
+    "python": ({"URC_PURE_PYTHON": "1"}, SHIPPED[1]),
 }
 
 
@@ -134,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--sglang-router", metavar="BIN", help="sglang-router script (default: sglang_router here)")
     add("--sglang-policy", default=None, help="default: nearest to --policy")
     add("--no-sglang", action="store_true", help="measure urc only")
-    add("--variants", default="", help="also measure, comma-separated: source, aiohttp")
+    add("--variants", default="", help="also measure, comma-separated: source, aiohttp, python")
     add("--api", choices=["completions", "chat"], default="completions")
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
