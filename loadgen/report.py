@@ -7,9 +7,10 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loadgen.client import RequestResult
+if TYPE_CHECKING:  # the replay reads this module too: no HTTP client at its start
+    from loadgen.client import RequestResult
 
 SCHEMA = "urc.bench/1"
 _STATS = ("mean", "p50", "p90", "p99", "max")
