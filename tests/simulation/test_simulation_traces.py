@@ -23,7 +23,7 @@ from simulation.requests import KeyedPrompt
 from simulation.traces import parse_trace, trace_requests
 from simulation.workloads import workload_requests
 
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_synthetic_trace.jsonl"
 
 
 def line(ts: float, n: int, out: int, ids: list[int], **extra: object) -> str:
