@@ -60,6 +60,7 @@ class Gateway:
             )
         self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
         self.draining = False  # SIGTERM: /health says so, and the front server drains
+        self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
         self.metrics = GatewayMetrics(self.fleet, self.index, self.modes, config.policy)
         self.tenants.export(self.metrics.registry)
         self.parity = ParityProbe(self.fleet, config.parity_interval_s)
@@ -182,7 +183,7 @@ class Gateway:
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics or admin key (README.md, "GET /metrics")."""
-        keys = [k for k in (self.config.metrics_key, self.config.admin_key) if k]
+        keys = self.metrics_keys
         if self.config.metrics_key or self.tenants.auth:
             if not keys:
                 message = "metrics are off on the API port: set --metrics-key or --metrics-port"

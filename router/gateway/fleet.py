@@ -214,7 +214,8 @@ class Fleet:
         name = config.name or f"{url.hostname}:{port}"
         if name in self.workers:
             raise ValueError(f"worker {name!r} is already in the fleet")
-        pool = UpstreamPool(url.hostname or "127.0.0.1", port, tls)
+        timeout = self.config.connect_timeout_s
+        pool = UpstreamPool(url.hostname or "127.0.0.1", port, tls, timeout)
         worker = Worker(name, config.url.rstrip("/"), config, pool)
         self.workers[name] = worker
         await self.check(worker)

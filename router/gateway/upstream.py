@@ -10,7 +10,6 @@ from functools import partial
 
 import httptools
 
-_CONNECT_TIMEOUT_S = 2.0
 _MAX_IDLE = 256  # idle connections kept per worker
 
 
@@ -133,10 +132,13 @@ UpstreamResponse = _Connection
 
 
 class UpstreamPool:
-    def __init__(self, host: str, port: int, tls: bool = False) -> None:
+    def __init__(
+        self, host: str, port: int, tls: bool = False, connect_timeout_s: float = 2.0
+    ) -> None:
         self.host = host
         self.port = port
         self.tls = tls
+        self.connect_timeout_s = connect_timeout_s  # the gateway's --connect-timeout
         self._idle: list[_Connection] = []
         self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
 
@@ -145,9 +147,9 @@ class UpstreamPool:
             partial(_Connection, self), self.host, self.port, ssl=self.tls or None
         )
         try:
-            _, conn = await asyncio.wait_for(connect, _CONNECT_TIMEOUT_S)
+            _, conn = await asyncio.wait_for(connect, self.connect_timeout_s)
         except TimeoutError:
-            raise UpstreamError(f"no connection within {_CONNECT_TIMEOUT_S} s") from None
+            raise UpstreamError(f"no connection within {self.connect_timeout_s} s") from None
         except OSError as exc:
             raise UpstreamError(f"cannot connect: {exc}") from None
         return conn

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 
 import pytest
 
+from router.gateway.config import GatewayConfig, WorkerConfig
+from router.gateway.fleet import Fleet
 from router.gateway.upstream import UpstreamError, UpstreamPool
+from router.index import UnifiedIndex
 
 RESPONSES = {
     b"/length": b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Test: a\r\n\r\nhello",
@@ -95,3 +100,30 @@ async def test_failures_are_upstream_errors():
         server.close()
     with pytest.raises(UpstreamError):
         await UpstreamPool("127.0.0.1", 1).post("/length", b"{}")
+
+
+async def test_the_connect_timeout_is_the_gateways():
+    """A worker whose accept queue is full never completes the handshake: the hop gives up
+    after the gateway's --connect-timeout, and the fleet hands its pools that setting."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)  # never accepted: the kernel drops SYNs once the queue is full
+    port = listener.getsockname()[1]
+    fillers = [socket.socket() for _ in range(3)]
+    try:
+        for filler in fillers:
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+        with pytest.raises(UpstreamError, match="no connection within 0.3 s"):
+            await UpstreamPool("127.0.0.1", port, connect_timeout_s=0.3).post("/x", b"{}")
+        config = GatewayConfig(connect_timeout_s=0.3, workers=[WorkerConfig("http://127.0.0.1:1")])
+        fleet = Fleet(config, UnifiedIndex())
+        await fleet.start()  # the worker is down (nothing listens): its pool is made all the same
+        try:
+            assert [w.pool.connect_timeout_s for w in fleet.workers.values()] == [0.3]
+        finally:
+            await fleet.close()
+    finally:
+        for sock in (listener, *fillers):
+            sock.close()
