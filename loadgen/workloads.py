@@ -55,13 +55,15 @@ class Workload(Protocol):
 @dataclass(slots=True)
 class SystemPrompts:
     """`groups` long system prompts of `prefix_tokens` each, every request one of them plus a
-    short distinct user question (chat: system + user messages; completion: prefix + question)."""
+    short distinct user question (chat: system + user messages; completion: prefix + question);
+    `hot_share` of the requests use group 0 (a hot prefix), the rest spread evenly."""
 
     groups: int = 20
     prefix_tokens: int = 2000
     question_tokens: int = 48
     max_tokens: int = 32
     kind: str = "chat"
+    hot_share: float = 0.0
     tag: ClassVar[str] = "system-prompts"  # seeds the text: each workload draws its own
 
     def model_of(self, models: Sequence[str], group: int, nth: int) -> str:
@@ -76,8 +78,10 @@ class SystemPrompts:
         tag = self.tag
         rng = random.Random(f"{tag}/{seed}/groups")
         sent = [0] * self.groups
+        hot = self.hot_share
         for i in count():
-            g = rng.randrange(self.groups)
+            # (no draw for the hot share when there is none: the stream stays as it was)
+            g = 0 if hot > 0 and rng.random() < hot else rng.randrange(self.groups)
             j = sent[g]
             sent[g] += 1
             system = filler(self.prefix_tokens, f"{tag}/{seed}/system/{g}")

@@ -22,10 +22,13 @@ ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.torch_work
 def _gateway(args: argparse.Namespace) -> int:
     from router.gateway.app import run_gateway
     from router.gateway.config import ConfigError, apply_flags, load_config
+    from router.gateway.supervisor import run_processes
 
     config = apply_flags(load_config(args.config), args)
     if not config.workers:
         raise ConfigError("no workers: give --worker URL (repeatable) or a config file")
+    if config.processes > 1:
+        return run_processes(config, args.config)
     run_gateway(config, args.config)
     return 0
 

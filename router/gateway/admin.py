@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hmac
+import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -21,6 +22,7 @@ from router.gateway.config import WorkerConfig
 from router.gateway.fleet import Worker
 from router.gateway.isolation import session_salt, user_salt
 from router.gateway.routing import bad_request, parse_body, validate
+from router.gateway.siblings import scoped
 from router.index import UnifiedIndex
 from router.index_scopes import SaltTest, invalidate
 
@@ -106,9 +108,27 @@ class _Admin:
             if not bearer_matches(request.headers.get("Authorization"), key):
                 message = "wrong or missing admin key"
                 raise APIError(401, message, type="authentication_error", code="invalid_admin_key")
-            return await handler(request)
+            response = await handler(request)
+            if request.method == "GET" or request.path == "/admin/route":
+                return response
+            return await self.applied(request, response)
 
         return wrapped
+
+    async def applied(self, request: web.Request, response: web.StreamResponse) -> web.Response:
+        """A change made here: made on the sibling processes too (--processes), and the answer
+        says where it was applied (docs/scale-out.md)."""
+        assert isinstance(response, web.Response) and isinstance(response.body, bytes)
+        siblings = self.gateway.siblings
+        if siblings is not None and siblings.sent_by_sibling(request.headers):
+            return response
+        processes = None
+        if siblings is not None and response.status < 300:
+            processes = await siblings.fan_out(request, await request.read())
+            processes[str(siblings.index)] = response.status
+        answer = json.loads(response.body)
+        body = scoped(answer, self.gateway.replica, processes)
+        return web.Response(body=body, status=response.status, content_type="application/json")
 
     async def list_workers(self, request: web.Request) -> web.Response:
         gateway = self.gateway
@@ -117,6 +137,7 @@ class _Admin:
             "index": gateway.index.stats()._asdict(),
             "tokenizer_parity": gateway.parity.describe(),
             "policy": gateway.config.policy,
+            "replica": gateway.replica,
         }
         return web.json_response(body)
 
@@ -225,6 +246,10 @@ class _Admin:
         self.gateway.residency.invalidated_at = time.monotonic()  # responses under way
         index = self.gateway.index
         dropped = invalidate(index, test, kv_group)
+        siblings = self.gateway.siblings
+        if siblings is not None and siblings.sent_by_sibling(request.headers):
+            # the process the admin asked tells the workers; its siblings drop their index only
+            return web.json_response({"scope": scope, **named, "index_blocks_dropped": dropped})
         workers = list(self.gateway.fleet.workers.values())
         answers = await asyncio.gather(*(self._worker(w, scope, fields, kv_group) for w in workers))
         dropped += invalidate(index, test, kv_group)

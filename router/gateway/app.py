@@ -8,8 +8,10 @@ import contextlib
 import functools
 import gc
 import logging
+import os
 import secrets
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from functools import partial
@@ -33,6 +35,7 @@ from router.gateway.proxy import Proxy, Usage
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
 from router.gateway.routing import Plan, Router, RoutingModes, forwarded, parse_request
 from router.gateway.server import FrontServer
+from router.gateway.siblings import Siblings
 from router.index import UnifiedIndex
 from router.policies import make_policy
 
@@ -43,8 +46,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Gateway:
     """Everything one gateway process holds; `app` is its aiohttp application."""
 
-    def __init__(self, config: GatewayConfig) -> None:
+    def __init__(self, config: GatewayConfig, siblings: Siblings | None = None) -> None:
         self.config = config
+        self.siblings = siblings  # the other processes of --processes N
+        process = f"/{siblings.index}" if siblings is not None else ""
+        self.replica = f"{socket.gethostname()}{process}"  # in answers that say what changed
         max_blocks = config.index_max_blocks
         self.index = UnifiedIndex(max_blocks, config.approx_ttl_s, config.pending_ttl_s)
         self.fleet = Fleet(config, self.index)
@@ -184,6 +190,9 @@ class Gateway:
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics or admin key (README.md, "GET /metrics")."""
         keys = self.metrics_keys
+        siblings = self.siblings
+        if siblings is not None and siblings.sent_by_sibling(request.headers):
+            return self.local_scrape()
         if self.config.metrics_key or self.tenants.auth:
             if not keys:
                 message = "metrics are off on the API port: set --metrics-key or --metrics-port"
@@ -193,7 +202,15 @@ class Gateway:
                 return APIError(401, message, type="authentication_error").response()
         return await self.scrape(request)
 
-    async def scrape(self, _request: web.Request) -> web.Response:
+    async def scrape(self, request: web.Request) -> web.Response:
+        """This process's metrics, and with --processes every sibling's (label `replica`)."""
+        if self.siblings is None:
+            return self.local_scrape()
+        own = generate_latest(self.metrics.registry)
+        body = await self.siblings.scrape_all(own, request.headers)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    def local_scrape(self) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -267,10 +284,15 @@ class Recorder:
 
 
 async def serve_gateway(
-    config: GatewayConfig, stop: asyncio.Event, config_path: str | None = None
+    config: GatewayConfig,
+    stop: asyncio.Event,
+    config_path: str | None = None,
+    siblings: Siblings | None = None,
+    ready_fd: int | None = None,
 ) -> None:
-    """Serve (print `gateway: URL` once listening) until `stop` is set, then drain."""
-    gateway = Gateway(config)
+    """Serve until `stop` is set, then drain. Once listening: print `gateway: URL`, or as one
+    of --processes (`siblings`), write a byte to `ready_fd` (the parent prints it)."""
+    gateway = Gateway(config, siblings)
     if config_path:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)
     runner = web.AppRunner(
@@ -287,7 +309,10 @@ async def serve_gateway(
     front = FrontServer(gateway.serve, runner.server, config)
     metrics_runner: web.AppRunner | None = None
     try:
-        port = await front.start(config.host, config.port)
+        reuse = siblings is not None  # the processes share the port (supervisor.py)
+        port = await front.start(config.host, config.port, reuse_port=reuse)
+        if siblings is not None:
+            await siblings.start(runner)
         if config.metrics_port is not None:  # /metrics with no key, and /health
             metrics_app = web.Application()
             routes = [web.get("/metrics", gateway.scrape), web.get("/health", gateway.health)]
@@ -295,13 +320,18 @@ async def serve_gateway(
             add_fallback_route(metrics_app)
             metrics_runner = web.AppRunner(metrics_app, access_log=None)
             await metrics_runner.setup()
-            await web.TCPSite(metrics_runner, config.host, config.metrics_port).start()
+            site = web.TCPSite(metrics_runner, config.host, config.metrics_port, reuse_port=reuse)
+            await site.start()
             metrics_port = metrics_runner.addresses[0][1]
-            print(f"metrics: http://{config.host}:{metrics_port}/metrics", flush=True)
+            if siblings is None:
+                print(f"metrics: http://{config.host}:{metrics_port}/metrics", flush=True)
         # what startup made lives as long as the process: frozen, collections under load skip it
         gc.collect()
         gc.freeze()
-        print(f"gateway: http://{config.host}:{port}", flush=True)
+        if ready_fd is None:
+            print(f"gateway: http://{config.host}:{port}", flush=True)
+        else:
+            os.write(ready_fd, b"1")
         await stop.wait()
         gateway.draining = True
         log.warning("draining: up to %s s for the requests under way", config.drain_timeout_s)
@@ -310,15 +340,22 @@ async def serve_gateway(
         await runner.cleanup()
         if metrics_runner is not None:
             await metrics_runner.cleanup()
+        if siblings is not None:
+            await siblings.close()
 
 
-def run_gateway(config: GatewayConfig, config_path: str | None = None) -> None:
+def run_gateway(
+    config: GatewayConfig,
+    config_path: str | None = None,
+    siblings: Siblings | None = None,
+    ready_fd: int | None = None,
+) -> None:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_gateway(config, stop, config_path)
+        await serve_gateway(config, stop, config_path, siblings, ready_fd)
 
     run_async(main())
 

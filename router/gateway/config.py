@@ -68,6 +68,11 @@ class GatewayConfig:
         "keys the tenants' cache salts (unset: random per process; gateway replicas in front "
         "of one fleet must share one)",
     )
+    processes: int = _flag(
+        1,
+        "gateway processes on this host, one port (SO_REUSEPORT), each a full replica; "
+        "/metrics and the admin API cover them all (docs/scale-out.md)",
+    )
     metrics_port: int | None = _flag(None, "serve /metrics and /health on this port too", int)
     metrics_key: str | None = _flag(
         None,

