@@ -1,6 +1,7 @@
 """The objects of deploy/kubernetes's kustomizations, loaded as `kubectl kustomize` renders them
 as far as those kustomizations go: `resources` (files, and folders holding a kustomization) and
-`namespace` (set on every namespaced object). Any other kustomization field fails the load, so a
+`namespace` (set on every namespaced object, and on a binding's ServiceAccount subjects that
+name none, as kustomize does). Any other kustomization field fails the load, so a
 kustomization cannot grow past what this loader renders faithfully without the tests noticing
 (tests/urc/test_deploy_manifests.py also compares it with kubectl's own render where kubectl is
 installed)."""
@@ -44,6 +45,9 @@ def kustomize(directory: Path) -> list[Object]:
         for obj in objects:
             if obj["kind"] not in _CLUSTER_SCOPED:
                 obj["metadata"]["namespace"] = namespace
+            for subject in obj.get("subjects", []) if obj["kind"].endswith("RoleBinding") else []:
+                if subject["kind"] == "ServiceAccount" and not subject.get("namespace"):
+                    subject["namespace"] = namespace
     return objects
 
 

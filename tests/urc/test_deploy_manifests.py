@@ -162,7 +162,8 @@ def gateway_toml(tmp_path: Path) -> tuple[dict[str, Any], Path]:
     raw = tomllib.loads(text)
     known = {f.name for f in fields(GatewayConfig)}
     for key in raw["gateway"]:
-        assert key in known or (key in EXPECTED_KEYS and soon(key, known, "_")), key
+        expected_soon = key in EXPECTED_KEYS and soon(key, known, "_")
+        assert key in known or expected_soon, f"[gateway] {key} is not a GatewayConfig field"
     drop = [k for k in raw["gateway"] if k not in known]
     lines = [line for line in text.splitlines() if line.split("=")[0].strip() not in drop]
     path = tmp_path / "gateway.toml"
@@ -256,7 +257,8 @@ def test_gateway_command_and_config_are_the_gateways_own(tmp_path):
     for i, item in enumerate(argv):
         if not item.startswith("--"):
             continue
-        assert item in known or (item in EXPECTED_FLAGS and soon(item, known, "-")), item
+        expected_soon = item in EXPECTED_FLAGS and soon(item, known, "-")
+        assert item in known or expected_soon, f"{item} is not a flag of urc gateway"
         if item in known:  # with its value, if it takes one (every flag used here does)
             kept += [item, argv[i + 1]]
     # each $(VAR) is an env var of the container (the kubelet leaves an unknown one as is)
