@@ -45,7 +45,7 @@ def kustomize(directory: Path) -> list[Object]:
         for obj in objects:
             if obj["kind"] not in _CLUSTER_SCOPED:
                 obj["metadata"]["namespace"] = namespace
-            for subject in obj.get("subjects", []) if obj["kind"].endswith("RoleBinding") else []:
+            for subject in obj.get("subjects", []):  # a (Cluster)RoleBinding's
                 if subject["kind"] == "ServiceAccount" and not subject.get("namespace"):
                     subject["namespace"] = namespace
     return objects
