@@ -24,8 +24,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from router.gateway.config import ConfigError, apply_flags, load_config
 
     config = apply_flags(load_config(args.config), args)
-    if not config.workers:
-        raise ConfigError("no workers: give --worker URL (repeatable) or a config file")
+    if not config.workers and not config.discover:
+        raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
     run_gateway(config, args.config)
     return 0
 
