@@ -11,10 +11,12 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from router.gateway.config import load_config
 from router.gateway.discovery import gone, is_ready, worker_config
 from tests.gateway import ADMIN, admin_workers, route
 from tests.k8s_api import StandInAPI, pod
 from tests.processes import wait_for
+from urc.cli import main
 from urc.processes import Child, start_gateway, start_worker
 
 FOLLOW_S = 2.0  # the gateway follows each change of the pods within this
@@ -87,6 +89,24 @@ def test_gone_reads_both_forms_of_410() -> None:
     assert gone(ApiError(status=Status(code=410, message="too old")))
     assert not gone(ApiError(status=Status(code=500, message="oops")))
     assert not gone(ConnectionError("reset"))
+
+
+def test_discovery_settings_are_checked(tmp_path, capsys) -> None:
+    assert main(["gateway", "--discover", "k8s"]) == 2
+    assert "--discover-selector" in capsys.readouterr().err
+    assert main(["gateway", "--discover", "consul", "--discover-selector", "app=x"]) == 2
+    missing = str(tmp_path / "nope.yaml")
+    args = ["gateway", "--discover", "k8s", "--discover-selector", "a=b"]
+    assert main([*args, "--discover-kubeconfig", missing]) == 2
+    assert "no kubeconfig" in capsys.readouterr().err
+    toml = tmp_path / "gateway.toml"
+    toml.write_text('[gateway]\ndiscover = "k8s"\ndiscover_selector = "app=vllm"\n')
+    config = load_config(toml)
+    assert (config.discover, config.discover_selector, config.discover_port) == (
+        "k8s",
+        "app=vllm",
+        8000,
+    )
 
 
 class _Load:
