@@ -125,11 +125,12 @@ class PodDiscovery:
     async def run(self) -> None:
         """List, then watch; forever, backing off after failures (the fleet keeps its workers)."""
         backoff = _BACKOFF_S[0]
+        listed: str | None = None  # the version of the last relist
         while True:
             try:
                 if self.version is None:
                     await self.relist()
-                    backoff = _BACKOFF_S[0]
+                    listed = self.version
                 async for _ in self.watch():
                     backoff = _BACKOFF_S[0]  # the watch works again
             except asyncio.CancelledError:
@@ -137,8 +138,10 @@ class PodDiscovery:
             except Exception as exc:
                 if gone(exc):
                     log.info("pod watch: version %s too old, relisting", self.version)
+                    fresh = self.version == listed  # gone straight after a list: back off
                     self.version = None
-                    continue
+                    if not fresh:
+                        continue
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning("pod watch failed (%s); resuming in %.1f s", why, backoff)
                 await asyncio.sleep(backoff)

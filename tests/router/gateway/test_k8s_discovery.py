@@ -6,6 +6,7 @@ must show in /admin/workers and in the routing within 2 s."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -123,8 +124,6 @@ class _Load:
             thread.start()
 
     def _run(self, client: int) -> None:
-        import time
-
         with httpx.Client(base_url=self.gateway, timeout=20) as http:
             n = 0
             while not self._stop.is_set() and n < 2000:
@@ -192,8 +191,6 @@ def _candidates(gateway: str) -> set[str]:
 
 
 def test_gateway_follows_the_pods(tmp_path, api: StandInAPI, engines: list[Child]) -> None:
-    import time
-
     gateway = start_gateway(
         [],
         "--discover",
