@@ -25,8 +25,8 @@ def _gateway(args: argparse.Namespace) -> int:
     from router.gateway.supervisor import run_processes
 
     config = apply_flags(load_config(args.config), args)
-    if not config.workers:
-        raise ConfigError("no workers: give --worker URL (repeatable) or a config file")
+    if not config.workers and not config.discover:
+        raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
     if config.processes > 1:
         return run_processes(config, args.config)
     run_gateway(config, args.config)

@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -38,6 +38,9 @@ from router.gateway.server import FrontServer
 from router.gateway.siblings import Siblings
 from router.index import UnifiedIndex
 from router.policies import make_policy
+
+if TYPE_CHECKING:
+    from router.gateway.discovery import PodDiscovery
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -77,6 +80,7 @@ class Gateway:
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin
         self._tasks: list[asyncio.Task[None]] = []
+        self.discovery: PodDiscovery | None = None  # --discover k8s
         # JSON errors per handler (json_errors), not a middleware: it costs every request a wrapper
         self.app = web.Application(client_max_size=config.max_body_bytes)
         via_aiohttp = self._via_aiohttp
@@ -97,6 +101,11 @@ class Gateway:
         self._tasks.append(loop.create_task(self._watch_index_health()))
         if self.config.parity_interval_s > 0:
             self._tasks.append(loop.create_task(self.parity.run()))
+        if self.config.discover == "k8s":
+            from router.gateway.discovery import PodDiscovery  # lightkube: the k8s extra
+
+            self.discovery = PodDiscovery(self.fleet, self.config)
+            await self.discovery.start()
 
     async def _watch_index_health(self) -> None:
         """Degrade while every KV-event stream is lost; recover when one is back."""
@@ -123,6 +132,8 @@ class Gateway:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.parity.close()
         await self.proxy.deadlines.close()
         await self.fleet.close()

@@ -4,6 +4,7 @@ and an example: docs/cli.md, "The config file"."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tomllib
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
@@ -43,6 +44,7 @@ class WorkerConfig:
     kv_replay: str | None = None
     kv_topic: str = ""
     block_size: int | None = None
+    engine: str = "urc"  # urc | vllm | sglang: what serves behind the URL
 
 
 @dataclass(slots=True)
@@ -112,6 +114,20 @@ class GatewayConfig:
     degraded: bool = False  # route by plain least load (the degrade switch)
     shadow_policies: list[str] = field(default_factory=list)  # watch, never act
     parity_interval_s: float = 300.0  # token-parity probes of every worker (0: none at all)
+    # worker discovery (docs/kubernetes.md, "Discovery")
+    discover: str = _flag("", "discover workers: 'k8s' watches the engine pods of a namespace")
+    discover_namespace: str = _flag(
+        "", "the pods' namespace (default: the gateway pod's own, else the kubeconfig's)"
+    )
+    discover_selector: str = _flag(
+        "", "label selector of the engine pods, e.g. app=vllm,tier=engine (--discover k8s)"
+    )
+    discover_port: int = _flag(
+        8000, "a pod's port when no urc.dev/port annotation or container port 'http' says"
+    )
+    discover_kubeconfig: str = _flag(
+        "", "kubeconfig file (default: the in-cluster service account, else $KUBECONFIG)"
+    )
 
 
 def _entries(raw: dict[str, Any], key: str, cls: type) -> list[Any]:
@@ -323,3 +339,17 @@ def validate(config: GatewayConfig) -> None:
     for worker in config.workers:
         if not worker.url.startswith(("http://", "https://")):
             raise ConfigError(f"worker URL must start with http:// or https://: {worker.url!r}")
+    _validate_discovery(config)
+
+
+def _validate_discovery(config: GatewayConfig) -> None:
+    if config.discover not in ("", "k8s"):
+        raise ConfigError(f"discover must be 'k8s' (or unset), got {config.discover!r}")
+    if not config.discover:
+        return
+    if not config.discover_selector.strip():
+        raise ConfigError("--discover k8s needs --discover-selector, e.g. app=vllm")
+    if config.discover_kubeconfig and not Path(config.discover_kubeconfig).is_file():
+        raise ConfigError(f"no kubeconfig at {config.discover_kubeconfig!r}")
+    if importlib.util.find_spec("lightkube") is None:
+        raise ConfigError("--discover k8s needs lightkube: pip install 'unified-radix-cache[k8s]'")

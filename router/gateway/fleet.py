@@ -123,6 +123,7 @@ class Worker:
     load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
     streams: list[EventStream] = field(default_factory=list)  # KV events, one per kv_group
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
+    draining: bool = False  # removed gracefully: requests under way finish on it
 
     def __post_init__(self) -> None:
         self.load = WorkerLoad(self.name)
@@ -221,12 +222,15 @@ class Fleet:
         await self.check(worker)
         return worker
 
-    async def remove(self, name: str) -> bool:
+    async def remove(self, name: str, drain: bool = False) -> bool:
+        """Out of the fleet, its residency out of the index. `drain`: requests under way finish
+        on it (a pod that leaves); else those without an answer yet fail over now."""
         worker = self.workers.pop(name, None)
         if worker is None:
             return False
+        worker.draining = drain
         await self._mark_down(worker, "removed")
-        worker.pool.close()
+        worker.pool.close(retire=True)
         return True
 
     def events_lost(self) -> bool:

@@ -52,7 +52,10 @@ class Proxy:
         fleet.on_down.append(self.abandon)
 
     def abandon(self, worker: Worker) -> None:
-        """`worker` left the fleet: its attempts that sent nothing to the client fail over now."""
+        """`worker` left the fleet: its attempts that sent nothing to the client fail over now
+        (unless it drains: then they finish there)."""
+        if worker.draining:
+            return
         for task in list(worker.waiting):
             self.deadlines.expire(task)
 

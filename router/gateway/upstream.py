@@ -140,6 +140,7 @@ class UpstreamPool:
         self.tls = tls
         self.connect_timeout_s = connect_timeout_s  # the gateway's --connect-timeout
         self._idle: list[_Connection] = []
+        self.retired = False  # its worker left the fleet: connections close as exchanges end
         self._head = f"Host: {host}:{port}\r\nContent-Type: application/json\r\n".encode()
 
     async def _connect(self) -> _Connection:
@@ -156,7 +157,7 @@ class UpstreamPool:
 
     def give_back(self, conn: _Connection) -> None:
         clean = conn.complete and conn.keep_alive and not conn.lost and not conn.chunks
-        if clean and len(self._idle) < _MAX_IDLE:
+        if clean and not self.retired and len(self._idle) < _MAX_IDLE:
             conn._reset()
             self._idle.append(conn)
         elif conn.transport is not None:
@@ -197,7 +198,10 @@ class UpstreamPool:
                 return conn
         return None
 
-    def close(self) -> None:
+    def close(self, retire: bool = False) -> None:
+        """Close the idle connections; `retire`: those in use close too, once their exchange
+        ends (a worker that left: what it began, it finishes)."""
+        self.retired = self.retired or retire
         for conn in self._idle:
             if conn.transport is not None:
                 conn.transport.close()

@@ -127,3 +127,25 @@ async def test_the_connect_timeout_is_the_gateways():
     finally:
         for sock in (listener, *fillers):
             sock.close()
+
+
+async def test_a_retired_pool_finishes_the_exchange_under_way_then_closes_it():
+    connections: list[int] = []
+    server = await serve(connections)
+    pool = UpstreamPool("127.0.0.1", server.sockets[0].getsockname()[1])
+    try:
+        idle = await pool.post("/length", b"{}")
+        await idle.read()
+        idle.release()
+        busy = await pool.post("/chunked", b"{}")  # the idle connection, in use again
+        spare = await pool.post("/length", b"{}")  # a second one
+        await spare.read()
+        spare.release()
+        pool.close(retire=True)  # its worker left the fleet: the spare closes now
+        assert spare.transport is not None and spare.transport.is_closing()
+        assert await busy.read() == b"data: abc"  # what it began, it finishes
+        busy.release()
+        assert busy.transport is not None and busy.transport.is_closing()
+        assert pool._take_idle() is None
+    finally:
+        server.close()
