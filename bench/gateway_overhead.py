@@ -1,6 +1,7 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
     python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp,python]
+                                     [--processes 2]
 
 urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md."""
 
@@ -66,8 +67,10 @@ def latency_table(rows: list[load.LatencyRow], routers: list[str], sgl: bool) ->
     cols = f"{'row':<20} {'c':>3} {'pairs':>6} {'direct p50':>10} {'p99':>7}"
     for name in routers:
         cols += f" {name + ' +p50':>{len(name) + 6}} {'+p99':>7} {'+mean':>7}"
-    if sgl:
-        cols += f" {'urc/sgl p50':>11} {'p99':>6} {'mean':>6}"
+    urcs = [n for n in routers if n == "urc" or n.startswith("urc-p")] if sgl else []
+    for name in urcs:
+        label = f"{name}/sgl p50"
+        cols += f" {label:>{len(label)}} {'p99':>6} {'mean':>6}"
     out.append(cols)
     for row in rows:
         line = f"{row.metric:<20} {row.concurrency:>3} {row.pairs:>6} "
@@ -76,9 +79,9 @@ def latency_table(rows: list[load.LatencyRow], routers: list[str], sgl: bool) ->
         for name in routers:
             p50, p99, mean = (f"{stat[name]:.2f}" for stat in stats)
             line += f" {p50:>{len(name) + 6}} {p99:>7} {mean:>7}"
-        if sgl:
-            p50, p99, mean = (ratio(stat["urc"], stat["sglang-router"]) for stat in stats)
-            line += f" {p50:>11} {p99:>6} {mean:>6}"
+        for name in urcs:
+            p50, p99, mean = (ratio(stat[name], stat["sglang-router"]) for stat in stats)
+            line += f" {p50:>{len(name) + 8}} {p99:>6} {mean:>6}"
         out.append(line + _failed(row.failed, "  "))
     return out
 
@@ -89,7 +92,8 @@ def throughput_lines(row: load.ThroughputRow, names: list[str], sgl: bool) -> li
     line = "  ".join(f"{name} {row.rps[name]:.0f}" for name in names)
     line += f"   urc/direct {ratio(row.rps['urc'], row.rps['direct'])}"
     if sgl:
-        line += f"   urc/sglang-router {ratio(row.rps['urc'], row.rps['sglang-router'])}"
+        for name in (n for n in names if n == "urc" or n.startswith("urc-p")):
+            line += f"   {name}/sglang-router {ratio(row.rps[name], row.rps['sglang-router'])}"
     for name in (n for n in names if n.startswith("urc-")):  # --variants: what the part buys
         cpu = row.cpu_us_per_request
         line += f"   {name}/urc {ratio(row.rps[name], row.rps['urc'])}"
@@ -136,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--sglang-policy", default=None, help="default: nearest to --policy")
     add("--no-sglang", action="store_true", help="measure urc only")
     add("--variants", default="", help="also measure, comma-separated: source, aiohttp, python")
+    add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
     add("--api", choices=["completions", "chat"], default="completions")
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
@@ -168,9 +173,11 @@ def start_fleet(
         child.wait_serving(path, probe, timeout_s)
         targets.append(load.Target(name, [child.url], path, child.pid))
 
-    urcs = [("urc", SHIPPED)] + [(f"urc-{v}", VARIANTS[v]) for v in variants(args)]
-    for name, (env, launch) in urcs:
-        extra = ("--host", "127.0.0.1", "--policy", args.policy)
+    urcs = [("urc", SHIPPED, 1)] + [(f"urc-{v}", VARIANTS[v], 1) for v in variants(args)]
+    if args.processes > 1:
+        urcs.append((f"urc-p{args.processes}", SHIPPED, args.processes))
+    for name, (env, launch), processes in urcs:
+        extra = ("--host", "127.0.0.1", "--policy", args.policy, "--processes", str(processes))
         front(name, start_gateway(workers, *extra, env=env, launch=launch), 30)
     if sglang is not None:
         port = free_port()

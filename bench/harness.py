@@ -16,13 +16,17 @@ SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_syn
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process (all its threads) so far; 0 once it is gone."""
+    """User + system CPU of a process (all its threads) and its live descendants so far (a
+    gateway with --processes N: the parent and its N children); 0 once it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime
+    own = (int(fields[11]) + int(fields[12])) * TICK_S  # utime, stime
+    return own + sum(cpu_seconds(child) for child in children)
 
 
 def machine_cpu_seconds() -> float:

@@ -44,8 +44,9 @@ class FrontServer:
         """Listen; the port it listens on (`port` 0: one the system chose). `reuse_port`: the
         processes of --processes N each listen on the same port (SO_REUSEPORT)."""
         protocol = partial(FrontProtocol, self)
-        server = self.loop.create_server(protocol, host, port, backlog=1024, reuse_port=reuse_port)
-        self.server = await server
+        self.server = await self.loop.create_server(
+            protocol, host, port, backlog=1024, reuse_port=reuse_port
+        )
         self._reaper = self.loop.create_task(self._reap())
         server: Any = self.server  # its sockets are a list on uvloop, a tuple on asyncio
         return int(server.sockets[0].getsockname()[1])
