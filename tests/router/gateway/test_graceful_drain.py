@@ -5,13 +5,16 @@ before the process exits 0; a drain timeout shorter than a request cuts it, and 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
 import time
 
 import aiohttp
+import pytest
 
+from router.gateway.config import ConfigError, add_gateway_arguments, apply_flags, load_config
 from urc.processes import Child
 
 DECODE = ("--decode-base-ms", "25")  # one token per 25 ms: 320 tokens take about 8 s
@@ -145,3 +148,13 @@ async def cut_by_the_timeout(gateway: Child) -> None:
 def test_a_drain_timeout_shorter_than_a_request_cuts_it_and_exits(start_fleet):
     gateway, _ = start_fleet(1, *DECODE, gateway_args=["--drain-timeout", "1"])
     asyncio.run(cut_by_the_timeout(gateway))
+
+
+def test_the_shutdown_delay_is_a_flag_zero_by_default_never_negative():
+    parser = argparse.ArgumentParser()
+    add_gateway_arguments(parser)
+    assert apply_flags(load_config(None), parser.parse_args([])).shutdown_delay_s == 0
+    delayed = apply_flags(load_config(None), parser.parse_args(["--shutdown-delay", "5"]))
+    assert delayed.shutdown_delay_s == 5
+    with pytest.raises(ConfigError, match="shutdown_delay_s"):
+        apply_flags(load_config(None), parser.parse_args(["--shutdown-delay", "-1"]))
