@@ -13,8 +13,17 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
-from router.gateway.config import ConfigError, add_gateway_arguments, apply_flags, load_config
+from router.gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    add_gateway_arguments,
+    apply_flags,
+    load_config,
+)
+from router.gateway.reply import LeanReply
+from router.gateway.server import FrontServer
 from urc.processes import Child
 
 DECODE = ("--decode-base-ms", "25")  # one token per 25 ms: 320 tokens take about 8 s
@@ -79,6 +88,15 @@ def metrics_url(gateway: Child) -> str:
     return line.removeprefix("metrics: ").removesuffix("/metrics")
 
 
+async def after_a_handover(url: str, timeout: aiohttp.ClientTimeout) -> dict:
+    """A long stream on a connection aiohttp holds: a GET handed it over first."""
+    connector = aiohttp.TCPConnector(limit=1)  # one connection for both
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        async with session.get(f"{url}/v1/models") as r:
+            assert r.status == 200
+        return await complete(session, url, LONG_TOKENS, True)
+
+
 async def rollout(gateway: Child) -> None:
     url, metrics = gateway.url, metrics_url(gateway)
     connector = aiohttp.TCPConnector(limit=0)  # kept-alive connections, as many as asked
@@ -90,6 +108,7 @@ async def rollout(gateway: Child) -> None:
         long = [
             asyncio.create_task(complete(session, url, LONG_TOKENS, i % 2 == 0)) for i in range(8)
         ]
+        held = asyncio.create_task(after_a_handover(url, timeout))
         await asyncio.sleep(1.0)  # all sent, each a second into its answer
         assert not any(t.done() for t in long)
         gateway.popen.send_signal(signal.SIGTERM)
@@ -113,6 +132,7 @@ async def rollout(gateway: Child) -> None:
         under_way = not all(t.done() for t in long)
         assert await get(f"{metrics}/health/live") == (200, {"status": "alive"})
         long_results = await asyncio.gather(*long)
+        held_result = await held
 
     for i, result in enumerate(late_results):
         assert served_whole(result, SHORT_TOKENS), (i, result)
@@ -121,6 +141,7 @@ async def rollout(gateway: Child) -> None:
         assert served_whole(result, LONG_TOKENS), (i, result)
         if i % 2:  # answered whole during the drain: told, not cut
             assert result["connection"] == "close", (i, result)
+    assert served_whole(held_result, LONG_TOKENS), held_result
     assert under_way, "the requests ended before the listener closed: nothing was drained"
     assert await exit_code(gateway, DELAY_S + DRAIN_S + 5.0) == 0, gateway.lines[-20:]
 
@@ -158,3 +179,29 @@ def test_the_shutdown_delay_is_a_flag_zero_by_default_never_negative():
     assert delayed.shutdown_delay_s == 5
     with pytest.raises(ConfigError, match="shutdown_delay_s"):
         apply_flags(load_config(None), parser.parse_args(["--shutdown-delay", "-1"]))
+
+
+async def echo(reply: LeanReply, path: str, headers: dict[str, str], body: bytes) -> None:
+    reply.whole(200, [("Content-Type", "application/json")], body)
+
+
+async def test_pipelined_requests_are_all_answered_before_a_drain_closes_their_connection():
+    runner = web.AppRunner(web.Application(), handle_signals=False)
+    await runner.setup()
+    assert runner.server is not None
+    front = FrontServer(echo, runner.server, GatewayConfig())
+    port = await front.start("127.0.0.1", 0)
+    try:
+        front.draining = True
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n"
+        writer.write(b"".join(head + b"%d" % i for i in range(3)))  # one write: all received
+        async with asyncio.timeout(5):
+            got = await reader.read(-1)  # until the gateway closes the connection
+        writer.close()
+    finally:
+        await front.stop(1.0)
+        await runner.cleanup()
+    answers = got.split(b"HTTP/1.1 200 OK\r\n")[1:]
+    assert [a.endswith(b"%d" % i) for i, a in enumerate(answers)] == [True] * 3, got
+    assert [b"Connection: close" in a for a in answers] == [False, False, True], got
