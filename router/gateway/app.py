@@ -87,10 +87,12 @@ class Gateway:
         routes = [web.post(p, json_errors(partial(via_aiohttp, p))) for p in HOT_PATHS.values()]
         routes.append(web.get("/v1/models", json_errors(self.list_models)))
         routes.append(web.get("/health", self.health))
+        routes.append(web.get("/health/live", self.live))
         routes.append(web.get("/metrics", self.metrics_endpoint))
         routes += [route(path, json_errors(h)) for route, path, h in admin_routes(self)]
         self.app.add_routes(routes)
         add_fallback_route(self.app)
+        self.app.on_response_prepare.append(self._close_when_draining)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -198,6 +200,18 @@ class Gateway:
         body = {"status": word, "workers_up": up, "workers": len(self.fleet.workers)}
         return web.json_response(body, status=status)
 
+    async def live(self, _request: web.Request) -> web.Response:
+        """Liveness: 200 while the process serves, draining included. The workers play no
+        part, so a fleet that is down never gets its gateways restarted."""
+        return web.json_response({"status": "alive"})
+
+    async def _close_when_draining(
+        self, _request: web.Request, response: web.StreamResponse
+    ) -> None:
+        """The aiohttp side of a drain: its answers say `Connection: close` too (server.py)."""
+        if self.draining:
+            response.force_close()
+
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         """On the API port: behind the metrics or admin key (README.md, "GET /metrics")."""
         keys = self.metrics_keys
@@ -301,8 +315,10 @@ async def serve_gateway(
     siblings: Siblings | None = None,
     ready_fd: int | None = None,
 ) -> None:
-    """Serve until `stop` is set, then drain. Once listening: print `gateway: URL`, or as one
-    of --processes (`siblings`), write a byte to `ready_fd` (the parent prints it)."""
+    """Serve until `stop` is set, then shut down as README.md's "Graceful drain" says: unready
+    but serving for `shutdown_delay_s`, then no longer accepting while the requests under way
+    get `drain_timeout_s`. Once listening: print `gateway: URL`, or as one of --processes
+    (`siblings`), write a byte to `ready_fd` (the parent prints it)."""
     gateway = Gateway(config, siblings)
     if config_path:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, gateway.reload, config_path)
@@ -316,8 +332,9 @@ async def serve_gateway(
         max_field_size=config.max_header_bytes,
     )
     await runner.setup()
-    assert runner.server is not None
-    front = FrontServer(gateway.serve, runner.server, config)
+    held = runner.server  # where connections go that aiohttp serves (server.py)
+    assert held is not None
+    front = FrontServer(gateway.serve, held, config)
     metrics_runner: web.AppRunner | None = None
     try:
         reuse = siblings is not None  # the processes share the port (supervisor.py)
@@ -327,6 +344,7 @@ async def serve_gateway(
         if config.metrics_port is not None:  # /metrics with no key, and /health
             metrics_app = web.Application()
             routes = [web.get("/metrics", gateway.scrape), web.get("/health", gateway.health)]
+            routes.append(web.get("/health/live", gateway.live))
             metrics_app.add_routes(routes)
             add_fallback_route(metrics_app)
             metrics_runner = web.AppRunner(metrics_app, access_log=None)
@@ -344,15 +362,27 @@ async def serve_gateway(
         else:
             os.write(ready_fd, b"1")
         await stop.wait()
-        gateway.draining = True
+        # readiness false, answers say `Connection: close`, but new connections are still
+        # served until the load balancer has seen /health fail and stopped sending
+        gateway.draining = front.draining = True
+        delay = config.shutdown_delay_s
+        log.warning("shutting down: unready, still serving for %s s, then draining", delay)
+        await asyncio.sleep(delay)
         log.warning("draining: up to %s s for the requests under way", config.drain_timeout_s)
     finally:
-        await front.stop(config.drain_timeout_s)
-        await runner.cleanup()
+        await _drain(front, held, config.drain_timeout_s)
+        await runner.cleanup()  # the app's cleanup: the fleet's connections close only now
         if metrics_runner is not None:
             await metrics_runner.cleanup()
         if siblings is not None:
             await siblings.close()
+
+
+async def _drain(front: FrontServer, held: web.Server, grace_s: float) -> None:
+    """Stop accepting, then wait up to `grace_s` for the requests under way on either server
+    (the front door's connections, and those handed to aiohttp), streams included."""
+    held.pre_shutdown()  # aiohttp: idle connections close now, busy ones after their answer
+    await asyncio.gather(front.stop(grace_s), held.shutdown(grace_s))
 
 
 def run_gateway(
@@ -365,10 +395,19 @@ def run_gateway(
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _on_stop_signal, stop)
         await serve_gateway(config, stop, config_path, siblings, ready_fd)
 
     run_async(main())
+
+
+def _on_stop_signal(stop: asyncio.Event) -> None:
+    """The first SIGTERM or SIGINT shuts down gracefully; a second one exits at once."""
+    if stop.is_set():
+        log.warning("second stop signal: exiting without waiting for the drain")
+        logging.shutdown()
+        os._exit(1)
+    stop.set()
 
 
 def run_async(main: Coroutine[Any, Any, None]) -> None:

@@ -93,6 +93,12 @@ class GatewayConfig:
     keepalive_s: float = _flag(
         75.0, "seconds before idle kept-alive connections close", flag="--keepalive-timeout"
     )
+    shutdown_delay_s: float = _flag(
+        0.0,
+        "on SIGTERM, seconds /health answers 503 while the gateway still accepts and serves, "
+        "before it stops accepting (Kubernetes: at least the readiness probe's period times "
+        "its failureThreshold)",
+    )
     drain_timeout_s: float = _flag(
         30.0, "on SIGTERM, seconds in-flight requests have to finish before the gateway exits"
     )
@@ -246,8 +252,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAGS = [f for f in fields(GatewayConfig) if "flag" in f.metadata]
-# the settings above that must be positive numbers (a port may be 0: any free one)
-_POSITIVE = [f.name for f in _FLAGS if f.metadata["kind"] is not str and f.name != "metrics_port"]
+# the settings above that must be positive numbers (a port may be 0: any free one; no delay: 0)
+_POSITIVE = [
+    f.name
+    for f in _FLAGS
+    if f.metadata["kind"] is not str and f.name not in ("metrics_port", "shutdown_delay_s")
+]
 # the scalar settings: a flag whose dest is one of them sets it when given
 _SCALARS = [f.name for f in fields(GatewayConfig) if f.default is not MISSING]
 
@@ -334,6 +344,8 @@ def validate(config: GatewayConfig) -> None:
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+    if config.shutdown_delay_s < 0:
+        raise ConfigError(f"shutdown_delay_s must be >= 0, got {config.shutdown_delay_s}")
     if config.pending_ttl_s < 0:
         raise ConfigError(f"pending_ttl_s must be >= 0 (0: off), got {config.pending_ttl_s}")
     for worker in config.workers:

@@ -277,7 +277,8 @@ class FrontProtocol(asyncio.Protocol):
 
     async def _serve_one(self, request: _Request) -> bool:
         """Answer one request; whether the connection may serve another."""
-        keep_alive = request.keep_alive and not self.front.draining and not self.closing
+        # a drain's `Connection: close` is decided as the head is written (reply.py)
+        keep_alive = request.keep_alive and not self.closing
         reply = LeanReply(self, keep_alive, request.chunked)
         if request.refusal is not None:
             reply.whole(request.refusal.status, JSON_HEADERS, request.refusal.body())

@@ -78,8 +78,9 @@ class LeanReply:
 
     def _close(self) -> bytes:
         """The head's `Connection: close`, decided when the head is written: a drain that
-        began while the request was under way still tells the client."""
-        if self.keep_alive and self.conn.front.draining:
+        began while the request was under way still tells the client; requests pipelined
+        behind this one were received, so they are answered first (the last says close)."""
+        if self.keep_alive and self.conn.front.draining and not self.conn.queue:
             self.keep_alive = False
         return b"" if self.keep_alive else b"Connection: close\r\n"
 

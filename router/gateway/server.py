@@ -32,7 +32,7 @@ class FrontServer:
         self.limits = limits
         self.connections: set[FrontProtocol] = set()
         self.server: asyncio.Server | None = None
-        self.draining = False
+        self.draining = False  # every answer says `Connection: close` (SIGTERM, app.py)
         self.released_bytes = 0  # request bodies dropped since memory was last given back
         self._trim = _malloc_trim()
         self._reaper: asyncio.Task[None] | None = None
@@ -52,12 +52,17 @@ class FrontServer:
         return int(server.sockets[0].getsockname()[1])
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Drain (README.md, "Graceful drain") for up to `grace_s`, then close what is left."""
+        """Drain (README.md, "Graceful drain"): stop accepting, close each connection once it
+        is idle, for up to `grace_s`; then close what is left. A connection is idle between
+        requests only: never while a request is being received, waits or is answered."""
         self.draining = True
         if self.server is not None:
             self.server.close()
         deadline = self.now() + grace_s
         while self.connections and self.now() < deadline:
+            # idle now: closed at once (a client sending on it at this instant sees it close
+            # unanswered, as with any server's keep-alive timeout); busy: after its answer,
+            # which says `Connection: close`, or as soon as it goes idle
             for conn in list(self.connections):
                 if conn.idle:
                     conn.close()

@@ -28,7 +28,8 @@ def long_request(url: str, stream: bool) -> tuple[int, str, str | None]:
 
 
 def test_sigterm_finishes_the_requests_under_way_and_closes_kept_alive_connections(start_fleet):
-    gateway, _ = start_fleet(2, *SLOW)
+    # readiness is read on a kept-alive connection: idle ones close once the delay is over
+    gateway, _ = start_fleet(2, *SLOW, gateway_args=("--shutdown-delay", "1"))
     url = gateway.url
     kept = httpx.Client(timeout=30)  # one kept-alive connection to each server
     assert kept.get(f"{url}/health").status_code == 200
