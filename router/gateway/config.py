@@ -75,6 +75,11 @@ class GatewayConfig:
         "gateway processes on this host, one port (SO_REUSEPORT), each a full replica; "
         "/metrics and the admin API cover them all (docs/scale-out.md)",
     )
+    kv_groups: str = _flag(
+        "",
+        "route and follow the KV events of only these kv_groups, comma-separated (default: "
+        "all): replica sets that each follow a shard of a fleet too large for one",
+    )
     metrics_port: int | None = _flag(None, "serve /metrics and /health on this port too", int)
     metrics_key: str | None = _flag(
         None,

@@ -163,6 +163,8 @@ class Fleet:
         self._loads: dict[str, list[WorkerLoad]] = {}  # the same workers' loads
         self._tokenizers: dict[str, Tokenizer] = {}
         self._configured = {m.name: m for m in config.models}
+        # --kv-groups: the only groups this gateway routes and follows the KV events of
+        self.follow = frozenset(g for g in config.kv_groups.split(",") if g)
         for model in config.models:
             self._declare(model.name, model, model.kv_group or model.name, model.block_size or 16)
         self.session: aiohttp.ClientSession | None = None
@@ -295,11 +297,17 @@ class Fleet:
             name = entry["name"]
             configured = self._configured.get(name)
             group = (configured.kv_group if configured else None) or entry.get("kv_group") or name
+            if self.follow and group not in self.follow:
+                continue  # another replica set's shard (--kv-groups)
             served[name] = group
             if name not in self.models:
                 self._declare(name, configured, group, worker.block_size)
             self._adopt_block_size(name, worker)
         for name in config.models or ():
+            configured = self._configured.get(name)
+            group = (configured.kv_group if configured else None) or name
+            if self.follow and group not in self.follow:
+                continue
             model = self.models.get(name) or self._declare(name, None, name, worker.block_size)
             self._adopt_block_size(name, worker)
             served[name] = model.kv_group

@@ -1,0 +1,196 @@
+"""KV-event ingest of one gateway while it serves requests: how large a fleet one replica follows.
+
+    python bench/kv_ingest.py [--rates 0,25000,50000,100000,200000] [--processes 1]
+
+Two "flood" sources (this script, --flood) answer /urc/info like our workers and publish
+vLLM-format BlockStored/BlockRemoved batches (16-token blocks, chained, a steady state: as many
+removed as stored) at a set rate in a kv_group no request uses; two emulated workers serve a
+closed loop of requests through the same gateway. Per offered rate: blocks/s the gateway
+applied (its mirrors' counters), gaps, and the requests' rate and p50 against rate 0 (method:
+docs/scale-out.md, "Sizing")."""
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from itertools import count, islice
+
+import aiohttp
+from aiohttp import web
+from harness import cpu_seconds, log
+
+from core.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch
+from core.kv_publisher import KVEventPublisher
+from loadgen.workloads import make_workload
+from urc.processes import Child, start_gateway, start_worker
+from urc.replicas import send
+
+BLOCK = 16
+STEP_S = 0.01  # a batch per engine step, 100 steps a second
+ADMIN = "bench"
+
+
+def flood(rate: float, publisher: KVEventPublisher, stop: threading.Event) -> None:
+    """Publish `rate` blocks/s: conversations of 32 blocks stored, the oldest ones removed."""
+    rng = random.Random(0)
+    live: deque[list[int]] = deque()
+    held = 0
+    hashes = count(1)
+    per_step = max(1, int(rate * STEP_S))
+    next_at = time.monotonic()
+    while not stop.is_set():
+        stored: list = []
+        removed: list = []
+        left = per_step
+        while left > 0:
+            n = min(32, left)
+            keys = [next(hashes) for _ in range(n)]
+            tokens = [rng.randrange(32_000) for _ in range(n * BLOCK)]
+            stored.append(BlockStored(keys, None, tokens, BLOCK))
+            live.append(keys)
+            held += n
+            left -= n
+        while held > 50_000:  # the cache is full: evict the oldest
+            keys = live.popleft()
+            held -= len(keys)
+            removed.append(BlockRemoved(keys))
+        batch = EventBatch(time.time(), [*stored, *removed])
+        publisher.publish_payload(encode_batch(batch, array_like=False))
+        next_at += STEP_S
+        time.sleep(max(0.0, next_at - time.monotonic()))
+
+
+def run_flood(rate: float) -> None:
+    """--flood: a source of KV events that answers /urc/info and /health like our workers."""
+    publisher = KVEventPublisher(topic="kv")
+    stop = threading.Event()
+    threading.Thread(target=flood, args=(rate, publisher, stop), daemon=True).start()
+    events = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
+    events["topic"] = "kv"
+    model = {"name": "flood", "kv_group": "flood", "kv_events": events}
+    info = {"engine": "flood", "incarnation": uuid.uuid4().hex, "models": [model]}
+    info |= {"block_size": BLOCK, "kv_events": events}
+
+    async def serve() -> None:
+        app = web.Application()
+        app.router.add_get("/urc/info", lambda _r: web.json_response(info))
+        app.router.add_get("/health", lambda _r: web.json_response({"status": "ok"}))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        print(f"ready: http://127.0.0.1:{runner.addresses[0][1]}", flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+async def applied_blocks(url: str) -> tuple[int, int]:
+    """Blocks stored that the gateway's mirrors of the flood applied (as many are removed:
+    the offered rate counts stores too), and gaps."""
+    async with aiohttp.ClientSession() as http:
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        async with http.get(url + "/admin/workers", headers=headers) as resp:
+            workers = (await resp.json())["workers"]
+    blocks = gaps = 0
+    for worker in workers:
+        for stream in worker["kv_events"]:
+            if stream["kv_group"] == "flood" and stream["mirror"]:
+                mirror = stream["mirror"]
+                blocks += mirror["blocks_stored"]
+                gaps += mirror["gaps"]
+    return blocks, gaps
+
+
+async def serve_load(url: str, seconds: float, concurrency: int) -> list[float]:
+    """Requests through the gateway for `seconds`: their latencies."""
+    workload = make_workload("system-prompts", groups=8, prefix_tokens=1024, max_tokens=8)
+    specs = iter(workload.requests(0, ["emulated"]))
+    latencies: list[float] = []
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession() as http:
+
+        async def lane() -> None:
+            for spec in islice(specs, 100_000):
+                if time.monotonic() > deadline:
+                    return
+                outcome = await send(http, url, spec, False)
+                if outcome.status == 200:
+                    latencies.append(outcome.latency_s)
+
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+    return latencies
+
+
+def measure(args: argparse.Namespace, rate: float) -> dict:
+    workers = [start_worker("--prefill-tps", "1e9", "--decode-base-ms", "1") for _ in range(2)]
+    argv = [sys.executable, __file__, "--flood", str(rate / 2)]
+    floods = [Child("flood", argv, "ready: ").wait_announced() for _ in range(2 if rate else 0)]
+    urls = [c.url for c in workers + floods]
+    gateway = start_gateway(urls, "--admin-key", ADMIN, "--processes", str(args.processes))
+    try:
+        time.sleep(1.0)  # subscribed, first batches in
+        before, gaps0 = asyncio.run(applied_blocks(gateway.url))
+        cpu0, t0 = cpu_seconds(gateway.pid), time.monotonic()
+        latencies = asyncio.run(serve_load(gateway.url, args.seconds, args.concurrency))
+        elapsed = time.monotonic() - t0
+        after, gaps1 = asyncio.run(applied_blocks(gateway.url))
+        cpu = cpu_seconds(gateway.pid) - cpu0
+    finally:
+        for child in [gateway, *floods, *workers]:
+            child.stop()
+    return {
+        "offered_blocks_per_s": rate,
+        "applied_blocks_per_s": (after - before) / elapsed,
+        "gaps": gaps1 - gaps0,
+        "requests_per_s": len(latencies) / elapsed,
+        "p50_ms": statistics.median(latencies) * 1e3 if latencies else float("nan"),
+        "gateway_cores": cpu / elapsed,
+    }
+
+
+def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--flood":
+        run_flood(float(sys.argv[2]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="0,25000,50000,100000,200000", help="blocks/s")
+    parser.add_argument("--processes", type=int, default=1, help="the gateway's --processes")
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    for rate in (float(r) for r in args.rates.split(",")):
+        log(f"offered {rate:.0f} blocks/s ...")
+        rows.append(measure(args, rate))
+    base = rows[0]
+    print(f"one gateway (--processes {args.processes}) ingesting KV events while serving")
+    print(f"{'offered/s':>10} {'applied/s':>10} {'applied %':>9} {'gaps':>5} {'req/s':>7}", end="")
+    print(f" {'x rate 0':>8} {'p50 ms':>7} {'x rate 0':>8} {'cores':>6}")
+    for r in rows:
+        share = (
+            r["applied_blocks_per_s"] / r["offered_blocks_per_s"]
+            if r["offered_blocks_per_s"]
+            else 1.0
+        )
+        rps, p50 = r["requests_per_s"], r["p50_ms"]
+        print(
+            f"{r['offered_blocks_per_s']:10.0f} {r['applied_blocks_per_s']:10.0f} {share:9.1%}"
+            f" {r['gaps']:5d} {rps:7.1f} {rps / base['requests_per_s']:8.2f}"
+            f" {p50:7.1f} {p50 / base['p50_ms']:8.2f} {r['gateway_cores']:6.2f}"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
