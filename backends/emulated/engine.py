@@ -44,6 +44,7 @@ class EngineLoad(NamedTuple):
     running: int
     waiting: int
     queued_prefill_tokens: int  # prompt tokens not yet computed (cached ones of waiting included)
+    decoding: int  # running requests past their prefill
 
 
 class EmulatedEngine:
@@ -193,9 +194,9 @@ class EmulatedEngine:
         return req.generated
 
     def load(self) -> EngineLoad:
-        return EngineLoad(
-            len(self._prefilling) + len(self._decoding), len(self._queue), self._queued_prefill
-        )
+        decoding = len(self._decoding)
+        running = len(self._prefilling) + decoding
+        return EngineLoad(running, len(self._queue), self._queued_prefill, decoding)
 
     def step(self, now: float) -> StepResult:
         """Account the steps completed by `now`; at the end of the segment, finish what it

@@ -87,7 +87,9 @@ class EmulatedSide:
         load = self.engine.load()
         stats = self.engine.cache.stats()
         used = stats.capacity_tokens - stats.free_tokens
-        return WorkerLoad(load.running, load.waiting, used, stats.capacity_tokens), load
+        capacity = stats.capacity_tokens
+        queued, decoding = load.queued_prefill_tokens, load.decoding
+        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding), load
 
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         if asked.kv_group not in (None, self.model.kv_group):

@@ -146,10 +146,14 @@ class Generation:
 
 
 class WorkerLoad(NamedTuple):
-    running: int
-    waiting: int
+    """The engine's load as the HTTP layer reports it (`/urc/load`, `/get_load`, /urc/info)."""
+
+    running: int  # requests in the batch (prefilling or decoding)
+    waiting: int  # requests queued, not yet admitted
     used_tokens: int  # KV tokens cached or held by requests
     capacity_tokens: int
+    queued_prefill_tokens: int  # prompt tokens admitted or queued requests have yet to compute
+    decoding: int  # running requests past their first token
 
 
 def decode(tokenizer: Tokenizer, ids: list[int]) -> str:

@@ -1,6 +1,6 @@
 """The worker HTTP shell both our engines plug into (`urc worker --engine emulated|torch`):
-OpenAI's and SGLang's APIs, `/urc/info`, `/urc/invalidate`, `/metrics`, one KV-event stream
-per kv_group (docs/workers.md)."""
+OpenAI's and SGLang's APIs, `/urc/info`, `/urc/load`, `/urc/invalidate`, `/metrics`, one
+KV-event stream per kv_group (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ class Worker:
         OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
         SGLangApi(self).add_routes(app)
         app.router.add_get("/urc/info", self.info)
+        app.router.add_get("/urc/load", self.load)
         app.router.add_post("/urc/invalidate", self.invalidate)
         app.router.add_get("/metrics", self.metrics)
         # a request whose client goes away is cancelled (its generation aborted)
@@ -107,6 +108,22 @@ class Worker:
         }
         if len(self.groups) == 1:
             doc["kv_events"] = streams[self.groups[0]]
+        return json_response(doc)
+
+    async def load(self, request: web.Request) -> web.Response:
+        """The queue as the engine holds it, polled by gateways many times a second: one
+        dict, no engine call beyond `loads()` (docs/workers.md, `GET /urc/load`)."""
+        load = self.runner.load()
+        page = self.engine.block_size
+        doc = {
+            "waiting": load.waiting,
+            "running": load.running,
+            "queued_prefill_tokens": load.queued_prefill_tokens,
+            "running_decode": load.decoding,
+            "free_kv_pages": (load.capacity_tokens - load.used_tokens) // page,
+            "total_kv_pages": load.capacity_tokens // page,
+            "time": time.time(),
+        }
         return json_response(doc)
 
     async def metrics(self, request: web.Request) -> web.Response:

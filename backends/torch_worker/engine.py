@@ -43,6 +43,7 @@ class EngineLoad(NamedTuple):
     running: int
     waiting: int
     queued_prefill_tokens: int  # tokens admitted requests and the queue have yet to compute
+    decoding: int  # running requests past their first token
 
 
 @dataclass(slots=True)
@@ -168,12 +169,13 @@ class TorchEngine:
         return any(ms.waiting or ms.running for ms in self.models.values())
 
     def load(self) -> EngineLoad:
-        running = waiting = queued = 0
+        running = waiting = queued = decoding = 0
         for ms in self.models.values():
             running += len(ms.running)
             waiting += len(ms.waiting)
             queued += sum(r.pending for r in ms.running) + sum(r.pending for r in ms.waiting)
-        return EngineLoad(running, waiting, queued)
+            decoding += sum(1 for r in ms.running if r.output)
+        return EngineLoad(running, waiting, queued, decoding)
 
     def step(self) -> StepResult:
         """One forward pass per model that has work (in turn, so none always goes first)."""

@@ -120,7 +120,8 @@ class TorchSide:
         capacity = sum(p.memory.capacity for p in pools) * self.config.page_size
         used = sum(p.cache.capacity_tokens - p.cache.free_tokens for p in pools)
         load = self.engine.load()
-        return WorkerLoad(load.running, load.waiting, used, capacity), load
+        queued, decoding = load.queued_prefill_tokens, load.decoding
+        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding), load
 
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         done, events = self.engine.invalidate(asked.scope, asked.kv_group)

@@ -132,8 +132,12 @@ class _Admin:
 
     async def list_workers(self, request: web.Request) -> web.Response:
         gateway = self.gateway
+        feed = gateway.load_feed
+        workers = gateway.fleet.workers.values()
         body = {
-            "workers": [describe(w, gateway.index) for w in gateway.fleet.workers.values()],
+            "workers": [
+                {**describe(w, gateway.index), "reported": feed.report(w)} for w in workers
+            ],
             "index": gateway.index.stats()._asdict(),
             "tokenizer_parity": gateway.parity.describe(),
             "policy": gateway.config.policy,

@@ -29,6 +29,7 @@ from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
+from router.gateway.load_feed import LoadFeed
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
@@ -77,6 +78,8 @@ class Gateway:
             self.fleet.on_up.append(self.parity.on_up)
             self.metrics.registry.register(self.parity)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
+        self.load_feed = LoadFeed(self.fleet, config.load_interval_s)  # the workers' own load
+        self.metrics.registry.register(self.load_feed)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin
         self._tasks: list[asyncio.Task[None]] = []
@@ -103,6 +106,8 @@ class Gateway:
         self._tasks.append(loop.create_task(self._watch_index_health()))
         if self.config.parity_interval_s > 0:
             self._tasks.append(loop.create_task(self.parity.run()))
+        if self.config.load_interval_s > 0:
+            self._tasks.append(loop.create_task(self.load_feed.run()))
         if self.config.discover == "k8s":
             from router.gateway.discovery import PodDiscovery  # lightkube: the k8s extra
 

@@ -44,7 +44,7 @@ class WorkerConfig:
     kv_replay: str | None = None
     kv_topic: str = ""
     block_size: int | None = None
-    engine: str = "urc"  # urc | vllm | sglang: what serves behind the URL
+    engine: str = "urc"  # "urc" (ours: /urc/load), "vllm" or "sglang" (their /metrics)
 
 
 @dataclass(slots=True)
@@ -114,6 +114,12 @@ class GatewayConfig:
         "waits on while its worker answers health checks",
     )
     request_timeout_s: float = _flag(600.0, "seconds a request may take in all")
+    load_interval_s: float = _flag(
+        0.05,
+        "seconds between samples of every worker's own load (/urc/load, or vLLM's and SGLang's "
+        "/metrics), merged into the gateway's ledger so replicas see each other's requests "
+        "(0: off, the gateway's own counts only)",
+    )
     health_interval_s: float = 0.5
     unhealthy_after: int = 2  # consecutive failed health checks or requests
     breaker_cooldown_s: float = 3.0  # a worker taken out stays out at least this long
@@ -257,11 +263,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 _FLAGS = [f for f in fields(GatewayConfig) if "flag" in f.metadata]
-# the settings above that must be positive numbers (a port may be 0: any free one; no delay: 0)
+# the settings above that must be positive numbers (a port may be 0: any free one; 0 turns
+# the load feed off; no delay: 0)
+_NON_NEGATIVE = ("metrics_port", "load_interval_s", "shutdown_delay_s")
 _POSITIVE = [
-    f.name
-    for f in _FLAGS
-    if f.metadata["kind"] is not str and f.name not in ("metrics_port", "shutdown_delay_s")
+    f.name for f in _FLAGS if f.metadata["kind"] is not str and f.name not in _NON_NEGATIVE
 ]
 # the scalar settings: a flag whose dest is one of them sets it when given
 _SCALARS = [f.name for f in fields(GatewayConfig) if f.default is not MISSING]
@@ -309,7 +315,7 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
 
 
 def parse_attach(spec: str) -> WorkerConfig:
-    """`URL,model=NAME,...,kv_events=EP,kv_replay=EP,kv_topic=T,block_size=N,name=N`."""
+    """`URL,model=NAME,...,kv_events=EP,kv_replay=EP,kv_topic=T,block_size=N,name=N,engine=E`."""
     url, *items = spec.split(",")
     worker = WorkerConfig(url=url.strip())
     models: list[str] = []
@@ -322,7 +328,7 @@ def parse_attach(spec: str) -> WorkerConfig:
             models.append(value)
         elif key == "block_size" and value.isdigit():
             worker.block_size = int(value)
-        elif key in ("kv_events", "kv_replay", "kv_topic", "name"):
+        elif key in ("kv_events", "kv_replay", "kv_topic", "name", "engine"):
             setattr(worker, key, value)
         else:
             raise ConfigError(f"--attach: unknown or bad {key!r} in {spec!r}")
@@ -351,6 +357,9 @@ def validate(config: GatewayConfig) -> None:
             raise ConfigError(f"{name} must be a number > 0, got {value!r}")
     if config.shutdown_delay_s < 0:
         raise ConfigError(f"shutdown_delay_s must be >= 0, got {config.shutdown_delay_s}")
+    interval = config.load_interval_s
+    if isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0:
+        raise ConfigError(f"load_interval_s must be >= 0 (0: off), got {interval!r}")
     if config.pending_ttl_s < 0:
         raise ConfigError(f"pending_ttl_s must be >= 0 (0: off), got {config.pending_ttl_s}")
     for worker in config.workers:

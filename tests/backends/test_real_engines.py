@@ -88,6 +88,8 @@ def test_attach_describes_an_engine_started_elsewhere() -> None:
         32,
         "kv",
     )
+    assert w.engine == "urc"  # asked /urc/load first, its /metrics on a 404
+    assert parse_attach("http://h:8000,model=a,engine=sglang").engine == "sglang"
     for bad in ("http://h:8000", "http://h:8000,model=a,colour=red", "http://h:8000,model"):
         with pytest.raises(ConfigError):
             parse_attach(bad)

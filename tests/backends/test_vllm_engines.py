@@ -99,6 +99,21 @@ def test_openai_client_streamed_and_not(fleet) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_the_gateway_samples_vllm_load_from_its_metrics(fleet) -> None:
+    """Attached without an engine name: /urc/load is 404 there, so its /metrics are read."""
+    gateway, _, _ = fleet
+
+    def sampled() -> bool:
+        reports = [w["reported"] or {} for w in admin_workers(gateway.url)]
+        return all(r.get("source") == "prometheus" and "waiting" in r for r in reports)
+
+    assert wait_for(sampled, 10)
+    for worker in admin_workers(gateway.url):
+        reported = worker["reported"]
+        assert reported["waiting"] >= 0 and reported["running"] >= 0
+        assert 0.0 <= reported["kv_usage"] <= 1.0 and reported["age_s"] < 5
+
+
 def test_shared_prefixes_go_where_vllm_holds_them_and_predictions_match(fleet) -> None:
     gateway, _, _ = fleet
     url = gateway.url

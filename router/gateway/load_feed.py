@@ -1,0 +1,148 @@
+"""The load feed: every `load_interval_s` the gateway samples each up worker's own load (ours:
+`GET /urc/load`; vLLM and SGLang: `GET /metrics`) and merges it into the worker's ledger, so
+gateway replicas in front of one fleet, and clients that bypass them, see one load picture
+(docs/dispatch.md, "Load the workers report")."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.gateway.fleet import Fleet, Worker
+from router.gateway.load_report import (
+    Reported,
+    Sample,
+    forget,
+    merge,
+    missed,
+    parse_prometheus,
+    parse_urc,
+)
+
+log = logging.getLogger(__name__)
+_PROMETHEUS_ENGINES = ("vllm", "sglang")
+
+
+def first_source(worker: Worker) -> str:
+    """Where a worker's load is read first: vLLM and SGLang export Prometheus gauges; anything
+    else is asked `/urc/load`, falling back to `/metrics` on a 404."""
+    return "prometheus" if worker.config.engine in _PROMETHEUS_ENGINES else "urc"
+
+
+class LoadFeed(Collector):
+    """One task (`run`) for the whole fleet; a Prometheus collector of what the workers said."""
+
+    def __init__(self, fleet: Fleet, interval_s: float) -> None:
+        self.fleet = fleet
+        self.interval_s = interval_s
+        # a sample that takes longer is missed: it would be stale when it came
+        self.timeout = aiohttp.ClientTimeout(total=max(0.25, 4 * interval_s))
+        self.reported: dict[Worker, Reported] = {}
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            await self.sample_all()
+            await asyncio.sleep(max(0.0, self.interval_s - (loop.time() - began)))
+
+    async def sample_all(self) -> None:
+        """One round: every up worker sampled at once; those gone or down drop their part."""
+        workers = self.fleet.workers.values()
+        for worker in [w for w in self.reported if w.name not in self.fleet.workers]:
+            del self.reported[worker]
+        due: list[tuple[Worker, Reported]] = []
+        for worker in workers:
+            reported = self.reported.get(worker)
+            if reported is None:
+                reported = self.reported[worker] = Reported(first_source(worker))
+            if not worker.up:  # it may come back another process: ask afresh then
+                forget(worker.load, reported)
+                reported.source, reported.sample = first_source(worker), None
+            elif reported.source != "none":
+                due.append((worker, reported))
+        if due:
+            await asyncio.gather(*(self._sample(w, r) for w, r in due))
+
+    async def _sample(self, worker: Worker, reported: Reported) -> None:
+        try:
+            sample = await self._fetch(worker, reported)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            log.debug("load sample of %s failed: %s", worker.name, exc)
+            missed(worker.load, reported)
+            return
+        if sample is None:
+            log.warning("worker %s reports no load (/urc/load, /metrics): no feed", worker.name)
+            reported.source = "none"
+            forget(worker.load, reported)
+            return
+        merge(worker.load, reported, sample, time.monotonic())
+
+    async def _fetch(self, worker: Worker, reported: Reported) -> Sample | None:
+        """The worker's sample; None when it has none to give (its source becomes "none")."""
+        session = self.fleet.session
+        assert session is not None
+        if reported.source == "urc":
+            async with session.get(worker.url + "/urc/load", timeout=self.timeout) as resp:
+                if resp.status == 200:
+                    return parse_urc(await resp.read())
+                if resp.status != 404:
+                    raise ValueError(f"/urc/load answered {resp.status}")
+            reported.source = "prometheus"  # not ours after all (or an older worker of ours)
+        async with session.get(worker.url + "/metrics", timeout=self.timeout) as resp:
+            if resp.status == 404:
+                return None
+            if resp.status != 200:
+                raise ValueError(f"/metrics answered {resp.status}")
+            return parse_prometheus(await resp.read())
+
+    def report(self, worker: Worker) -> dict[str, Any] | None:
+        """`/admin/workers`' "reported": the last sample, its age, and the others' share."""
+        reported = self.reported.get(worker)
+        if reported is None or reported.sample is None:
+            return None if reported is None else {"source": reported.source, "sample": None}
+        return {
+            "source": reported.source,
+            **reported.sample._asdict(),
+            "age_s": round(time.monotonic() - reported.at, 3),
+            "missed": reported.missed,
+            "others": {
+                "in_flight": reported.others_in_flight,
+                "queued_prefill_tokens": reported.others_queued,
+                "running_decode": reported.others_running,
+            },
+        }
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["worker"])
+
+        waiting = gauge("urc_worker_reported_waiting", "Requests queued, as the worker says")
+        running = gauge("urc_worker_reported_running", "Requests running, as the worker says")
+        doc = "Prefill tokens queued, as the worker says (or estimated from its waiting requests)"
+        queued = gauge("urc_worker_reported_queued_prefill_tokens", doc)
+        usage = gauge("urc_worker_reported_kv_usage", "Share of its KV pool in use, 0..1")
+        age = gauge("urc_worker_reported_age_seconds", "Seconds since its last load sample")
+        doc = "Requests in flight there that this gateway did not send (from its last sample)"
+        others = gauge("urc_worker_others_in_flight", doc)
+        now = time.monotonic()
+        for worker, reported in list(self.reported.items()):
+            sample = reported.sample
+            if sample is None:
+                continue
+            name = [worker.name]
+            waiting.add_metric(name, sample.waiting)
+            running.add_metric(name, sample.running)
+            if sample.queued_prefill_tokens is not None:
+                queued.add_metric(name, sample.queued_prefill_tokens)
+            usage.add_metric(name, sample.kv_usage)
+            age.add_metric(name, now - reported.at)
+            others.add_metric(name, reported.others_in_flight)
+        yield from (waiting, running, queued, usage, age, others)
