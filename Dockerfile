@@ -11,6 +11,6 @@ COPY backends backends
 COPY simulation simulation
 COPY loadgen loadgen
 COPY urc urc
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir '.[k8s]'  # k8s: lightkube, for --discover k8s
 EXPOSE 8000 9000 5557 5558
 CMD ["urc", "--help"]

@@ -10,6 +10,7 @@ import signal
 import time
 from itertools import islice
 
+import httpx
 import pytest
 
 from loadgen.workloads import make_workload
@@ -55,6 +56,13 @@ def index_of(fleet: Fleet, port: int) -> dict:
     return {"held": held, "blocks": answer["index"]["blocks"]}
 
 
+def dry_run(fleet: Fleet, port: int, spec) -> str:
+    body = {"model": spec.model, "messages": spec.messages, "max_tokens": spec.max_tokens}
+    headers = {"Authorization": f"Bearer {fleet.admin_key}"}
+    url = f"http://127.0.0.1:{port}/admin/route"
+    return httpx.post(url, json=body, headers=headers, timeout=10).json()["worker"]
+
+
 def test_replica_joins_and_one_is_killed() -> None:
     fleet = start_fleet(4, 3, spare=1, worker_args=WORKER_ARGS)
     spare = fleet.gateway_ports[-1]
@@ -81,6 +89,10 @@ def test_replica_joins_and_one_is_killed() -> None:
             time.sleep(0.1)
         assert indexes[2] == indexes[0] == indexes[1]
         assert sum(indexes[0]["held"].values()) > 0
+        # and it routes like them: the same worker for each group's prompt (dry runs)
+        firsts = {spec.group_id: spec for spec in reversed(workload())}
+        choices = [[dry_run(fleet, port, spec) for spec in firsts.values()] for port in survivors]
+        assert choices[2] == choices[0], choices
         served_by_joiner = asyncio.run(
             admin_get(f"http://127.0.0.1:{spare}", "/admin/workers", fleet.admin_key)
         )

@@ -1,0 +1,91 @@
+"""`urc gateway --processes N` (docs/scale-out.md): one port, N full replicas; an admin change
+reaches every process and says so, one /metrics covers all of them, SIGTERM drains them all;
+and `--kv-groups`, which makes a gateway follow only some kv_groups. Real processes on
+127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import pytest
+
+from router.gateway.siblings import merge_expositions
+from urc.processes import start_gateway, start_worker
+
+ADMIN = {"Authorization": "Bearer admin-secret"}
+
+
+@pytest.fixture(scope="module")
+def workers():
+    children = [start_worker("--kv-events-port", "0") for _ in range(2)]
+    yield [c.url for c in children]
+    for child in children:
+        child.stop()
+
+
+def completion(url: str, model: str = "emulated") -> httpx.Response:
+    body = {"model": model, "prompt": "a shared prefix " * 40, "max_tokens": 4}
+    # a fresh connection each: the kernel spreads them over the processes
+    return httpx.post(url + "/v1/completions", json=body, timeout=30)
+
+
+def test_admin_changes_and_metrics_reach_every_process(workers: list[str]) -> None:
+    flags = ("--processes", "3", "--admin-key", "admin-secret", "--metrics-port", "0")
+    gateway = start_gateway(workers, *flags)
+    try:
+        answer = httpx.post(gateway.url + "/admin/mode", json={"degraded": True}, headers=ADMIN)
+        assert answer.status_code == 200
+        applied = answer.json()["applied_to"]
+        assert applied["processes"] == {"0": 200, "1": 200, "2": 200}
+        assert "other gateway replicas" in applied["note"]
+        replicas = set()
+        for _ in range(24):  # new connections: the kernel spreads them over the processes
+            mode = httpx.get(gateway.url + "/admin/mode", headers=ADMIN).json()
+            assert mode["mode"] == "degraded"
+            replicas.add(httpx.get(gateway.url + "/admin/workers", headers=ADMIN).json()["replica"])
+            assert completion(gateway.url).status_code == 200
+        assert len(replicas) > 1  # the answers came from more than one process
+
+        metrics_url = next(line for line in gateway.lines if line.startswith("metrics: "))[9:]
+        text = httpx.get(metrics_url).text
+        degraded = [line for line in text.splitlines() if line.startswith("urc_routing_degraded{")]
+        assert sorted(degraded) == [f'urc_routing_degraded{{replica="{i}"}} 1.0' for i in range(3)]
+        served = [line for line in text.splitlines() if line.startswith("urc_requests_total{")]
+        assert sum(float(line.rsplit(" ", 1)[1]) for line in served) == 24
+        keyed = httpx.get(gateway.url + "/metrics", headers=ADMIN).text
+        assert keyed.count("# TYPE urc_routing_degraded gauge") == 1
+
+        missing = httpx.delete(gateway.url + "/admin/workers/nobody", headers=ADMIN)
+        assert missing.status_code == 404  # a refused change is not fanned out
+        assert "applied_to" not in missing.json()
+    finally:
+        assert gateway.stop(signal.SIGTERM) == 0  # every process drained and exited
+
+
+def test_merge_expositions_labels_each_process() -> None:
+    one = b'# HELP x_total X\n# TYPE x_total counter\nx_total{w="a"} 1.0\n'
+    two = b'# HELP x_total X\n# TYPE x_total counter\nx_total{w="a"} 2.0\n'
+    merged = merge_expositions({"0": one, "1": two}).decode()
+    assert merged.count("# TYPE x_total counter") == 1
+    assert 'x_total{replica="0",w="a"} 1.0' in merged
+    assert 'x_total{replica="1",w="a"} 2.0' in merged
+
+
+def test_kv_groups_follows_only_those_groups() -> None:
+    a = start_worker("--model", "alpha", "--kv-group", "ga", "--kv-events-port", "0")
+    b = start_worker("--model", "beta", "--kv-group", "gb", "--kv-events-port", "0")
+    gateway = start_gateway([a.url, b.url], "--kv-groups", "ga", "--admin-key", "admin-secret")
+    try:
+        models = [m["id"] for m in httpx.get(gateway.url + "/v1/models").json()["data"]]
+        assert models == ["alpha"]
+        assert completion(gateway.url, "alpha").status_code == 200
+        refused = completion(gateway.url, "beta")
+        assert refused.status_code == 404 and refused.json()["error"]["message"]
+        workers = httpx.get(gateway.url + "/admin/workers", headers=ADMIN).json()["workers"]
+        by_models = {tuple(w["models"]): w for w in workers}
+        assert set(by_models) == {("alpha",), ()}
+        assert by_models[()]["kv_events"] == []  # beta's events are not followed
+    finally:
+        for child in (gateway, a, b):
+            child.stop()
