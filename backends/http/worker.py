@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from backends.http.load_publisher import LoadPublisher
 from backends.http.openai_api import OpenAIApi, error_middleware, json_response, read_json
 from backends.http.runner import Engine, EngineRunner, Events, InvalidateRequest
 from backends.http.sglang_api import SGLangApi
@@ -41,6 +42,7 @@ class Worker:
         self.incarnation = uuid.uuid4().hex
         self.groups = list(dict.fromkeys(m.kv_group for m in engine.models.values()))
         self.publishers: dict[str, KVEventPublisher] = {}
+        self.load_publisher: LoadPublisher | None = None
         self.runner = EngineRunner(engine, self.publish)
         self._web: web.AppRunner | None = None
         self.port: int = flags.port
@@ -55,6 +57,12 @@ class Worker:
                 f"tcp://{cfg.host}:{pub_port}", f"tcp://{cfg.host}:{replay_port}", topic=KV_TOPIC
             )
         self.runner.start()
+        if cfg.load_publish_ms > 0:
+            endpoint = f"tcp://{cfg.host}:{cfg.load_events_port}"
+            self.load_publisher = LoadPublisher(
+                self.load_document, endpoint, cfg.load_publish_ms / 1e3
+            )
+            self.load_publisher.start()
         max_body = int(cfg.max_body_mb * 1024 * 1024)  # larger bodies get 413
         app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
         OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
@@ -73,6 +81,8 @@ class Worker:
         self.url = f"http://{cfg.host}:{self.port}"
 
     async def stop(self) -> None:
+        if self.load_publisher is not None:
+            await self.load_publisher.close()
         await self.runner.stop()
         if self._web is not None:
             await self._web.cleanup()
@@ -108,14 +118,21 @@ class Worker:
         }
         if len(self.groups) == 1:
             doc["kv_events"] = streams[self.groups[0]]
+        if self.load_publisher is not None:
+            endpoint = reachable_endpoint(self.load_publisher.endpoint, request)
+            doc["load_events"] = {"endpoint": endpoint}
         return json_response(doc)
 
     async def load(self, request: web.Request) -> web.Response:
-        """The queue as the engine holds it, polled by gateways many times a second: one
-        dict, no engine call beyond `loads()` (docs/workers.md, `GET /urc/load`)."""
+        """The queue as the engine holds it (docs/workers.md, `GET /urc/load`); gateways
+        subscribe to the same document (`load_events` in /urc/info) rather than poll it."""
+        return json_response(self.load_document())
+
+    def load_document(self) -> dict[str, Any]:
+        """One dict, no engine call beyond `load()`."""
         load = self.runner.load()
         page = self.engine.block_size
-        doc = {
+        return {
             "waiting": load.waiting,
             "running": load.running,
             "queued_prefill_tokens": load.queued_prefill_tokens,
@@ -124,7 +141,6 @@ class Worker:
             "total_kv_pages": load.capacity_tokens // page,
             "time": time.time(),
         }
-        return json_response(doc)
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.engine)  # type: ignore[arg-type]  # it has collect()
@@ -194,6 +210,8 @@ def worker_parser(
             ("--default-max-tokens", int, 256, "output length when a chat sets none"),
             ("--kv-events-port", int, 0, f"ZMQ PUB port for KV events (0: any){kv_port_note}"),
             ("--kv-replay-port", int, 0, f"ZMQ ROUTER port for replays (0: any){kv_port_note}"),
+            ("--load-events-port", int, 0, "ZMQ PUB port of the worker's load (0: any)"),
+            ("--load-publish-ms", float, 20.0, "how often a changed load is published (0: never)"),
             ("--max-body-mb", float, 32.0, "larger request bodies get 413"),
             ("--log-level", str, "WARNING", "logging level"),
             ("--max-model-len", int, 0, max_model_len_help),

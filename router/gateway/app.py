@@ -139,6 +139,7 @@ class Gateway:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.load_feed.close()
         if self.discovery is not None:
             await self.discovery.stop()
         await self.parity.close()

@@ -120,6 +120,7 @@ class Worker:
     answered_at: float = 0.0  # its last successful answer (monotonic): alive, no probe needed
     alive_at: float = 0.0  # its last answer of any kind, or passed health check (monotonic)
     incarnation: str | None = None
+    load_endpoint: str | None = None  # where it pushes its load (ours: /urc/info's load_events)
     load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
     streams: list[EventStream] = field(default_factory=list)  # KV events, one per kv_group
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
@@ -291,6 +292,9 @@ class Fleet:
                     raise ValueError(f"{worker.url}/urc/info answered {resp.status}")
                 info = await resp.json(content_type=None)
         worker.incarnation = info.get("incarnation")
+        worker.load_endpoint = reachable(
+            (info.get("load_events") or {}).get("endpoint"), worker.pool.host
+        )
         worker.block_size = int(config.block_size or info.get("block_size") or 16)
         served: dict[str, str] = {}
         for entry in info.get("models", []):

@@ -1,7 +1,7 @@
-"""The load feed: every `load_interval_s` the gateway samples each up worker's own load (ours:
-`GET /urc/load`; vLLM and SGLang: `GET /metrics`) and merges it into the worker's ledger, so
-gateway replicas in front of one fleet, and clients that bypass them, see one load picture
-(docs/dispatch.md, "Load the workers report")."""
+"""The load feed: each up worker's own load merged into its ledger, so gateway replicas in front
+of one fleet, and clients that bypass them, see one load picture (docs/dispatch.md, "Load the
+workers report"). Ours push it (a ZMQ subscription to `load_events` of /urc/info); the others
+are sampled every `load_interval_s` (`GET /urc/load`; vLLM and SGLang: `GET /metrics`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import zmq
+import zmq.asyncio
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -28,6 +30,7 @@ from router.gateway.load_report import (
 
 log = logging.getLogger(__name__)
 _PROMETHEUS_ENGINES = ("vllm", "sglang")
+_SILENCE_S = 1.5  # a pushing worker sends a heartbeat each second: longer silence is a miss
 
 
 def first_source(worker: Worker) -> str:
@@ -45,6 +48,8 @@ class LoadFeed(Collector):
         # a sample that takes longer is missed: it would be stale when it came
         self.timeout = aiohttp.ClientTimeout(total=max(0.25, 4 * interval_s))
         self.reported: dict[Worker, Reported] = {}
+        self.pushed: dict[Worker, asyncio.Task[None]] = {}  # its subscription, per worker
+        self._ctx = zmq.asyncio.Context.instance()
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -56,20 +61,59 @@ class LoadFeed(Collector):
     async def sample_all(self) -> None:
         """One round: every up worker sampled at once; those gone or down drop their part."""
         workers = self.fleet.workers.values()
-        for worker in [w for w in self.reported if w.name not in self.fleet.workers]:
+        for worker in [w for w in self.reported if self.fleet.workers.get(w.name) is not w]:
             del self.reported[worker]
+            self._unsubscribe(worker)
         due: list[tuple[Worker, Reported]] = []
         for worker in workers:
             reported = self.reported.get(worker)
             if reported is None:
                 reported = self.reported[worker] = Reported(first_source(worker))
             if not worker.up:  # it may come back another process: ask afresh then
+                self._unsubscribe(worker)
                 forget(worker.load, reported)
                 reported.source, reported.sample = first_source(worker), None
+            elif worker.load_endpoint and reported.source in ("urc", "push"):
+                if worker not in self.pushed:
+                    reported.source = "push"
+                    task = asyncio.get_running_loop().create_task(self._subscribe(worker, reported))
+                    self.pushed[worker] = task
             elif reported.source != "none":
                 due.append((worker, reported))
         if due:
             await asyncio.gather(*(self._sample(w, r) for w, r in due))
+
+    async def _subscribe(self, worker: Worker, reported: Reported) -> None:
+        """Merge each load the worker pushes as it comes; silence past a heartbeat is a miss."""
+        assert worker.load_endpoint is not None
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 16)
+        sub.setsockopt(zmq.CONFLATE, 1)  # only the newest load matters
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(worker.load_endpoint)
+        try:
+            while True:
+                if not await sub.poll(_SILENCE_S * 1000, zmq.POLLIN):
+                    missed(worker.load, reported)
+                    continue
+                try:
+                    sample = parse_urc(await sub.recv())
+                except ValueError as exc:
+                    log.debug("bad load from %s: %s", worker.name, exc)
+                    continue
+                merge(worker.load, reported, sample, time.monotonic())
+        finally:
+            sub.close(linger=0)
+
+    def _unsubscribe(self, worker: Worker) -> None:
+        task = self.pushed.pop(worker, None)
+        if task is not None:
+            task.cancel()
+
+    def close(self) -> None:
+        for worker in list(self.pushed):
+            self._unsubscribe(worker)
 
     async def _sample(self, worker: Worker, reported: Reported) -> None:
         try:

@@ -105,7 +105,7 @@ class Reported:
     """One worker's feed: its source, its last sample, and the part of its `WorkerLoad` that is
     everyone else's (as last merged); the rest is the gateway's own ledger."""
 
-    source: str  # "urc" (/urc/load), "prometheus" (/metrics), "none" (no feed)
+    source: str  # "push" (load_events), "urc" (/urc/load), "prometheus" (/metrics), "none"
     sample: Sample | None = None
     at: float = 0.0  # when the last sample came (monotonic)
     missed: int = 0  # failed samples in a row

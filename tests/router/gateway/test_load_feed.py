@@ -179,8 +179,15 @@ def reported_waiting(gateway: str, name: str) -> int:
     return (worker["reported"] or {}).get("waiting") or 0
 
 
-def test_a_queue_built_behind_the_gateways_back_steers_cold_prefixes_elsewhere():
-    workers = [start_worker(*SLOW) for _ in range(3)]
+@pytest.mark.parametrize(
+    ("source", "worker_flags"), [("push", ()), ("urc", ("--load-publish-ms", "0"))]
+)
+def test_a_queue_built_behind_the_gateways_back_steers_cold_prefixes_elsewhere(
+    source: str, worker_flags: tuple[str, ...]
+):
+    """Pushed by our workers (a ZMQ subscription), or polled (`GET /urc/load`) when they
+    publish none."""
+    workers = [start_worker(*SLOW, *worker_flags) for _ in range(3)]
     urls = [w.url for w in workers]
     gateways = []
     try:
@@ -218,7 +225,7 @@ def test_a_queue_built_behind_the_gateways_back_steers_cold_prefixes_elsewhere()
         assert busy in blind_choices  # without the feed it cannot (rendezvous spreads them)
         assert all(r.status_code == 200 and route(r)["worker"] != busy for r in served)
         reported = described["reported"]
-        assert reported["source"] == "urc" and reported["waiting"] >= 1
+        assert reported["source"] == source and reported["waiting"] >= 1
         assert reported["queued_prefill_tokens"] >= (BURST - 2) * BURST_TOKENS
         assert reported["others"]["in_flight"] >= BURST - 2
         assert described["load"]["queued_prefill_tokens"] >= (BURST - 2) * BURST_TOKENS
