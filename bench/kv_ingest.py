@@ -5,9 +5,9 @@
 Two "flood" sources (this script, --flood) answer /urc/info like our workers and publish
 vLLM-format BlockStored/BlockRemoved batches (16-token blocks, chained, a steady state: as many
 removed as stored) at a set rate in a kv_group no request uses; two emulated workers serve a
-closed loop of requests through the same gateway. Per offered rate: blocks/s the gateway
-applied (its mirrors' counters), gaps, and the requests' rate and p50 against rate 0 (method:
-docs/scale-out.md, "Sizing")."""
+closed loop of requests through the same gateway (--concurrency 0: none). Per offered rate:
+blocks/s the gateway applied (its mirrors' counters), gaps, the requests' rate and p50 against
+rate 0, and the gateway's CPU (method: docs/scale-out.md, "Sizing")."""
 
 import argparse
 import asyncio
@@ -138,7 +138,11 @@ def measure(args: argparse.Namespace, rate: float) -> dict:
         time.sleep(1.0)  # subscribed, first batches in
         before, gaps0 = asyncio.run(applied_blocks(gateway.url))
         cpu0, t0 = cpu_seconds(gateway.pid), time.monotonic()
-        latencies = asyncio.run(serve_load(gateway.url, args.seconds, args.concurrency))
+        if args.concurrency > 0:
+            latencies = asyncio.run(serve_load(gateway.url, args.seconds, args.concurrency))
+        else:  # events alone: what a core of the gateway applies
+            time.sleep(args.seconds)
+            latencies = []
         elapsed = time.monotonic() - t0
         after, gaps1 = asyncio.run(applied_blocks(gateway.url))
         cpu = cpu_seconds(gateway.pid) - cpu0
@@ -155,6 +159,10 @@ def measure(args: argparse.Namespace, rate: float) -> dict:
     }
 
 
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b > 0 else "-"  # NaN compares false: "-" too
+
+
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--flood":
         run_flood(float(sys.argv[2]))
@@ -163,7 +171,7 @@ def main() -> int:
     parser.add_argument("--rates", default="0,25000,50000,100000,200000", help="blocks/s")
     parser.add_argument("--processes", type=int, default=1, help="the gateway's --processes")
     parser.add_argument("--seconds", type=float, default=8.0)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=16, help="0: no requests")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
@@ -173,7 +181,7 @@ def main() -> int:
     base = rows[0]
     print(f"one gateway (--processes {args.processes}) ingesting KV events while serving")
     print(f"{'offered/s':>10} {'applied/s':>10} {'applied %':>9} {'gaps':>5} {'req/s':>7}", end="")
-    print(f" {'x rate 0':>8} {'p50 ms':>7} {'x rate 0':>8} {'cores':>6}")
+    print(f" {'x rate 0':>8} {'p50 ms':>7} {'x rate 0':>8} {'cores':>6} {'applied/core':>12}")
     for r in rows:
         share = (
             r["applied_blocks_per_s"] / r["offered_blocks_per_s"]
@@ -183,8 +191,9 @@ def main() -> int:
         rps, p50 = r["requests_per_s"], r["p50_ms"]
         print(
             f"{r['offered_blocks_per_s']:10.0f} {r['applied_blocks_per_s']:10.0f} {share:9.1%}"
-            f" {r['gaps']:5d} {rps:7.1f} {rps / base['requests_per_s']:8.2f}"
-            f" {p50:7.1f} {p50 / base['p50_ms']:8.2f} {r['gateway_cores']:6.2f}"
+            f" {r['gaps']:5d} {rps:7.1f} {ratio(rps, base['requests_per_s']):>8s}"
+            f" {p50:7.1f} {ratio(p50, base['p50_ms']):>8s} {r['gateway_cores']:6.2f}"
+            f" {r['applied_blocks_per_s'] / max(r['gateway_cores'], 1e-9):12.0f}"
         )
     if args.json:
         with open(args.json, "w") as f:
