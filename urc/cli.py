@@ -29,7 +29,11 @@ def _gateway(args: argparse.Namespace) -> int:
         raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
     if config.processes > 1:
         return run_processes(config, args.config)
-    run_gateway(config, args.config)
+    try:
+        run_gateway(config, args.config)
+    except OSError as exc:  # at start: the port is taken, or the host is not ours
+        print(f"urc gateway: cannot listen: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

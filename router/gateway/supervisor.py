@@ -49,11 +49,18 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
     from router.gateway.app import run_gateway
 
     n = config.processes
-    reserved = [reserve_port(config.host, config.port)]
-    config = replace(config, port=reserved[0].getsockname()[1])
-    if config.metrics_port is not None:
-        reserved.append(reserve_port(config.host, config.metrics_port))
-        config = replace(config, metrics_port=reserved[1].getsockname()[1])
+    reserved: list[socket.socket] = []
+    try:
+        reserved.append(reserve_port(config.host, config.port))
+        config = replace(config, port=reserved[0].getsockname()[1])
+        if config.metrics_port is not None:
+            reserved.append(reserve_port(config.host, config.metrics_port))
+            config = replace(config, metrics_port=reserved[1].getsockname()[1])
+    except OSError as exc:  # taken by a process that did not set SO_REUSEPORT, or no such host
+        for sock in reserved:
+            sock.close()
+        print(f"urc gateway: cannot listen on {config.host}: {exc}", file=sys.stderr)
+        return 1
     directory = tempfile.mkdtemp(prefix="urc-gateway-")  # 0700: only this user reaches it
     token = os.urandom(16).hex()
     ready_r, ready_w = os.pipe()

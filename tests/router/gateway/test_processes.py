@@ -6,6 +6,9 @@ and `--kv-groups`, which makes a gateway follow only some kv_groups. Real proces
 from __future__ import annotations
 
 import signal
+import socket
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -89,3 +92,16 @@ def test_kv_groups_follows_only_those_groups() -> None:
     finally:
         for child in (gateway, a, b):
             child.stop()
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_taken_port_is_a_clear_error(processes: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        argv = [sys.executable, "-m", "urc.cli", "gateway", "--worker", "http://127.0.0.1:1"]
+        argv += ["--port", port, "--processes", processes]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "urc gateway: cannot listen" in done.stderr and "Traceback" not in done.stderr
