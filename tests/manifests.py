@@ -15,8 +15,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBERNETES = ROOT / "deploy" / "kubernetes"
-# the kustomizations: the gateway, its ServiceMonitor, the example engines (docs/deploy.md)
-KUSTOMIZATIONS = ("base", "monitoring", "vllm-engine")
+# the kustomizations: the gateway, its ServiceMonitor, the example engines, urc as a Gateway API
+# gateway's endpoint picker (docs/deploy.md)
+KUSTOMIZATIONS = ("base", "monitoring", "vllm-engine", "inference-extension")
 
 Object = dict[str, Any]
 
@@ -83,3 +84,30 @@ def label_selector(text: str) -> dict[str, str]:
     pairs = [item.split("=") for item in text.split(",")]
     assert all(len(p) == 2 and p[0] and p[1] for p in pairs), f"not k=v,...: {text!r}"
     return {k.strip(): v.strip() for k, v in pairs}
+
+
+def containers(deployment: Object) -> list[Object]:
+    """A Deployment's init containers, then its containers."""
+    spec = deployment["spec"]["template"]["spec"]
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def container(deployment: Object, name: str) -> Object:
+    """The (init) container of that name."""
+    (found,) = [c for c in containers(deployment) if c["name"] == name]
+    return found
+
+
+def container_port(deployment: Object, port: int | str) -> int:
+    """The containerPort a probe's or a Service's port (a name or a number) reaches."""
+    ports = [p for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]]
+    found = [p["containerPort"] for p in ports if port in (p.get("name"), p["containerPort"])]
+    assert len(found) == 1, f"port {port!r} is not one container port of {ports}"
+    return found[0]
+
+
+def soon(name: str, known: set[str], separator: str) -> bool:
+    """An expected-soon name (a flag or a config key) urc does not have yet, nor any name of its
+    family (`--discover*`, `shutdown_delay*`): once it has one, the name must be real."""
+    family = name.lstrip("-").split(separator)[0]
+    return not any(k.lstrip("-").split(separator)[0] == family for k in known)

@@ -6,9 +6,12 @@ kustomization fields used here (`resources`, `namespace`) itself and refuses any
 `kubectl` is installed, its own `kubectl kustomize` render must give the same objects.
 
 Schemas: built-in kinds with `kubernetes_validate` in strict mode (unknown fields fail) for
-Kubernetes K8S_VERSIONS. The ServiceMonitor is a CRD that kubernetes_validate has no schema
-for (it has no CRD support): it is checked against SERVICE_MONITOR_SCHEMA below, the Prometheus
-Operator's monitoring.coreos.com/v1 fields these manifests use, unknown fields refused.
+Kubernetes K8S_VERSIONS. kubernetes_validate has no CRD support, so the custom resources are
+checked with jsonschema, unknown fields refused: the ServiceMonitor against
+SERVICE_MONITOR_SCHEMA below, the Prometheus Operator's monitoring.coreos.com/v1 fields these
+manifests use; the InferencePool and the HTTPRoute against their CRDs' own v1 schemas, vendored
+in tests/data/crds/ (tests/crd_schemas.py). The inference-extension kustomization's own checks
+are in test_deploy_inference_extension.py.
 
 Flags and config keys that other branches add to the gateway (EXPECTED_FLAGS, EXPECTED_KEYS) are
 allowed while the gateway has none of their family (`--discover*`, `shutdown_delay*`, ...);
@@ -38,17 +41,22 @@ from backends.real.process import EngineSpec, vllm_launch
 from backends.tiny_checkpoint import write_tokenizer
 from core.tokenizer import load_tokenizer
 from router.gateway.config import GatewayConfig, apply_flags, load_config
+from tests.crd_schemas import crd_schema
 from tests.manifests import (
     KUBERNETES,
     KUSTOMIZATIONS,
     ROOT,
     Object,
     all_objects,
+    container,
+    container_port,
+    containers,
     kustomize,
     label_selector,
     one,
     referenced_files,
     selects,
+    soon,
 )
 from urc.cli import build_parser
 
@@ -119,31 +127,19 @@ SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
         },
     },
 }
+# the custom resources' schemas, by kind (kubernetes_validate knows only the built-in kinds)
+CUSTOM_SCHEMAS: dict[str, dict[str, Any]] = {
+    "ServiceMonitor": SERVICE_MONITOR_SCHEMA,
+    "InferencePool": crd_schema(
+        "inferencepools.inference.networking.k8s.io",
+        "inference.networking.k8s.io/v1",
+        "InferencePool",
+    ),
+    "HTTPRoute": crd_schema(
+        "httproutes.gateway.networking.k8s.io", "gateway.networking.k8s.io/v1", "HTTPRoute"
+    ),
+}
 CONFIG_PATH = "/etc/urc/gateway.toml"
-
-
-def containers(deployment: Object) -> list[Object]:
-    spec = deployment["spec"]["template"]["spec"]
-    return spec.get("initContainers", []) + spec["containers"]
-
-
-def container(deployment: Object, name: str) -> Object:
-    (found,) = [c for c in containers(deployment) if c["name"] == name]
-    return found
-
-
-def container_port(deployment: Object, port: int | str) -> int:
-    """The containerPort a probe's or a Service's port (a name or a number) reaches."""
-    ports = [p for c in deployment["spec"]["template"]["spec"]["containers"] for p in c["ports"]]
-    found = [p["containerPort"] for p in ports if port in (p.get("name"), p["containerPort"])]
-    assert len(found) == 1, f"port {port!r} is not one container port of {ports}"
-    return found[0]
-
-
-def soon(name: str, known: set[str], separator: str) -> bool:
-    """An expected-soon name the gateway does not have yet, nor any name of its family."""
-    family = name.lstrip("-").split(separator)[0]
-    return not any(k.lstrip("-").split(separator)[0] == family for k in known)
 
 
 def gateway_flags() -> set[str]:
@@ -193,11 +189,11 @@ def test_every_object_is_valid_against_kubernetes_schemas(version):
         "Role",
         "RoleBinding",
         "ConfigMap",
-        "ServiceMonitor",
+        *CUSTOM_SCHEMAS,
     }
     for _, obj in objects:
-        if obj["kind"] == "ServiceMonitor":
-            jsonschema.Draft202012Validator(SERVICE_MONITOR_SCHEMA).validate(obj)
+        if obj["kind"] in CUSTOM_SCHEMAS:
+            jsonschema.Draft202012Validator(CUSTOM_SCHEMAS[obj["kind"]]).validate(obj)
         else:
             kubernetes_validate.validate(obj, version, strict=True)
 
@@ -209,8 +205,15 @@ def test_a_typo_fails_validation():
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
     monitor = json.loads(json.dumps(one("ServiceMonitor", "urc-gateway")))
     monitor["spec"]["endpoints"][0]["intervall"] = "15s"
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.Draft202012Validator(SERVICE_MONITOR_SCHEMA).validate(monitor)
+    pool = json.loads(json.dumps(one("InferencePool", "vllm-engine")))
+    pool["spec"]["endpointPickerRef"]["failuremode"] = "FailOpen"  # failureMode
+    route = json.loads(json.dumps(one("HTTPRoute", "urc-inference")))
+    route["spec"]["rules"][0]["backendRefs"][0]["namepsace"] = "urc"
+    bad_value = json.loads(json.dumps(one("InferencePool", "vllm-engine")))
+    bad_value["spec"]["endpointPickerRef"]["failureMode"] = "FailClosed"  # not in the enum
+    for obj in (monitor, pool, route, bad_value):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.Draft202012Validator(CUSTOM_SCHEMAS[obj["kind"]]).validate(obj)
 
 
 def test_every_yaml_file_is_in_a_kustomization_and_names_are_unique():
@@ -328,7 +331,8 @@ def test_probe_and_service_ports_are_container_ports():
         for c in containers(deployment):
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 if probe in c:
-                    container_port(deployment, c[probe]["httpGet"]["port"])
+                    (action,) = set(c[probe]) & {"httpGet", "grpc", "tcpSocket"}  # with a port
+                    container_port(deployment, c[probe][action]["port"])
     services = [o for _, o in all_objects() if o["kind"] == "Service"]
     assert services
     for service in services:
