@@ -62,5 +62,7 @@ def crd_schema(plural_group: str, api_version: str, kind: str) -> dict[str, Any]
     schema["properties"]["apiVersion"] = {"const": api_version}
     schema["properties"]["kind"] = {"const": kind}
     schema["properties"]["metadata"] = _METADATA
-    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
+    schema["required"] = sorted(
+        {*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"}
+    )
     return schema
