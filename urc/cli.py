@@ -46,7 +46,7 @@ def _epp(args: argparse.Namespace) -> int:
     if not config.workers and not config.discover:
         raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
     try:
-        run_epp(config, args.grpc_port)
+        run_epp(config, args.grpc_port, args.max_in_flight)
     except RuntimeError as exc:  # grpc: the port is taken, or the host is not ours
         print(f"urc epp: cannot listen: {exc}", file=sys.stderr)
         return 1
@@ -95,6 +95,12 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     add_gateway_arguments(sub.choices["epp"])
     epp = sub.choices["epp"]
     epp.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health port")
+    epp.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=0,
+        help="shed with 429 when every eligible endpoint has this many in flight (0: never)",
+    )
     add_cluster_arguments(sub.choices["cluster"])
     keys = sub.choices["keys"]
     keys.add_argument("text", help="the prompt text")

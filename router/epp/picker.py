@@ -44,9 +44,10 @@ class Pick(NamedTuple):
 class EndpointPicker:
     """Holds a `Gateway` for its fleet, index, tenants and router; serves no HTTP itself."""
 
-    def __init__(self, gateway: Gateway) -> None:
+    def __init__(self, gateway: Gateway, max_in_flight: int = 0) -> None:
         self.gateway = gateway
         self.fleet = gateway.fleet
+        self.max_in_flight = max_in_flight  # per endpoint, beyond it: 429 (0: never shed)
 
     def pick(
         self,
@@ -77,6 +78,10 @@ class EndpointPicker:
         if not ranked:
             message = f"no eligible endpoint for model '{plan.model.name}'"
             raise APIError(503, message, type="service_unavailable", code="no_endpoint")
+        limit = self.max_in_flight
+        if limit and all(w.load.in_flight >= limit for w in ranked):  # shed, not queue
+            message = f"every endpoint has {limit} requests in flight: retry later"
+            raise APIError(429, message, type="rate_limit_error", code="overloaded")
         chosen = ranked[0]
         group = chosen.kv_group_of(plan.model)
         g.residency.dispatched(plan.request, chosen.name, group, chosen.exact(group), plan.arrived)

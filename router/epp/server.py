@@ -56,12 +56,15 @@ async def _readiness(gateway: Gateway, servicer: health.aio.HealthServicer) -> N
         await asyncio.sleep(min(gateway.config.health_interval_s, 1.0))
 
 
-async def serve_epp(config: GatewayConfig, grpc_port: int, stop: asyncio.Event) -> None:
-    """Serve until `stop` is set; print `epp: HOST:PORT` once listening."""
+async def serve_epp(
+    config: GatewayConfig, grpc_port: int, stop: asyncio.Event, max_in_flight: int = 0
+) -> None:
+    """Serve until `stop` is set; print `epp: HOST:PORT` once listening. `max_in_flight`:
+    per endpoint, beyond which requests are shed with 429 (0: never)."""
     gateway = Gateway(config)
     await gateway._start(gateway.app)  # the fleet, health, load feed, KV events, discovery
     server = grpc.aio.server()
-    picker = EndpointPicker(gateway)
+    picker = EndpointPicker(gateway, max_in_flight)
     ext_grpc.add_ExternalProcessorServicer_to_server(
         ExternalProcessor(picker, config.max_body_bytes), server
     )
@@ -87,12 +90,12 @@ async def serve_epp(config: GatewayConfig, grpc_port: int, stop: asyncio.Event) 
         await gateway._stop(gateway.app)
 
 
-def run_epp(config: GatewayConfig, grpc_port: int) -> None:
+def run_epp(config: GatewayConfig, grpc_port: int, max_in_flight: int = 0) -> None:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve_epp(config, grpc_port, stop)
+        await serve_epp(config, grpc_port, stop, max_in_flight)
 
     run_async(main())

@@ -47,12 +47,17 @@ def port_of(child: Child) -> int:
 
 
 @contextlib.contextmanager
-def stack(*epp_args: str, failover: bool = False, body_mode: str = "BUFFERED") -> Iterator[Stack]:
+def stack(
+    *epp_args: str,
+    failover: bool = False,
+    body_mode: str = "BUFFERED",
+    worker_args: Sequence[str] = (),
+) -> Iterator[Stack]:
     """Workers, `urc epp` and Envoy; `failover`: the override_host cluster (fallbacks)."""
     workers: list[Child] = []
     epp = envoy = None
     try:
-        workers = [start_worker("--kv-events-port", "0") for _ in range(4)]
+        workers = [start_worker("--kv-events-port", "0", *worker_args) for _ in range(4)]
         epp = start_epp(workers, *epp_args)
         ports = [urlsplit(w.url).port or 0 for w in workers] if failover else []
         epp_port = port_of(epp)
@@ -66,7 +71,9 @@ def stack(*epp_args: str, failover: bool = False, body_mode: str = "BUFFERED") -
 
         def serving() -> bool:
             try:
-                r = httpx.post(f"{envoy.url}/v1/completions", json=ready, headers=headers, timeout=5)
+                r = httpx.post(
+                    f"{envoy.url}/v1/completions", json=ready, headers=headers, timeout=5
+                )
             except httpx.HTTPError:
                 return False
             return r.status_code == 200
@@ -206,3 +213,29 @@ def test_grpc_health() -> None:
     finally:
         epp.stop()
         worker.stop()
+
+
+def test_subset_hint_and_shedding() -> None:
+    with stack("--max-in-flight", "1", worker_args=("--decode-base-ms", "50")) as s:
+        body = {"model": "emulated", "prompt": "only there " * 10, "max_tokens": 2}
+        for worker in s.workers:
+            endpoint = urlsplit(worker.url).netloc
+            headers = {"x-gateway-destination-endpoint-subset": endpoint}
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
+            assert r.status_code == 200 and f"worker={endpoint};" in r.headers["x-urc-route"]
+        headers = {"x-gateway-destination-endpoint-subset": "127.0.0.1:1"}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_endpoint"
+        # one endpoint allowed, one request in flight on it (a stream held open): the next is shed
+        endpoint = urlsplit(s.workers[0].url).netloc
+        headers = {"x-gateway-destination-endpoint-subset": endpoint}
+        held = {**body, "max_tokens": 200, "stream": True}  # 10 s of decode
+        with httpx.stream(
+            "POST", f"{s.url}/v1/completions", json=held, headers=headers, timeout=30
+        ) as stream:
+            assert stream.status_code == 200
+            chunks = stream.iter_bytes()
+            for _ in range(3):  # decoding on the worker now
+                next(chunks)
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.headers
