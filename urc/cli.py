@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 SUBCOMMANDS: dict[str, str] = {  # subcommand -> its one-line help
     "gateway": "the OpenAI-compatible cache-aware HTTP gateway",
+    "epp": "the gateway's routing as an Envoy ext_proc endpoint picker (Inference Extension)",
     "worker": "one worker process (--engine emulated|torch)",
     "cluster": "gateway plus N local workers on this machine",
     "replay": "the offline simulator: replay a trace through the policies",
@@ -33,6 +34,21 @@ def _gateway(args: argparse.Namespace) -> int:
         run_gateway(config, args.config)
     except OSError as exc:  # at start: the port is taken, or the host is not ours
         print(f"urc gateway: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _epp(args: argparse.Namespace) -> int:
+    from router.epp.server import run_epp
+    from router.gateway.config import ConfigError, apply_flags, load_config
+
+    config = apply_flags(load_config(args.config), args)
+    if not config.workers and not config.discover:
+        raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
+    try:
+        run_epp(config, args.grpc_port, args.max_in_flight)
+    except RuntimeError as exc:  # grpc: the port is taken, or the host is not ours
+        print(f"urc epp: cannot listen: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -76,13 +92,23 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     from urc.cluster import add_cluster_arguments, cluster_main
 
     add_gateway_arguments(sub.choices["gateway"])
+    add_gateway_arguments(sub.choices["epp"])
+    epp = sub.choices["epp"]
+    epp.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health port")
+    epp.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=0,
+        help="shed with 429 when every eligible endpoint has this many in flight (0: never)",
+    )
     add_cluster_arguments(sub.choices["cluster"])
     keys = sub.choices["keys"]
     keys.add_argument("text", help="the prompt text")
     keys.add_argument("--tokenizer", default="byte", help="'byte' or a model directory")
     keys.add_argument("--block-size", type=int, default=16)
     keys.add_argument("--salt", default=None, help="the tenant's cache salt (default: shared)")
-    return parser, {"gateway": _gateway, "cluster": cluster_main, "keys": _keys}
+    handlers = {"gateway": _gateway, "epp": _epp, "cluster": cluster_main, "keys": _keys}
+    return parser, handlers
 
 
 def main(argv: Sequence[str] | None = None) -> int:

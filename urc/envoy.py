@@ -9,7 +9,7 @@ import json
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from urc.processes import Child, free_port
@@ -100,13 +100,20 @@ class Envoy:
     """Envoy in front of the gateways on `upstreams` (ports on 127.0.0.1; some may start later:
     health checks admit each once it answers)."""
 
-    def __init__(self, upstreams: Sequence[int], port: int = 0) -> None:
+    def __init__(
+        self,
+        upstreams: Sequence[int],
+        port: int = 0,
+        config_for: Callable[[int, int], dict] | None = None,
+    ) -> None:
+        """`config_for(port, admin_port)`: a whole config of its own instead (urc/envoy_epp.py)."""
         self.port = port or free_port()
         self.admin_port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir = tempfile.TemporaryDirectory(prefix="urc-envoy-")
         config = Path(self._dir.name) / "envoy.json"
-        config.write_text(json.dumps(envoy_config(self.port, self.admin_port, upstreams)))
+        make = config_for or (lambda port, admin: envoy_config(port, admin, upstreams))
+        config.write_text(json.dumps(make(self.port, self.admin_port)))
         argv = [envoy_binary(), "-c", str(config), "--concurrency", "1", "--log-level", "warn"]
         argv += ["--base-id", str(self.admin_port)]  # its shared memory: one per Envoy
         self.child = Child("envoy", argv, None)

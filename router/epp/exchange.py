@@ -1,0 +1,120 @@
+"""One HTTP request as the endpoint picker sees it: the messages of one ext_proc `Process`
+stream, in order, and the answer each gets (docs/epp.md, "The exchange")."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
+from google.protobuf import struct_pb2
+
+from core.errors import APIError
+from router.epp import protocol
+from router.epp.picker import EndpointPicker, Pick, cached_tokens
+
+_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+Answers = list[ext.ProcessingResponse]
+
+
+class Exchange:
+    """Request headers -> request body (whole, or chunks until end_of_stream) -> the pick;
+    then response headers (the status, the endpoint that served) -> response body (usage)."""
+
+    def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
+        self.picker = picker
+        self.max_body_bytes = max_body_bytes
+        self.headers: dict[str, str] = {}
+        self.subset: set[str] | None = None
+        self.duplex_request = False  # FULL_DUPLEX_STREAMED: the headers wait for the body
+        self.duplex_response = False
+        self.body = bytearray()
+        self.pick: Pick | None = None
+        self.status = 0
+        self.endpoint: str | None = None  # the endpoint that answered
+        self.cached: int | None = None
+        self.done = False
+
+    def on(self, message: ext.ProcessingRequest) -> Answers:
+        phase = message.WhichOneof("request")
+        if message.HasField("protocol_config"):  # the first message says the body modes
+            config = message.protocol_config
+            self.duplex_request = config.request_body_mode == _DUPLEX
+            self.duplex_response = config.response_body_mode == _DUPLEX
+        metadata = message.metadata_context.filter_metadata
+        if phase == "request_headers":
+            return self._request_headers(message.request_headers, metadata)
+        if phase == "request_body":
+            return self._request_body(message.request_body)
+        if phase == "response_headers":
+            return self._response_headers(message.response_headers, metadata)
+        if phase == "response_body":
+            return self._response_body(message.response_body)
+        assert phase is not None, "an empty ProcessingRequest"
+        if phase == "request_trailers" and self.pick is None and self.duplex_request:
+            return [*self._route(), protocol.proceed(phase)]  # the body ended with trailers
+        return [protocol.proceed(phase)]
+
+    def _request_headers(
+        self, message: ext.HttpHeaders, metadata: Mapping[str, struct_pb2.Struct]
+    ) -> Answers:
+        self.headers = protocol.header_map(message.headers)
+        hint = protocol.lb_value(metadata, protocol.SUBSET_NAMESPACE, protocol.SUBSET)
+        if hint is None:
+            hint = self.headers.get(protocol.SUBSET)
+        if hint is not None:
+            self.subset = {e.strip() for e in hint.split(",") if e.strip()}
+        if message.end_of_stream:  # no body: nothing to route (a GET, an empty POST)
+            return self._route()
+        return [] if self.duplex_request else [protocol.proceed("request_headers")]
+
+    def _request_body(self, message: ext.HttpBody) -> Answers:
+        self.body += message.body
+        if len(self.body) > self.max_body_bytes:
+            message_ = f"request body too large: over {self.max_body_bytes} bytes"
+            return [protocol.error(APIError(413, message_, code="body_too_large"))]
+        if not message.end_of_stream:
+            return []  # FULL_DUPLEX_STREAMED: chunks until the last (BUFFERED sends one)
+        return self._route()
+
+    def _route(self) -> Answers:
+        h = self.headers
+        method, path = h.get(":method", ""), h.get(":path", "")
+        try:
+            self.pick = self.picker.pick(method, path, h, bytes(self.body), self.subset)
+        except APIError as exc:
+            return [protocol.error(exc)]
+        return protocol.routed(self.pick.endpoints, self.pick.body, self.duplex_request)
+
+    def _response_headers(
+        self, message: ext.HttpHeaders, metadata: Mapping[str, struct_pb2.Struct]
+    ) -> Answers:
+        headers = protocol.header_map(message.headers)
+        self.status = int(headers.get(":status", "0") or 0)
+        served = protocol.lb_value(metadata, protocol.LB_NAMESPACE, protocol.SERVED)
+        self.endpoint = served or headers.get(protocol.SERVED)
+        if self.pick is None:
+            return [protocol.proceed("response_headers")]
+        self.pick.load.first_token()
+        if self.endpoint is None:  # the proxy did not say: the primary, as it was asked
+            self.endpoint = self.pick.endpoints[0]
+        return [protocol.answered(self.pick.route)]
+
+    def _response_body(self, message: ext.HttpBody) -> Answers:
+        found = cached_tokens(message.body)
+        if found is not None:
+            self.cached = found
+        if message.end_of_stream:
+            self.close()
+        if self.duplex_response:
+            return [protocol.passed_chunk("response_body", message.body, message.end_of_stream)]
+        return [protocol.proceed("response_body")]
+
+    def close(self) -> None:
+        """The request ended (or its stream did): its load leaves, a success is recorded."""
+        if self.done or self.pick is None:
+            return
+        self.done = True
+        self.pick.load.finish()
+        if self.status == 200 and self.endpoint is not None:
+            self.picker.served(self.pick, self.endpoint, self.cached)

@@ -1,0 +1,120 @@
+"""The endpoint picker's decision: the gateway's own request path (Gateway.serve) up to the
+point where the gateway would forward, answered as endpoints instead (docs/epp.md)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Collection, Mapping
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+from core.errors import APIError
+from router.dispatch import LoadShare, dispatch
+from router.gateway.app import Gateway
+from router.gateway.connection import HOT_PATHS
+from router.gateway.fleet import Worker
+from router.gateway.routing import Plan, forwarded, parse_request
+
+_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_PATHS = frozenset(HOT_PATHS.values())
+
+
+def endpoint_of(worker: Worker) -> str:
+    """The `host:port` Envoy connects to for `worker` (its URL's authority)."""
+    return urlsplit(worker.url).netloc
+
+
+def cached_tokens(chunk: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` in a response body or SSE chunk."""
+    found = _CACHED_RE.search(chunk)
+    return int(found.group(1)) if found else None
+
+
+class Pick(NamedTuple):
+    """Where one request goes: `endpoints[0]`, then the fallbacks in the policy's order."""
+
+    endpoints: list[str]
+    body: bytes  # what the worker gets: cache_salt written in
+    plan: Plan
+    load: LoadShare  # the chosen worker's share of load until the response ends
+    route: str  # x-urc-route, as the gateway writes it
+
+
+class EndpointPicker:
+    """Holds a `Gateway` for its fleet, index, tenants and router; serves no HTTP itself."""
+
+    def __init__(self, gateway: Gateway, max_in_flight: int = 0) -> None:
+        self.gateway = gateway
+        self.fleet = gateway.fleet
+        self.max_in_flight = max_in_flight  # per endpoint, beyond it: 429 (0: never shed)
+
+    def pick(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        raw: bytes,
+        subset: Collection[str] | None = None,
+    ) -> Pick:
+        """Route one request (`headers` by lowercase name). `subset`: the endpoints the proxy
+        allows (GIE's subset hint), None: any. Raises APIError with the client's answer."""
+        g = self.gateway
+        path = path.partition("?")[0]
+        if path not in _PATHS:
+            raise APIError(404, f"no such endpoint: {path}", code="not_found")
+        if method != "POST":
+            raise APIError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
+        chat = path == "/v1/chat/completions"
+        tenant = g.tenants.authenticate(headers.get("authorization"))
+        body = parse_request(raw, chat)
+        scope = tenant.scope(body, headers)
+        plan = g.router.plan(body, chat, scope.salt, g.modes.active(), scope.public)
+        g.metrics.decision.observe(plan.decision_s)
+        g.metrics.reasons[plan.decision.reason] += 1
+        ranked = [w for w in plan.ranked() if w.up]
+        if subset is not None:
+            ranked = [w for w in ranked if endpoint_of(w) in subset]
+        if not ranked:
+            message = f"no eligible endpoint for model '{plan.model.name}'"
+            raise APIError(503, message, type="service_unavailable", code="no_endpoint")
+        limit = self.max_in_flight
+        if limit and all(w.load.in_flight >= limit for w in ranked):  # shed, not queue
+            message = f"every endpoint has {limit} requests in flight: retry later"
+            raise APIError(429, message, type="rate_limit_error", code="overloaded")
+        chosen = ranked[0]
+        group = chosen.kv_group_of(plan.model)
+        g.residency.dispatched(plan.request, chosen.name, group, chosen.exact(group), plan.arrived)
+        load = dispatch(g.index, plan.request, plan.candidate(chosen.name), chosen.load)
+        route = (
+            f"worker={chosen.name}; matched_tokens={plan.matched(chosen.name)}; "
+            f"prompt_tokens={plan.request.prompt_tokens}; "
+            f"reason={plan.decision.reason}; policy={plan.policy}"
+        )
+        payload = forwarded(body, scope.salt, plan.public_tokens)
+        return Pick([endpoint_of(w) for w in ranked], payload, plan, load, route)
+
+    def worker_at(self, endpoint: str) -> Worker | None:
+        for worker in self.fleet.workers.values():
+            if endpoint_of(worker) == endpoint:
+                return worker
+        return None
+
+    def served(self, pick: Pick, endpoint: str, cached: int | None) -> None:
+        """After a 200: residency for workers without KV events, predicted vs actual."""
+        worker = self.worker_at(endpoint)
+        if worker is None:
+            return
+        plan = pick.plan
+        group = worker.kv_group_of(plan.model)
+        now = time.monotonic()
+        self.gateway.residency.served(
+            plan.request, worker.name, group, worker.exact(group), plan.arrived, now
+        )
+        series = self.gateway.metrics.series[plan.model.name, worker.name]
+        predicted = plan.matched(worker.name) if worker in plan.workers else 0
+        series.prompt_tokens += plan.request.prompt_tokens
+        series.predicted += predicted
+        if cached is not None:  # the same series as the gateway's (urc_*_cached_tokens)
+            series.actual += cached
+            series.error += abs(predicted - cached)

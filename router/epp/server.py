@@ -1,0 +1,101 @@
+"""`urc epp`: the ext_proc gRPC server and gRPC health, with a `Gateway`'s fleet, index and
+background tasks running behind them, and no HTTP of its own (docs/epp.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from router.epp.exchange import Exchange
+from router.epp.picker import EndpointPicker
+from router.gateway.app import Gateway, run_async
+from router.gateway.config import GatewayConfig
+
+log = logging.getLogger(__name__)
+SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class ExternalProcessor(ext_grpc.ExternalProcessorServicer):
+    """One `Process` stream per HTTP request through the proxy."""
+
+    def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
+        self.picker = picker
+        self.max_body_bytes = max_body_bytes
+
+    async def Process(  # noqa: N802 (the gRPC method's name)
+        self,
+        request_iterator: AsyncIterator[ext.ProcessingRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[ext.ProcessingResponse]:
+        exchange = Exchange(self.picker, self.max_body_bytes)
+        try:
+            async for message in request_iterator:
+                for answer in exchange.on(message):
+                    yield answer
+        finally:  # the proxy closes the stream when the request ends, whatever its modes
+            exchange.close()
+
+
+async def _readiness(gateway: Gateway, servicer: health.aio.HealthServicer) -> None:
+    """`readiness` (and the ext_proc service) serve while a worker is up; `liveness` always."""
+    while True:
+        up = any(w.up for w in gateway.fleet.workers.values())
+        status = _SERVING if up else _NOT_SERVING
+        for name in ("readiness", SERVICE):
+            await servicer.set(name, status)
+        await asyncio.sleep(min(gateway.config.health_interval_s, 1.0))
+
+
+async def serve_epp(
+    config: GatewayConfig, grpc_port: int, stop: asyncio.Event, max_in_flight: int = 0
+) -> None:
+    """Serve until `stop` is set; print `epp: HOST:PORT` once listening. `max_in_flight`:
+    per endpoint, beyond which requests are shed with 429 (0: never)."""
+    gateway = Gateway(config)
+    await gateway._start(gateway.app)  # the fleet, health, load feed, KV events, discovery
+    server = grpc.aio.server()
+    picker = EndpointPicker(gateway, max_in_flight)
+    ext_grpc.add_ExternalProcessorServicer_to_server(
+        ExternalProcessor(picker, config.max_body_bytes), server
+    )
+    checks = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    for name in ("", "liveness"):
+        await checks.set(name, _SERVING)
+    readiness = asyncio.get_running_loop().create_task(_readiness(gateway, checks))
+    try:
+        port = server.add_insecure_port(f"{config.host}:{grpc_port}")
+        await server.start()
+        print(f"epp: {config.host}:{port}", flush=True)
+        await stop.wait()
+        readiness.cancel()
+        for name in ("readiness", SERVICE):  # unready first: the proxy stops sending
+            await checks.set(name, _NOT_SERVING)
+        log.warning("shutting down: unready, draining for up to %s s", config.drain_timeout_s)
+        await server.stop(config.drain_timeout_s)
+    finally:
+        readiness.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await readiness
+        await gateway._stop(gateway.app)
+
+
+def run_epp(config: GatewayConfig, grpc_port: int, max_in_flight: int = 0) -> None:
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve_epp(config, grpc_port, stop, max_in_flight)
+
+    run_async(main())

