@@ -1,7 +1,7 @@
 """Gateway overhead: the latency urc adds over going straight to a worker, and its throughput.
 
     python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp,python]
-                                     [--processes 2]
+                                     [--processes 2] [--envoy]
 
 urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md."""
 
@@ -19,6 +19,8 @@ from pathlib import Path
 import overhead_load as load
 from harness import fast_worker, log
 
+from urc.envoy import Envoy
+from urc.envoy_epp import epp_envoy_config
 from urc.processes import Child, free_port, start_gateway
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -113,10 +115,24 @@ def throughput_lines(row: load.ThroughputRow, names: list[str], sgl: bool) -> li
     return out
 
 
+def envoy_lines(rows: list[load.LatencyRow]) -> list[str]:
+    """Envoy + urc epp against Envoy round robin and against urc gateway: added p50, ratios."""
+    out = ["", "Envoy + urc epp, added p50 (ms): against Envoy round robin and urc gateway"]
+    for row in rows:
+        epp, rr, urc = (row.added_p50_ms[n] for n in ("envoy-epp", "envoy-rr", "urc"))
+        out.append(
+            f"  {row.metric:<20} c={row.concurrency:<3} envoy-epp {epp:.2f}  envoy-rr {rr:.2f}"
+            f"  urc {urc:.2f}   epp-rr {epp - rr:+.2f}   envoy-epp/urc {ratio(epp, urc)}"
+        )
+    return out
+
+
 def report(result: load.Result, names: list[str], header: str) -> str:
     routers = names[1:]
     sgl = "sglang-router" in routers
     out = [header, "", *latency_table(result.latency, routers, sgl)]
+    if "envoy-epp" in routers:
+        out += envoy_lines(result.latency)
     for row in result.throughput:
         out += throughput_lines(row, names, sgl)
     streamed = [row for row in result.latency if row.metric.startswith("streamed")]
@@ -141,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--no-sglang", action="store_true", help="measure urc only")
     add("--variants", default="", help="also measure, comma-separated: source, aiohttp, python")
     add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
+    add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
     add("--api", choices=["completions", "chat"], default="completions")
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
@@ -186,7 +203,25 @@ def start_fleet(
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         sgl = Child("sglang-router", cmd, None, url=f"http://127.0.0.1:{port}")
         front("sglang-router", sgl, 60)
+    extra_pids: dict[str, list[int]] = {}
+    if args.envoy:  # the Inference Extension's wiring: Envoy asks urc epp (docs/epp.md)
+        ports = [int(url.rsplit(":", 1)[1]) for url in workers]
+        rr = Envoy(ports)
+        rr.wait_healthy(len(ports))
+        rr.child.url = rr.url
+        front("envoy-rr", rr.child, 30)
+        argv = [sys.executable, "-m", "urc.cli", "epp", "--grpc-port", "0"]
+        argv += [a for url in workers for a in ("--worker", url)]
+        epp = Child("urc epp", argv, "epp: ").wait_announced()
+        epp_port = int(epp.url.rsplit(":", 1)[1])
+        picked = Envoy(
+            [], config_for=lambda port, admin: epp_envoy_config(port, admin, epp_port, ports)
+        )
+        picked.child.url = picked.url
+        front("envoy-epp", picked.child, 30)
+        extra_pids["envoy-epp"] = [picked.child.pid, epp.pid]
     routers = {t.name: [t.pid] for t in targets if t.pid}
+    routers.update(extra_pids)
     return targets, {"workers": [child.pid for child in fleet], **routers}
 
 
