@@ -183,4 +183,5 @@ def test_predicted_cached_tokens_match_vllms_within_2_percent(run: Run) -> None:
     assert delta["urc_actual_cached_tokens"] == sum(a.cached for a in answers), delta
     assert delta["urc_predicted_cached_tokens"] == sum(a.matched for a in answers), delta
     error = abs(delta["urc_predicted_cached_tokens"] - delta["urc_actual_cached_tokens"])
+    print(f"urc epp + Envoy + vLLM: {delta}, |predicted - actual| = {error}")  # docs/epp.md
     assert error <= 0.02 * delta["urc_prompt_tokens"], delta
