@@ -45,7 +45,7 @@ test: $(STAMP)
 
 # The gateway (from .venv) in front of two real vLLM CPU engines (from .venv-vllm).
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	URC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests/backends/test_vllm_engines.py
+	URC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests/backends/test_vllm_engines.py tests/backends/test_vllm_epp.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

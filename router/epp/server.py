@@ -1,5 +1,5 @@
 """`urc epp`: the ext_proc gRPC server and gRPC health, with a `Gateway`'s fleet, index and
-background tasks running behind them, and no HTTP of its own (docs/epp.md)."""
+background tasks running behind them; HTTP only for `--metrics-port` (docs/epp.md)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import signal
 from collections.abc import AsyncIterator
 
 import grpc
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp.exchange import Exchange
 from router.epp.picker import EndpointPicker
-from router.gateway.app import Gateway, run_async
+from router.gateway.app import Gateway, add_fallback_route, run_async
 from router.gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,25 @@ async def _readiness(gateway: Gateway, servicer: health.aio.HealthServicer) -> N
         await asyncio.sleep(min(gateway.config.health_interval_s, 1.0))
 
 
+async def _metrics_site(gateway: Gateway, host: str, port: int) -> web.AppRunner:
+    """`/metrics` (no key, as on the gateway's metrics port), `/health`, `/health/live`;
+    prints `metrics: http://HOST:PORT/metrics` once listening."""
+    app = web.Application()
+    app.add_routes(
+        [
+            web.get("/metrics", gateway.scrape),
+            web.get("/health", gateway.health),
+            web.get("/health/live", gateway.live),
+        ]
+    )
+    add_fallback_route(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    print(f"metrics: http://{host}:{runner.addresses[0][1]}/metrics", flush=True)
+    return runner
+
+
 async def serve_epp(
     config: GatewayConfig, grpc_port: int, stop: asyncio.Event, max_in_flight: int = 0
 ) -> None:
@@ -73,11 +93,15 @@ async def serve_epp(
     for name in ("", "liveness"):
         await checks.set(name, _SERVING)
     readiness = asyncio.get_running_loop().create_task(_readiness(gateway, checks))
+    metrics: web.AppRunner | None = None
     try:
+        if config.metrics_port is not None:
+            metrics = await _metrics_site(gateway, config.host, config.metrics_port)
         port = server.add_insecure_port(f"{config.host}:{grpc_port}")
         await server.start()
         print(f"epp: {config.host}:{port}", flush=True)
         await stop.wait()
+        gateway.draining = True  # /health on the metrics port says so
         readiness.cancel()
         for name in ("readiness", SERVICE):  # unready first: the proxy stops sending
             await checks.set(name, _NOT_SERVING)
@@ -87,6 +111,8 @@ async def serve_epp(
         readiness.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await readiness
+        if metrics is not None:
+            await metrics.cleanup()
         await gateway._stop(gateway.app)
 
 

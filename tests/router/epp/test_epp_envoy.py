@@ -196,9 +196,9 @@ def test_failover_through_fallback_endpoints() -> None:
         assert done[0] == 80
 
 
-def test_grpc_health() -> None:
+def test_grpc_health_and_the_metrics_port() -> None:
     worker = start_worker("--kv-events-port", "0")
-    epp = start_epp([worker])
+    epp = start_epp([worker], "--metrics-port", "0")
     try:
         with grpc.insecure_channel(epp.url) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
@@ -210,6 +210,12 @@ def test_grpc_health() -> None:
 
             assert serving("liveness")
             assert wait_for(lambda: serving("readiness"), 10)
+        line = next(x for x in epp.lines if x.startswith("metrics: "))
+        metrics = line.removeprefix("metrics: ")
+        assert wait_for(lambda: httpx.get(metrics.replace("/metrics", "/health")).is_success, 10)
+        text = httpx.get(metrics, timeout=10).text
+        assert "urc_worker_healthy" in text and "urc_decision_seconds" in text
+        assert httpx.get(metrics.replace("/metrics", "/nowhere")).status_code == 404
     finally:
         epp.stop()
         worker.stop()
