@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 HOT_PATHS = {b"/v1/completions": "/v1/completions", b"/v1/chat/completions": "/v1/chat/completions"}
 _MAX_QUEUED = 8  # pipelined requests waiting on one connection before reading pauses
+_LINGER_S = 2.0  # after a refusal: how long the client may go on sending before we close
 
 
 class _HandOver(Exception):
@@ -268,7 +269,10 @@ class FrontProtocol(asyncio.Protocol):
                     assert self.transport is not None
                     self.transport.resume_reading()
                 if not await self._serve_one(request):
-                    self.close()
+                    if request.refusal is not None:
+                        self._linger()
+                    else:
+                        self.close()
                     return
             if self.closing and self.began == 0.0:  # (an upgraded message may still come)
                 self.close()
@@ -313,6 +317,19 @@ class FrontProtocol(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+
+    def _linger(self) -> None:
+        """After a refusal: stop writing, read on (discarded) until the client closes or
+        _LINGER_S pass, then close. Closing with its bytes unread would reset the connection,
+        and a client still sending could lose the answer (nginx's lingering close)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()  # the client's EOF then closes it (asyncio's default)
+        self.front.loop.call_later(_LINGER_S, self.close)
 
     @property
     def idle(self) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import socket
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -539,9 +540,13 @@ def fleet() -> Iterator[Fleet]:
             w.stop()
 
 
+# a leak grows with the cases; glibc's arenas keep 5-12 MB of a 3k-case fuzz on a busy machine
+RSS_BOUND = 1.3
+
+
 def settled_rss(fleet: Fleet) -> int:
-    """The gateway's RSS once back within 20 % of its start (or as it is after 10 s)."""
-    wait_for(lambda: rss_kb(fleet.gateway.popen.pid) <= 1.2 * fleet.start_rss_kb, 10)
+    """The gateway's RSS once back within RSS_BOUND of its start (or as it is after 10 s)."""
+    wait_for(lambda: rss_kb(fleet.gateway.popen.pid) <= RSS_BOUND * fleet.start_rss_kb, 10)
     return rss_kb(fleet.gateway.popen.pid)
 
 
@@ -559,9 +564,9 @@ def unhealthy(fleet: Fleet) -> list[str]:
 
 
 def memory(fleet: Fleet, rss: int) -> list[str]:
-    if rss <= 1.2 * fleet.start_rss_kb:
+    if rss <= RSS_BOUND * fleet.start_rss_kb:
         return []
-    return [f"gateway RSS {rss} kB: over 1.2 x its {fleet.start_rss_kb} kB after warm-up"]
+    return [f"gateway RSS {rss} kB: over {RSS_BOUND} x its {fleet.start_rss_kb} kB after warm-up"]
 
 
 def test_fuzzed_requests_get_answers_below_500(fleet: Fleet) -> None:
@@ -632,3 +637,23 @@ def test_a_half_close_is_a_client_that_left(fleet: Fleet) -> None:
         if o.end in ("timeout", "garbled") or any(s >= 500 for s in o.statuses)
     ]
     assert not problems + unhealthy(fleet), "\n".join(problems + unhealthy(fleet))
+
+
+def test_a_refusal_reaches_a_client_still_sending(fleet: Fleet) -> None:
+    """A request refused mid-way (bare LF line ends: 400) while its client still writes the
+    rest: the gateway reads on until the client is done (a lingering close), so the client
+    gets its 400 rather than a reset that would discard it."""
+    body = '{"model":"emulated","messages":[{"role":"user","content":"été"}]}'.encode()
+    raw = http(body, "/v1/chat/completions").replace(b"\r\n", b"\n")
+    rng = random.Random(SEED)
+    answered = 0
+    for _ in range(60):
+        cuts = sorted({0, len(raw), *(rng.randrange(len(raw)) for _ in range(rng.randint(1, 5)))})
+        with socket.create_connection(("127.0.0.1", fleet.port), timeout=10) as sock:
+            with contextlib.suppress(OSError):  # refused already: later writes may fail
+                for a, b in zip(cuts, cuts[1:], strict=False):
+                    sock.sendall(raw[a:b])
+                    time.sleep(0.002)
+            with contextlib.suppress(ConnectionResetError):
+                answered += sock.recv(4096).startswith(b"HTTP/1.1 400")
+    assert answered == 60
