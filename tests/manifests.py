@@ -104,10 +104,3 @@ def container_port(deployment: Object, port: int | str) -> int:
     found = [p["containerPort"] for p in ports if port in (p.get("name"), p["containerPort"])]
     assert len(found) == 1, f"port {port!r} is not one container port of {ports}"
     return found[0]
-
-
-def soon(name: str, known: set[str], separator: str) -> bool:
-    """An expected-soon name (a flag or a config key) urc does not have yet, nor any name of its
-    family (`--discover*`, `shutdown_delay*`): once it has one, the name must be real."""
-    family = name.lstrip("-").split(separator)[0]
-    return not any(k.lstrip("-").split(separator)[0] == family for k in known)

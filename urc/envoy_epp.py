@@ -6,22 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-_HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
+from urc.envoy import RETRY_HEADROOM, address, front_listener, static_endpoints
+
 _EXT_PROC = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
-_ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
 _H2 = "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 _OVERRIDE = "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3"
 _RR = "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"
 DESTINATION = "x-gateway-destination-endpoint"
-
-
-def _address(port: int) -> dict:
-    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
-
-
-def _static(name: str, ports: Sequence[int]) -> dict:
-    endpoints = [{"endpoint": {"address": _address(p)}} for p in ports]
-    return {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
 
 
 def epp_envoy_config(
@@ -53,37 +44,9 @@ def epp_envoy_config(
     }
     retry = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 3}
     route = {"cluster": "workers", "timeout": "600s", "retry_policy": retry}
-    manager = {
-        "@type": f"{_HCM}.HttpConnectionManager",
-        "stat_prefix": "epp_front",
-        "route_config": {
-            "virtual_hosts": [
-                {
-                    "name": "all",
-                    "domains": ["*"],
-                    "routes": [{"match": {"prefix": "/"}, "route": route}],
-                }
-            ]
-        },
-        "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
-            {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
-        ],
-    }
-    listener = {
-        "name": "front",
-        "address": _address(port),
-        "filter_chains": [
-            {
-                "filters": [
-                    {
-                        "name": "envoy.filters.network.http_connection_manager",
-                        "typed_config": manager,
-                    }
-                ]
-            }
-        ],
-    }
+    listener = front_listener(
+        port, route, [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}]
+    )
     epp = {
         "name": "epp",
         "connect_timeout": "1s",
@@ -94,7 +57,7 @@ def epp_envoy_config(
                 "explicit_http_config": {"http2_protocol_options": {}},
             }
         },
-        "load_assignment": _static("epp", [epp_port]),
+        "load_assignment": static_endpoints("epp", [epp_port]),
     }
     if workers:
         source = {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}}
@@ -116,7 +79,7 @@ def epp_envoy_config(
                     {"typed_extension_config": {"name": "override_host", "typed_config": override}}
                 ]
             },
-            "load_assignment": _static("workers", workers),
+            "load_assignment": static_endpoints("workers", workers),
         }
     else:
         upstream = {
@@ -126,9 +89,8 @@ def epp_envoy_config(
             "lb_policy": "CLUSTER_PROVIDED",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
         }
-    upstream["circuit_breakers"] = {"thresholds": [{"max_retries": 10_000, "max_requests": 10_000}]}
-    admin = {"address": _address(admin_port)}
+    upstream["circuit_breakers"] = RETRY_HEADROOM
     return {
-        "admin": admin,
+        "admin": {"address": address(admin_port)},
         "static_resources": {"listeners": [listener], "clusters": [epp, upstream]},
     }

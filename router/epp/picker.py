@@ -113,8 +113,4 @@ class EndpointPicker:
         )
         series = self.gateway.metrics.series[plan.model.name, worker.name]
         predicted = plan.matched(worker.name) if worker in plan.workers else 0
-        series.prompt_tokens += plan.request.prompt_tokens
-        series.predicted += predicted
-        if cached is not None:  # the same series as the gateway's (urc_*_cached_tokens)
-            series.actual += cached
-            series.error += abs(predicted - cached)
+        series.prediction(plan.request.prompt_tokens, predicted, cached)  # as the gateway's

@@ -308,11 +308,10 @@ class Fleet:
                 self._declare(name, configured, group, worker.block_size)
             self._adopt_block_size(name, worker)
         for name in config.models or ():
-            configured = self._configured.get(name)
-            group = (configured.kv_group if configured else None) or name
-            if self.follow and group not in self.follow:
+            known = self.models.get(name)  # configured models are declared at start
+            if self.follow and (known.kv_group if known else name) not in self.follow:
                 continue
-            model = self.models.get(name) or self._declare(name, None, name, worker.block_size)
+            model = known or self._declare(name, None, name, worker.block_size)
             self._adopt_block_size(name, worker)
             served[name] = model.kv_group
         worker.models = served

@@ -57,6 +57,15 @@ class Series:
     actual: float = 0.0
     error: float = 0.0
 
+    def prediction(self, prompt_tokens: int, predicted: int, cached: int | None) -> None:
+        """One answered request: the cached tokens the index predicted, and (when the worker
+        reported them) those it had."""
+        self.prompt_tokens += prompt_tokens
+        self.predicted += predicted
+        if cached is not None:
+            self.actual += cached
+            self.error += abs(predicted - cached)
+
 
 class GatewayMetrics(Collector):
     def __init__(

@@ -254,11 +254,7 @@ class _Attempt:
         series.latency.observe(now - self.t0)
         if usage is not None:
             predicted = plan.matched(worker.name)
-            series.prompt_tokens += plan.request.prompt_tokens
-            series.predicted += predicted
-            if usage.cached_tokens is not None:
-                series.actual += usage.cached_tokens
-                series.error += abs(predicted - usage.cached_tokens)
+            series.prediction(plan.request.prompt_tokens, predicted, usage.cached_tokens)
 
 
 class Deadlines:

@@ -16,6 +16,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from router.gateway.config import GatewayConfig
@@ -135,10 +136,9 @@ def _await_ready(ready_r: int, n: int, children: list[_Child]) -> bool:
     return True
 
 
-def _supervise(children: list[_Child], start: object, stopping: list[int]) -> int:
+def _supervise(children: list[_Child], start: Callable[[_Child], None], stopping: list[int]) -> int:
     """Reap children; restart one that died on its own (after a backoff); exit once all have
     exited after a stop signal, with the first failure's code."""
-    assert callable(start)
     code = 0
     while any(c.pid for c in children):
         try:

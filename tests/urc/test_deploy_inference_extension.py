@@ -1,11 +1,7 @@
 """deploy/kubernetes/inference-extension: urc epp as the endpoint picker of a Gateway API gateway
 (the Gateway API Inference Extension), consistent with itself, with the engines and with the
 gateway's own manifests (docs/deploy.md, "Behind a Gateway API gateway"). The objects' schemas
-(the InferencePool's and HTTPRoute's CRDs included) are checked in test_deploy_manifests.py.
-
-`urc epp` takes `urc gateway`'s flags plus EXPECTED_EPP_FLAGS; until this branch has the
-command, the EPP's flags are checked against the gateway's and those, and once it has it, against
-its own, so a flag that drifted fails here."""
+(the InferencePool's and HTTPRoute's CRDs included) are checked in test_deploy_manifests.py."""
 
 from __future__ import annotations
 
@@ -26,24 +22,15 @@ from tests.manifests import (
 )
 from urc.cli import build_parser
 
-EXPECTED_EPP_FLAGS = {"--grpc-port"}
 CONFIG_PATH = "/etc/urc/epp.toml"
 GRPC_PORT = 9002  # GIE's convention for the EPP's ext_proc port
 
 
-def subcommands() -> dict[str, argparse.ArgumentParser]:
+def epp_flags() -> set[str]:
+    """The flags `urc epp` takes."""
     parser, _ = build_parser()
     (commands,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return commands.choices
-
-
-def epp_flags() -> tuple[str, set[str]]:
-    """The subcommand the EPP's flags are parsed with (`epp`, else `gateway`) and the flags the
-    EPP's command line may use."""
-    choices = subcommands()
-    name = "epp" if "epp" in choices else "gateway"
-    flags = {flag for action in choices[name]._actions for flag in action.option_strings}
-    return name, flags if name == "epp" else flags | EXPECTED_EPP_FLAGS
+    return {flag for action in commands.choices["epp"]._actions for flag in action.option_strings}
 
 
 def arg(argv: list[str], flag: str) -> str:
@@ -63,13 +50,8 @@ def epp_config(tmp_path: Path) -> tuple[dict[str, Any], GatewayConfig]:
     text = one("ConfigMap", "urc-epp-config")["data"]["epp.toml"]
     path = tmp_path / "epp.toml"
     path.write_text(text)
-    name, _ = epp_flags()
-    argv = epp_argv()
-    if name == "gateway":  # the flags `urc gateway` lacks go, with their values
-        for flag in EXPECTED_EPP_FLAGS & set(argv):
-            del argv[argv.index(flag) : argv.index(flag) + 2]
     parser, _ = build_parser()
-    args = parser.parse_args([name, *[str(path) if a == CONFIG_PATH else a for a in argv]])
+    args = parser.parse_args(["epp", *[str(path) if a == CONFIG_PATH else a for a in epp_argv()]])
     return tomllib.loads(text), apply_flags(load_config(args.config), args)
 
 
@@ -133,7 +115,7 @@ def test_epp_command_secrets_and_config_are_urcs_own(tmp_path):
     picker = epp()
     assert picker["command"][:2] == ["urc", "epp"]
     argv = epp_argv()
-    _, known = epp_flags()
+    known = epp_flags()
     flags = [item for item in argv if item.startswith("--")]
     assert set(flags) <= known, f"not flags of urc epp: {set(flags) - known}"
     env = {e["name"] for e in picker["env"]}

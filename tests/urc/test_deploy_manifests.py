@@ -11,11 +11,7 @@ checked with jsonschema, unknown fields refused: the ServiceMonitor against
 SERVICE_MONITOR_SCHEMA below, the Prometheus Operator's monitoring.coreos.com/v1 fields these
 manifests use; the InferencePool and the HTTPRoute against their CRDs' own v1 schemas, vendored
 in tests/data/crds/ (tests/crd_schemas.py). The inference-extension kustomization's own checks
-are in test_deploy_inference_extension.py.
-
-Flags and config keys that other branches add to the gateway (EXPECTED_FLAGS, EXPECTED_KEYS) are
-allowed while the gateway has none of their family (`--discover*`, `shutdown_delay*`, ...);
-once it has one, each must be real, so a name that drifted fails here."""
+are in test_deploy_inference_extension.py."""
 
 from __future__ import annotations
 
@@ -56,27 +52,10 @@ from tests.manifests import (
     one,
     referenced_files,
     selects,
-    soon,
 )
 from urc.cli import build_parser
 
 K8S_VERSIONS = ("1.31", kubernetes_validate.latest_version())
-EXPECTED_FLAGS = {
-    "--discover",
-    "--discover-namespace",
-    "--discover-selector",
-    "--discover-port",
-    "--processes",
-    "--shutdown-delay",
-}
-EXPECTED_KEYS = {
-    "discover",
-    "discover_namespace",
-    "discover_selector",
-    "discover_port",
-    "processes",
-    "shutdown_delay_s",
-}
 SERVICE_MONITOR_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["apiVersion", "kind", "metadata", "spec"],
@@ -150,20 +129,16 @@ def gateway_flags() -> set[str]:
 
 
 def gateway_toml(tmp_path: Path) -> tuple[dict[str, Any], Path]:
-    """The ConfigMap's gateway.toml parsed, and a copy less the expected-soon keys the gateway
-    does not know yet (load_config refuses unknown keys)."""
+    """The ConfigMap's gateway.toml parsed, and written to a file `load_config` can read."""
     import tomllib
 
     text = one("ConfigMap", "urc-gateway-config")["data"]["gateway.toml"]
     raw = tomllib.loads(text)
     known = {f.name for f in fields(GatewayConfig)}
     for key in raw["gateway"]:
-        expected_soon = key in EXPECTED_KEYS and soon(key, known, "_")
-        assert key in known or expected_soon, f"[gateway] {key} is not a GatewayConfig field"
-    drop = [k for k in raw["gateway"] if k not in known]
-    lines = [line for line in text.splitlines() if line.split("=")[0].strip() not in drop]
+        assert key in known, f"[gateway] {key} is not a GatewayConfig field"
     path = tmp_path / "gateway.toml"
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(text)
     return raw, path
 
 
@@ -256,14 +231,8 @@ def test_gateway_command_and_config_are_the_gateways_own(tmp_path):
     assert gateway["command"][:2] == ["urc", "gateway"]
     argv = gateway["command"][2:] + gateway["args"]
     known = gateway_flags()
-    kept: list[str] = []
-    for i, item in enumerate(argv):
-        if not item.startswith("--"):
-            continue
-        expected_soon = item in EXPECTED_FLAGS and soon(item, known, "-")
-        assert item in known or expected_soon, f"{item} is not a flag of urc gateway"
-        if item in known:  # with its value, if it takes one (every flag used here does)
-            kept += [item, argv[i + 1]]
+    for item in argv:
+        assert not item.startswith("--") or item in known, f"{item} is not a flag of urc gateway"
     # each $(VAR) is an env var of the container (the kubelet leaves an unknown one as is)
     env = {e["name"] for e in gateway["env"]}
     assert set(re.findall(r"\$\((\w+)\)", " ".join(argv))) <= env
@@ -276,7 +245,7 @@ def test_gateway_command_and_config_are_the_gateways_own(tmp_path):
     # what `urc gateway` does with them: the file, then the flags, then validation
     raw, path = gateway_toml(tmp_path)
     parser, _ = build_parser()
-    args = parser.parse_args(["gateway", *[str(path) if a == CONFIG_PATH else a for a in kept]])
+    args = parser.parse_args(["gateway", *[str(path) if a == CONFIG_PATH else a for a in argv]])
     config = apply_flags(load_config(args.config), args)
     assert config.host == "0.0.0.0"
     assert config.salt_secret == "$(URC_SALT_SECRET)" and config.admin_key == "$(URC_ADMIN_KEY)"
