@@ -24,6 +24,8 @@ from backends.http.worker import add_flags, run_worker, worker_parser
 from core.tokenizer import ByteTokenizer
 
 ENGINE = "emulated"
+_QUEUED_DOC = "Prompt tokens waiting to be prefilled"
+_USAGE_DOC = "Fraction of the KV pool in use (cached or held by requests)"
 
 
 class EmulatedSide:
@@ -111,36 +113,24 @@ class EmulatedSide:
         """One moment of the engine: the loop that steps it is the one scraping."""
         engine, name = self.engine, self.model.name
         stats = engine.cache.stats()
-        load = engine.load()
+        load, cached = engine.load(), engine.cached_tokens
         used = stats.capacity_tokens and (
             (stats.capacity_tokens - stats.free_tokens) / stats.capacity_tokens
         )
         counters = (
-            ("urc_worker_requests", "Requests finished", engine.finished_requests),
-            ("urc_worker_prompt_tokens", "Prompt tokens admitted", engine.prompt_tokens),
-            (
-                "urc_worker_cached_tokens",
-                "Prompt tokens found in the KV cache",
-                engine.cached_tokens,
-            ),
-            ("urc_worker_generated_tokens", "Output tokens generated", engine.generated_tokens),
-            ("urc_worker_evicted_blocks", "KV blocks evicted", stats.evicted_blocks),
-            ("urc_worker_stored_blocks", "KV blocks cached", stats.stored_blocks),
+            ("urc_engine_requests", "Requests finished", engine.finished_requests),
+            ("urc_engine_prompt_tokens", "Prompt tokens admitted", engine.prompt_tokens),
+            ("urc_engine_cached_tokens", "Prompt tokens found in the KV cache", cached),
+            ("urc_engine_generated_tokens", "Output tokens generated", engine.generated_tokens),
+            ("urc_engine_evicted_blocks", "KV blocks evicted", stats.evicted_blocks),
+            ("urc_engine_stored_blocks", "KV blocks cached", stats.stored_blocks),
         )
         gauges = (
-            ("urc_worker_running_requests", "Requests in the batch", load.running),
-            ("urc_worker_waiting_requests", "Requests in the queue", load.waiting),
-            (
-                "urc_worker_queued_prefill_tokens",
-                "Prompt tokens waiting to be prefilled",
-                load.queued_prefill_tokens,
-            ),
-            (
-                "urc_worker_cache_usage",
-                "Fraction of the KV pool in use (cached or held by requests)",
-                used,
-            ),
-            ("urc_worker_cached_blocks", "KV blocks in the cache", stats.cached_blocks),
+            ("urc_engine_running_requests", "Requests in the batch", load.running),
+            ("urc_engine_waiting_requests", "Requests in the queue", load.waiting),
+            ("urc_engine_queued_prefill_tokens", _QUEUED_DOC, load.queued_prefill_tokens),
+            ("urc_engine_cache_usage", _USAGE_DOC, used),
+            ("urc_engine_cached_blocks", "KV blocks in the cache", stats.cached_blocks),
         )
         for family, table in ((counter, counters), (gauge, gauges)):
             for metric, doc, value in table:

@@ -24,6 +24,7 @@ from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
 from core.errors import APIError
 from core.kv_publisher import KVEventPublisher
+from core.process_metrics import process_registry
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ class Worker:
         self.publishers: dict[str, KVEventPublisher] = {}
         self.load_publisher: LoadPublisher | None = None
         self.runner = EngineRunner(engine, self.publish)
+        self.registry = process_registry()  # /metrics: the engine's and the process's
+        self.registry.register(engine)  # type: ignore[arg-type]  # it has collect()
         self._web: web.AppRunner | None = None
         self.port: int = flags.port
         self.url = ""
@@ -143,7 +146,7 @@ class Worker:
         }
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = generate_latest(self.engine)  # type: ignore[arg-type]  # it has collect()
+        body = generate_latest(self.registry)
         return web.Response(body=body, headers={"Content-Type": METRICS_CONTENT_TYPE})
 
 

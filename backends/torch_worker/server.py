@@ -28,25 +28,21 @@ from backends.torch_worker.scheduler import SchedulerConfig
 
 ENGINE = "torch"
 
-_PER_MODEL = (  # (metric, doc, ModelCounters field)
-    ("urc_worker_requests", "Requests finished", "requests"),
-    ("urc_worker_generated_tokens", "Output tokens generated", "generated_tokens"),
-    (
-        "urc_worker_prefix_cache_queries",
-        "Prompt tokens looked up in the prefix cache (at admission)",
-        "prompt_tokens",
-    ),
-    ("urc_worker_prefix_cache_hits", "Prompt tokens found in the prefix cache", "cached_tokens"),
+_PER_MODEL = (  # (metric, doc, ModelCounters field); the emulated engine's names and docs
+    ("urc_engine_requests", "Requests finished", "requests"),
+    ("urc_engine_generated_tokens", "Output tokens generated", "generated_tokens"),
+    ("urc_engine_prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
+    ("urc_engine_cached_tokens", "Prompt tokens found in the KV cache", "cached_tokens"),
 )
 _PER_POOL = (  # (metric, doc, the cache's token counts it sums, reported in pages)
-    ("urc_worker_pool_pages", "KV pages in the pool (page 0 excluded)", ("capacity_tokens",)),
-    ("urc_worker_pool_free_pages", "KV pages free", ("free_tokens",)),
+    ("urc_engine_pool_pages", "KV pages in the pool (page 0 excluded)", ("capacity_tokens",)),
+    ("urc_engine_pool_free_pages", "KV pages free", ("free_tokens",)),
     (
-        "urc_worker_pool_cached_pages",
+        "urc_engine_pool_cached_pages",
         "KV pages in the radix cache",
         ("evictable_tokens", "protected_tokens"),
     ),
-    ("urc_worker_pool_in_use_pages", "KV pages held privately by requests", ("allocated_tokens",)),
+    ("urc_engine_pool_in_use_pages", "KV pages held privately by requests", ("allocated_tokens",)),
 )
 
 
@@ -161,8 +157,12 @@ class TorchSide:
             counters = engine.counters.items()
             yield counter(metric, doc, "model", [(m, getattr(c, attr)) for m, c in counters])
         load = self.engine.load()
-        yield GaugeMetricFamily("urc_worker_running_requests", "Requests in a batch", load.running)
-        yield GaugeMetricFamily("urc_worker_waiting_requests", "Requests queued", load.waiting)
+        yield GaugeMetricFamily(
+            "urc_engine_running_requests", "Requests in the batch", load.running
+        )
+        yield GaugeMetricFamily(
+            "urc_engine_waiting_requests", "Requests in the queue", load.waiting
+        )
         pools = list(engine.pools.values())
         stats = [(state.cache.stats(), state.cache.block_size) for state in pools]
         for metric, doc, fields in _PER_POOL:
@@ -173,10 +173,10 @@ class TorchSide:
             yield gauge(metric, doc, "pool", samples)
         shares = [(g, tree.blocks) for state in pools for g, tree in state.cache.trees.items()]
         yield gauge(
-            "urc_worker_kv_group_cached_pages", "Pages in a kv_group's tree", "kv_group", shares
+            "urc_engine_kv_group_cached_pages", "Pages in a kv_group's tree", "kv_group", shares
         )
         evicted = [(str(i), state.cache.evicted_blocks) for i, state in enumerate(pools)]
-        yield counter("urc_worker_evicted_pages", "Pages evicted", "pool", evicted)
+        yield counter("urc_engine_evicted_pages", "Pages evicted", "pool", evicted)
 
 
 def load_models(args: argparse.Namespace, page_size: int) -> dict[str, LoadedModel]:

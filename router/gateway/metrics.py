@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from core.process_metrics import process_registry
 from router.gateway.fleet import Fleet
 from router.gateway.routing import RoutingModes
 from router.index import UnifiedIndex
@@ -71,7 +72,7 @@ class GatewayMetrics(Collector):
     def __init__(
         self, fleet: Fleet, index: UnifiedIndex, modes: RoutingModes, policy_name: str
     ) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = process_registry()
         self.fleet = fleet
         self.index = index
         self.modes = modes
@@ -156,23 +157,33 @@ class GatewayMetrics(Collector):
         queued = gauge("urc_worker_queued_prefill_tokens", doc)
         held = gauge("urc_worker_cached_blocks", "Blocks held")
         lag = gauge("urc_kv_event_lag_seconds", "Now minus the newest event's timestamp")
+        batches = counter("urc_kv_event_batches", "Event batches applied to the index")
         gaps = counter("urc_kv_event_gaps", "Sequence gaps seen")
         resets = counter("urc_kv_event_resyncs", "Resyncs (gaps not replayable, restarts)")
+        replays = counter("urc_kv_event_replays", "Replays asked of the worker")
+        failed = counter("urc_kv_event_replay_failures", "Replays that could not close a gap")
         now = time.time()
         for w in self.fleet.workers.values():
-            healthy.add_metric([w.name], float(w.up))
-            exact.add_metric([w.name], float(w.mode == "exact"))
-            in_flight.add_metric([w.name], w.load.in_flight)
-            queued.add_metric([w.name], w.load.queued_prefill_tokens)
-            held.add_metric([w.name], w.blocks_held(self.index))
+            name = [w.name]
+            healthy.add_metric(name, float(w.up))
+            exact.add_metric(name, float(w.mode == "exact"))
+            in_flight.add_metric(name, w.load.in_flight)
+            queued.add_metric(name, w.load.queued_prefill_tokens)
+            held.add_metric(name, w.blocks_held(self.index))
             mirrors = [s.mirror.stats() for s in w.streams if s.mirror is not None]
             if mirrors:
                 newest = max((m.last_event_ts or 0.0) for m in mirrors)
                 if newest:
-                    lag.add_metric([w.name], max(0.0, now - newest))
-                gaps.add_metric([w.name], sum(m.gaps for m in mirrors))
-                resets.add_metric([w.name], sum(m.resets + m.restarts for m in mirrors))
-        yield from (healthy, exact, in_flight, queued, held, lag, gaps, resets)
+                    lag.add_metric(name, max(0.0, now - newest))
+                batches.add_metric(name, sum(m.applied_batches for m in mirrors))
+                gaps.add_metric(name, sum(m.gaps for m in mirrors))
+                resets.add_metric(name, sum(m.resets + m.restarts for m in mirrors))
+            subscribers = [s.subscriber for s in w.streams if s.subscriber is not None]
+            if subscribers:
+                replays.add_metric(name, sum(s.replays for s in subscribers))
+                failed.add_metric(name, sum(s.replay_failures for s in subscribers))
+        yield from (healthy, exact, in_flight, queued, held, lag, batches, gaps, resets)
+        yield from (replays, failed)
 
     def _modes(self) -> Iterator[Any]:
         modes = self.modes

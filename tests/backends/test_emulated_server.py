@@ -168,7 +168,7 @@ def test_info_document(worker: Child) -> None:
     assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["topic"] == "kv"
     assert events["replay_endpoint"].startswith("tcp://127.0.0.1:")
     assert set(info["load"]) == {"running", "waiting", "queued_prefill_tokens", "decoding"}
-    assert "urc_worker_requests_total" in metrics and "urc_worker_cache_usage" in metrics
+    assert "urc_engine_requests_total" in metrics and "urc_engine_cache_usage" in metrics
 
 
 def test_sglang_endpoints(worker: Child) -> None:

@@ -155,8 +155,8 @@ def test_sglang_endpoints_and_errors(worker: Child) -> None:
         assert ids.status_code == 400  # outside tiny's 260 ids
         assert h.post("/v1/completions", content=b"{").status_code == 400
         metrics = h.get("/metrics").text
-    assert 'urc_worker_prefix_cache_hits_total{model="tiny"}' in metrics
-    assert 'urc_worker_pool_free_pages{pool="0"}' in metrics
+    assert 'urc_engine_cached_tokens_total{model="tiny"}' in metrics
+    assert 'urc_engine_pool_free_pages{pool="0"}' in metrics
 
 
 async def test_each_kv_group_streams_its_own_events(worker: Child) -> None:

@@ -130,7 +130,7 @@ def test_a_restarted_worker_is_routed_to_once_it_is_up():
 
 def running_requests(worker: str) -> float:
     text = httpx.get(f"{worker}/metrics", timeout=5).text
-    found = re.search(r"^urc_worker_running_requests(?:\{[^}]*\})? (\S+)$", text, re.M)
+    found = re.search(r"^urc_engine_running_requests(?:\{[^}]*\})? (\S+)$", text, re.M)
     assert found, text[:500]
     return float(found.group(1))
 

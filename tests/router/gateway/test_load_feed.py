@@ -137,7 +137,7 @@ def test_older_vllm_and_sglang_metrics():
 
 
 def test_metrics_of_neither_engine_are_no_sample():
-    assert parse_prometheus(b"# HELP x y\nurc_worker_running_requests 3.0\n") is None
+    assert parse_prometheus(b"# HELP x y\nurc_engine_running_requests 3.0\n") is None
     assert parse_prometheus(b"") is None
 
 

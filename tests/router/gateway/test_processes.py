@@ -56,6 +56,11 @@ def test_admin_changes_and_metrics_reach_every_process(workers: list[str]) -> No
         assert sorted(degraded) == [f'urc_routing_degraded{{replica="{i}"}} 1.0' for i in range(3)]
         served = [line for line in text.splitlines() if line.startswith("urc_requests_total{")]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in served) == 24
+        # each process's own process_* series, told apart by their replica label
+        started = [line for line in text.splitlines() if line.startswith("process_start_time_")]
+        assert sorted(line.split(" ")[0] for line in started) == [
+            f'process_start_time_seconds{{replica="{i}"}}' for i in range(3)
+        ]
         keyed = httpx.get(gateway.url + "/metrics", headers=ADMIN).text
         assert keyed.count("# TYPE urc_routing_degraded gauge") == 1
 
