@@ -61,6 +61,7 @@ def test_admin_changes_and_metrics_reach_every_process(workers: list[str]) -> No
         assert sorted(line.split(" ")[0] for line in started) == [
             f'process_start_time_seconds{{replica="{i}"}}' for i in range(3)
         ]
+        assert "_created" not in text
         keyed = httpx.get(gateway.url + "/metrics", headers=ADMIN).text
         assert keyed.count("# TYPE urc_routing_degraded gauge") == 1
 
