@@ -24,8 +24,6 @@ from backends.http.worker import add_flags, run_worker, worker_parser
 from core.tokenizer import ByteTokenizer
 
 ENGINE = "emulated"
-_QUEUED_DOC = "Prompt tokens waiting to be prefilled"
-_USAGE_DOC = "Fraction of the KV pool in use (cached or held by requests)"
 
 
 class EmulatedSide:
@@ -113,14 +111,18 @@ class EmulatedSide:
         """One moment of the engine: the loop that steps it is the one scraping."""
         engine, name = self.engine, self.model.name
         stats = engine.cache.stats()
-        load, cached = engine.load(), engine.cached_tokens
+        load = engine.load()
         used = stats.capacity_tokens and (
             (stats.capacity_tokens - stats.free_tokens) / stats.capacity_tokens
         )
         counters = (
             ("urc_engine_requests", "Requests finished", engine.finished_requests),
             ("urc_engine_prompt_tokens", "Prompt tokens admitted", engine.prompt_tokens),
-            ("urc_engine_cached_tokens", "Prompt tokens found in the KV cache", cached),
+            (
+                "urc_engine_cached_tokens",
+                "Prompt tokens found in the KV cache",
+                engine.cached_tokens,
+            ),
             ("urc_engine_generated_tokens", "Output tokens generated", engine.generated_tokens),
             ("urc_engine_evicted_blocks", "KV blocks evicted", stats.evicted_blocks),
             ("urc_engine_stored_blocks", "KV blocks cached", stats.stored_blocks),
@@ -128,8 +130,16 @@ class EmulatedSide:
         gauges = (
             ("urc_engine_running_requests", "Requests in the batch", load.running),
             ("urc_engine_waiting_requests", "Requests in the queue", load.waiting),
-            ("urc_engine_queued_prefill_tokens", _QUEUED_DOC, load.queued_prefill_tokens),
-            ("urc_engine_cache_usage", _USAGE_DOC, used),
+            (
+                "urc_engine_queued_prefill_tokens",
+                "Prompt tokens waiting to be prefilled",
+                load.queued_prefill_tokens,
+            ),
+            (
+                "urc_engine_cache_usage",
+                "Fraction of the KV pool in use (cached or held by requests)",
+                used,
+            ),
             ("urc_engine_cached_blocks", "KV blocks in the cache", stats.cached_blocks),
         )
         for family, table in ((counter, counters), (gauge, gauges)):
