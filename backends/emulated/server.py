@@ -16,6 +16,7 @@ from prometheus_client.core import Metric
 
 from backends.cache.scopes import invalidate
 from backends.emulated.config import EngineConfig
+from backends.emulated.embedding import embed
 from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
 from backends.emulated.request import Request, output_bytes
 from backends.http.generation import Generation, ServedModel, WorkerLoad
@@ -97,6 +98,10 @@ class EmulatedSide:
         done = invalidate(self.engine.cache, asked.scope)
         events = self.engine.drain_events()
         return done._asdict(), {self.model.kv_group: events} if events else {}
+
+    def embed(self, model: ServedModel, prompts: list[list[int]]) -> list[list[float]]:
+        """No weights: vectors derived from the token ids (backends/emulated/embedding.py)."""
+        return [embed(prompt) for prompt in prompts]
 
     def info(self) -> dict[str, Any]:
         return {}

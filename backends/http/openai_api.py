@@ -135,10 +135,12 @@ async def respond(
     whole: Callable[[], Any],
     chunk: Callable[[int, bool], bytes],
     submit_code: str | None = None,
+    done: bytes = _DONE,
 ) -> web.StreamResponse:
     """Run `gen` and answer `whole()` once it finished, or stream `chunk(n, final)` for each
-    output length n (final: the finished end, sent once) then `[DONE]`, the cached-token header
-    leaving on admission. A submit's ValueError is a 400, an abort a 503 (a stream just ends)."""
+    output length n (final: the finished end, sent once) then `done` (`[DONE]`), the
+    cached-token header leaving on admission. A submit's ValueError is a 400, an abort a 503 (a
+    stream just ends)."""
     try:
         backend.submit(gen)
     except ValueError as exc:
@@ -163,7 +165,7 @@ async def respond(
             final = gen.finished and n == len(gen.output)
             await resp.write(chunk(n, final))
         if gen.finished:  # else aborted (shutting down): the stream just ends
-            await resp.write((b"" if final else chunk(len(gen.output), True)) + _DONE)
+            await resp.write((b"" if final else chunk(len(gen.output), True)) + done)
             await resp.write_eof()
         return resp
     finally:

@@ -52,6 +52,8 @@ class Engine(Protocol):
     def loads(self) -> tuple[WorkerLoad, NamedTuple]: ...  # the HTTP layer's load, the engine's
     # drop a scope of the cache: the answer, and the unpublished events (stores, then removals)
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]: ...
+    # unit-norm embeddings of token-id prompts of `model`, one step's worth of work at most
+    def embed(self, model: ServedModel, prompts: list[list[int]]) -> list[list[float]]: ...
     def info(self) -> dict[str, Any]: ...  # its own fields of /urc/info
     def settings(self) -> dict[str, Any]: ...  # its part of /get_server_info (SGLang's names)
     # its Prometheus metrics, read at scrape time (never the process-global registry)
@@ -110,6 +112,18 @@ class EngineRunner:
         """`fn()` between steps (operator calls: invalidation)."""
         async with self._stepping:
             return fn()
+
+    async def embed(self, model: ServedModel, prompts: list[list[int]]) -> list[list[float]]:
+        """The engine's embeddings of `prompts`, between steps (on the step thread when a step
+        blocks: it is a forward pass); submissions made meanwhile reach the engine after."""
+        try:
+            async with self._stepping:
+                if self._thread is None:
+                    return self.steps.embed(model, prompts)
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._thread, self.steps.embed, model, prompts)
+        finally:
+            self._flush()
 
     # -- the handlers' side ------------------------------------------------------------------------
 
@@ -174,9 +188,13 @@ class EngineRunner:
                     log.exception("%s step failed", self.name)
                     self._pending += [(False, gen) for gen in self._live.values()]
                 self._snapshot = steps.loads()
-            pending, self._pending = self._pending, []
-            for submit, gen in pending:
-                if submit:
-                    self._submit(gen, raise_=False)
-                else:
-                    self.abort(gen)
+            self._flush()
+
+    def _flush(self) -> None:
+        """What handlers asked while the engine was busy, in order."""
+        pending, self._pending = self._pending, []
+        for submit, gen in pending:
+            if submit:
+                self._submit(gen, raise_=False)
+            else:
+                self.abort(gen)

@@ -17,8 +17,10 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import generate_latest
 
+from backends.http.embeddings_api import EmbeddingsApi
 from backends.http.load_publisher import LoadPublisher
 from backends.http.openai_api import OpenAIApi, error_middleware, json_response, read_json
+from backends.http.responses_api import ResponsesApi
 from backends.http.runner import Engine, EngineRunner, Events, InvalidateRequest
 from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
@@ -69,6 +71,8 @@ class Worker:
         max_body = int(cfg.max_body_mb * 1024 * 1024)  # larger bodies get 413
         app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
         OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
+        ResponsesApi(self.runner, engine.models).add_routes(app)
+        EmbeddingsApi(self.runner, engine.models).add_routes(app)
         SGLangApi(self).add_routes(app)
         app.router.add_get("/urc/info", self.info)
         app.router.add_get("/urc/load", self.load)

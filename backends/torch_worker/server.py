@@ -15,6 +15,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from backends.http.generation import Generation, ServedModel, WorkerLoad
 from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
+from backends.torch_worker.embedding import embed
 from backends.torch_worker.engine import (
     EngineConfig,
     EngineLoad,
@@ -122,6 +123,12 @@ class TorchSide:
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         done, events = self.engine.invalidate(asked.scope, asked.kv_group)
         return done._asdict(), events
+
+    def embed(self, model: ServedModel, prompts: list[list[int]]) -> list[list[float]]:
+        """Mean-pooled last hidden states (backends/torch_worker/embedding.py), on the step
+        thread between steps."""
+        loaded = self.engine.served[model.name]
+        return [embed(loaded, prompt) for prompt in prompts]
 
     def info(self) -> dict[str, Any]:
         engine = self.engine

@@ -34,7 +34,15 @@ from router.gateway.metrics import GatewayMetrics
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
-from router.gateway.routing import Plan, Router, RoutingModes, forwarded, parse_request
+from router.gateway.routing import (
+    Plan,
+    Router,
+    RoutingModes,
+    forwarded,
+    parse_embeddings,
+    parse_request,
+    parse_responses,
+)
 from router.gateway.server import FrontServer
 from router.gateway.siblings import Siblings
 from router.index import UnifiedIndex
@@ -158,12 +166,18 @@ class Gateway:
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
         """One inference request, whichever server took it (`headers` by lowercase name)."""
         try:
-            chat = path == "/v1/chat/completions"
             tenant = self.tenants.authenticate(headers.get("authorization"))
-            body = parse_request(raw, chat)
+            if path == "/v1/embeddings":
+                await self._embed(reply, raw, tenant.name)
+                return
+            chat = path != "/v1/completions"
+            if path == "/v1/responses":  # routed as the chat its input renders as
+                body, routed = parse_responses(raw)
+            else:
+                body = routed = parse_request(raw, chat)
             modes = self.modes
             scope = tenant.scope(body, headers)
-            plan = self.router.plan(body, chat, scope.salt, modes.active(), scope.public)
+            plan = self.router.plan(routed, chat, scope.salt, modes.active(), scope.public)
             if modes.shadow.policies:  # they choose among the same candidates
                 modes.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
             self.metrics.decision.observe(plan.decision_s)
@@ -181,8 +195,21 @@ class Gateway:
                 raise
             reply.whole(exc.status, JSON_HEADERS, exc.body())
 
+    async def _embed(self, reply: Reply, raw: bytes, tenant: str) -> None:
+        """`/v1/embeddings`: to the least loaded worker serving the model, the body as sent
+        (no prefix cache plays a part: docs/dispatch.md, "Other endpoints")."""
+        body, items = parse_embeddings(raw)
+        plan = self.router.plan_embeddings(body["model"], items, self.modes.fallback)
+        self.metrics.decision.observe(plan.decision_s)
+        self.metrics.reasons[plan.decision.reason] += 1
+        on_success = partial(self._served, tenant=tenant)
+        payload = forwarded(body, None, 0)
+        await self.proxy.forward(reply, "/v1/embeddings", payload, plan, False, on_success)
+
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: residency for workers without KV events; the recording."""
+        if not plan.prefix_cache:  # embeddings: nothing cached, nothing to replay
+            return
         group = worker.kv_group_of(plan.model)
         exact, now = worker.exact(group), time.monotonic()
         self.residency.served(plan.request, worker.name, group, exact, plan.arrived, now)

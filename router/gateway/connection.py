@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HOT_PATHS = {b"/v1/completions": "/v1/completions", b"/v1/chat/completions": "/v1/chat/completions"}
+HOT_PATHS: dict[bytes, str] = {  # the inference endpoints, served here
+    p.encode(): p
+    for p in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings")
+}
 _MAX_QUEUED = 8  # pipelined requests waiting on one connection before reading pauses
 _LINGER_S = 2.0  # after a refusal: how long the client may go on sending before we close
 

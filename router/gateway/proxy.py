@@ -18,8 +18,9 @@ from router.gateway.reply import Headers, Reply
 from router.gateway.routing import Plan
 from router.gateway.upstream import UpstreamError, UpstreamResponse
 
+# usage as chat and completions report it, or as the Responses API does (output_tokens)
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_OUTPUT_RE = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_OUTPUT_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 Renew = Callable[[float], float]  # loop time now -> the next deadline
 _HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
 
@@ -252,7 +253,7 @@ class _Attempt:
         self.proxy.metrics.statuses[plan.model.name, worker.name, status] += 1
         series = self.proxy.metrics.series[plan.model.name, worker.name]
         series.latency.observe(now - self.t0)
-        if usage is not None:
+        if usage is not None and plan.prefix_cache:
             predicted = plan.matched(worker.name)
             series.prediction(plan.request.prompt_tokens, predicted, usage.cached_tokens)
 

@@ -1,7 +1,8 @@
 """The routing step of a request (docs/dispatch.md, 1), free of I/O: its body parsed strictly
 once (core/strict_json.py) and checked, tokenize -> block keys -> match -> policy, the body
-rebuilt for the worker (docs/isolation.md); and the routing modes: live or degraded (least
-load), shadows that only watch."""
+rebuilt for the worker (docs/isolation.md); a Responses request routed as the chat it renders
+as, an embeddings request by load alone; and the routing modes: live or degraded (least load),
+shadows that only watch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import msgspec
 
 from core.blocks import block_keys
 from core.errors import APIError
+from core.responses_input import InputError, chat_messages
 from core.strict_json import BodyError, decode_object, encode
 from router.dispatch import candidate, candidates
 from router.gateway.fleet import Fleet, Model, Worker
@@ -25,6 +27,7 @@ SALT_FIELD: Final = "cache_salt"
 PUBLIC_FIELD: Final = "urc_public_tokens"
 RESERVED_PREFIX: Final = "urc_"
 TOKEN_ID_MAX: Final = 2**31 - 1  # block keys hash token ids as int32
+EMBEDDING_INPUTS_MAX: Final = 2048  # OpenAI's limit of inputs per embeddings request
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -86,6 +89,56 @@ def validate(body: dict[str, Any], chat: bool) -> None:
     _check_int(body, "n", 1)
 
 
+def parse_responses(raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A Responses request's body, and the chat request it is routed as: its model and tools,
+    its `instructions` and `input` as messages (core/responses_input.py)."""
+    body = parse_body(raw)
+    if body.get("previous_response_id") is not None:
+        message = (
+            "'previous_response_id' is not supported: the gateway keeps no responses, "
+            "send the whole conversation as 'input'"
+        )
+        raise bad_request(message, "previous_response_id")
+    try:
+        messages = chat_messages(body)
+    except InputError as exc:
+        raise bad_request(str(exc), exc.param) from None
+    routed: dict[str, Any] = {"model": body.get("model"), "messages": messages}
+    if body.get("tools") is not None:
+        routed["tools"] = body["tools"]
+    validate(routed, True)
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_request("'stream' must be a boolean", "stream")
+    _check_int(body, "max_output_tokens", 1)
+    return body, routed
+
+
+def parse_embeddings(raw: bytes) -> tuple[dict[str, Any], list[Any]]:
+    """An embeddings request's body and its inputs, each a string or a list of token ids
+    (OpenAI's four shapes of `input`, checked here: the strict parse skips it)."""
+    body = parse_body(raw, "input")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required and must be a string", "model")
+    value = body.get("input")
+    items: list[Any] = []
+    if isinstance(value, str) or (isinstance(value, list) and _token_ids(value)):
+        items = [value]
+    elif isinstance(value, list):
+        items = value
+    if not items or len(items) > EMBEDDING_INPUTS_MAX:
+        message = f"'input' must hold 1 to {EMBEDDING_INPUTS_MAX} inputs"
+        raise bad_request(message, "input")
+    for item in items:
+        if not ((isinstance(item, str) and item) or (isinstance(item, list) and _token_ids(item))):
+            message = (
+                "'input' must be a non-empty string, an array of non-empty strings, an array "
+                f"of token ids in [0, {TOKEN_ID_MAX}] or an array of such arrays"
+            )
+            raise bad_request(message, "input")
+    return body, items
+
+
 def forwarded(body: dict[str, Any], salt: str | None, public_tokens: int) -> bytes:
     """The worker's body: the gateway's fields first, then the client's, none reserved."""
     out: dict[str, Any] = {}
@@ -102,7 +155,16 @@ def forwarded(body: dict[str, Any], salt: str | None, public_tokens: int) -> byt
 class Plan:
     """A routed request: what the policy saw and chose (`decision`), and where it may go."""
 
-    __slots__ = ("model", "decision", "workers", "decision_s", "arrived", "policy", "public_tokens")
+    __slots__ = (
+        "model",
+        "decision",
+        "workers",
+        "decision_s",
+        "arrived",
+        "policy",
+        "public_tokens",
+        "prefix_cache",
+    )
 
     def __init__(
         self,
@@ -113,6 +175,7 @@ class Plan:
         arrived: float,
         policy: str,
         public_tokens: int = 0,
+        prefix_cache: bool = True,
     ) -> None:
         self.model = model
         self.decision = decision
@@ -121,6 +184,7 @@ class Plan:
         self.arrived = arrived  # time.monotonic() when routing began
         self.policy = policy  # the policy that decided
         self.public_tokens = public_tokens  # shared isolation: leading tokens keyed shared
+        self.prefix_cache = prefix_cache  # False: embeddings (no prefix to predict or record)
 
     @property
     def request(self) -> RouteRequest:
@@ -193,15 +257,8 @@ class Router:
         arrived = time.monotonic()
         t0 = time.perf_counter()
         name = body["model"]
-        model = self.fleet.models.get(name)
-        if model is None:
-            message = f"The model '{name}' does not exist"
-            raise APIError(404, message, param="model", code="model_not_found")
+        model, workers = self._serving(name)
         group = model.kv_group
-        workers = self.fleet.candidates(group)
-        if not workers:
-            message = f"no healthy worker serves model '{name}'"
-            raise APIError(503, message, type="service_unavailable", code="no_worker")
         tokens = self.tokens(model, body, chat)
         public_tokens = self.public_tokens(model, body, tokens) if public and chat and salt else 0
         public_blocks = public_tokens // model.block_size
@@ -214,6 +271,37 @@ class Router:
         decision = policy.choose(request, seen)
         decision_s = time.perf_counter() - t0
         return Plan(model, decision, workers, decision_s, arrived, policy.name, public_tokens)
+
+    def plan_embeddings(self, name: str, items: list[Any], policy: Policy) -> Plan:
+        """An embeddings request: no prefix cache plays a part, so no block keys; its prompt
+        tokens are the load it adds (`policy`: least load)."""
+        arrived = time.monotonic()
+        t0 = time.perf_counter()
+        model, workers = self._serving(name)
+        tokenizer = model.tokenizer
+        tokens = 0
+        for item in items:
+            try:
+                tokens += len(tokenizer.prompt_ids(item) if isinstance(item, str) else item)
+            except ValueError as exc:
+                raise bad_request(str(exc), "input") from None
+        request = RouteRequest([], tokens, model.block_size, model.kv_group, name)
+        seen = candidates(self.index, request, self.fleet.loads(model.kv_group), arrived)
+        decision = policy.choose(request, seen)
+        decision_s = time.perf_counter() - t0
+        return Plan(model, decision, workers, decision_s, arrived, policy.name, 0, False)
+
+    def _serving(self, name: str) -> tuple[Model, list[Worker]]:
+        """The model `name` names and its up workers (404: no such model, 503: none up)."""
+        model = self.fleet.models.get(name)
+        if model is None:
+            message = f"The model '{name}' does not exist"
+            raise APIError(404, message, param="model", code="model_not_found")
+        workers = self.fleet.candidates(model.kv_group)
+        if not workers:
+            message = f"no healthy worker serves model '{name}'"
+            raise APIError(503, message, type="service_unavailable", code="no_worker")
+        return model, workers
 
 
 class RoutingModes:

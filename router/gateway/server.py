@@ -1,6 +1,7 @@
-"""The gateway's front door (README.md, "Limits, timeouts and failure handling"): the two
-inference endpoints are parsed by httptools and answered straight on the transport, any other
-request is handed with its connection to aiohttp; every head is read here under the limits."""
+"""The gateway's front door (README.md, "Limits, timeouts and failure handling"): the inference
+endpoints (connection.py HOT_PATHS) are parsed by httptools and answered straight on the
+transport, any other request is handed with its connection to aiohttp; every head is read here
+under the limits."""
 
 from __future__ import annotations
 

@@ -100,8 +100,14 @@ def write_model(
 
 
 def dense_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
-    """Logits of every position by the textbook computation: one causal attention over the
-    whole sequence, K/V repeated for GQA, no pages."""
+    """Logits of every position by the textbook computation (`dense_hidden`)."""
+    with torch.no_grad():
+        return model.lm_head(dense_hidden(model, ids)).float()
+
+
+def dense_hidden(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    """The last hidden state of every position (after the final norm) by the textbook
+    computation: one causal attention over the whole sequence, K/V repeated for GQA, no pages."""
     cfg = model.config
     m = model.model
     with torch.no_grad():
@@ -122,7 +128,7 @@ def dense_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
             o = torch.einsum("hqk,khd->qhd", probs, v).reshape(len(ids), -1)
             h = h + att.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return model.lm_head(m.norm(h)).float()
+        return m.norm(h)
 
 
 def generate(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int, **engine: object):
