@@ -41,6 +41,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/deptry .
 	$(PY) -m pytest -q
 
 # The gateway (from .venv) in front of two real vLLM CPU engines (from .venv-vllm).
