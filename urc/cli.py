@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 SUBCOMMANDS: dict[str, str] = {  # subcommand -> its one-line help
     "gateway": "the OpenAI-compatible cache-aware HTTP gateway",
@@ -18,6 +21,42 @@ SUBCOMMANDS: dict[str, str] = {  # subcommand -> its one-line help
 }
 DELEGATED = {"bench": "loadgen.cli", "replay": "simulation.cli"}  # main(argv) gets all the rest
 ENGINES = {"emulated": "backends.emulated.server", "torch": "backends.torch_worker.server"}
+DISTRIBUTION = "unified-radix-cache"  # pyproject.toml [project] name
+
+
+def version() -> str:
+    """The installed distribution's version; run from a checkout that is not installed, the
+    pyproject.toml beside the packages; else "unknown"."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        pass
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    try:
+        project = tomllib.loads(pyproject.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return "unknown"
+    meta = project.get("project", {})
+    return str(meta["version"]) if meta.get("name") == DISTRIBUTION else "unknown"
+
+
+class _Version(argparse.Action):
+    """`--version`, looked up only when asked: importlib.metadata costs ~0.1 s at each start."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        print(f"urc {version()}")
+        parser.exit()
 
 
 def _gateway(args: argparse.Namespace) -> int:
@@ -85,6 +124,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         prog="urc",
         description="urc (Unified Radix Cache): a cache-aware gateway for LLM fleets.",
     )
+    parser.add_argument("--version", action=_Version, help="print urc's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text)

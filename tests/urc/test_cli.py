@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 from urc.cli import SUBCOMMANDS, main
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_help_lists_every_subcommand():
@@ -36,3 +40,25 @@ def test_every_subcommand_has_help():
 def test_keys_prints_one_key_per_full_block(capsys):
     assert main(["keys", "x" * 40, "--block-size", "16"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_version_is_the_distributions():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out = subprocess.run(
+        [sys.executable, "-m", "urc.cli", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert out == f"urc {project['version']}\n"
+
+
+def test_version_from_a_checkout_that_is_not_installed():
+    """`-S`: no site-packages, so no installed distribution: pyproject.toml beside the source."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    code = f"import sys; sys.path[:0] = [{str(ROOT)!r}]; import urc.cli; print(urc.cli.version())"
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout
+    assert out == f"{project['version']}\n"
