@@ -2,7 +2,8 @@
 
     python bench/compare_policies.py [--policies a,b] [--out out/run]
 
-`urc cluster` + `urc bench` per policy, then one table (docs/benchmarks.md)."""
+`urc cluster` + `urc bench` per policy, then one table, two plots and report.md
+(docs/benchmarks.md)."""
 
 import argparse
 import json
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
+import run_report
 
 from urc.processes import Child, free_port
 
@@ -35,7 +37,8 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
     bench = [sys.executable, "-m", "urc.cli", "bench", "--target", child.url]
     bench += ["--workload", args.workload]
     bench += ["--requests", str(args.requests), "--concurrency", str(args.concurrency)]
-    bench += ["--seed", str(args.seed), "--json", str(report), "--no-progress"]
+    bench += ["--seed", str(args.seed), "--json", str(report), "--json-requests"]
+    bench += ["--no-progress"]
     try:
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
     finally:
@@ -43,20 +46,26 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
     return json.loads(report.read_text())
 
 
-def table(results: dict[str, dict]) -> str:
-    names = list(results)
-    width = max(12, *(len(n) for n in names))
-    lines = [f"{'':30s}" + "".join(f"{n:>{width + 2}s}" for n in names)]
+def rows(results: dict[str, dict]) -> list[list[str]]:
+    """The table: a header, then one row per measure with a cell per policy."""
+    out = [["", *results]]
     for label, get, fmt in ROWS:
-        cells = []
-        for name in names:
+        cells = [label]
+        for summary in results.values():
             try:
-                value = get(results[name])
+                value = get(summary)
                 cells.append(fmt.format(value) if value is not None else "-")
             except (KeyError, TypeError):
                 cells.append("-")
-        lines.append(f"{label:30s}" + "".join(f"{c:>{width + 2}s}" for c in cells))
-    return "\n".join(lines)
+        out.append(cells)
+    return out
+
+
+def table(rows: list[list[str]]) -> str:
+    width = max(12, *(len(n) for n in rows[0][1:]))
+    return "\n".join(
+        f"{row[0]:30s}" + "".join(f"{c:>{width + 2}s}" for c in row[1:]) for row in rows
+    )
 
 
 def main() -> int:
@@ -78,10 +87,21 @@ def main() -> int:
     for policy in args.policies.split(","):
         print(f"{running} with {policy} ...", flush=True)
         results[policy] = run_policy(policy, args, out)
-    text = table(results)
+    grid = rows(results)
+    text = table(grid)
     print("\n" + text)
     (out / "report.txt").write_text(text + "\n")
-    print(f"\nreports: {out}/")
+    plots = run_report.write_plots(out, results)
+    line = run_report.verdict(results, "cache_aware", "round_robin")
+    page = out / "report.md"
+    page.write_text(run_report.markdown(args, grid, plots, line), encoding="utf-8")
+    if line:
+        print("\n" + line.replace("`", ""))
+    print(f"\nreports: {out}/ (report.txt, report.md, one JSON per policy)")
+    if plots:
+        print("plots: " + ", ".join(str(p) for p in plots))
+    else:
+        print(run_report.MISSING)
     return 0
 
 
