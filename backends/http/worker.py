@@ -18,12 +18,19 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from backends.http.load_publisher import LoadPublisher
-from backends.http.openai_api import OpenAIApi, error_middleware, json_response, read_json
+from backends.http.openai_api import (
+    OpenAIApi,
+    echo_request_id,
+    error_middleware,
+    json_response,
+    read_json,
+)
 from backends.http.runner import Engine, EngineRunner, Events, InvalidateRequest
 from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
 from core.errors import APIError
 from core.kv_publisher import KVEventPublisher
+from core.logs import FORMATS, LEVELS, configure_logging
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,7 @@ class Worker:
             self.load_publisher.start()
         max_body = int(cfg.max_body_mb * 1024 * 1024)  # larger bodies get 413
         app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
+        app.on_response_prepare.append(echo_request_id)
         OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
         SGLangApi(self).add_routes(app)
         app.router.add_get("/urc/info", self.info)
@@ -213,7 +221,8 @@ def worker_parser(
             ("--load-events-port", int, 0, "ZMQ PUB port of the worker's load (0: any)"),
             ("--load-publish-ms", float, 20.0, "how often a changed load is published (0: never)"),
             ("--max-body-mb", float, 32.0, "larger request bodies get 413"),
-            ("--log-level", str, "WARNING", "logging level"),
+            ("--log-level", str.lower, "info", "the lowest level logged", LEVELS),
+            ("--log-format", str, "text", "text or json lines (docs/operability.md)", FORMATS),
             ("--max-model-len", int, 0, max_model_len_help),
         ],
     )
@@ -244,7 +253,7 @@ def run_worker(
 ) -> int:
     """Parse the flags, build the engine (a ValueError is a usage error) and serve it."""
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         if args.max_model_len < 0 or args.default_max_tokens < 1 or args.max_body_mb <= 0:
             raise ValueError(
