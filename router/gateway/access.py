@@ -115,7 +115,7 @@ class RequestNote:
         tracing, span = self.observer.tracing, self.span
         if tracing is not None and span is not None:
             decision = plan.decision
-            attributes = {
+            attributes: dict[str, str | int | bool] = {
                 "urc.policy": plan.policy,
                 "urc.worker": decision.worker,
                 "urc.reason": decision.reason,

@@ -52,7 +52,7 @@ class Tracing:
 
     def upstream_span(self, parent: Span, worker: str, attempt: int) -> tuple[Span, bytes]:
         """One attempt on a worker, and the header lines that carry its context there."""
-        attributes = {"urc.worker": worker, "urc.attempt": attempt}
+        attributes: dict[str, str | int] = {"urc.worker": worker, "urc.attempt": attempt}
         context = trace.set_span_in_context(parent)
         span = self.tracer.start_span("urc.upstream", context, SpanKind.CLIENT, attributes)
         carrier: dict[str, str] = {}
