@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import re
 import secrets
 import sys
 import time
@@ -17,6 +18,7 @@ LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 REQUEST_ID_HEADER = "x-request-id"
 MAX_REQUEST_ID = 128
+_PLAIN = re.compile(r"[!#-<>-\[\]-~]+")  # printable ASCII but space, `"`, `=` and `\\`
 _CHATTY = ("httpx", "httpcore", "urllib3")  # a line per HTTP call at INFO: shown at debug only
 
 
@@ -53,12 +55,12 @@ def logfmt_value(value: Any) -> str:
     """A value of a key=value pair: `-` for None, quoted when it has spaces, quotes or `=`."""
     if value is None:
         return "-"
-    if isinstance(value, bool):
+    if value is True or value is False:
         return "true" if value else "false"
+    if type(value) is int or type(value) is float:
+        return str(value)
     text = str(value)
-    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-        return json.dumps(text)
-    return text
+    return text if _PLAIN.fullmatch(text) else json.dumps(text)
 
 
 class TextFormatter(logging.Formatter):
