@@ -2,6 +2,8 @@
 
     python bench/gateway_overhead.py [--sglang-router BIN] [--variants source,aiohttp,python]
                                      [--processes 2] [--envoy]
+    python bench/gateway_overhead.py --no-sglang --variants access-log,otel,base --base HEAD~1
+
 
 urc and sglang-router in front of the same emulated workers; method: docs/benchmarks.md."""
 
@@ -11,7 +13,9 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 from argparse import BooleanOptionalAction
 from dataclasses import asdict
 from pathlib import Path
@@ -38,6 +42,46 @@ VARIANTS = {
     "aiohttp": ({}, ("-c", AIOHTTP_FRONT)),
     "python": ({"URC_PURE_PYTHON": "1"}, SHIPPED[1]),
 }
+# --variants: urc with its logs and traces on (docs/operability.md), or the code at --base
+OPERABILITY = ("access-log", "otel", "base")
+
+
+def launch_code(base: str | None = None, stderr_to: str | None = None) -> tuple[str, str]:
+    """`-c` code that runs `urc` from the checkout `base` (else this one), its stderr (its log)
+    appended to the file `stderr_to` (else as every child's, to this script)."""
+    code = ["import os, sys"]
+    if base is not None:
+        code.append(f"sys.path.insert(0, {base!r})")
+    if stderr_to is not None:
+        code.append(f"os.dup2(os.open({stderr_to!r}, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)")
+    code += ["from urc.cli import main", "sys.exit(main())"]
+    return ("-c", "; ".join(code))
+
+
+def base_checkout(ref: str, directory: str) -> str:
+    """The tree of the commit `ref`, as files in `directory` (git archive)."""
+    Path(directory).mkdir()
+    archive = subprocess.run(
+        ["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", ref],
+        capture_output=True,
+        check=True,
+    )
+    subprocess.run(["tar", "-x", "-C", directory], input=archive.stdout, check=True)
+    return directory
+
+
+def operability_variant(
+    name: str, args: argparse.Namespace, scratch: str
+) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
+    """(env, launch, flags) of urc-NAME; the OTLP sink of `otel` starts here."""
+    if name == "access-log":
+        return {}, launch_code(stderr_to=f"{scratch}/access.log"), ("--access-log",)
+    if name == "otel":
+        sink = Child("otlp sink", [sys.executable, "bench/otlp_sink.py"], "sink: ")
+        return {}, SHIPPED[1], ("--otel-endpoint", sink.wait_announced().url)
+    if args.base is None:
+        raise SystemExit("--variants base needs --base REF (e.g. the commit before a change)")
+    return {}, launch_code(base=base_checkout(args.base, f"{scratch}/base")), ()
 
 
 def sglang_command(spec: str | None) -> list[str] | None:
@@ -155,7 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--sglang-router", metavar="BIN", help="sglang-router script (default: sglang_router here)")
     add("--sglang-policy", default=None, help="default: nearest to --policy")
     add("--no-sglang", action="store_true", help="measure urc only")
-    add("--variants", default="", help="also measure, comma-separated: source, aiohttp, python")
+    add(
+        "--variants",
+        default="",
+        help="also measure, comma-separated: source, aiohttp, python (speed parts off); "
+        "access-log, otel (to a local sink), base (the code at --base)",
+    )
+    add("--base", metavar="REF", help="the git commit of --variants base, e.g. main")
     add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
     add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
     add("--api", choices=["completions", "chat"], default="completions")
@@ -176,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def start_fleet(
-    args: argparse.Namespace, sglang: list[str] | None, probe: bytes
+    args: argparse.Namespace, sglang: list[str] | None, probe: bytes, scratch: str
 ) -> tuple[list[load.Target], dict[str, list[int]]]:
     """Workers, then urc (and sglang-router) in front of them: the targets and pids by role.
     urc/processes.py stops every child at exit, whatever happens in between."""
@@ -190,12 +240,15 @@ def start_fleet(
         child.wait_serving(path, probe, timeout_s)
         targets.append(load.Target(name, [child.url], path, child.pid))
 
-    urcs = [("urc", SHIPPED, 1)] + [(f"urc-{v}", VARIANTS[v], 1) for v in variants(args)]
+    urcs = [("urc", (*SHIPPED, ()), 1)]
+    for v in variants(args):
+        spec = operability_variant(v, args, scratch) if v in OPERABILITY else (*VARIANTS[v], ())
+        urcs.append((f"urc-{v}", spec, 1))
     if args.processes > 1:
-        urcs.append((f"urc-p{args.processes}", SHIPPED, args.processes))
-    for name, (env, launch), processes in urcs:
+        urcs.append((f"urc-p{args.processes}", (*SHIPPED, ()), args.processes))
+    for name, (env, launch, flags), processes in urcs:
         extra = ("--host", "127.0.0.1", "--policy", args.policy, "--processes", str(processes))
-        front(name, start_gateway(workers, *extra, env=env, launch=launch), 30)
+        front(name, start_gateway(workers, *extra, *flags, env=env, launch=launch), 30)
     if sglang is not None:
         port = free_port()
         cmd = [*sglang, "--host", "127.0.0.1", "--port", str(port), "--policy", args.sglang_policy]
@@ -247,24 +300,32 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.requests < 1 or args.duration <= 0 or args.rounds < 1:
         raise SystemExit("need --workers >= 1, --requests >= 1, --duration > 0, --rounds >= 1")
-    if unknown := set(variants(args)) - set(VARIANTS):
-        raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(VARIANTS)})")
+    known = [*VARIANTS, *OPERABILITY]
+    if unknown := set(variants(args)) - set(known):
+        raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(known)})")
     sglang = None if args.no_sglang else sglang_command(args.sglang_router)
     args.sglang_policy = args.sglang_policy or SGLANG_POLICY.get(args.policy, "cache_aware")
     prompts = load.build_prompts(args)
     header = describe(args, prompts, sglang is not None)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in background
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop the children on `kill` too
+    scratch = tempfile.TemporaryDirectory(prefix="urc-overhead-")
     try:
-        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0])
+        targets, pids = start_fleet(args, sglang, prompts[0].bodies[0], scratch.name)
         log(header.splitlines()[0])
         result = asyncio.run(load.measure(args, targets, prompts, pids))
+        access_log = Path(scratch.name, "access.log")
+        if access_log.exists():  # a line per request it served, else it measured something else
+            with access_log.open("rb") as f:
+                log(f"urc-access-log wrote {sum(1 for _ in f)} log lines")
     except KeyboardInterrupt:
         print("interrupted: stopping the processes", file=sys.stderr)
         return 130
     except RuntimeError as exc:
         print(f"gateway_overhead: {exc}", file=sys.stderr)
         return 1
+    finally:
+        scratch.cleanup()
     print(report(result, [t.name for t in targets], header))
     if args.json:
         config = {k: v for k, v in vars(args).items() if k != "json"}

@@ -10,6 +10,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from core.logs import configure_logging
+
 SUBCOMMANDS: dict[str, str] = {  # subcommand -> its one-line help
     "gateway": "the OpenAI-compatible cache-aware HTTP gateway",
     "epp": "the gateway's routing as an Envoy ext_proc endpoint picker (Inference Extension)",
@@ -67,6 +69,7 @@ def _gateway(args: argparse.Namespace) -> int:
     config = apply_flags(load_config(args.config), args)
     if not config.workers and not config.discover:
         raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
+    configure_logging(config.log_level, config.log_format)  # --processes: each child inherits it
     if config.processes > 1:
         return run_processes(config, args.config)
     try:
@@ -84,6 +87,7 @@ def _epp(args: argparse.Namespace) -> int:
     config = apply_flags(load_config(args.config), args)
     if not config.workers and not config.discover:
         raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
+    configure_logging(config.log_level, config.log_format)
     try:
         run_epp(config, args.grpc_port, args.max_in_flight)
     except RuntimeError as exc:  # grpc: the port is taken, or the host is not ours

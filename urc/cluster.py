@@ -9,6 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
+from core.logs import configure_logging
 from router.gateway.app import run_async, serve_gateway
 from router.gateway.config import (
     ConfigError,
@@ -71,6 +72,7 @@ async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
         return
     # port 0: each worker binds a port of its own and announces it (no race for a free one)
     argv = [sys.executable, "-m", ENGINES[args.engine], "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--log-level", config.log_level, "--log-format", config.log_format]  # as ours
     workers = [
         Child(f"worker {i}", [*argv, *args.worker_arg], "ready: ", console=True)
         for i in range(args.workers)
@@ -93,6 +95,7 @@ def cluster_main(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
     config = apply_flags(load_config(args.config), args)
+    configure_logging(config.log_level, config.log_format)
     try:
         run_async(run_cluster(args, config))
     except (RuntimeError, ValueError) as exc:

@@ -24,6 +24,7 @@ from backends.http.generation import (
 )
 from backends.http.runner import EngineRunner
 from core.errors import APIError
+from core.logs import REQUEST_ID_HEADER, RequestIds
 from core.strict_json import BodyError, decode_object
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ CACHED_TOKENS_HEADER = "x-urc-cached-tokens"
 _DONE = b"data: [DONE]\n\n"
 _TOO_LONG = "context_length_exceeded"  # the code of a prompt the engine can never run
 _encode = msgspec.json.encode
+_request_ids = RequestIds()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -70,6 +72,33 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
         return APIError(500, "internal error", type="server_error").response()
+
+
+def request_id(request: web.Request) -> str:
+    """The request's x-request-id (a gateway sends its own), else one made here; answered in
+    the response's header and named in this worker's log lines (docs/operability.md)."""
+    found = request.get(REQUEST_ID_HEADER)
+    if found is None:
+        found = request[REQUEST_ID_HEADER] = _request_ids.of(request.headers.get(REQUEST_ID_HEADER))
+    return str(found)
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[REQUEST_ID_HEADER] = request_id(request)
+
+
+def log_generation(request: web.Request, gen: Generation) -> None:
+    """At debug: one line per generation, with the ids that tie it to the gateway's request."""
+    fields = {
+        "request_id": request_id(request),
+        "traceparent": request.headers.get("traceparent"),
+        "model": gen.model.name,
+        "prompt_tokens": len(gen.prompt),
+        "cached_tokens": gen.cached_tokens,
+        "output_tokens": len(gen.output),
+        "finish": gen.finish_reason or ("aborted" if gen.aborted else None),
+    }
+    log.debug("%s %s", request.method, request.path, extra={"fields": fields})
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
@@ -170,6 +199,8 @@ async def respond(
         return resp
     finally:
         backend.abort(gen)  # a no-op once finished; frees the engine if the client left
+        if log.isEnabledFor(logging.DEBUG):
+            log_generation(request, gen)
 
 
 def float_param(body: dict[str, Any], name: str, low: float, high: float, default: float) -> float:

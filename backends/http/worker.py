@@ -19,13 +19,20 @@ from prometheus_client import generate_latest
 
 from backends.http.embeddings_api import EmbeddingsApi
 from backends.http.load_publisher import LoadPublisher
-from backends.http.openai_api import OpenAIApi, error_middleware, json_response, read_json
+from backends.http.openai_api import (
+    OpenAIApi,
+    echo_request_id,
+    error_middleware,
+    json_response,
+    read_json,
+)
 from backends.http.responses_api import ResponsesApi
 from backends.http.runner import Engine, EngineRunner, Events, InvalidateRequest
 from backends.http.sglang_api import SGLangApi
 from core.blocks import salt_scope
 from core.errors import APIError
 from core.kv_publisher import KVEventPublisher
+from core.logs import FORMATS, LEVELS, configure_logging
 from core.process_metrics import process_registry
 
 log = logging.getLogger(__name__)
@@ -70,6 +77,7 @@ class Worker:
             self.load_publisher.start()
         max_body = int(cfg.max_body_mb * 1024 * 1024)  # larger bodies get 413
         app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
+        app.on_response_prepare.append(echo_request_id)
         OpenAIApi(self.runner, engine.models, int(time.time())).add_routes(app)
         ResponsesApi(self.runner, engine.models).add_routes(app)
         EmbeddingsApi(self.runner, engine.models).add_routes(app)
@@ -220,7 +228,8 @@ def worker_parser(
             ("--load-events-port", int, 0, "ZMQ PUB port of the worker's load (0: any)"),
             ("--load-publish-ms", float, 20.0, "how often a changed load is published (0: never)"),
             ("--max-body-mb", float, 32.0, "larger request bodies get 413"),
-            ("--log-level", str, "WARNING", "logging level"),
+            ("--log-level", str.lower, "info", "the lowest level logged", LEVELS),
+            ("--log-format", str, "text", "text or json lines (docs/operability.md)", FORMATS),
             ("--max-model-len", int, 0, max_model_len_help),
         ],
     )
@@ -251,7 +260,7 @@ def run_worker(
 ) -> int:
     """Parse the flags, build the engine (a ValueError is a usage error) and serve it."""
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level, args.log_format)
     try:
         if args.max_model_len < 0 or args.default_max_tokens < 1 or args.max_body_mb <= 0:
             raise ValueError(

@@ -23,7 +23,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.errors import APIError
+from core.logs import REQUEST_ID_HEADER, RequestIds
 from router.dispatch import RoutedResidency
+from router.gateway.access import Observer, RequestNote
 from router.gateway.admin import admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
@@ -90,6 +92,11 @@ class Gateway:
         self.metrics.registry.register(self.load_feed)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin
+        self.request_ids = RequestIds()
+        # the access log and tracing (docs/operability.md); None: both off, nothing is noted
+        self.observer: Observer | None = None
+        if config.access_log or config.otel_endpoint:
+            self.observer = Observer(config.access_log, config.otel_endpoint)
         self._tasks: list[asyncio.Task[None]] = []
         self.discovery: PodDiscovery | None = None  # --discover k8s
         # JSON errors per handler (json_errors), not a middleware: it costs every request a wrapper
@@ -104,6 +111,7 @@ class Gateway:
         self.app.add_routes(routes)
         add_fallback_route(self.app)
         self.app.on_response_prepare.append(self._close_when_draining)
+        self.app.on_response_prepare.append(self._with_request_id)
         self.app.on_startup.append(self._start)
         self.app.on_cleanup.append(self._stop)
 
@@ -155,6 +163,8 @@ class Gateway:
         await self.fleet.close()
         if self.recorder is not None:
             self.recorder.close()
+        if self.observer is not None:
+            await asyncio.to_thread(self.observer.close)  # the spans still buffered go out
 
     async def _via_aiohttp(self, path: str, request: web.Request) -> web.StreamResponse:
         """`path` on a connection aiohttp holds (server.py says when)."""
@@ -165,19 +175,26 @@ class Gateway:
 
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
         """One inference request, whichever server took it (`headers` by lowercase name)."""
+        reply.request_id = self.request_ids.of(headers.get(REQUEST_ID_HEADER))
+        observer = self.observer
+        note = None if observer is None else observer.begin(reply.request_id, path, headers)
         try:
             tenant = self.tenants.authenticate(headers.get("authorization"))
             if path == "/v1/embeddings":
-                await self._embed(reply, raw, tenant.name)
+                await self._embed(reply, raw, tenant.name, note)
                 return
             chat = path != "/v1/completions"
             if path == "/v1/responses":  # routed as the chat its input renders as
                 body, routed = parse_responses(raw)
             else:
                 body = routed = parse_request(raw, chat)
+            if note is not None:
+                note.parsed(tenant.name, body)
             modes = self.modes
             scope = tenant.scope(body, headers)
             plan = self.router.plan(routed, chat, scope.salt, modes.active(), scope.public)
+            if note is not None:
+                note.routed(plan)
             if modes.shadow.policies:  # they choose among the same candidates
                 modes.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
             self.metrics.decision.observe(plan.decision_s)
@@ -189,22 +206,35 @@ class Gateway:
             payload = forwarded(body, scope.salt, plan.public_tokens)
             on_success = partial(self._served, tenant=tenant.name)
             stream = body.get("stream") is True
-            await self.proxy.forward(reply, path, payload, plan, stream, on_success)
+            await self.proxy.forward(reply, path, payload, plan, stream, on_success, note)
         except APIError as exc:
+            if note is not None:
+                note.failed(exc.status, exc.message)
             if reply.started:
                 raise
             reply.whole(exc.status, JSON_HEADERS, exc.body())
+        except BaseException as exc:  # the client left (cancelled), or a bug (a 500)
+            if note is not None:
+                note.failed_by(exc)
+            raise
+        finally:
+            if note is not None:
+                note.finish()
 
-    async def _embed(self, reply: Reply, raw: bytes, tenant: str) -> None:
+    async def _embed(self, reply: Reply, raw: bytes, tenant: str, note: RequestNote | None) -> None:
         """`/v1/embeddings`: to the least loaded worker serving the model, the body as sent
         (no prefix cache plays a part: docs/dispatch.md, "Other endpoints")."""
         body, items = parse_embeddings(raw)
+        if note is not None:
+            note.parsed(tenant, body)
         plan = self.router.plan_embeddings(body["model"], items, self.modes.fallback)
         self.metrics.decision.observe(plan.decision_s)
         self.metrics.reasons[plan.decision.reason] += 1
         on_success = partial(self._served, tenant=tenant)
         payload = forwarded(body, None, 0)
-        await self.proxy.forward(reply, "/v1/embeddings", payload, plan, False, on_success)
+        if note is not None:
+            note.routed(plan)
+        await self.proxy.forward(reply, "/v1/embeddings", payload, plan, False, on_success, note)
 
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
         """After a success: residency for workers without KV events; the recording."""
@@ -237,6 +267,12 @@ class Gateway:
         """Liveness: 200 while the process serves, draining included. The workers play no
         part, so a fleet that is down never gets its gateways restarted."""
         return web.json_response({"status": "alive"})
+
+    async def _with_request_id(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Every answer of the aiohttp side has an x-request-id (inference ones: the reply's)."""
+        if REQUEST_ID_HEADER not in response.headers:
+            sent = request.headers.get(REQUEST_ID_HEADER)
+            response.headers[REQUEST_ID_HEADER] = self.request_ids.of(sent)
 
     async def _close_when_draining(
         self, _request: web.Request, response: web.StreamResponse

@@ -10,6 +10,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from core.logs import FORMATS, LEVELS
 from router.policies import POLICY_NAMES
 
 ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
@@ -19,10 +20,16 @@ class ConfigError(ValueError):
     pass
 
 
-def _flag(default: Any, help: str, kind: type | None = None, flag: str = "") -> Any:
+def _flag(
+    default: Any,
+    help: str,
+    kind: type | None = None,
+    flag: str = "",
+    choices: tuple[str, ...] = (),
+) -> Any:
     """A setting that is also a command-line flag: its name dashed, less a unit `_s`, unless
-    `flag` says (`kind`: its type, when the default is None)."""
-    metadata = {"flag": flag, "help": help, "kind": kind or type(default)}
+    `flag` says (`kind`: its type, when the default is None; a bool is a switch)."""
+    metadata = {"flag": flag, "help": help, "kind": kind or type(default), "choices": choices}
     return field(default=default, metadata=metadata)
 
 
@@ -131,6 +138,17 @@ class GatewayConfig:
     degraded: bool = False  # route by plain least load (the degrade switch)
     shadow_policies: list[str] = field(default_factory=list)  # watch, never act
     parity_interval_s: float = 300.0  # token-parity probes of every worker (0: none at all)
+    # logs and traces (docs/operability.md)
+    log_level: str = _flag("info", "the lowest level logged", choices=LEVELS)
+    log_format: str = _flag(
+        "text", "text (time, level, logger, message, key=value) or json lines", choices=FORMATS
+    )
+    access_log: bool = _flag(False, "one line per request on the logger urc.access, at INFO")
+    otel_endpoint: str = _flag(
+        "",
+        "OpenTelemetry: send a span per request to this OTLP/HTTP endpoint, e.g. "
+        "http://collector:4318 (the otel extra; empty: tracing off)",
+    )
     # worker discovery (docs/kubernetes.md, "Discovery")
     discover: str = _flag("", "discover workers: 'k8s' watches the engine pods of a namespace")
     discover_namespace: str = _flag(
@@ -259,7 +277,14 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         help = setting.metadata["help"]
         flag = setting.metadata["flag"] or "--" + setting.name.removesuffix("_s").replace("_", "-")
         shown = f"{help} (default {setting.default})" if setting.default else help
-        parser.add_argument(flag, dest=setting.name, type=setting.metadata["kind"], help=shown)
+        if setting.metadata["kind"] is bool:
+            parser.add_argument(
+                flag, dest=setting.name, action="store_true", default=None, help=help
+            )
+            continue
+        choices = setting.metadata["choices"] or None
+        kind = setting.metadata["kind"]
+        parser.add_argument(flag, dest=setting.name, type=kind, choices=choices, help=shown)
 
 
 _FLAGS = [f for f in fields(GatewayConfig) if "flag" in f.metadata]
@@ -267,7 +292,7 @@ _FLAGS = [f for f in fields(GatewayConfig) if "flag" in f.metadata]
 # the load feed off; no delay: 0)
 _NON_NEGATIVE = ("metrics_port", "load_interval_s", "shutdown_delay_s")
 _POSITIVE = [
-    f.name for f in _FLAGS if f.metadata["kind"] is not str and f.name not in _NON_NEGATIVE
+    f.name for f in _FLAGS if f.metadata["kind"] not in (str, bool) and f.name not in _NON_NEGATIVE
 ]
 # the scalar settings: a flag whose dest is one of them sets it when given
 _SCALARS = [f.name for f in fields(GatewayConfig) if f.default is not MISSING]
@@ -362,10 +387,34 @@ def validate(config: GatewayConfig) -> None:
         raise ConfigError(f"load_interval_s must be >= 0 (0: off), got {interval!r}")
     if config.pending_ttl_s < 0:
         raise ConfigError(f"pending_ttl_s must be >= 0 (0: off), got {config.pending_ttl_s}")
+    _validate_logs(config)
     for worker in config.workers:
         if not worker.url.startswith(("http://", "https://")):
             raise ConfigError(f"worker URL must start with http:// or https://: {worker.url!r}")
     _validate_discovery(config)
+
+
+def _validate_logs(config: GatewayConfig) -> None:
+    if config.log_level not in LEVELS:
+        raise ConfigError(f"log_level must be one of {', '.join(LEVELS)}, got {config.log_level!r}")
+    if config.log_format not in FORMATS:
+        raise ConfigError(f"log_format must be text or json, got {config.log_format!r}")
+    if not isinstance(config.access_log, bool):
+        raise ConfigError(f"access_log must be true or false, got {config.access_log!r}")
+    endpoint = config.otel_endpoint
+    if endpoint and not endpoint.startswith(("http://", "https://")):
+        raise ConfigError(f"otel_endpoint must be an http(s):// URL, got {endpoint!r}")
+    if endpoint and not _installed("opentelemetry.sdk", "opentelemetry.exporter.otlp"):
+        raise ConfigError(
+            "--otel-endpoint needs the otel extra: pip install 'unified-radix-cache[otel]'"
+        )
+
+
+def _installed(*modules: str) -> bool:
+    try:
+        return all(importlib.util.find_spec(m) is not None for m in modules)
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _validate_discovery(config: GatewayConfig) -> None:

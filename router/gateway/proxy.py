@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 from core.errors import APIError
 from router.dispatch import LoadShare, dispatch
+from router.gateway.access import RequestNote
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.reply import Headers, Reply
@@ -22,7 +23,14 @@ from router.gateway.upstream import UpstreamError, UpstreamResponse
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _OUTPUT_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
 Renew = Callable[[float], float]  # loop time now -> the next deadline
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "content-encoding"}
+# not passed on to the client: hop-by-hop, and the request id (the reply sends the gateway's)
+_DROPPED_HEADERS = {
+    "content-length",
+    "transfer-encoding",
+    "connection",
+    "content-encoding",
+    "x-request-id",
+}
 
 
 class Usage(NamedTuple):
@@ -39,6 +47,9 @@ class _Failover(Exception):
     def __init__(self, message: str, answer: tuple[int, Headers, bytes] | None = None) -> None:
         super().__init__(message)
         self.answer = answer
+
+    def status(self) -> int:
+        return self.answer[0] if self.answer is not None else 0
 
 
 class Proxy:
@@ -68,10 +79,13 @@ class Proxy:
         plan: Plan,
         stream: bool,
         on_success: Callable[[Plan, Worker, Usage], None],
+        note: RequestNote | None = None,
     ) -> None:
         """Send the request on; the answer (or the last worker's error) goes to `reply`. A
-        worker's 5xx counts against no worker's health and gets one other worker tried."""
+        worker's 5xx counts against no worker's health and gets one other worker tried.
+        `note`: what the access log and tracing want to know (None: both off)."""
         t0 = time.monotonic()
+        request_id = b"x-request-id: %s\r\n" % reply.request_id.encode()
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
         for worker in plan.ranked():
@@ -82,10 +96,11 @@ class Proxy:
             if not stream:
                 delay = worker.load.queued_prefill_tokens * self.s_per_token
                 timer = self.deadlines.loop().call_later(delay, load.first_token)
-            attempt = _Attempt(self, reply, plan, worker, load, t0)
+            attempt = _Attempt(self, reply, plan, worker, load, t0, note)
+            headers = request_id if note is None else request_id + note.attempt(worker.name)
             failed: _Failover | None = None
             try:
-                status, usage = await attempt.run(path, payload, stream)
+                status, usage = await attempt.run(path, payload, stream, headers)
             except _Failover as exc:
                 failed = exc
             finally:
@@ -94,6 +109,8 @@ class Proxy:
                 load.finish()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
+                if note is not None:
+                    note.attempt_ended(failed.status(), str(failed), None)
                 self.metrics.failovers[worker.name] += 1
                 if failed.answer is None:
                     self.fleet.failed(worker)
@@ -107,6 +124,8 @@ class Proxy:
                 on_success(plan, worker, usage)
             return
         if answered is not None:
+            if note is not None:
+                note.answered(answered[0])
             reply.whole(*answered)
             return
         message = f"every worker failed for model '{plan.model.name}' (last: {last_error})"
@@ -117,7 +136,14 @@ class _Attempt:
     """One try of a request on one worker, answered to `reply`."""
 
     def __init__(
-        self, proxy: Proxy, reply: Reply, plan: Plan, worker: Worker, load: LoadShare, t0: float
+        self,
+        proxy: Proxy,
+        reply: Reply,
+        plan: Plan,
+        worker: Worker,
+        load: LoadShare,
+        t0: float,
+        note: RequestNote | None,
     ) -> None:
         self.proxy = proxy
         self.reply = reply
@@ -125,8 +151,11 @@ class _Attempt:
         self.worker = worker
         self.load = load
         self.t0 = t0  # when the request's forwarding began
+        self.note = note
 
-    async def run(self, path: str, payload: bytes, stream: bool) -> tuple[int, Usage | None]:
+    async def run(
+        self, path: str, payload: bytes, stream: bool, headers: bytes
+    ) -> tuple[int, Usage | None]:
         proxy, worker = self.proxy, self.worker
         total = proxy.request_timeout_s - (time.monotonic() - self.t0)
         ttfb = proxy.ttfb_timeout_s
@@ -135,10 +164,12 @@ class _Attempt:
         worker.waiting.add(task)
         try:
             try:
-                upstream = await worker.pool.post(path, payload)
+                upstream = await worker.pool.post(path, payload, headers)
             except UpstreamError as exc:
                 raise _Failover(str(exc)) from None
             worker.alive_at = time.monotonic()
+            if not stream and self.note is not None:  # a whole answer's TTFT: its head
+                self.note.first_byte(worker.alive_at)
             try:
                 if stream and upstream.status == 200:
                     return 200, await self._stream(upstream, task)
@@ -162,15 +193,18 @@ class _Attempt:
         worker shows signs of life (answers, health checks) within the time to first byte."""
         return now + self.worker.alive_at + self.proxy.ttfb_timeout_s - time.monotonic()
 
-    def _first_byte(self) -> None:
+    def _first_byte(self) -> float:
+        """The first byte goes to the client: the ledger and the TTFT metric; its time."""
         self.load.first_token()
         series = self.proxy.metrics.series[self.plan.model.name, self.worker.name]
-        series.ttft.observe(time.monotonic() - self.t0)
+        now = time.monotonic()
+        series.ttft.observe(now - self.t0)
+        return now
 
     def _headers(self, upstream: UpstreamResponse) -> Headers:
         """The worker's headers for the client: hop-by-hop ones out, `x-urc-route` in."""
         plan, name = self.plan, self.worker.name
-        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _HOP_HEADERS]
+        headers = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_HEADERS]
         route = (
             f"worker={name}; matched_tokens={plan.matched(name)}; "
             f"prompt_tokens={plan.request.prompt_tokens}; "
@@ -222,7 +256,9 @@ class _Attempt:
                     self.worker.waiting.discard(task)
                     total = self.proxy.request_timeout_s - (time.monotonic() - self.t0)
                     self.proxy.deadlines.rearm(task, total)
-                    self._first_byte()
+                    at = self._first_byte()
+                    if self.note is not None:
+                        self.note.first_byte(at)
                     await reply.start(upstream.status, headers)
                 events += chunk.count(b"data:")
                 if b'"usage"' in chunk:
@@ -253,6 +289,8 @@ class _Attempt:
         self.proxy.metrics.statuses[plan.model.name, worker.name, status] += 1
         series = self.proxy.metrics.series[plan.model.name, worker.name]
         series.latency.observe(now - self.t0)
+        if self.note is not None:
+            self.note.attempt_ended(status, None, usage.cached_tokens if usage else None)
         if usage is not None and plan.prefix_cache:
             predicted = plan.matched(worker.name)
             series.prediction(plan.request.prompt_tokens, predicted, usage.cached_tokens)

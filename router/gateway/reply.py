@@ -1,7 +1,8 @@
 """How a response reaches the client, whichever server took the request: `LeanReply` writes to a
 connection of the front door (server.py), `AiohttpReply` answers on one aiohttp holds. Either
-has `whole`, `start`, `send` and `end` (the last two: False when the client has gone), and
-`started`: something reached the client, so an error can no longer be sent instead."""
+has `whole`, `start`, `send` and `end` (the last two: False when the client has gone),
+`started`: something reached the client, so an error can no longer be sent instead, and
+`request_id`: sent as `x-request-id` on the answer, whatever it is (docs/operability.md)."""
 
 from __future__ import annotations
 
@@ -15,26 +16,34 @@ if TYPE_CHECKING:
     from router.gateway.connection import FrontProtocol
 
 Headers = list[tuple[str, str]]
+REQUEST_ID_HEADER = "x-request-id"
 JSON_HEADERS = [("Content-Type", "application/json")]
 
 
 class AiohttpReply:
     """`response` is what the aiohttp handler returns."""
 
-    __slots__ = ("request", "response", "started")
+    __slots__ = ("request", "response", "started", "request_id")
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
         self.started = False
+        self.request_id = ""
+
+    def _headers(self, headers: Headers) -> dict[str, str]:
+        out = dict(headers)
+        if self.request_id:
+            out[REQUEST_ID_HEADER] = self.request_id
+        return out
 
     def whole(self, status: int, headers: Headers, body: bytes) -> None:
         self.started = True
-        self.response = web.Response(body=body, status=status, headers=dict(headers))
+        self.response = web.Response(body=body, status=status, headers=self._headers(headers))
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
-        self.response = web.StreamResponse(status=status, headers=dict(headers))
+        self.response = web.StreamResponse(status=status, headers=self._headers(headers))
         await self.response.prepare(self.request)
 
     async def send(self, chunk: bytes) -> bool:
@@ -57,9 +66,11 @@ async def _written(write: Awaitable[None]) -> bool:
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 
 
-def _head(status: int, headers: Headers, extra: bytes) -> bytes:
+def _head(status: int, headers: Headers, extra: bytes, request_id: str) -> bytes:
     lines = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status]
     lines += [f"{key}: {value}\r\n".encode("latin-1") for key, value in headers]
+    if request_id:  # printable ASCII (core/logs.py): nothing to escape
+        lines.append(b"x-request-id: %s\r\n" % request_id.encode())
     lines.append(extra)
     return b"".join(lines)
 
@@ -67,7 +78,7 @@ def _head(status: int, headers: Headers, extra: bytes) -> bytes:
 class LeanReply:
     """A response written straight to the connection's transport."""
 
-    __slots__ = ("conn", "keep_alive", "chunked", "started", "complete")
+    __slots__ = ("conn", "keep_alive", "chunked", "started", "complete", "request_id")
 
     def __init__(self, conn: FrontProtocol, keep_alive: bool, chunked: bool = True) -> None:
         self.conn = conn
@@ -75,6 +86,7 @@ class LeanReply:
         self.chunked = chunked
         self.started = False
         self.complete = False  # the whole answer was written (a cut stream must close)
+        self.request_id = ""
 
     def _close(self) -> bytes:
         """The head's `Connection: close`, decided when the head is written: a drain that
@@ -87,16 +99,16 @@ class LeanReply:
     def whole(self, status: int, headers: Headers, body: bytes) -> None:
         self.started = self.complete = True
         extra = b"Content-Length: %d\r\n%s\r\n" % (len(body), self._close())
-        self.conn.write(_head(status, headers, extra) + body)
+        self.conn.write(_head(status, headers, extra, self.request_id) + body)
 
     async def start(self, status: int, headers: Headers) -> None:
         self.started = True
         if not self.chunked:  # an HTTP/1.0 client: the stream ends when the connection does
             self.keep_alive = False
-            self.conn.write(_head(status, headers, b"Connection: close\r\n\r\n"))
+            extra = b"Connection: close\r\n\r\n"
         else:
             extra = b"Transfer-Encoding: chunked\r\n%s\r\n" % self._close()
-            self.conn.write(_head(status, headers, extra))
+        self.conn.write(_head(status, headers, extra, self.request_id))
         await self.conn.drain()
 
     async def send(self, chunk: bytes) -> bool:

@@ -163,11 +163,12 @@ class UpstreamPool:
         elif conn.transport is not None:
             conn.transport.close()
 
-    async def post(self, path: str, body: bytes) -> UpstreamResponse:
-        """Send; return once the status line and headers are in. A pooled connection the worker
-        closed before answering is retried once on a fresh one (nothing was processed)."""
-        head = b"POST %b HTTP/1.1\r\n%bContent-Length: %d\r\n\r\n"
-        request = head % (path.encode(), self._head, len(body)) + body
+    async def post(self, path: str, body: bytes, headers: bytes = b"") -> UpstreamResponse:
+        """Send (`headers`: more header lines, each ending CRLF); return once the status line
+        and headers are in. A pooled connection the worker closed before answering is retried
+        once on a fresh one (nothing was processed)."""
+        head = b"POST %b HTTP/1.1\r\n%b%bContent-Length: %d\r\n\r\n"
+        request = head % (path.encode(), self._head, headers, len(body)) + body
         for fresh in (False, True):
             conn = self._take_idle() if not fresh else None
             if conn is None:
