@@ -10,15 +10,8 @@ import sys
 from pathlib import Path
 
 from router.gateway.app import run_async, serve_gateway
-from router.gateway.config import (
-    ConfigError,
-    GatewayConfig,
-    ModelConfig,
-    WorkerConfig,
-    add_gateway_arguments,
-    apply_flags,
-    load_config,
-)
+from router.gateway.config import ConfigError, GatewayConfig, ModelConfig, WorkerConfig, load_config
+from router.gateway.config_flags import add_gateway_arguments, apply_flags
 from urc.cli import ENGINES
 from urc.processes import Child
 
