@@ -9,16 +9,15 @@ import logging
 from dataclasses import fields
 from typing import Any, get_args, get_type_hints
 
-from router.gateway.config import (
+from router.gateway.config import ConfigError, validate
+from router.gateway.config_schema import (
     LOG_FORMATS,
     LOG_LEVELS,
-    ConfigError,
     GatewayConfig,
     ModelConfig,
     TenantConfig,
     WorkerConfig,
     flag_of,
-    validate,
 )
 from router.policies import POLICY_NAMES
 

@@ -8,7 +8,7 @@ import re
 from dataclasses import fields
 from typing import Any
 
-from router.gateway.config import SECRETS, TABLES, GatewayConfig
+from router.gateway.config_schema import SECRETS, TABLES, GatewayConfig
 
 MASK = "***"
 _BARE = re.compile(r"[A-Za-z0-9_-]+")

@@ -13,17 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from router.gateway.config import (
-    ConfigError,
+from router.gateway.config import ConfigError, load_config
+from router.gateway.config_flags import add_gateway_arguments, apply_flags
+from router.gateway.config_print import MASK, config_toml
+from router.gateway.config_schema import (
     GatewayConfig,
     ModelConfig,
     TenantConfig,
     WorkerConfig,
     flag_of,
-    load_config,
 )
-from router.gateway.config_flags import add_gateway_arguments, apply_flags
-from router.gateway.config_print import MASK, config_toml
 from urc.cli import build_parser
 from urc.processes import ROOT
 
@@ -80,7 +79,7 @@ def test_print_config_loads_back_to_the_merged_config(tmp_path: Path) -> None:
     flags += ["--shadow-policy", "round_robin"]
     done = urc("gateway", *flags, "--print-config")
     assert done.returncode == 0, done.stderr
-    assert "k-admin" not in done.stdout and "s3cret" not in done.stdout and "sk-1" not in done.stdout
+    assert not any(secret in done.stdout for secret in ("k-admin", "s3cret", "sk-1"))
     printed = tmp_path / "printed.toml"
     printed.write_text(done.stdout)
     parser, _ = build_parser()
