@@ -19,6 +19,7 @@ from router.gateway.config_schema import (
     ISOLATION_LEVELS,
     LOG_FORMATS,
     LOG_LEVELS,
+    SECRETS,
     TABLES,
     GatewayConfig,
     ModelConfig,
@@ -119,10 +120,12 @@ def _key(path: str) -> str:
 
 
 def _expected(message: str, raw: dict[str, Any], path: str) -> str:
-    """msgspec's message, and the value it was about."""
+    """msgspec's message, and the value it was about (not a secret's)."""
     message = message[:1].lower() + message[1:]
     value: Any = raw
     for name, index in _PATH_PART.findall(path.removeprefix("$")):
+        if name in SECRETS or name == "api_keys":
+            return message
         try:
             value = value[name] if name else value[int(index)]
         except (KeyError, IndexError, TypeError):

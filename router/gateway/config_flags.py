@@ -59,7 +59,10 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         if setting.name == "policy":
             shown = f"{shown}: {', '.join(POLICY_NAMES)}"
         kind, choices = _kind(setting.name), _CHOICES.get(setting.name)
-        parser.add_argument(*names, dest=setting.name, type=kind, choices=choices, help=shown)
+        metavar = "S" if setting.name.endswith("_s") else "N" if kind is int else None
+        parser.add_argument(
+            *names, dest=setting.name, type=kind, choices=choices, metavar=metavar, help=shown
+        )
     repeatable(
         "--worker",
         "URL",

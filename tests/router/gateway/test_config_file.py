@@ -50,6 +50,7 @@ def urc(*argv: str) -> subprocess.CompletedProcess[str]:
         ('[[tenants]]\nname = "t"\napi_keys = ["k"]\nlevel = 1\n', "tenants[0].level", "unknown"),
         ("[gateway]\ndrain_timeout_s = -1\n" + WORKERS, "drain_timeout_s", "> 0.0, got -1"),
         ('[gateway]\nlog_level = "loud"\n' + WORKERS, "[gateway].log_level", "'debug'"),
+        ('[[tenants]]\nname = "t"\napi_keys = "sk-9"\n', "tenants[0].api_keys", "`array`"),
     ],
 )
 def test_a_bad_config_file_stops_the_gateway_naming_the_key_and_the_file(
@@ -60,7 +61,7 @@ def test_a_bad_config_file_stops_the_gateway_naming_the_key_and_the_file(
     done = urc("gateway", "--config", str(path), "--port", "0")
     assert done.returncode == 2, done.stderr
     assert key in done.stderr and str(path) in done.stderr and why in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and done.stdout == ""
+    assert "Traceback" not in done.stderr and done.stdout == "" and "sk-9" not in done.stderr
 
 
 def test_print_config_loads_back_to_the_merged_config(tmp_path: Path) -> None:
