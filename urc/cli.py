@@ -8,9 +8,12 @@ import sys
 import tomllib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from core.logs import configure_logging
+
+if TYPE_CHECKING:
+    from router.gateway.config import GatewayConfig
 
 SUBCOMMANDS: dict[str, str] = {  # subcommand -> its one-line help
     "gateway": "the OpenAI-compatible cache-aware HTTP gateway",
@@ -61,15 +64,30 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def _gateway(args: argparse.Namespace) -> int:
-    from router.gateway.app import run_gateway
-    from router.gateway.config import ConfigError, apply_flags, load_config
-    from router.gateway.supervisor import run_processes
+def _fleet_config(args: argparse.Namespace) -> GatewayConfig | None:
+    """The config file and the flags merged; None when --print-config printed it instead."""
+    from router.gateway.config import ConfigError, load_config
+    from router.gateway.config_flags import apply_flags
 
     config = apply_flags(load_config(args.config), args)
+    if args.print_config:
+        from router.gateway.config_print import config_toml
+
+        print(config_toml(config), end="")
+        return None
     if not config.workers and not config.discover:
         raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
     configure_logging(config.log_level, config.log_format)  # --processes: each child inherits it
+    return config
+
+
+def _gateway(args: argparse.Namespace) -> int:
+    from router.gateway.app import run_gateway
+    from router.gateway.supervisor import run_processes
+
+    config = _fleet_config(args)
+    if config is None:
+        return 0
     if config.processes > 1:
         return run_processes(config, args.config)
     try:
@@ -82,12 +100,10 @@ def _gateway(args: argparse.Namespace) -> int:
 
 def _epp(args: argparse.Namespace) -> int:
     from router.epp.server import run_epp
-    from router.gateway.config import ConfigError, apply_flags, load_config
 
-    config = apply_flags(load_config(args.config), args)
-    if not config.workers and not config.discover:
-        raise ConfigError("no workers: give --worker URL (repeatable), --discover or a config file")
-    configure_logging(config.log_level, config.log_format)
+    config = _fleet_config(args)
+    if config is None:
+        return 0
     try:
         run_epp(config, args.grpc_port, args.max_in_flight)
     except RuntimeError as exc:  # grpc: the port is taken, or the host is not ours
@@ -132,11 +148,16 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text)
-    from router.gateway.config import add_gateway_arguments
+    from router.gateway.config_flags import add_gateway_arguments
     from urc.cluster import add_cluster_arguments, cluster_main
 
-    add_gateway_arguments(sub.choices["gateway"])
-    add_gateway_arguments(sub.choices["epp"])
+    for name in ("gateway", "epp"):
+        add_gateway_arguments(sub.choices[name])
+        sub.choices[name].add_argument(
+            "--print-config",
+            action="store_true",
+            help="print the merged config (file + flags) as TOML, secrets masked, and exit",
+        )
     epp = sub.choices["epp"]
     epp.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health port")
     epp.add_argument(

@@ -11,15 +11,8 @@ from pathlib import Path
 
 from core.logs import configure_logging
 from router.gateway.app import run_async, serve_gateway
-from router.gateway.config import (
-    ConfigError,
-    GatewayConfig,
-    ModelConfig,
-    WorkerConfig,
-    add_gateway_arguments,
-    apply_flags,
-    load_config,
-)
+from router.gateway.config import ConfigError, GatewayConfig, ModelConfig, WorkerConfig, load_config
+from router.gateway.config_flags import add_gateway_arguments, apply_flags
 from urc.cli import ENGINES
 from urc.processes import Child
 

@@ -96,7 +96,9 @@ async def serve_epp(
     metrics: web.AppRunner | None = None
     try:
         if config.metrics_port is not None:
-            metrics = await _metrics_site(gateway, config.host, config.metrics_port)
+            metrics = await _metrics_site(
+                gateway, config.metrics_host or config.host, config.metrics_port
+            )
         port = server.add_insecure_port(f"{config.host}:{grpc_port}")
         await server.start()
         print(f"epp: {config.host}:{port}", flush=True)

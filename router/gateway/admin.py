@@ -42,6 +42,10 @@ def admin_routes(gateway: Gateway) -> list[tuple[Callable[..., web.RouteDef], st
         (web.post, "/admin/mode", auth(admin.set_mode)),
         (web.post, "/admin/invalidate", auth(admin.invalidate)),
         (web.get, "/admin/tenants", auth(admin.list_tenants)),
+        # sglang-router's and vllm-router's worker management (docs/migration.md)
+        (web.post, "/add_worker", auth(admin.add_worker_url)),
+        (web.post, "/remove_worker", auth(admin.remove_worker_url)),
+        (web.get, "/list_workers", auth(admin.list_worker_urls)),
     ]
 
 
@@ -167,6 +171,28 @@ class _Admin:
             raise APIError(404, f"no worker named {name!r}", code="worker_not_found")
         return web.json_response({"removed": name})
 
+    async def add_worker_url(self, request: web.Request) -> web.Response:
+        """`POST /add_worker?url=URL`, as sglang-router: our workers are discovered from the URL;
+        engines that cannot be asked are described with POST /admin/workers instead."""
+        url = _query_url(request)
+        try:
+            worker = await self.gateway.fleet.add(WorkerConfig(url=url))
+        except ValueError as exc:
+            raise APIError(409, str(exc), param="url", code="worker_exists") from None
+        body = {"status": "ok", "message": f"Successfully added worker: {url}"}
+        return web.json_response({**body, "worker": describe(worker, self.gateway.index)})
+
+    async def remove_worker_url(self, request: web.Request) -> web.Response:
+        url = _query_url(request)
+        names = [w.name for w in self.gateway.fleet.workers.values() if w.url == url]
+        if not names or not await self.gateway.fleet.remove(names[0]):
+            raise APIError(404, f"no worker at {url!r}", param="url", code="worker_not_found")
+        message = f"Successfully removed worker: {url}"
+        return web.json_response({"status": "ok", "message": message, "removed": names[0]})
+
+    async def list_worker_urls(self, request: web.Request) -> web.Response:
+        return web.json_response({"urls": [w.url for w in self.gateway.fleet.workers.values()]})
+
     async def dry_run(self, request: web.Request) -> web.Response:
         body = parse_body(await request.read())
         chat = isinstance(body, dict) and "messages" in body
@@ -288,6 +314,17 @@ class _Admin:
             return {"status": "error", "detail": "no reset endpoint answered"}
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             return {"status": "error", "detail": f"{exc.__class__.__name__}: {exc}"}
+
+
+def _query_url(request: web.Request) -> str:
+    """The `url` query parameter of sglang-router's endpoints, without a trailing slash."""
+    if "api_key" in request.query:
+        message = "urc sends workers no API key: run the worker without one, behind the gateway"
+        raise bad_request(message, "api_key")
+    url = request.query.get("url", "").rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise bad_request("give the worker as ?url=http://host:port", "url")
+    return url
 
 
 def _need(body: dict[str, Any], field: str) -> str:

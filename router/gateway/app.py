@@ -55,6 +55,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_BUSY_HEADERS = [*JSON_HEADERS, ("Retry-After", "1")]
+_BUSY_BODY = APIError(
+    429,
+    "too many requests in flight on this gateway (--max-concurrent-requests); retry shortly",
+    type="rate_limit_error",
+    code="rate_limit_exceeded",
+).body()
 
 
 class Gateway:
@@ -80,6 +87,8 @@ class Gateway:
             )
         self.tenants = Tenants(config.tenants, config.salt_secret or secrets.token_hex(32))
         self.draining = False  # SIGTERM: /health says so, and the front server drains
+        self.max_concurrent = config.max_concurrent_requests  # 0: no limit
+        self.in_flight = 0  # inference requests of this process under way
         self.metrics_keys = [k for k in (config.metrics_key, config.admin_key) if k]
         self.metrics = GatewayMetrics(self.fleet, self.index, self.modes, config.policy)
         self.tenants.export(self.metrics.registry)
@@ -174,10 +183,20 @@ class Gateway:
         return reply.response
 
     async def serve(self, reply: Reply, path: str, headers: Mapping[str, str], raw: bytes) -> None:
-        """One inference request, whichever server took it (`headers` by lowercase name)."""
+        """One inference request, whichever server took it (`headers` by lowercase name); past
+        `max_concurrent_requests` in flight, a 429."""
         reply.request_id = self.request_ids.of(headers.get(REQUEST_ID_HEADER))
         observer = self.observer
         note = None if observer is None else observer.begin(reply.request_id, path, headers)
+        limit = self.max_concurrent
+        if limit and self.in_flight >= limit:
+            self.metrics.rejected["max_concurrent_requests"] += 1
+            if note is not None:
+                note.failed(429, "max_concurrent_requests")
+                note.finish()
+            reply.whole(429, _BUSY_HEADERS, _BUSY_BODY)
+            return
+        self.in_flight += 1
         try:
             tenant = self.tenants.authenticate(headers.get("authorization"))
             if path == "/v1/embeddings":
@@ -218,6 +237,7 @@ class Gateway:
                 note.failed_by(exc)
             raise
         finally:
+            self.in_flight -= 1
             if note is not None:
                 note.finish()
 
@@ -418,11 +438,12 @@ async def serve_gateway(
             add_fallback_route(metrics_app)
             metrics_runner = web.AppRunner(metrics_app, access_log=None)
             await metrics_runner.setup()
-            site = web.TCPSite(metrics_runner, config.host, config.metrics_port, reuse_port=reuse)
+            metrics_host = config.metrics_host or config.host
+            site = web.TCPSite(metrics_runner, metrics_host, config.metrics_port, reuse_port=reuse)
             await site.start()
             metrics_port = metrics_runner.addresses[0][1]
             if siblings is None:
-                print(f"metrics: http://{config.host}:{metrics_port}/metrics", flush=True)
+                print(f"metrics: http://{metrics_host}:{metrics_port}/metrics", flush=True)
         # what startup made lives as long as the process: frozen, collections under load skip it
         gc.collect()
         gc.freeze()

@@ -83,6 +83,7 @@ class GatewayMetrics(Collector):
         self.statuses: defaultdict[tuple[str, str, int], float] = defaultdict(float)
         self.reasons: defaultdict[str, float] = defaultdict(float)
         self.failovers: defaultdict[str, float] = defaultdict(float)  # by worker
+        self.rejected: defaultdict[str, float] = defaultdict(float)  # by reason, before routing
         registry = self.registry
         info = Gauge("urc_policy_info", "The live routing policy", ["policy"], registry=registry)
         info.labels(policy_name).set(1)
@@ -135,6 +136,11 @@ class GatewayMetrics(Collector):
         for worker, count in list(self.failovers.items()):
             failovers.add_metric([worker], count)
         yield failovers
+        doc = "Requests refused before routing (max_concurrent_requests: over the in-flight limit)"
+        rejected = CounterMetricFamily("urc_rejected_requests", doc, labels=["reason"])
+        for reason, count in {"max_concurrent_requests": 0.0, **self.rejected}.items():
+            rejected.add_metric([reason], count)
+        yield rejected
 
     def _fleet(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         stats = self.index.stats()

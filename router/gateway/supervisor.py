@@ -55,7 +55,7 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
         reserved.append(reserve_port(config.host, config.port))
         config = replace(config, port=reserved[0].getsockname()[1])
         if config.metrics_port is not None:
-            reserved.append(reserve_port(config.host, config.metrics_port))
+            reserved.append(reserve_port(config.metrics_host or config.host, config.metrics_port))
             config = replace(config, metrics_port=reserved[1].getsockname()[1])
     except OSError as exc:  # taken by a process that did not set SO_REUSEPORT, or no such host
         for sock in reserved:
@@ -109,7 +109,8 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
         else:
             print(f"gateway: http://{config.host}:{config.port}", flush=True)
             if config.metrics_port is not None:
-                print(f"metrics: http://{config.host}:{config.metrics_port}/metrics", flush=True)
+                host = config.metrics_host or config.host
+                print(f"metrics: http://{host}:{config.metrics_port}/metrics", flush=True)
         return _supervise(children, start, stopping)
     finally:
         for sock in reserved:

@@ -16,7 +16,8 @@ import zmq.asyncio
 from backends.real.process import EngineSpec, free_ports, sglang_launch, vllm_launch
 from core.blocks import block_keys
 from core.kv_events import decode_batch
-from router.gateway.config import ConfigError, parse_attach
+from router.gateway.config import ConfigError
+from router.gateway.config_flags import parse_attach
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber

@@ -19,7 +19,8 @@ from backends.emulated.request import Request, State
 from core.blocks import block_keys, chain_keys, continue_after, salt_scope
 from core.kv_events import BlockRemoved, EventBatch
 from core.tokenizer import ByteTokenizer
-from router.gateway.config import ConfigError, add_gateway_arguments, apply_flags, load_config
+from router.gateway.config import ConfigError, load_config
+from router.gateway.config_flags import add_gateway_arguments, apply_flags
 from router.gateway.fleet import Model
 from router.gateway.isolation import (
     Tenant,

@@ -11,7 +11,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from router.gateway.config import GatewayConfig, apply_flags, load_config
+from router.gateway.config import GatewayConfig, load_config
+from router.gateway.config_flags import apply_flags
 from tests.manifests import (
     Object,
     container,

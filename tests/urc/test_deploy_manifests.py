@@ -36,7 +36,8 @@ import yaml
 from backends.real.process import EngineSpec, vllm_launch
 from backends.tiny_checkpoint import write_tokenizer
 from core.tokenizer import load_tokenizer
-from router.gateway.config import GatewayConfig, apply_flags, load_config
+from router.gateway.config import GatewayConfig, load_config
+from router.gateway.config_flags import apply_flags
 from tests.crd_schemas import crd_schema
 from tests.manifests import (
     KUBERNETES,

@@ -15,13 +15,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.gateway.config import (
-    ConfigError,
-    GatewayConfig,
-    add_gateway_arguments,
-    apply_flags,
-    load_config,
-)
+from router.gateway.config import ConfigError, GatewayConfig, load_config
+from router.gateway.config_flags import add_gateway_arguments, apply_flags
 from router.gateway.reply import LeanReply
 from router.gateway.server import FrontServer
 from urc.processes import Child

@@ -1,0 +1,215 @@
+"""The gateway's settings: their types, limits, defaults and flags, one place for the config file
+(config.py), the flags (config_flags.py) and the reference (docs/config.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from core.logs import FORMATS, LEVELS
+
+ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
+ENGINES = ("urc", "vllm", "sglang")
+LOG_LEVELS, LOG_FORMATS = LEVELS, FORMATS  # core/logs.py
+SECRETS = ("admin_key", "metrics_key", "salt_secret")  # and tenants' api_keys: masked in print
+
+# limits msgspec checks on every value, from the file and from flags
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(gt=0)]
+NonNegativeInt = Annotated[int, Meta(ge=0)]
+Port = Annotated[int, Meta(ge=0, le=65535)]  # 0: any free one
+PolicyParam = str | int | float | bool
+
+
+def _setting(default: Any, help: str, flag: str | None = "", aliases: tuple[str, ...] = ()) -> Any:
+    """A setting and its flag: its name dashed, less a unit `_s`, unless `flag` says (None: no
+    flag of its own; config_flags.py adds what sets it). `aliases`: sglang-router's names."""
+    metadata = {"flag": flag, "help": help, "aliases": aliases}
+    if isinstance(default, list | dict):
+        return field(default_factory=type(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    name: str
+    kv_group: str | None = None  # None: the model's own name (or what its worker reports)
+    tokenizer: str = "byte"
+    block_size: PositiveInt | None = None  # None: the worker's
+    aliases: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    url: str
+    name: str | None = None  # None: derived from the URL
+    models: list[str] | None = None  # None: discovered from the worker's /urc/info
+    kv_events: str | None = None  # ZMQ endpoint of its KV events (None: discovered or none)
+    kv_replay: str | None = None
+    kv_topic: str = ""
+    block_size: PositiveInt | None = None
+    engine: str = "urc"  # "urc" (ours: /urc/load), "vllm" or "sglang" (their /metrics)
+
+
+@dataclass(slots=True)
+class TenantConfig:
+    name: str
+    api_keys: list[str]
+    isolation: str = "tenant"  # shared | tenant | user | session
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    host: str = _setting("127.0.0.1", "address to listen on")
+    port: Port = _setting(8000, "port to listen on (0: any free one)")
+    workers: list[WorkerConfig] = _setting([], "the workers ([[workers]] tables)", None)
+    models: list[ModelConfig] = _setting([], "models and their tokenizers ([[models]])", None)
+    tenants: list[TenantConfig] = _setting([], "tenants and API keys ([[tenants]])", None)
+    policy: str = _setting("cache_aware", "routing policy (docs/policies.md)")
+    policy_params: dict[str, PolicyParam] = _setting({}, "the policy's parameters", None)
+    admin_key: str | None = _setting(None, "the key of the admin API (/admin/...); off without")
+    salt_secret: str = _setting(
+        "",
+        "keys the tenants' cache salts (unset: random per process; gateway replicas in front "
+        "of one fleet must share one)",
+    )
+    processes: PositiveInt = _setting(
+        1,
+        "gateway processes on this host, one port (SO_REUSEPORT), each a full replica; "
+        "/metrics and the admin API cover them all (docs/scale-out.md)",
+    )
+    kv_groups: str = _setting(
+        "",
+        "route and follow the KV events of only these kv_groups, comma-separated (default: "
+        "all): replica sets that each follow a shard of a fleet too large for one",
+    )
+    max_concurrent_requests: NonNegativeInt = _setting(
+        0,
+        "inference requests in flight per gateway process; more get 429 (0: unlimited)",
+    )
+    metrics_port: Port | None = _setting(
+        None, "serve /metrics and /health on this port too", aliases=("--prometheus-port",)
+    )
+    metrics_host: str = _setting(
+        "", "address of the metrics port (default: --host)", aliases=("--prometheus-host",)
+    )
+    metrics_key: str | None = _setting(
+        None, "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)"
+    )
+    log_level: str = _setting("info", "log level: debug, info, warning or error")
+    log_format: str = _setting("text", "log lines as text or json")
+    access_log: bool = _setting(False, "one line per request on the urc.access logger")
+    otel_endpoint: str = _setting(
+        "", "OTLP/HTTP traces endpoint, e.g. http://collector:4318 (empty: tracing off)"
+    )
+    max_body_bytes: PositiveInt = _setting(
+        16 * 2**20, "larger request bodies get 413", aliases=("--max-payload-size",)
+    )
+    max_request_line_bytes: PositiveInt = _setting(8192, "longer URLs get 414")
+    max_header_bytes: PositiveInt = _setting(65536, "larger request headers get 431")
+    header_timeout_s: Positive = _setting(
+        10.0, "seconds from a request's first byte to the end of its headers, else 408"
+    )
+    body_timeout_s: Positive = _setting(
+        60.0, "seconds from the end of the headers to the end of the body, else 408"
+    )
+    keepalive_s: Positive = _setting(
+        75.0, "seconds before idle kept-alive connections close", "--keepalive-timeout"
+    )
+    shutdown_delay_s: NonNegative = _setting(
+        0.0,
+        "on SIGTERM, seconds /health answers 503 while the gateway still accepts and serves, "
+        "before it stops accepting (Kubernetes: at least the readiness probe's period times "
+        "its failureThreshold)",
+    )
+    drain_timeout_s: Positive = _setting(
+        30.0, "on SIGTERM, seconds in-flight requests have to finish before the gateway exits"
+    )
+    connect_timeout_s: Positive = _setting(2.0, "seconds to connect to a worker")
+    ttfb_timeout_s: Positive = _setting(
+        30.0,
+        "seconds to a worker's first byte before the request fails over; a non-streamed one "
+        "waits on while its worker answers health checks",
+    )
+    request_timeout_s: Positive = _setting(
+        600.0, "seconds a request may take in all", aliases=("--request-timeout-secs",)
+    )
+    load_interval_s: NonNegative = _setting(
+        0.05,
+        "seconds between samples of every worker's own load (/urc/load, or vLLM's and SGLang's "
+        "/metrics), merged into the gateway's ledger so replicas see each other's requests "
+        "(0: off, the gateway's own counts only)",
+    )
+    health_interval_s: Positive = _setting(
+        0.5,
+        "seconds between health checks of each worker",
+        aliases=("--health-check-interval-secs",),
+    )
+    unhealthy_after: PositiveInt = _setting(
+        2,
+        "consecutive failed health checks or requests that take a worker out",
+        aliases=("--health-failure-threshold",),
+    )
+    breaker_cooldown_s: NonNegative = _setting(3.0, "seconds a worker taken out stays out at least")
+    approx_ttl_s: Positive = _setting(
+        120.0,
+        "seconds a prefix routed to a worker without KV events counts as held there "
+        "(approximate residency)",
+    )
+    pending_ttl_s: NonNegative = _setting(
+        0.0,
+        "hold a request's prefix on its worker from dispatch until the worker's KV events "
+        "confirm it, or for S seconds, so that concurrent requests find it (e.g. 10; 0: off)",
+    )
+    index_max_blocks: NonNegativeInt = _setting(
+        20_000_000,
+        "blocks the unified index holds at most, the least recently used dropped "
+        "past it (0: no bound)",
+    )
+    prefill_tokens_per_s: Positive = _setting(
+        15_000.0,
+        "a worker's prefill speed, to age the queued prefill of non-streamed requests",
+        "--prefill-tokens-per-s",
+    )
+    record: str | None = _setting(
+        None,
+        "append every served request to this file (Mooncake JSONL + model, tenant, worker, "
+        "cached tokens) for `urc replay`",
+    )
+    degraded: bool = _setting(
+        False, "start degraded: plain least-load routing (flip with POST /admin/mode)"
+    )
+    shadow_policies: list[str] = _setting([], "policies that watch, never act", None)
+    parity_interval_s: NonNegative = _setting(
+        300.0,
+        "probe every worker's token counts against the gateway's every S seconds, and when it "
+        "comes up (0: never)",
+    )
+    # worker discovery (docs/kubernetes.md, "Discovery")
+    discover: str = _setting("", "discover workers: 'k8s' watches the engine pods of a namespace")
+    discover_namespace: str = _setting(
+        "", "the pods' namespace (default: the gateway pod's own, else the kubeconfig's)"
+    )
+    discover_selector: str = _setting(
+        "", "label selector of the engine pods, e.g. app=vllm,tier=engine (--discover k8s)"
+    )
+    discover_port: Annotated[int, Meta(gt=0, le=65535)] = _setting(
+        8000, "a pod's port when no urc.dev/port annotation or container port 'http' says"
+    )
+    discover_kubeconfig: str = _setting(
+        "", "kubeconfig file (default: the in-cluster service account, else $KUBECONFIG)"
+    )
+
+
+TABLES: dict[str, type] = {"workers": WorkerConfig, "models": ModelConfig, "tenants": TenantConfig}
+
+
+def flag_of(name: str) -> str | None:
+    """The flag of GatewayConfig's setting `name` (None: none of its own)."""
+    for f in fields(GatewayConfig):
+        if f.name == name and f.metadata["flag"] is not None:
+            return f.metadata["flag"] or "--" + name.removesuffix("_s").replace("_", "-")
+    return None
