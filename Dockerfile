@@ -22,8 +22,9 @@ COPY backends backends
 COPY simulation simulation
 COPY loadgen loadgen
 COPY urc urc
-# k8s: --discover k8s (lightkube); epp: urc epp (deploy/kubernetes/inference-extension)
-ARG URC_EXTRAS=k8s,epp
+# k8s: --discover k8s (lightkube); epp: urc epp (deploy/kubernetes/inference-extension);
+# otel: --otel-endpoint (OpenTelemetry traces)
+ARG URC_EXTRAS=k8s,epp,otel
 # then, from outside the source tree, the build must have compiled (docs/compiled.md)
 RUN pip install --no-cache-dir ".[${URC_EXTRAS}]" \
     && cd / && python -c "import core.native as n, sys; sys.exit(not n.compiled())"

@@ -14,7 +14,13 @@ from router.dispatch import LoadShare, dispatch
 from router.gateway.app import Gateway
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Worker
-from router.gateway.routing import Plan, forwarded, parse_request
+from router.gateway.routing import (
+    Plan,
+    forwarded,
+    parse_embeddings,
+    parse_request,
+    parse_responses,
+)
 
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PATHS = frozenset(HOT_PATHS.values())
@@ -65,11 +71,21 @@ class EndpointPicker:
             raise APIError(404, f"no such endpoint: {path}", code="not_found")
         if method != "POST":
             raise APIError(405, f"{method} is not allowed on {path}", code="method_not_allowed")
-        chat = path == "/v1/chat/completions"
         tenant = g.tenants.authenticate(headers.get("authorization"))
-        body = parse_request(raw, chat)
-        scope = tenant.scope(body, headers)
-        plan = g.router.plan(body, chat, scope.salt, g.modes.active(), scope.public)
+        salt: str | None = None
+        public_tokens = 0
+        if path == "/v1/embeddings":  # by load alone, the body as sent (docs/dispatch.md)
+            body, items = parse_embeddings(raw)
+            plan = g.router.plan_embeddings(body["model"], items, g.modes.fallback)
+        else:
+            chat = path != "/v1/completions"
+            if path == "/v1/responses":  # routed as the chat its input renders as
+                body, routed = parse_responses(raw)
+            else:
+                body = routed = parse_request(raw, chat)
+            scope = tenant.scope(body, headers)
+            plan = g.router.plan(routed, chat, scope.salt, g.modes.active(), scope.public)
+            salt, public_tokens = scope.salt, plan.public_tokens
         g.metrics.decision.observe(plan.decision_s)
         g.metrics.reasons[plan.decision.reason] += 1
         ranked = [w for w in plan.ranked() if w.up]
@@ -84,14 +100,16 @@ class EndpointPicker:
             raise APIError(429, message, type="rate_limit_error", code="overloaded")
         chosen = ranked[0]
         group = chosen.kv_group_of(plan.model)
-        g.residency.dispatched(plan.request, chosen.name, group, chosen.exact(group), plan.arrived)
+        if plan.prefix_cache:
+            exact = chosen.exact(group)
+            g.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
         load = dispatch(g.index, plan.request, plan.candidate(chosen.name), chosen.load)
         route = (
             f"worker={chosen.name}; matched_tokens={plan.matched(chosen.name)}; "
             f"prompt_tokens={plan.request.prompt_tokens}; "
             f"reason={plan.decision.reason}; policy={plan.policy}"
         )
-        payload = forwarded(body, scope.salt, plan.public_tokens)
+        payload = forwarded(body, salt, public_tokens)
         return Pick([endpoint_of(w) for w in ranked], payload, plan, load, route)
 
     def worker_at(self, endpoint: str) -> Worker | None:
@@ -103,9 +121,9 @@ class EndpointPicker:
     def served(self, pick: Pick, endpoint: str, cached: int | None) -> None:
         """After a 200: residency for workers without KV events, predicted vs actual."""
         worker = self.worker_at(endpoint)
-        if worker is None:
-            return
         plan = pick.plan
+        if worker is None or not plan.prefix_cache:  # embeddings: nothing cached
+            return
         group = worker.kv_group_of(plan.model)
         now = time.monotonic()
         self.gateway.residency.served(

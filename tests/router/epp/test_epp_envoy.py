@@ -137,6 +137,20 @@ def test_prefix_reuse_streaming_and_bad_input() -> None:
             r = httpx.post(f"{s.url}/v1/completions", content=body, timeout=10)
             assert r.status_code == status, (body, r.text)
             assert r.json()["error"]["message"], r.text
+        system = "You answer questions about the urc gateway. " * 40
+        c = client(s.url)
+        c.chat.completions.create(
+            model="emulated",
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
+            max_tokens=2,
+        )
+        answer = c.responses.create(
+            model="emulated", instructions=system, input="and again", max_output_tokens=2
+        )
+        details = answer.usage.input_tokens_details if answer.usage else None
+        assert details is not None and details.cached_tokens > 0, answer.usage  # as chat's
+        vectors = c.embeddings.create(model="emulated", input=["one", "two"])
+        assert len(vectors.data) == 2 and vectors.usage.prompt_tokens > 0
         r = httpx.get(f"{s.url}/v1/nowhere", timeout=10)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     workers = [start_worker("--kv-events-port", "0") for _ in range(4)]
