@@ -9,6 +9,7 @@ from typing import Any, Final, NamedTuple, cast
 
 from backends.cache.check import check, check_locks
 from backends.cache.radix import RadixCache
+from backends.cache.scopes import Invalidated, SaltTest, invalidate
 from backends.emulated.config import EngineConfig
 from backends.emulated.paging import admit, cache_output, cache_prompt, release
 from backends.emulated.request import Request, State
@@ -38,6 +39,11 @@ class StepResult:
         self.finished: list[Request] = []  # every token emitted (finish_time set)
         self.emitted: dict[Any, int] = {}  # rid -> tokens emitted this call, first included
         self.events: list[KVEvent] = []  # the cache's changes, in order
+
+
+# blocks cached while a step was planned, as the cache announced them: (kv_group, parent, keys,
+# tokens, salt)
+Held = tuple[str, int | None, list[int], list[int] | None, str | None]
 
 
 class EngineLoad(NamedTuple):
@@ -76,6 +82,8 @@ class EmulatedEngine:
         # the head that last did not fit: it, the room it needed, the blocks it matched
         self._stuck: tuple[Request, int, int] | None = None
         self._queued_prefill = 0
+        # the blocks the step in flight caches: announced (BlockStored) when it ends
+        self._held: list[Held] = []
         self.finished_requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -107,6 +115,30 @@ class EmulatedEngine:
 
     def _on_removed(self, kv_group: str, keys: list[int]) -> None:
         self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_GPU))
+
+    def _hold_stored(
+        self,
+        kv_group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
+    ) -> None:
+        self._held.append((kv_group, parent, keys, tokens, salt))
+
+    def _release(self) -> None:
+        """Announce the blocks the step now ending cached, in the order they were cached."""
+        stored = self.cache.on_stored
+        if stored is not None:
+            for group, parent, keys, tokens, salt in self._held:
+                stored(group, parent, keys, tokens, salt)
+        self._held = []
+
+    def invalidate(self, scope: SaltTest | None) -> Invalidated:
+        """Scoped invalidation of the cache (backends/cache/scopes.py). What the step in flight
+        cached is announced first, so its BlockStored comes before the BlockRemoved."""
+        self._release()
+        return invalidate(self.cache, scope)
 
     def drain_events(self) -> list[KVEvent]:
         """Events not yet handed out by a step (an invalidation's, and any before it), in order."""
@@ -215,6 +247,8 @@ class EmulatedEngine:
             if self._seg_done < self._seg_k:
                 return result
             self._active = False
+            if self._held:
+                self._release()
             self._end_segment(self._seg_start + self._seg_k * self._seg_d, result)
         self._plan(now, result)
         if self._events:
@@ -230,9 +264,8 @@ class EmulatedEngine:
             for req, n in self._seg_chunks:
                 if req.state is not _PREFILL:
                     continue  # aborted meanwhile
-                req.computed += n
+                req.computed += n  # its full blocks were cached when the chunk was planned
                 self._queued_prefill -= n
-                cache_prompt(self.cache, req, self._tokens_out)
                 if req.computed < req.prompt_len:
                     continue
                 req.state = _DECODE
@@ -296,8 +329,37 @@ class EmulatedEngine:
         self.cached_tokens += cached
         return True
 
+    def _chunk(self, req: Request, budget: int, chunks: list[tuple[Request, int]]) -> int:
+        """Schedule `req`'s next chunk within `budget` and cache its full blocks now, as vLLM's
+        allocate_slots does: the step computes their KV in every layer before attention reads
+        it, so a request later in the same step may use them. Returns the budget left."""
+        n = min(req.prompt_len - req.computed, budget)
+        chunks.append((req, n))
+        cache_prompt(self.cache, req, req.computed + n, self._tokens_out)
+        return budget - n
+
     def _plan(self, now: float, result: StepResult) -> None:
+        """Plan the next step. The blocks its chunks cache are matchable at once but announced
+        when the step ends, as vLLM publishes a step's BlockStored after its forward pass
+        (docs/workers.md); evictions are announced at once, as before."""
+        cache = self.cache
+        stored = cache.on_stored
+        if stored is not None:
+            cache.on_stored = self._hold_stored
+        self._schedule(now, result)
+        cache.on_stored = stored
+
+    def _schedule(self, now: float, result: StepResult) -> None:
+        """Chunks for the prefills already running (admission order), then admissions from the
+        queue, each admitted request getting a chunk while the budget lasts. A chunk's full
+        blocks are cached as it is scheduled, so a request admitted after it matches them."""
         cfg = self.config
+        budget = cfg.chunk_tokens
+        chunks: list[tuple[Request, int]] = []
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            budget = self._chunk(req, budget, chunks)
         queue = self._queue
         running = len(self._prefilling) + len(self._decoding)
         self._blocked = False
@@ -309,14 +371,8 @@ class EmulatedEngine:
             self._prefilling.append(req)
             result.admitted.append(req)
             running += 1
-        budget = cfg.chunk_tokens
-        chunks: list[tuple[Request, int]] = []
-        for req in self._prefilling:
-            if budget <= 0:
-                break
-            n = min(req.prompt_len - req.computed, budget)
-            chunks.append((req, n))
-            budget -= n
+            if budget > 0:
+                budget = self._chunk(req, budget, chunks)
         decoding = len(self._decoding)
         if not chunks and not decoding:
             return
@@ -348,3 +404,4 @@ class EmulatedEngine:
         assert sum(r.reserved for r in running) == self.cache.allocated_tokens, "reserved room"
         check_locks(self.cache, [r.node for r in running if r.node is not None])
         assert len(running) <= self.config.max_batch, "batch over max_batch"
+        assert self._active or not self._held, "events held past their step"

@@ -2,7 +2,8 @@
 footprint), cache its full blocks, release. The only code that moves room between a request
 and the radix cache:
 
-    [0, node_blocks)   its cached prefix, on the path `node` locks
+    [0, node_blocks)   in the tree, on the path `node` locks: its cached prefix, then the
+                       full blocks of each chunk scheduled (the step in flight's included)
     reserved           private room for the rest of its footprint (prompt + max_tokens - 1)
 """
 
@@ -33,12 +34,14 @@ def admit(cache: RadixCache, req: Request, bs: int) -> tuple[int, int]:
     return need, match.blocks
 
 
-def cache_prompt(cache: RadixCache, req: Request, with_tokens: bool) -> None:
-    """Insert the prompt's full blocks computed so far; move the lock down to them."""
+def cache_prompt(cache: RadixCache, req: Request, upto: int, with_tokens: bool) -> None:
+    """Insert the full blocks of the prompt's first `upto` tokens (computed, or computed by the
+    step being planned: vLLM caches a chunk's blocks when it schedules it); move the lock down
+    to them, so they are protected, not evictable, while the request runs."""
     bs = cache.block_size
     keys = req.keys
     assert keys is not None and req.node is not None
-    nb = min(req.computed // bs, len(keys))
+    nb = min(upto // bs, len(keys))
     if nb <= req.node_blocks:
         return
     start = req.node_blocks

@@ -14,7 +14,6 @@ from typing import Any
 
 from prometheus_client.core import Metric
 
-from backends.cache.scopes import invalidate
 from backends.emulated.config import EngineConfig
 from backends.emulated.embedding import embed
 from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
@@ -95,7 +94,7 @@ class EmulatedSide:
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         if asked.kv_group not in (None, self.model.kv_group):
             return {"freed_blocks": 0, "locked_blocks": 0}, {}
-        done = invalidate(self.engine.cache, asked.scope)
+        done = self.engine.invalidate(asked.scope)
         events = self.engine.drain_events()
         return done._asdict(), {self.model.kv_group: events} if events else {}
 

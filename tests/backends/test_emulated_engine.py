@@ -15,7 +15,7 @@ from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine, StepResult
 from backends.emulated.request import Request, State, output_tokens
 from core.blocks import block_keys
-from core.kv_events import EventBatch
+from core.kv_events import BlockRemoved, BlockStored, EventBatch
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 
@@ -92,20 +92,62 @@ def test_a_fully_cached_prompt_still_computes_one_token() -> None:
     assert b.first_token_time - b.arrival == pytest.approx(BASE + BS / TPS, abs=1e-12)  # type: ignore[operator]
 
 
-def test_chunked_prefill_caches_each_chunk_as_it_completes() -> None:
+def test_chunked_prefill_caches_each_chunk_as_it_is_scheduled() -> None:
     engine = EmulatedEngine(config(chunk_tokens=1024))
     p = prompt(3000, 3)
     a = Request("a", p, 2, arrival=0.0)
     seen: list[int] = []
     drive(engine, [a], fine=True, on_step=lambda t, r: seen.append(len(engine.cache)))
     assert a.first_token_time == pytest.approx(3 * BASE + 3000 / TPS, abs=1e-12)
-    assert seen[:4] == [0, 64, 128, 187]  # blocks cached after each chunk (3000 // 16 = 187)
-    # arriving during a's second chunk, it is admitted when that chunk ends: two chunks hit
+    assert seen[:3] == [64, 128, 187]  # blocks cached as each chunk is planned (3000 // 16)
+    # arriving during a's second chunk, it is admitted when that chunk ends, after a's third
+    # is scheduled: it matches all of it and computes its last 8 tokens in the same step
     b = Request("b", p, 2, arrival=0.0)
     late = Request("late", p, 2, arrival=BASE + 1024 / TPS + 0.01)
     drive(EmulatedEngine(config(chunk_tokens=1024)), [b, late])
     assert late.admitted_time == pytest.approx(2 * BASE + 2048 / TPS, abs=1e-12)
-    assert late.cached_tokens == 2048
+    assert late.cached_tokens == 187 * BS
+    assert late.first_token_time == b.first_token_time
+    assert b.first_token_time == pytest.approx(3 * BASE + (3000 + 8) / TPS, abs=1e-12)
+
+
+def test_requests_sharing_a_prefix_in_one_step_compute_it_once() -> None:
+    # vLLM caches a chunk's blocks when it schedules it: requests admitted after it in the
+    # same step reuse them (each layer writes its KV before attention reads it)
+    engine = EmulatedEngine(config())
+    shared = prompt(320, 40)  # 20 blocks
+    reqs = [Request(i, shared + prompt(50, 41 + i), 3, arrival=0.0) for i in range(4)]
+    events: list[StepResult] = []
+    drive(engine, reqs, on_step=lambda t, r: events.append(r))
+    assert [r.cached_tokens for r in reqs] == [0, 320, 320, 320]
+    step = BASE + (370 + 3 * 50) / TPS  # one forward pass: the prefix once, four tails
+    assert all(r.first_token_time == pytest.approx(step, abs=1e-12) for r in reqs)
+    assert engine.prompt_tokens == 4 * 370 and engine.cached_tokens == 3 * 320
+    # the prefix is announced once, when the step that computes it ends
+    stored = [e for r in events for e in r.events if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in stored[:4]] == [23, 3, 3, 3]
+    assert not events[0].events and events[1].events[:4] == stored[:4]
+
+
+def test_a_chunk_is_matchable_at_once_but_announced_when_its_step_ends() -> None:
+    engine = EmulatedEngine(config(chunk_tokens=256))
+    a = Request("a", prompt(600, 50), 2, arrival=0.0)
+    engine.submit(a)
+    first = engine.step(0.0)  # plans a's first chunk
+    engine.check()
+    assert len(engine.cache) == 16 and not first.events  # cached, not yet announced
+    second = engine.step(engine.next_time())  # type: ignore[arg-type]
+    engine.check()
+    announced = [e for e in second.events if isinstance(e, BlockStored)]
+    assert [len(e.block_hashes) for e in announced] == [16]  # the first chunk's, not the second's
+    assert len(engine.cache) == 32
+    # an invalidation in the middle of a step announces the step's blocks first
+    engine.invalidate(None)
+    drained = engine.drain_events()
+    assert [type(e) for e in drained] == [BlockStored, BlockRemoved]
+    assert set(drained[1].block_hashes) == {*announced[0].block_hashes, *drained[0].block_hashes}
+    drive(engine, [])
+    assert a.state is State.FINISHED and engine.cache.allocated_tokens == 0
 
 
 def test_decode_steps_grow_with_the_batch() -> None:
@@ -269,7 +311,8 @@ def test_kv_events_rebuild_exactly_the_cache_in_the_mirror() -> None:
     for i in range(300):
         p = prefixes[rng.randrange(6)] + prompt(rng.randrange(1, 200), 1000 + i)
         salt = rng.choice([None, None, "tenant-a", "tenant-b"])
-        reqs.append(Request(i, p, rng.randrange(1, 120), salt, arrival=i * 0.02))
+        # in bursts of 4: requests sharing a prefix are often planned into one step
+        reqs.append(Request(i, p, rng.randrange(1, 120), salt, arrival=i // 4 * 0.08))
     seq = 0
     stored = removed = 0
 
@@ -280,9 +323,12 @@ def test_kv_events_rebuild_exactly_the_cache_in_the_mirror() -> None:
             removed += sum(type(e).__name__ == "BlockRemoved" for e in result.events)
             mirror.apply(seq, EventBatch(t, result.events), t)
             seq += 1
-        assert index.residency("w", "g") == engine.cache.keys()
+        # the blocks the step in flight caches are announced when it ends
+        in_flight = {k for _, _, keys, _, _ in engine._held for k in keys}
+        assert index.residency("w", "g") == engine.cache.keys() - in_flight
 
     drive(engine, reqs, on_step=apply)
+    assert index.residency("w", "g") == engine.cache.keys()
     assert stored and removed and engine.cache.stats().evicted_blocks > 0
     assert mirror.stats().skipped_orphans == mirror.stats().skipped_unkeyable == 0
     assert any(r.cache_salt and r.cached_tokens for r in reqs)  # salted roots travel too
