@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import httpx
+import openai
+
+from tests.processes import wait_for
+from urc.processes import Child, start_gateway, start_worker
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
@@ -27,3 +34,23 @@ def route(response: httpx.Response) -> dict[str, str]:
 def best_match(gateway: str, body: dict) -> int:
     plan = httpx.post(f"{gateway}/admin/route", json=body, headers=ADMIN, timeout=5).json()
     return max(c["matched_tokens"] for c in plan["candidates"])
+
+
+@contextlib.contextmanager
+def gateway_fleet(n: int, *gateway_args: str) -> Iterator[tuple[str, list[Child]]]:
+    """A gateway in front of `n` emulated workers, once it follows every worker's KV events."""
+    workers = [start_worker() for _ in range(n)]
+    gateway = None
+    try:
+        gateway = start_gateway([w.url for w in workers], *gateway_args)
+        assert wait_for(lambda: all_exact(gateway.url, n), 20)
+        yield gateway.url, workers
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        for w in workers:
+            w.stop()
+
+
+def openai_client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)

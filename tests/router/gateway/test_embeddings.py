@@ -9,34 +9,21 @@ import math
 from collections.abc import Iterator
 
 import httpx
-import openai
 import pytest
 
 from backends.emulated.embedding import EMBEDDING_SIZE
-from tests.gateway import all_exact, route
+from tests.gateway import all_exact, gateway_fleet, route
+from tests.gateway import openai_client as client
 from tests.processes import running_worker, wait_for
-from urc.processes import Child, start_gateway, start_worker
+from urc.processes import Child, start_gateway
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[str, list[Child]]]:
-    workers = [start_worker() for _ in range(2)]
-    gateway = None
-    try:
-        gateway = start_gateway([w.url for w in workers], "--admin-key", "admin-secret")
-        assert wait_for(lambda: all_exact(gateway.url, 2), 20)
-        yield gateway.url, workers
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for w in workers:
-            w.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    with gateway_fleet(2, "--admin-key", "admin-secret") as running:
+        yield running
 
 
 def norm(vector: list[float]) -> float:

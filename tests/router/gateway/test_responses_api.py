@@ -10,12 +10,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
-from tests.gateway import all_exact, best_match, route
+from tests.gateway import all_exact, best_match, gateway_fleet, route
+from tests.gateway import openai_client as client
 from tests.processes import wait_for
-from urc.processes import Child, start_gateway, start_worker
+from urc.processes import Child, start_gateway
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,21 +26,8 @@ SYSTEM = ("You are the assistant of a library that answers questions about its c
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[tuple[str, list[Child]]]:
-    workers = [start_worker() for _ in range(2)]
-    gateway = None
-    try:
-        gateway = start_gateway([w.url for w in workers], "--admin-key", "admin-secret")
-        assert wait_for(lambda: all_exact(gateway.url, 2), 20)
-        yield gateway.url, workers
-    finally:
-        if gateway is not None:
-            gateway.stop()
-        for w in workers:
-            w.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+    with gateway_fleet(2, "--admin-key", "admin-secret") as running:
+        yield running
 
 
 def test_a_responses_request_reuses_the_prefix_a_chat_request_left(fleet) -> None:
