@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from simulation.report import MISSING, markdown_table
+from simulation.report import MISSING, markdown_table, plot_cdf, save_figure
 
 
 def hit_rate_over_time(requests: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[float]]:
@@ -31,7 +31,7 @@ def hit_rate_over_time(requests: Sequence[Mapping[str, Any]]) -> tuple[list[floa
 
 
 def ttfts_ms(requests: Sequence[Mapping[str, Any]]) -> list[float]:
-    return sorted(r["ttft_s"] * 1e3 for r in requests if r.get("error") is None and r.get("ttft_s"))
+    return [r["ttft_s"] * 1e3 for r in requests if r.get("error") is None and r.get("ttft_s")]
 
 
 def write_plots(out: Path, results: Mapping[str, Mapping[str, Any]]) -> list[Path]:
@@ -52,26 +52,16 @@ def write_plots(out: Path, results: Mapping[str, Mapping[str, Any]]) -> list[Pat
     ax.set_title("Hit rate over time (cumulative)")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    paths.append(_save(fig, out / "hit_rate.png", plt))
+    paths.append(Path(save_figure(fig, out / "hit_rate.png", plt)))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, summary in results.items():
-        xs = ttfts_ms(summary.get("requests", []))
-        if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    plot_cdf(ax, {name: ttfts_ms(s.get("requests", [])) for name, s in results.items()})
     ax.set(xlabel="time to first token (ms)", ylabel="fraction of requests")
     ax.set_title("TTFT CDF")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    paths.append(_save(fig, out / "ttft_cdf.png", plt))
+    paths.append(Path(save_figure(fig, out / "ttft_cdf.png", plt)))
     return paths
-
-
-def _save(fig: Any, path: Path, plt: Any) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def verdict(results: Mapping[str, Mapping[str, Any]], ours: str, other: str) -> str:

@@ -202,15 +202,12 @@ def write_plots(
 
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, values in ttfts.items():
-        xs = sorted(v for v in values if not math.isnan(v) and v > 0)
-        if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+    plot_cdf(ax, ttfts)
     ax.set(xscale="log", xlabel="time to first token (s)", ylabel="fraction of requests")
     ax.set_title("TTFT CDF")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    paths.append(_save(fig, out / "ttft_cdf.png", plt))
+    paths.append(save_figure(fig, out / "ttft_cdf.png", plt))
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, s in series.items():
@@ -222,7 +219,7 @@ def write_plots(
     ax.set(xlabel="time (s)", ylabel="hit rate (% of prompt tokens)", title="Hit rate over time")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    paths.append(_save(fig, out / "hit_rate.png", plt))
+    paths.append(save_figure(fig, out / "hit_rate.png", plt))
 
     n = max(1, len(series))
     fig, axes = plt.subplots(n, 1, figsize=(7, 2.4 * n), sharex=True, squeeze=False)
@@ -236,11 +233,20 @@ def write_plots(
     if len(next(iter(series.values()), {}).get("in_flight", {})) <= 16:
         axes[0, 0].legend(fontsize=6, ncol=4)
     fig.suptitle("Requests in flight per worker")
-    paths.append(_save(fig, out / "worker_load.png", plt))
+    paths.append(save_figure(fig, out / "worker_load.png", plt))
     return paths
 
 
-def _save(fig: Any, path: Path, plt: Any) -> str:
+def plot_cdf(ax: Any, curves: Mapping[str, Sequence[float]]) -> None:
+    """One step curve per name on `ax`: the fraction of its values at or below x (nan and values
+    <= 0, which never happened, left out)."""
+    for name, values in curves.items():
+        xs = sorted(v for v in values if not math.isnan(v) and v > 0)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=name)
+
+
+def save_figure(fig: Any, path: Path, plt: Any) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -54,3 +54,14 @@ def gateway_fleet(n: int, *gateway_args: str) -> Iterator[tuple[str, list[Child]
 
 def openai_client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+def assert_400s(base: str, path: str, cases: list[tuple[dict, str]], worker: bool) -> None:
+    """Each (body, param) of `cases` POSTed to `base` is a 400 naming `param` (a worker, which
+    serves its first model when none is named, skips the 'model' cases)."""
+    for body, param in cases:
+        if worker and param == "model":
+            continue
+        answer = httpx.post(f"{base}{path}", json=body, timeout=10)
+        assert answer.status_code == 400, (body, answer.text)
+        assert answer.json()["error"]["param"] == param, (body, answer.text)

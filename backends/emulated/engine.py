@@ -41,11 +41,6 @@ class StepResult:
         self.events: list[KVEvent] = []  # the cache's changes, in order
 
 
-# blocks cached while a step was planned, as the cache announced them: (kv_group, parent, keys,
-# tokens, salt)
-Held = tuple[str, int | None, list[int], list[int] | None, str | None]
-
-
 class EngineLoad(NamedTuple):
     running: int
     waiting: int
@@ -82,8 +77,9 @@ class EmulatedEngine:
         # the head that last did not fit: it, the room it needed, the blocks it matched
         self._stuck: tuple[Request, int, int] | None = None
         self._queued_prefill = 0
-        # the blocks the step in flight caches: announced (BlockStored) when it ends
-        self._held: list[Held] = []
+        # the BlockStored of the blocks the step in flight caches: announced when it ends
+        self._held: list[KVEvent] = []
+        self._planning = False  # the cache's stores now are a step's: held
         self.finished_requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
@@ -102,7 +98,7 @@ class EmulatedEngine:
         if tokens is None:
             assert not self.config.event_tokens, "events need the blocks' tokens"
             tokens = []
-        self._events.append(
+        (self._held if self._planning else self._events).append(
             BlockStored(
                 cast(list[BlockHash], keys),
                 parent,
@@ -116,22 +112,9 @@ class EmulatedEngine:
     def _on_removed(self, kv_group: str, keys: list[int]) -> None:
         self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_GPU))
 
-    def _hold_stored(
-        self,
-        kv_group: str,
-        parent: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        salt: str | None,
-    ) -> None:
-        self._held.append((kv_group, parent, keys, tokens, salt))
-
     def _release(self) -> None:
         """Announce the blocks the step now ending cached, in the order they were cached."""
-        stored = self.cache.on_stored
-        if stored is not None:
-            for group, parent, keys, tokens, salt in self._held:
-                stored(group, parent, keys, tokens, salt)
+        self._events.extend(self._held)
         self._held = []
 
     def invalidate(self, scope: SaltTest | None) -> Invalidated:
@@ -342,12 +325,11 @@ class EmulatedEngine:
         """Plan the next step. The blocks its chunks cache are matchable at once but announced
         when the step ends, as vLLM publishes a step's BlockStored after its forward pass
         (docs/workers.md); evictions are announced at once, as before."""
-        cache = self.cache
-        stored = cache.on_stored
-        if stored is not None:
-            cache.on_stored = self._hold_stored
-        self._schedule(now, result)
-        cache.on_stored = stored
+        self._planning = True
+        try:
+            self._schedule(now, result)
+        finally:
+            self._planning = False
 
     def _schedule(self, now: float, result: StepResult) -> None:
         """Chunks for the prefills already running (admission order), then admissions from the

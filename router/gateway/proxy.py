@@ -11,11 +11,12 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from core.errors import APIError
+from core.logs import REQUEST_ID_HEADER
 from router.dispatch import LoadShare, dispatch
 from router.gateway.access import RequestNote
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
-from router.gateway.reply import Headers, Reply
+from router.gateway.reply import Headers, Reply, request_id_line
 from router.gateway.routing import Plan
 from router.gateway.upstream import UpstreamError, UpstreamResponse
 
@@ -29,7 +30,7 @@ _DROPPED_HEADERS = {
     "transfer-encoding",
     "connection",
     "content-encoding",
-    "x-request-id",
+    REQUEST_ID_HEADER,
 }
 
 
@@ -85,7 +86,7 @@ class Proxy:
         worker's 5xx counts against no worker's health and gets one other worker tried.
         `note`: what the access log and tracing want to know (None: both off)."""
         t0 = time.monotonic()
-        request_id = b"x-request-id: %s\r\n" % reply.request_id.encode()
+        request_id = request_id_line(reply.request_id)
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
         for worker in plan.ranked():

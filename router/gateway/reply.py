@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from core.logs import REQUEST_ID_HEADER
+
 if TYPE_CHECKING:
     from router.gateway.connection import FrontProtocol
 
 Headers = list[tuple[str, str]]
-REQUEST_ID_HEADER = "x-request-id"
 JSON_HEADERS = [("Content-Type", "application/json")]
 
 
@@ -63,14 +64,22 @@ async def _written(write: Awaitable[None]) -> bool:
     return True
 
 
+_REQUEST_ID_NAME = REQUEST_ID_HEADER.encode()
+
+
+def request_id_line(request_id: str) -> bytes:
+    """The `x-request-id` header line (a valid id is printable ASCII: nothing to escape)."""
+    return b"%s: %s\r\n" % (_REQUEST_ID_NAME, request_id.encode())
+
+
 _STATUS_LINES = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 
 
 def _head(status: int, headers: Headers, extra: bytes, request_id: str) -> bytes:
     lines = [_STATUS_LINES.get(status) or b"HTTP/1.1 %d Unknown\r\n" % status]
     lines += [f"{key}: {value}\r\n".encode("latin-1") for key, value in headers]
-    if request_id:  # printable ASCII (core/logs.py): nothing to escape
-        lines.append(b"x-request-id: %s\r\n" % request_id.encode())
+    if request_id:
+        lines.append(request_id_line(request_id))
     lines.append(extra)
     return b"".join(lines)
 
