@@ -12,6 +12,7 @@ import msgspec
 
 BlockHash = int | bytes
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"  # a host-memory tier (vLLM's offloading connector, our workers' host tier)
 
 
 class KVEventDecodeError(ValueError):

@@ -9,6 +9,14 @@ from typing import NamedTuple, cast
 from router.residency import ResidencyTree, _bits
 from router.run_tree import Run
 
+HOST_TIER = "@host"  # a kv_group's blocks in workers' host tiers are resident under this name
+
+
+def host_group(kv_group: str) -> str:
+    """The resident name of `kv_group`'s blocks held in a worker's host tier (docs/tiers.md):
+    its own residency, beside the GPU tier's, in the one tree."""
+    return kv_group + HOST_TIER
+
 
 class IndexStats(NamedTuple):
     blocks: int  # keys in the tree

@@ -8,8 +8,15 @@ from collections.abc import Callable, Collection, Hashable
 from typing import NamedTuple
 
 from core.blocks import chain_keys, namespace, parent_prefix, salted_after
-from core.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
-from router.index import UnifiedIndex
+from core.kv_events import (
+    MEDIUM_CPU,
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
+from router.index import UnifiedIndex, host_group
 
 LoraId = int | str | None
 
@@ -68,7 +75,8 @@ def _engine_salt(ev: BlockStored) -> str | None:
 class WorkerMirror:
     """Applies one worker's event batches to `index` under `worker`. `kv_group` names the group
     of its base model, or maps an event's LoRA (lora_name, else lora_id, else None) to one.
-    `block_size` (None: trust the event's) must be the one the gateway keys prompts with."""
+    `block_size` (None: trust the event's) must be the one the gateway keys prompts with.
+    Blocks of `medium` "CPU" (a host tier) are resident under `host_group(kv_group)`."""
 
     def __init__(
         self,
@@ -77,7 +85,7 @@ class WorkerMirror:
         kv_group: str | Callable[[LoraId], str],
         block_size: int | None = None,
         *,
-        media: Collection[str | None] = frozenset({"GPU", None}),
+        media: Collection[str | None] = frozenset({"GPU", MEDIUM_CPU, None}),
         cache_groups: Collection[int | None] = frozenset({None, 0}),
         dedup_window: int = 2048,
     ) -> None:
@@ -99,6 +107,8 @@ class WorkerMirror:
         self._keys: dict[BlockHash, int] = {}
         # engine hash -> (our key, kv_group), for blocks of any other group (LoRA adapters)
         self._other: dict[BlockHash, tuple[int, str]] = {}
+        # engine hash -> (our key, kv_group) of host-tier blocks not keyed as ours (all groups)
+        self._host: dict[BlockHash, tuple[int, str]] = {}
         self._recent: dict[int, int] = {}  # seq -> fingerprint of the applied batch
         self._groups: set[str] = {self.base_group}  # every kv_group this stream has fed
         self.last_seq: int | None = None
@@ -157,6 +167,7 @@ class WorkerMirror:
         self._groups = {self.base_group}
         self._keys.clear()
         self._other.clear()
+        self._host.clear()
 
     def _record(self, seq: int, fingerprint: int) -> None:
         recent = self._recent
@@ -180,7 +191,8 @@ class WorkerMirror:
         self._record(seq, _fingerprint(batch))
 
     def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
-        """Our key and kv_group of a block this worker holds, None when we do not know it."""
+        """Our key and kv_group of a block this worker holds in either tier, None when we do
+        not know it."""
         other = self._other.get(engine_hash)
         if other is not None:
             return other
@@ -189,6 +201,13 @@ class WorkerMirror:
             return key, self.base_group
         if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, self.base_group):
             return engine_hash, self.base_group  # our own hashing: the engine hash is our key
+        hosted = self._host.get(engine_hash)
+        if hosted is not None:
+            return hosted
+        base = self.base_group
+        hosts = host_group(base)
+        if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, hosts):
+            return engine_hash, base  # ours, in the host tier
         return None
 
     def _stored(self, ev: BlockStored, now: float) -> None:
@@ -225,11 +244,16 @@ class WorkerMirror:
             if n == 0:
                 return
         keys = chain_keys(ev.token_ids[: n * bs], bs, first)
-        self._groups.add(group)
-        self._remember(hashes[:n], keys, group)
+        resident = group
+        if ev.medium == MEDIUM_CPU:
+            resident = host_group(group)
+            self._remember_host(hashes[:n], keys, group)
+        else:
+            self._remember(hashes[:n], keys, group)
+        self._groups.add(resident)
         if salt:  # ours, or vLLM's root-block extra key
             self.index.tag_namespace(keys[0], salt)
-        self.blocks_stored += self.index.insert(keys, self.worker, group, now, parent=parent)
+        self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
 
     def _plain_prefix(self, ev: BlockStored, salt: str | None) -> int:
         """How many leading blocks were hashed from their tokens alone (plus LoRA and salt,
@@ -269,6 +293,28 @@ class WorkerMirror:
             else:
                 mapped[h] = key
 
+    def _remember_host(self, hashes: list[BlockHash], keys: list[int], group: str) -> None:
+        host = self._host
+        identity = group == self.base_group
+        for h, key in zip(hashes, keys, strict=True):
+            if identity and h == key:
+                host.pop(h, None)  # our own hashing: identity needs no entry
+            else:
+                host[h] = (key, group)
+
+    def _removed_host(self, ev: BlockRemoved) -> None:
+        by_group: dict[str, list[int]] = {}
+        base = self.base_group
+        for h in ev.block_hashes:
+            known = self._host.pop(h, None)
+            if known is None:
+                if type(h) is not int:
+                    continue  # never seen: nothing to remove
+                known = (h, base)
+            by_group.setdefault(known[1], []).append(known[0])
+        for group, keys in by_group.items():
+            self.blocks_removed += self.index.remove(keys, self.worker, host_group(group))
+
     def _forget_other_key(self, engine_hash: BlockHash, key: int) -> None:
         """An engine hash stored again under another key (should not happen): drop the old."""
         old = self._other.get(engine_hash)
@@ -281,6 +327,9 @@ class WorkerMirror:
 
     def _removed(self, ev: BlockRemoved) -> None:
         if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
+            return
+        if ev.medium == MEDIUM_CPU:
+            self._removed_host(ev)
             return
         removed = 0
         base_keys: list[int] = []

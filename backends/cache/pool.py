@@ -16,6 +16,8 @@ from typing import cast
 from backends.cache.nodes import Run, Tree
 
 RemovedCallback = Callable[[str, list[int]], None]  # (kv_group, keys)
+# (run, keep): eviction is about to drop run.keys[keep:] (their pages still hold their KV)
+EvictCallback = Callable[[Run, int], None]
 
 
 class Pool:
@@ -37,6 +39,7 @@ class Pool:
             raise ValueError("a paged cache needs one page id per block of its capacity")
         self.page_ids = None if page_ids is None else list(page_ids)  # the free pages: a stack
         self.on_removed = on_removed
+        self.on_evict: EvictCallback | None = None  # a host tier demotes what eviction drops
         self.free_tokens = self.capacity_tokens
         self.evictable_tokens = 0
         self.protected_tokens = 0
@@ -135,6 +138,8 @@ class Pool:
             removed.extend(gone)
             parent = run.parent
             assert parent is not None
+            if self.on_evict is not None:
+                self.on_evict(run, len(run_keys) - take)
             self._cut_tail(run, take)
             self._relist(parent)
             blocks -= take
