@@ -109,6 +109,9 @@ class WorkerMirror:
         self._other: dict[BlockHash, tuple[int, str]] = {}
         # engine hash -> (our key, kv_group) of host-tier blocks not keyed as ours (all groups)
         self._host: dict[BlockHash, tuple[int, str]] = {}
+        # engine hash -> host-tier announcements beyond the first: vLLM's self-describing
+        # offload events repeat a hash once per chunk that holds it, and remove it as often
+        self._host_repeats: dict[BlockHash, int] = {}
         self._recent: dict[int, int] = {}  # seq -> fingerprint of the applied batch
         self._groups: set[str] = {self.base_group}  # every kv_group this stream has fed
         self.last_seq: int | None = None
@@ -168,6 +171,7 @@ class WorkerMirror:
         self._keys.clear()
         self._other.clear()
         self._host.clear()
+        self._host_repeats.clear()
 
     def _record(self, seq: int, fingerprint: int) -> None:
         recent = self._recent
@@ -247,6 +251,7 @@ class WorkerMirror:
         resident = group
         if ev.medium == MEDIUM_CPU:
             resident = host_group(group)
+            self._count_repeats(hashes[:n], keys, resident)
             self._remember_host(hashes[:n], keys, group)
         else:
             self._remember(hashes[:n], keys, group)
@@ -302,10 +307,25 @@ class WorkerMirror:
             else:
                 host[h] = (key, group)
 
+    def _count_repeats(self, hashes: list[BlockHash], keys: list[int], resident: str) -> None:
+        """Count the blocks announced to the host tier again while held there."""
+        index, worker, repeats = self.index, self.worker, self._host_repeats
+        for h, key in zip(hashes, keys, strict=True):
+            if index.holds(key, worker, resident):
+                repeats[h] = repeats.get(h, 0) + 1
+
     def _removed_host(self, ev: BlockRemoved) -> None:
         by_group: dict[str, list[int]] = {}
         base = self.base_group
+        repeats = self._host_repeats
         for h in ev.block_hashes:
+            left = repeats.get(h)
+            if left is not None:  # announced more often than removed so far: still held
+                if left > 1:
+                    repeats[h] = left - 1
+                else:
+                    del repeats[h]
+                continue
             known = self._host.pop(h, None)
             if known is None:
                 if type(h) is not int:

@@ -159,3 +159,23 @@ def test_an_unpaged_tier_counts_room_only() -> None:
     gpu.unlock(node)
     check(gpu)
     host.check()
+
+
+def test_repeated_host_announcements_are_counted() -> None:
+    """vLLM's self-describing offload events announce a hash once per chunk holding it (engine
+    hashes, not our keys), and remove it as often: held until the last removal."""
+    index = UnifiedIndex()
+    mirror = WorkerMirror(index, "w", "m", BS)
+    tokens = list(range(3 * BS))
+    keys = block_keys(tokens, BS)
+    hashes: list[int | bytes] = [b"h0", b"h1", b"h2"]
+    gpu = BlockStored(hashes, None, tokens, BS, medium=MEDIUM_GPU)
+    first = BlockStored(hashes[:2], None, tokens[: 2 * BS], BS, medium=MEDIUM_CPU)
+    second = BlockStored(hashes[1:], b"h0", tokens[BS:], BS, medium=MEDIUM_CPU)
+    mirror.apply(0, EventBatch(0.0, [gpu, first, second]), 0.0)
+    assert index.residency("w", host_group("m")) == set(keys)
+    mirror.apply(1, EventBatch(1.0, [BlockRemoved(hashes[:2], MEDIUM_CPU)]), 1.0)
+    assert index.residency("w", host_group("m")) == set(keys[1:]), "h1 still in a chunk"
+    mirror.apply(2, EventBatch(2.0, [BlockRemoved(hashes[1:], MEDIUM_CPU)]), 2.0)
+    assert index.residency("w", host_group("m")) == set()
+    assert index.residency("w", "m") == set(keys), "the GPU tier untouched"
