@@ -69,7 +69,10 @@ def ttft(engine: TorchEngine, prompt: list[int], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bench_ttft(loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int) -> None:
+def bench_ttft(
+    loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int
+) -> tuple[float, float]:
+    """Cold and warm (prefix cached) TTFT, seconds."""
     rng = random.Random(0)
     vocab = min(loaded.config.vocab_size, 256)
     pages = 4 * (prefix_len // 16 + 8) * repeats
@@ -86,11 +89,15 @@ def bench_ttft(loaded: LoadedModel, device: torch.device, prefix_len: int, repea
     print(f"  cold {c * 1e3:9.2f} ms")
     print(f"  warm {w * 1e3:9.2f} ms   (prefix cached)")
     print(f"  ratio {c / w:7.1f}x   (target >= 10x)")
+    return c, w
 
 
-def bench_tiers(loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int) -> None:
+def bench_tiers(
+    loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int
+) -> dict[str, float]:
     """One prefix's TTFT recomputed, then from the GPU tier, then (pushed out of a GPU pool that
-    holds one prompt by another prompt) promoted from the host tier; and the copy alone."""
+    holds one prompt by other prompts) promoted from the host tier; and the copy alone.
+    Returns seconds by name ("recomputed", "host", "gpu", "copy")."""
     rng = random.Random(3)
     vocab = min(loaded.config.vocab_size, 256)
     size = 16
@@ -121,6 +128,7 @@ def bench_tiers(loaded: LoadedModel, device: torch.device, prefix_len: int, repe
     copy = bench_copy(state.memory.layout, device, promoted or 1, repeats)
     rate = promoted * page_mib / 1024 / copy
     print(f"  the promotion's copy alone {copy * 1e3:7.2f} ms   ({rate:.2f} GiB/s)")
+    return {"recomputed": r, "host": h, "gpu": g, "copy": copy}
 
 
 def bench_copy(layout: KVLayout, device: torch.device, pages: int, repeats: int) -> float:
@@ -139,11 +147,13 @@ def bench_copy(layout: KVLayout, device: torch.device, pages: int, repeats: int)
 
 def bench_throughput(
     loaded: LoadedModel, device: torch.device, prompt_len: int, out_len: int, seconds: float
-) -> None:
+) -> dict[int, float]:
+    """Output tokens/s by requests in flight."""
     rng = random.Random(1)
     vocab = min(loaded.config.vocab_size, 256)
     print(f"\nOutput tokens/s, closed loop, {prompt_len}-token prompts, {out_len} tokens out")
     base = None
+    rates: dict[int, float] = {}
     for concurrency in (1, 8, 32):
         pages = concurrency * ((prompt_len + out_len) // 16 + 2) + 8
         engine = engine_for({"m": loaded}, pages, chunk=max(512, prompt_len), running=concurrency)
@@ -167,7 +177,9 @@ def bench_throughput(
         sync(device)
         rate = tokens / (time.perf_counter() - start)
         base = base or rate
+        rates[concurrency] = rate
         print(f"  {concurrency:3d} in flight  {rate:10.1f} tok/s   {rate / base:5.1f}x of 1")
+    return rates
 
 
 def mix(shares: dict[str, float], requests: int) -> list[tuple[str, list[int]]]:

@@ -7,12 +7,15 @@ rebuild both tiers of every kv_group after every step; invalidation reaches the 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
+from backends.torch_worker.attention import flashinfer
 from backends.torch_worker.engine import EngineConfig, TorchEngine
 from backends.torch_worker.loader import LoadedModel, load_model
+from backends.torch_worker.model import PRESETS
 from backends.torch_worker.request import Request, SamplingParams
 from backends.torch_worker.scheduler import PoolState, SchedulerConfig
 from core.blocks import salt_scope
@@ -24,6 +27,8 @@ from tests.backends.test_engine_correctness import Job, assert_same
 torch.set_num_threads(2)
 CPU = torch.device("cpu")
 WORKER = "torch-0"
+# tiny with a head size FlashInfer's kernels take
+PRESETS.setdefault("tiny-hd64", replace(PRESETS["tiny"], hidden_size=128, head_dim=64))
 
 
 @pytest.fixture(scope="module")
@@ -77,20 +82,25 @@ class Mirrored:
 
 
 def run(
-    served: dict[str, LoadedModel], jobs: list[Job], num_pages: int, host_tokens: int | None
+    served: dict[str, LoadedModel],
+    jobs: list[Job],
+    num_pages: int,
+    host_tokens: int | None,
+    attention: str = "torch",
 ) -> tuple[list[Request], TorchEngine]:
     """`host_tokens` None: no prefix cache at all (the baseline)."""
     scheduler = SchedulerConfig(chunk_size=32, max_running=6, prefix_cache=host_tokens is not None)
     config = EngineConfig(
         num_pages=num_pages,
         host_capacity_tokens=host_tokens or 0,
+        attention=attention,
         record_logits=True,
         scheduler=scheduler,
     )
     engine = TorchEngine(served, config)
     pool = next(iter(engine.pools.values()))
     for kv in [pool.memory.kv] + ([pool.host_memory.kv] if pool.host_memory else []):
-        kv.normal_(0.0, 1e4, generator=torch.Generator().manual_seed(0))  # stale K/V
+        kv.normal_(0.0, 1e4, generator=torch.Generator(kv.device).manual_seed(0))  # stale K/V
     view = Mirrored(engine)
     reqs = [
         engine.new_request(j.model, j.prompt, SamplingParams(j.max_tokens, ignore_eos=True), j.salt)
@@ -163,3 +173,23 @@ def test_a_demoted_prefix_is_promoted_and_invalidation_reaches_the_host(tiny: Lo
     assert done.freed_blocks >= 4
     assert finish(engine, secret + [5], "t.a").cached_tokens == 0
     assert finish(engine, other + [6]).cached_tokens == 64  # unsalted: untouched
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("attention", "dtype"), [("torch", "float32"), ("flashinfer", "float16")])
+def test_the_pinned_host_tier_on_cuda(attention: str, dtype: str) -> None:
+    """On CUDA, the host pool pinned: outputs with the tier equal outputs without any cache
+    (logits to 1e-4 in float32; FlashInfer runs in half precision, outputs only)."""
+    if attention == "flashinfer" and flashinfer is None:
+        pytest.skip("flashinfer is not installed")
+    gpu = load_model("tiny-hd64", device=torch.device("cuda"), dtype=dtype)
+    jobs = workload(seed=7, n=40)
+    baseline, _ = run({"m": gpu}, jobs, num_pages=400, host_tokens=None, attention=attention)
+    tiered, engine = run({"m": gpu}, jobs, num_pages=16, host_tokens=3200, attention=attention)
+    if dtype == "float32":
+        assert_same(tiered, baseline)
+    else:
+        assert [r.output for r in tiered] == [r.output for r in baseline]
+    pool = next(iter(engine.pools.values()))
+    assert pool.host is not None and pool.host_memory is not None
+    assert pool.host_memory.kv.is_pinned() and pool.host.stats().promoted_blocks > 0
