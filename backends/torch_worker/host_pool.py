@@ -45,11 +45,15 @@ class HostPagePool:
     def copy_in(self, host_pages: list[int], gpu_pages: list[int]) -> None:
         """The KV of `host_pages` into `gpu_pages` (a promotion, before the prefill reads them)."""
         src = torch.tensor(host_pages, dtype=torch.long)
-        pages = self.kv.index_select(PAGE_DIM, src)
         device = self.gpu.kv.device
-        if self.cuda:
-            pages = pages.pin_memory()
+        if self.cuda:  # gathered straight into a pinned buffer, kept until `wait`
+            shape = list(self.kv.shape)
+            shape[PAGE_DIM] = len(host_pages)
+            pages = torch.empty(shape, dtype=self.kv.dtype, pin_memory=True)
+            torch.index_select(self.kv, PAGE_DIM, src, out=pages)
             self._staged.append(pages)
+        else:
+            pages = self.kv.index_select(PAGE_DIM, src)
         dst = torch.tensor(gpu_pages, dtype=torch.long, device=device)
         self.gpu.kv.index_copy_(PAGE_DIM, dst, pages.to(device, non_blocking=True))
         self.copied_in_pages += len(host_pages)
@@ -59,9 +63,6 @@ class HostPagePool:
         if self._staged:
             torch.cuda.current_stream(self.gpu.kv.device).synchronize()
             self._staged.clear()
-
-    def page_bytes(self) -> int:
-        return self.layout.page_bytes()
 
 
 def make_host_tier(
