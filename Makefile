@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: run test test-vllm lint bench venv clean
+.PHONY: run test test-vllm gpu-check lint bench venv clean
 
 venv: $(STAMP)
 
@@ -48,6 +48,11 @@ test: $(STAMP)
 test-vllm: $(STAMP) $(VLLM_STAMP)
 	URC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests/backends/test_vllm_engines.py tests/backends/test_vllm_epp.py
 
+# On a machine with an NVIDIA GPU, as it comes: its own venvs (CUDA torch, FlashInfer, vLLM),
+# cache on = off on CUDA, TTFTs per KV tier, tokens/s against vLLM; one table (bench/gpu_check.sh)
+gpu-check:
+	PYTHON=$(PYTHON) TORCH_VERSION=$(TORCH_VERSION) bench/gpu_check.sh
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -56,5 +61,5 @@ bench: $(STAMP)
 	$(PY) bench/index_bench.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .venv-gpu .venv-gpu-vllm build *.egg-info
 	find core router backends simulation -name '*.so' -delete

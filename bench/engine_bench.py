@@ -1,8 +1,9 @@
 """The torch engine's numbers, each against a baseline measured in the same run.
 
-    python bench/engine_bench.py [--model llama-3.2-1b --device cuda] [--skip ttft,tps,pool]
+    python bench/engine_bench.py [--model llama-3.2-1b --device cuda] [--skip ttft,tiers,tps,pool]
 
-Cached vs cold TTFT, batching, a shared page pool vs a split; no HTTP (docs/benchmarks.md)."""
+Cached vs cold TTFT, TTFT per KV tier (GPU, host, recomputed), batching, a shared page pool vs
+a split; no HTTP (docs/benchmarks.md)."""
 
 import argparse
 import random
@@ -14,8 +15,10 @@ import harness  # noqa: F401  (puts the repository root on sys.path)
 import torch
 
 from backends.torch_worker.engine import EngineConfig, TorchEngine, default_device
+from backends.torch_worker.host_pool import HostPagePool
 from backends.torch_worker.loader import LoadedModel, load_model
 from backends.torch_worker.model import PRESETS
+from backends.torch_worker.paging import KVLayout, PagePool
 from backends.torch_worker.request import Request, SamplingParams
 from backends.torch_worker.scheduler import SchedulerConfig
 
@@ -34,9 +37,12 @@ PRESETS.setdefault(
 )
 
 
-def engine_for(served: dict[str, LoadedModel], pages: int, chunk: int, running: int) -> TorchEngine:
+def engine_for(
+    served: dict[str, LoadedModel], pages: int, chunk: int, running: int, host_tokens: int = 0
+) -> TorchEngine:
     scheduler = SchedulerConfig(chunk_size=chunk, max_running=running)
-    return TorchEngine(served, EngineConfig(num_pages=pages, scheduler=scheduler))
+    config = EngineConfig(num_pages=pages, host_capacity_tokens=host_tokens, scheduler=scheduler)
+    return TorchEngine(served, config)
 
 
 def sync(device: torch.device) -> None:
@@ -63,7 +69,10 @@ def ttft(engine: TorchEngine, prompt: list[int], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bench_ttft(loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int) -> None:
+def bench_ttft(
+    loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int
+) -> tuple[float, float]:
+    """Cold and warm (prefix cached) TTFT, seconds."""
     rng = random.Random(0)
     vocab = min(loaded.config.vocab_size, 256)
     pages = 4 * (prefix_len // 16 + 8) * repeats
@@ -80,15 +89,71 @@ def bench_ttft(loaded: LoadedModel, device: torch.device, prefix_len: int, repea
     print(f"  cold {c * 1e3:9.2f} ms")
     print(f"  warm {w * 1e3:9.2f} ms   (prefix cached)")
     print(f"  ratio {c / w:7.1f}x   (target >= 10x)")
+    return c, w
+
+
+def bench_tiers(
+    loaded: LoadedModel, device: torch.device, prefix_len: int, repeats: int
+) -> dict[str, float]:
+    """One prefix's TTFT recomputed, then from the GPU tier, then (pushed out of a GPU pool that
+    holds one prompt by other prompts) promoted from the host tier; and the copy alone.
+    Returns seconds by name ("recomputed", "host", "gpu", "copy")."""
+    rng = random.Random(3)
+    vocab = min(loaded.config.vocab_size, 256)
+    size = 16
+    pages = (prefix_len + size) // size + 8  # one prompt fits, two do not
+    engine = engine_for({"m": loaded}, pages, chunk=4096, running=8, host_tokens=8 * pages * size)
+    run_one(engine, "m", [rng.randrange(vocab) for _ in range(64)], 2)  # warm up kernels
+    state = next(iter(engine.pools.values()))
+    assert state.host is not None
+    tiers: dict[str, list[float]] = {"recomputed": [], "host": [], "gpu": []}
+    promoted = 0
+    for _ in range(repeats):
+        prefix = [rng.randrange(vocab) for _ in range(prefix_len)]
+        suffix = lambda: [rng.randrange(vocab) for _ in range(size)]  # noqa: E731
+        tiers["recomputed"].append(ttft(engine, prefix + suffix(), device))
+        tiers["gpu"].append(ttft(engine, prefix + suffix(), device))
+        for _ in range(2):  # push the whole prefix out of the GPU pool
+            run_one(engine, "m", [rng.randrange(vocab) for _ in range(prefix_len + size)], 1)
+        before = state.host.promoted_blocks  # the prefix is on the host tier only now
+        tiers["host"].append(ttft(engine, prefix + suffix(), device))
+        promoted = state.host.promoted_blocks - before
+    r, h, g = (statistics.median(tiers[t]) for t in ("recomputed", "host", "gpu"))
+    page_mib = state.memory.layout.page_bytes() / 2**20
+    print(f"\nTTFT per KV tier, {prefix_len}-token prefix + {size} new (median of {repeats})")
+    print(f"  recomputed {r * 1e3:9.2f} ms")
+    print(f"  host tier  {h * 1e3:9.2f} ms   ({promoted} pages, {promoted * page_mib:.1f} MiB)")
+    print(f"  GPU tier   {g * 1e3:9.2f} ms")
+    print(f"  recomputed / host {r / h:6.1f}x   host / GPU {h / g:6.2f}x")
+    copy = bench_copy(state.memory.layout, device, promoted or 1, repeats)
+    rate = promoted * page_mib / 1024 / copy
+    print(f"  the promotion's copy alone {copy * 1e3:7.2f} ms   ({rate:.2f} GiB/s)")
+    return {"recomputed": r, "host": h, "gpu": g, "copy": copy}
+
+
+def bench_copy(layout: KVLayout, device: torch.device, pages: int, repeats: int) -> float:
+    """Median time to copy `pages` host pages into a GPU pool of `layout`, as a promotion does."""
+    memory = HostPagePool(PagePool(layout, pages + 1, device), pages)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        memory.copy_in(list(range(pages)), list(range(1, pages + 1)))
+        memory.wait()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def bench_throughput(
     loaded: LoadedModel, device: torch.device, prompt_len: int, out_len: int, seconds: float
-) -> None:
+) -> dict[int, float]:
+    """Output tokens/s by requests in flight."""
     rng = random.Random(1)
     vocab = min(loaded.config.vocab_size, 256)
     print(f"\nOutput tokens/s, closed loop, {prompt_len}-token prompts, {out_len} tokens out")
     base = None
+    rates: dict[int, float] = {}
     for concurrency in (1, 8, 32):
         pages = concurrency * ((prompt_len + out_len) // 16 + 2) + 8
         engine = engine_for({"m": loaded}, pages, chunk=max(512, prompt_len), running=concurrency)
@@ -112,7 +177,9 @@ def bench_throughput(
         sync(device)
         rate = tokens / (time.perf_counter() - start)
         base = base or rate
+        rates[concurrency] = rate
         print(f"  {concurrency:3d} in flight  {rate:10.1f} tok/s   {rate / base:5.1f}x of 1")
+    return rates
 
 
 def mix(shares: dict[str, float], requests: int) -> list[tuple[str, list[int]]]:
@@ -171,7 +238,9 @@ def main() -> None:
     parser.add_argument("--out", type=int, default=64, help="throughput output length")
     parser.add_argument("--seconds", type=float, default=4.0, help="per throughput point")
     parser.add_argument("--requests", type=int, default=600, help="per hit-rate run")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: ttft,tps,pool")
+    parser.add_argument(
+        "--skip", default="", help="parts to skip (comma list): ttft,tiers,tps,pool"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = default_device() if args.device == "auto" else torch.device(args.device)
@@ -185,6 +254,8 @@ def main() -> None:
     )
     if "ttft" not in skip:
         bench_ttft(loaded, device, args.prefix, args.repeats)
+    if "tiers" not in skip:
+        bench_tiers(loaded, device, args.prefix, args.repeats)
     if "tps" not in skip:
         bench_throughput(loaded, device, args.prompt, args.out, args.seconds)
     if "pool" not in skip:

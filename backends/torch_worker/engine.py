@@ -14,12 +14,13 @@ from backends.cache.check import check, check_locks
 from backends.cache.radix import RadixCache
 from backends.cache.scopes import Invalidated, invalidate
 from backends.torch_worker.attention import make_attention
+from backends.torch_worker.host_pool import make_host_tier
 from backends.torch_worker.loader import LoadedModel
 from backends.torch_worker.model import ModelRunner, WorkItem
 from backends.torch_worker.paging import KVLayout, PagePool, cache_blocks
 from backends.torch_worker.request import Request, SamplingParams, Status
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
-from core.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
+from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class EngineConfig:
     page_size: int = 16
     kv_cache_mb: float = 256.0  # all pools together
     num_pages: int = 0  # > 0: pages per pool, instead of the kv_cache_mb split (tests)
+    host_capacity_tokens: int = 0  # > 0: a host tier of this many tokens, all pools together
     attention: str = "auto"  # "torch", "flashinfer" or "auto"
     record_logits: bool = False  # keep every sampled row of logits on the request (tests)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -50,7 +52,8 @@ class EngineLoad(NamedTuple):
 class ModelCounters:  # per served name, for /metrics
     requests: int = 0  # finished
     prompt_tokens: int = 0  # prefix cache queries, in tokens (at first admission)
-    cached_tokens: int = 0  # prefix cache hits, in tokens
+    cached_tokens: int = 0  # prefix cache hits, in tokens (both tiers)
+    host_hit_tokens: int = 0  # of those, promoted from the host tier
     generated_tokens: int = 0
 
 
@@ -83,7 +86,12 @@ class TorchEngine:
                 on_stored=self._on_stored,
                 on_removed=self._on_removed,
             )
-            self.pools[layout] = PoolState(pool, cache)
+            state = self.pools[layout] = PoolState(pool, cache)
+            if cfg.host_capacity_tokens > 0:  # split by layout, as the GPU budget is
+                host_tokens = cfg.host_capacity_tokens // len(layouts)
+                state.host, state.host_memory = make_host_tier(
+                    pool, cache, host_tokens, self._on_host_stored, self._on_host_removed
+                )
         self.models: dict[str, ModelState] = {}
         for group, loaded in groups.items():
             attention = make_attention(cfg.attention, loaded.config, loaded.dtype, loaded.device)
@@ -112,6 +120,22 @@ class TorchEngine:
 
     def _on_removed(self, group: str, keys: list[int]) -> None:
         self._events[group].append(BlockRemoved(keys, MEDIUM_GPU))
+
+    def _on_host_stored(
+        self,
+        group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
+    ) -> None:
+        assert tokens is not None, "the GPU cache keeps the blocks' tokens"
+        size = self.config.page_size
+        stored = BlockStored(keys, parent, tokens, size, medium=MEDIUM_CPU, cache_salt=salt)
+        self._events[group].append(stored)
+
+    def _on_host_removed(self, group: str, keys: list[int]) -> None:
+        self._events[group].append(BlockRemoved(keys, MEDIUM_CPU))
 
     # -- the driver's API ----------------------------------------------------------------------
 
@@ -189,6 +213,7 @@ class TorchEngine:
             counters = self.counters[req.model]
             counters.prompt_tokens += len(req.prompt)
             counters.cached_tokens += req.cached_tokens
+            counters.host_hit_tokens += req.host_hit_tokens
         for group, events in self._events.items():
             if events:
                 result.events[group] = events
@@ -198,18 +223,23 @@ class TorchEngine:
     def invalidate(
         self, scope: Callable[[str], bool] | None, kv_group: str | None = None
     ) -> tuple[Invalidated, dict[str, list[KVEvent]]]:
-        """Drop a scope of every pool's cache: what went, and the events no step handed out yet."""
+        """Drop a scope of every pool's cache and host tier: what went (both tiers), and the
+        events no step handed out yet."""
         freed = locked = 0
         for pool in self.pools.values():
             done = invalidate(pool.cache, scope, kv_group)
             freed += done.freed_blocks
             locked += done.locked_blocks
+            if pool.host is not None:
+                freed += pool.host.invalidate(scope, kv_group)
         events = {g: e for g, e in self._events.items() if e}
         self._events = {g: [] for g in self._events}
         return Invalidated(freed, locked), events
 
     def _run(self, ms: ModelState, items: list[WorkItem], result: StepResult) -> None:
         cache = ms.pool.cache
+        if ms.pool.host_memory is not None:
+            ms.pool.host_memory.wait()  # promotions copied before the prefill reads them
         forward = ms.runner.forward(ms.pool.memory, items)
         for item in items:
             item.req.computed += item.n
@@ -262,6 +292,8 @@ class TorchEngine:
             assert len(private) == len(set(private)) == in_use, "in-use pages"
             assert not set(private) & (in_tree | set(cache.page_ids or [])), "a page held twice"
             check_locks(cache, [r.node for r in pool_state.running if r.node is not None])
+            if pool_state.host is not None:
+                pool_state.host.check()  # free + cached + pinned == capacity, pages
         for ms in self.models.values():
             for req in ms.waiting:
                 assert req.status is Status.WAITING and req.node is None and not req.pages

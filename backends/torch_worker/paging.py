@@ -1,5 +1,5 @@
 """KV pages: one preallocated, zeroed KV tensor per KV layout, cut into pages, page 0 reserved
-(docs/workers.md); and a request's pages through its life: admit (match + lock), grow, cache
+(docs/workers.md); and a request's pages through its life: admit (match, promote, lock), grow, cache
 its full blocks, release, the only code that moves pages between a request and the radix cache
 (which pages are free is the cache's business)."""
 
@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from backends.cache.host import HostTier
 from backends.cache.radix import RadixCache
 from backends.torch_worker.request import Request
 
@@ -49,27 +50,59 @@ class PagePool:
         return list(range(self.num_pages - 1, RESERVED_PAGE, -1))
 
 
-def matched_blocks(cache: RadixCache, req: Request, kv_group: str) -> int:
+def matched_blocks(
+    cache: RadixCache, req: Request, kv_group: str, host: HostTier | None = None
+) -> int:
     """The cached prefix of the request's tokens but the last (at least one token is always
-    computed: it yields the next token's logits), in blocks; marks it used, locks nothing."""
+    computed: it yields the next token's logits), in blocks, the host tier's continuation of
+    the GPU match included; marks the GPU's used, locks nothing."""
     bs = cache.block_size
     blocks = (req.num_tokens - 1) // bs
-    return cache.match(req.block_keys(blocks, bs), blocks, kv_group, req.tokens).blocks
+    keys = req.block_keys(blocks, bs)
+    matched = cache.match(keys, blocks, kv_group, req.tokens).blocks
+    if host is not None:
+        matched += host.match(keys, matched, blocks, kv_group, req.tokens)
+    return matched
 
 
-def admit(cache: RadixCache, req: Request, kv_group: str, use_cache: bool) -> None:
-    """Take the longest cached prefix of the request's tokens but the last and lock it."""
+def admit(
+    cache: RadixCache,
+    req: Request,
+    kv_group: str,
+    use_cache: bool,
+    host: HostTier | None = None,
+) -> int:
+    """Take the longest cached prefix of the request's tokens but the last and lock it; with a
+    host tier, the blocks it holds after the GPU match are promoted first (copied into GPU
+    pages, as far as the GPU has room). Returns the blocks promoted."""
     bs = cache.block_size
     assert req.node is None and not req.pages, "admitting a request that holds pages"
     node = cache.root(kv_group)
+    promoted = 0
     if use_cache:
         blocks = (req.num_tokens - 1) // bs
-        node = cache.match(req.block_keys(blocks, bs), blocks, kv_group, req.tokens).node
-    cache.lock(node)
+        keys = req.block_keys(blocks, bs)
+        match = cache.match(keys, blocks, kv_group, req.tokens)
+        node = match.node
+        cache.lock(node)
+        if host is not None:
+            node, promoted = host.promote(
+                node,
+                keys,
+                match.blocks,
+                blocks,
+                kv_group,
+                req.tokens,
+                req.cache_salt,
+                req.public_blocks,
+            )
+    else:
+        cache.lock(node)
     req.node = node
     req.pages = cache.path_pages(node)
     req.node_blocks = len(req.pages)
     req.computed = len(req.pages) * bs
+    return promoted
 
 
 def pages_needed(req: Request, n: int, page_size: int) -> int:

@@ -35,6 +35,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length" once finished
     cached_tokens: int = 0  # prompt tokens found in the cache at its first admission
+    host_hit_tokens: int = 0  # of those, the ones promoted from the host tier
     admitted: bool = False  # cached_tokens is known
     preemptions: int = 0
     # engine bookkeeping (see the module doc)

@@ -7,7 +7,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from itertools import count
 
+from backends.cache.host import HostTier
 from backends.cache.radix import RadixCache
+from backends.torch_worker.host_pool import HostPagePool
 from backends.torch_worker.loader import LoadedModel
 from backends.torch_worker.model import ModelRunner, WorkItem
 from backends.torch_worker.paging import (
@@ -28,6 +30,8 @@ class PoolState:
     memory: PagePool  # the K/V tensor
     cache: RadixCache  # which of its pages hold what
     running: list[Request] = field(default_factory=list)  # admission order
+    host: HostTier | None = None  # the host tier under the cache (docs/tiers.md)
+    host_memory: HostPagePool | None = None  # its K/V tensor
 
 
 @dataclass(slots=True, eq=False)
@@ -86,12 +90,15 @@ class Scheduler:
         for req in self._admission_order(ms):
             if budget <= 0 or len(ms.running) >= self.config.max_running:
                 break
-            admit(cache, req, ms.loaded.kv_group, self.config.prefix_cache)
+            host = ms.pool.host
+            promoted = admit(cache, req, ms.loaded.kv_group, self.config.prefix_cache, host)
             n = min(req.pending, budget)
             need = pages_needed(req, n, bs)
             decoding = sum(1 for r in ms.pool.running if r.pending == 1)
             if not cache.can_allocate(need + decoding) or not grow(cache, req, need):
                 release(cache, req)
+                if not req.admitted:  # what it promoted stays on the GPU for its next try
+                    req.host_hit_tokens += promoted * bs
                 break
             ms.waiting.remove(req)
             req.status = Status.RUNNING
@@ -99,6 +106,7 @@ class Scheduler:
             if not req.admitted:
                 req.admitted = True
                 req.cached_tokens = req.computed
+                req.host_hit_tokens = min(req.host_hit_tokens + promoted * bs, req.computed)
                 admitted.append(req)
             ms.running.append(req)
             ms.pool.running.append(req)
@@ -110,10 +118,10 @@ class Scheduler:
         waiting = list(ms.waiting)
         if not self.config.prefix_cache or len(waiting) > self.config.lpf_limit:
             return waiting
-        cache = ms.pool.cache
+        cache, host = ms.pool.cache, ms.pool.host
         group = ms.loaded.kv_group
         # stable: FCFS among equals
-        return sorted(waiting, key=lambda r: -matched_blocks(cache, r, group))
+        return sorted(waiting, key=lambda r: -matched_blocks(cache, r, group, host))
 
     def _reserve(self, req: Request, need: int, items: list[WorkItem]) -> bool:
         """Pages for the request's next chunk, preempting the pool's newest requests until

@@ -34,6 +34,7 @@ _PER_MODEL = (  # (metric, doc, ModelCounters field); the emulated engine's name
     ("urc_engine_generated_tokens", "Output tokens generated", "generated_tokens"),
     ("urc_engine_prompt_tokens", "Prompt tokens admitted", "prompt_tokens"),
     ("urc_engine_cached_tokens", "Prompt tokens found in the KV cache", "cached_tokens"),
+    ("urc_engine_host_hit_tokens", "Of those, promoted from the host tier", "host_hit_tokens"),
 )
 _PER_POOL = (  # (metric, doc, the cache's token counts it sums, reported in pages)
     ("urc_engine_pool_pages", "KV pages in the pool (page 0 excluded)", ("capacity_tokens",)),
@@ -44,6 +45,14 @@ _PER_POOL = (  # (metric, doc, the cache's token counts it sums, reported in pag
         ("evictable_tokens", "protected_tokens"),
     ),
     ("urc_engine_pool_in_use_pages", "KV pages held privately by requests", ("allocated_tokens",)),
+)
+_PER_HOST_TIER = (  # (metric, doc, HostStats field, counter): per pool that has a host tier
+    ("urc_engine_host_pages", "Host-tier KV pages", "capacity_tokens", False),
+    ("urc_engine_host_free_pages", "Host-tier KV pages free", "free_tokens", False),
+    ("urc_engine_host_cached_pages", "Host-tier KV pages holding blocks", "cached_tokens", False),
+    ("urc_engine_host_demoted_pages", "Pages demoted to the host tier", "demoted_blocks", True),
+    ("urc_engine_host_promoted_pages", "Pages copied back to the GPU", "promoted_blocks", True),
+    ("urc_engine_host_evicted_pages", "Pages the host tier dropped", "evicted_blocks", True),
 )
 
 
@@ -135,10 +144,12 @@ class TorchSide:
         pools = []
         for layout, state in engine.pools.items():
             groups = [g for g, ms in engine.models.items() if ms.pool is state]
+            host = state.host
             pools.append(
                 {
                     "kv_groups": groups,
                     "pages": state.memory.capacity,
+                    "host_pages": 0 if host is None else host.capacity_blocks,
                     "page_size": layout.page_size,
                     "layers": layout.layers,
                     "kv_heads": layout.kv_heads,
@@ -146,7 +157,10 @@ class TorchSide:
                     "dtype": str(layout.dtype).removeprefix("torch."),
                 }
             )
-        return {"device": str(next(iter(engine.models.values())).loaded.device), "pools": pools}
+        device = str(next(iter(engine.models.values())).loaded.device)
+        tiers = [p.host for p in engine.pools.values() if p.host is not None]
+        host_tokens = sum(tier.capacity_tokens for tier in tiers)
+        return {"device": device, "host_capacity_tokens": host_tokens, "pools": pools}
 
     def settings(self) -> dict[str, Any]:
         sched = self.config.scheduler
@@ -184,6 +198,11 @@ class TorchSide:
         )
         evicted = [(str(i), state.cache.evicted_blocks) for i, state in enumerate(pools)]
         yield counter("urc_engine_evicted_pages", "Pages evicted", "pool", evicted)
+        hosts = [(str(i), s.host) for i, s in enumerate(pools) if s.host is not None]
+        for metric, doc, attr, is_counter in _PER_HOST_TIER if hosts else ():
+            unit = 1 if is_counter else hosts[0][1].block_size  # blocks, or tokens -> pages
+            samples = [(i, getattr(host.stats(), attr) // unit) for i, host in hosts]
+            yield (counter if is_counter else gauge)(metric, doc, "pool", samples)
 
 
 def load_models(args: argparse.Namespace, page_size: int) -> dict[str, LoadedModel]:
@@ -250,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
             ("--page-size", int, d.page_size, "tokens per KV page"),
             ("--kv-cache-mb", float, d.kv_cache_mb, "KV memory, all pools together"),
             ("--num-pages", int, 0, "pages per pool (overrides --kv-cache-mb)"),
+            ("--host-capacity-tokens", int, 0, "host-memory KV tier, tokens (0: none)"),
             ("--chunk-size", int, s.chunk_size, "prefill tokens per forward pass"),
             ("--max-running", int, s.max_running, "requests in a model's batch"),
         ],
@@ -271,6 +291,8 @@ def build_engine(args: argparse.Namespace) -> TorchSide:
     """ValueError on settings that cannot work."""
     if args.page_size < 1 or args.kv_cache_mb <= 0 or args.num_pages < 0:
         raise ValueError("need --page-size >= 1, --kv-cache-mb > 0 and --num-pages >= 0")
+    if args.host_capacity_tokens < 0:
+        raise ValueError("need --host-capacity-tokens >= 0")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     scheduler = SchedulerConfig(
@@ -282,6 +304,7 @@ def build_engine(args: argparse.Namespace) -> TorchSide:
         page_size=args.page_size,
         kv_cache_mb=args.kv_cache_mb,
         num_pages=args.num_pages,
+        host_capacity_tokens=args.host_capacity_tokens,
         attention=args.attention,
         scheduler=scheduler,
     )

@@ -236,3 +236,18 @@ def test_public_prefix_and_scoped_invalidation(client: openai.OpenAI, worker: Ch
     assert cached_tokens(client, "tiny", prompt, **a) == 48  # ta's own blocks are gone
     bad = httpx.post(worker.url + "/urc/invalidate", json={"salt": ""}, timeout=30)
     assert bad.status_code == 400
+
+
+def test_a_host_tier_in_info_metrics_and_usage() -> None:
+    with running_worker("--num-pages", "6", "--host-capacity-tokens", "640") as w:
+        doc = info(w)
+        assert doc["host_capacity_tokens"] == 640 and doc["pools"][0]["host_pages"] == 40
+        client = openai.OpenAI(base_url=w.url + "/v1", api_key="none", timeout=30, max_retries=0)
+        first, other = list(range(60, 125)), list(range(130, 195))  # 4 full blocks each
+        assert cached_tokens(client, "tiny", first) == 0
+        assert cached_tokens(client, "tiny", other) == 0  # 5 GPU pages: `first` is demoted
+        assert cached_tokens(client, "tiny", first) == 4 * BS  # promoted back
+        metrics = httpx.get(w.url + "/metrics", timeout=10).text
+    assert f'urc_engine_host_hit_tokens_total{{model="tiny"}} {4 * BS}.0' in metrics
+    assert 'urc_engine_host_pages{pool="0"} 40.0' in metrics
+    assert 'urc_engine_host_promoted_pages_total{pool="0"} 4.0' in metrics
