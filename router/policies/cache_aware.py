@@ -195,7 +195,10 @@ class CacheAwarePolicy:
         history = self.history(request.kv_group)
         share = history.bound_share(block_size)
         base = queued / n * (1.0 - share)  # backlog = base + share * queued_prefill_tokens
-        s_delay = self.externality * waiting / n * s_per_token  # per uncached token
+        # requests each uncached token delays, pooled as the backlog is: s_delay per uncached
+        # token = delay_base + delay_own * in_flight
+        delay_base = self.externality * waiting / n * (1.0 - share) * s_per_token
+        delay_own = self.externality * share * s_per_token
         s_evict = self.cache_value * history.reuse(block_size) * s_per_token  # on a full cache
         costs: list[float] = []
         for c in candidates:
@@ -204,6 +207,7 @@ class CacheAwarePolicy:
                 matched = prompt
             uncached = prompt - matched
             work = base + share * c.queued_prefill_tokens + uncached
+            s_delay = delay_base + delay_own * c.in_flight
             cost = work * s_per_token + uncached * (
                 s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay
             )

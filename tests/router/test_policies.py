@@ -78,13 +78,14 @@ def test_cache_aware_cost_is_the_documented_model() -> None:
     # a: work = 140 + 160 - 64 = 236 tokens in 3 steps of 100, with 5 decodes riding along
     assert policy.ttft(req, cands[0]) == pytest.approx(236 / 10_000 + 3 * 5 * 1e-3)
     assert policy.ttft(req, cands[1]) == pytest.approx(160 / 10_000)
-    waiting = (7 + 1) / 2  # requests in flight, mean over the candidates
-    # no history yet: every queue counts in full, nothing is known to be reused
+    # no history yet: every queue, and every worker's requests in flight, count in full;
+    # nothing is known to be reused
     history = policy.history("llama-8b")
     assert (history.bound_share(BS), history.reuse(BS)) == (1.0, 0.0)
     decision = policy.choose(req, cands)
     for score, cand in zip(decision.scores, cands, strict=True):
         uncached = 160 - score.matched_tokens
+        waiting = cand.in_flight  # the requests its uncached tokens delay
         assert score.cost == pytest.approx(policy.ttft(req, cand) + waiting * uncached / 10_000)
 
 
@@ -105,10 +106,12 @@ def test_cache_aware_cost_pools_backlogs_and_prices_evictions() -> None:
     assert (history.bound_share(BS), history.reuse(BS)) == pytest.approx((share, reuse))
     decision = policy.choose(req, [full, room])
     costs = {s.worker: s.cost for s in decision.scores}
-    # full: backlog 600 + share * 400; 96 uncached tokens delay 2 requests each and evict
-    # blocks that `reuse` says get used again; room stores 160 tokens without evicting
-    assert costs["full"] == pytest.approx(((600 + share * 400) + 96 + 96 * (2 + reuse)) / 10_000)
-    assert costs["room"] == pytest.approx(((600 - share * 400) + 160 + 160 * 2) / 10_000)
+    # full: backlog 600 + share * 400; 96 uncached tokens delay 2 + share * 1 requests each
+    # (in flight, pooled as the backlog) and evict blocks that `reuse` says get used again;
+    # room stores 160 tokens without evicting and delays 2 - share * 1 requests
+    full_cost = (600 + share * 400) + 96 + 96 * (2 + share + reuse)
+    assert costs["full"] == pytest.approx(full_cost / 10_000)
+    assert costs["room"] == pytest.approx(((600 - share * 400) + 160 + 160 * (2 - share)) / 10_000)
 
 
 def test_a_busy_fleet_keeps_the_prefix_where_it_is() -> None:
@@ -136,6 +139,19 @@ def test_cache_aware_sends_to_an_idle_worker_when_the_holders_queue_is_slower() 
     decision = policy.choose(req, [short, Candidate("idle", 0)])
     assert decision.worker == "holder"
     assert decision.reason == "cache_hit"
+
+
+def test_requests_in_flight_on_the_holder_do_not_price_its_idle_peers() -> None:
+    req = request(64)  # 1029 tokens; the holder of a shared prefix lacks 69 of them
+    holder = Candidate("holder", 60, in_flight=40, queued_prefill_tokens=2000, running_decode=10)
+    idle = [Candidate(f"idle{i}", 0) for i in range(3)]
+    policy = CacheAwarePolicy()  # no history: every request so far was bound to a cache
+    decision = policy.choose(req, [holder, *idle])
+    # 40 requests wait behind the holder and none behind an idle worker: recomputing there
+    # delays nobody else (a pooled count of requests in flight would have herded them)
+    assert (decision.worker.startswith("idle"), decision.reason) == (True, "load")
+    costs = {s.worker: s.cost for s in decision.scores}
+    assert costs["idle0"] == pytest.approx(policy.ttft(req, idle[0]))
 
 
 @given(
