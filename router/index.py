@@ -211,6 +211,54 @@ class UnifiedIndex(ResidencyTree):
                 self._link_newest(last)
         return matched
 
+    def host_match(
+        self, keys: Sequence[int], kv_group: str, matched: dict[str, int]
+    ) -> dict[str, int]:
+        """For each worker with a host tier for `kv_group`: the keys right after its GPU match
+        (`matched`, from `match`) it holds in its host tier, in a row (docs/tiers.md). Only the
+        host group's mask is read when no worker has a host tier."""
+        mask = self._group_mask.get(kv_group + HOST_TIER, 0)
+        if not mask or not keys:
+            return {}
+        found: dict[str, int] = {}
+        resident_of = self._resident_of
+        for bit in _bits(mask):
+            worker = resident_of[bit].worker  # type: ignore[union-attr]
+            held = self._held_from(keys, matched.get(worker, 0), bit)
+            if held:
+                found[worker] = held
+        return found
+
+    def held_from(self, keys: Sequence[int], start: int, worker: str, kv_group: str) -> int:
+        """How many keys of the chain from `start` on the resident holds, in a row."""
+        bit = self._find(worker, kv_group)
+        return 0 if bit is None else self._held_from(keys, start, bit)
+
+    def _held_from(self, keys: Sequence[int], start: int, bit: int) -> int:
+        flag = 1 << bit
+        where, by_id = self._where, self._runs
+        boxed = cast(Sequence[object], keys)  # keys stay objects (docs/compiled.md)
+        n = len(keys)
+        i = start
+        while i < n:
+            run = by_id.get(where.get(boxed[i], 0))
+            if run is None or not run.mask & flag:
+                break
+            run_keys = cast(list[object], run.keys)
+            if run_keys[0] != boxed[i]:
+                break  # mid-run on another path (an orphan's parent was missing)
+            size = len(run_keys)
+            if keys[i : i + size] == run_keys:
+                m = size
+            else:
+                m = 1
+                while m < size and i + m < n and boxed[i + m] == run_keys[m]:
+                    m += 1
+            i += m
+            if m < size:
+                break
+        return i - start
+
     def holds(self, key: int, worker: str, kv_group: str) -> bool:
         bit = self._find(worker, kv_group)
         run = self.run_of(key)
