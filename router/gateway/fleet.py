@@ -17,7 +17,7 @@ import aiohttp
 from core.tokenizer import Tokenizer, load_tokenizer
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
 from router.gateway.upstream import UpstreamPool
-from router.index import UnifiedIndex
+from router.index import UnifiedIndex, host_group
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
 from router.policies import WorkerLoad
@@ -148,8 +148,10 @@ class Worker:
             return "approximate"
         return "exact" if exact == len(groups) else "mixed"
 
-    def blocks_held(self, index: UnifiedIndex) -> int:
-        return sum(index.blocks_held(self.name, g) for g in set(self.models.values()))
+    def blocks_held(self, index: UnifiedIndex, host: bool = False) -> int:
+        """Blocks the index holds for the worker, in its GPU tier or (`host`) its host tier."""
+        groups = set(self.models.values())
+        return sum(index.blocks_held(self.name, host_group(g) if host else g) for g in groups)
 
 
 class Fleet:

@@ -98,10 +98,10 @@ class Score:
     """How a policy saw one candidate: the explanation's row."""
 
     worker: str
-    matched_tokens: int  # in the GPU tier
+    matched_tokens: int  # in either tier (the prediction of the worker's cached tokens)
     load: int  # in-flight requests
     cost: float  # what the policy minimised (lower is better); meaning is per policy
-    host_tokens: int  # in the host tier, right after the GPU tier's (docs/tiers.md)
+    host_tokens: int  # of matched_tokens, those in the host tier (docs/tiers.md)
 
     def __init__(
         self, worker: str, matched_tokens: int, load: int, cost: float, host_tokens: int = 0
@@ -144,9 +144,9 @@ class Decision:
         request = self.request
         scores: list[Score] = []
         for c, cost in zip(self.candidates, self.costs, strict=True):
-            gpu = request.matched_tokens(c.matched_blocks)
-            host = request.matched_tokens(c.matched_blocks + c.host_blocks) - gpu
-            scores.append(Score(c.worker, gpu, c.in_flight, cost, host))
+            matched = request.matched_tokens(c.matched_blocks + c.host_blocks)
+            host = matched - request.matched_tokens(c.matched_blocks) if c.host_blocks else 0
+            scores.append(Score(c.worker, matched, c.in_flight, cost, host))
         return tuple(scores)
 
     @property

@@ -126,11 +126,13 @@ def test_cache_aware_takes_a_host_hit_when_the_copy_beats_the_queue_it_avoids() 
     decision = _explained("cache_aware", 8200, cands)
     assert (decision.worker, decision.reason) == ("w0", "host_hit")
     scores = {s.worker: s for s in decision.scores}
-    assert (scores["w0"].matched_tokens, scores["w0"].host_tokens) == (0, 8192)
+    assert (scores["w0"].matched_tokens, scores["w0"].host_tokens) == (8192, 8192)
     assert decision.matched_tokens == 8192  # the prediction counts both tiers
     # w0's GPU holds half, its host tier the rest: still a host-tier win
     cands = [Candidate("w0", 256, 1, 2000, 0, 0, 0, 256), Candidate("w1", 0, 0, 0, 0, 0, 0)]
-    assert _explained("cache_aware", 8200, cands).reason == "host_hit"
+    decision = _explained("cache_aware", 8200, cands)
+    assert decision.reason == "host_hit"
+    assert (decision.scores[0].matched_tokens, decision.scores[0].host_tokens) == (8192, 4096)
 
 
 def test_cache_aware_prefills_elsewhere_when_copying_a_huge_prefix_is_slower() -> None:
