@@ -120,6 +120,14 @@ class CacheAwarePolicy:
         self._name_bytes: dict[str, bytes] = {}
         self._history: dict[str, RoutingHistory] = {}
 
+    def price_host_copies(self, tokens_per_s: float) -> None:
+        """Price host-tier hits at a measured copy rate (the gateway's: what its workers report,
+        when none is configured)."""
+        if tokens_per_s <= 0:
+            raise ValueError("host_copy_tokens_per_s must be positive")
+        self.host_copy_tokens_per_s = tokens_per_s
+        self._s_per_copy = 1.0 / tokens_per_s
+
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
         """Estimated seconds to this request's first token on `candidate` (its own queue, and
         the copy of its host-tier blocks back to the GPU)."""
