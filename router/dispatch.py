@@ -19,7 +19,7 @@ def candidates(
     group = request.kv_group
     keys = request.block_keys
     matched = index.match(keys, group, now)
-    host = index.host_match(keys, group, matched)  # {} without host tiers: nothing more to read
+    host = index.host_match(keys, group, matched)  # None without host tiers: nothing to read
     seen: list[Candidate] = []
     for w in loads:
         name = w.worker
@@ -27,7 +27,7 @@ def candidates(
         found = matched.get(name, 0)
         queued, running = w.queued_prefill_tokens, w.running_decode
         c = Candidate(name, found, w.in_flight, queued, running, held, stored)
-        if host:
+        if host is not None:
             c.host_blocks = host.get(name, 0)
         seen.append(c)
     return seen

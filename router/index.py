@@ -41,6 +41,7 @@ class UnifiedIndex(ResidencyTree):
         self.pending_ttl_s = pending_ttl_s  # 0: pending residency off (such inserts do nothing)
         # key that starts a salted namespace -> its salt (router/index_scopes.py finds by it)
         self.namespaces: dict[int, str] = {}
+        self._host_names: dict[str, str] = {}  # kv_group -> host_group(kv_group), made once
 
     def tag_namespace(self, key: int, salt: str) -> None:
         """`key` starts the namespace of `salt`; tags of gone blocks are pruned now and then."""
@@ -213,13 +214,16 @@ class UnifiedIndex(ResidencyTree):
 
     def host_match(
         self, keys: Sequence[int], kv_group: str, matched: dict[str, int]
-    ) -> dict[str, int]:
+    ) -> dict[str, int] | None:
         """For each worker with a host tier for `kv_group`: the keys right after its GPU match
-        (`matched`, from `match`) it holds in its host tier, in a row (docs/tiers.md). Only the
-        host group's mask is read when no worker has a host tier."""
-        mask = self._group_mask.get(kv_group + HOST_TIER, 0)
-        if not mask or not keys:
-            return {}
+        (`matched`, from `match`) it holds in its host tier, in a row (docs/tiers.md). None, at
+        the cost of two dict reads, when no worker of the group has a host tier."""
+        host = self._host_names.get(kv_group)
+        if host is None:  # the name is made once: a concatenation per request costs
+            host = self._host_names[kv_group] = kv_group + HOST_TIER
+        mask = self._group_mask.get(host, 0)
+        if not mask:
+            return None
         found: dict[str, int] = {}
         resident_of = self._resident_of
         for bit in _bits(mask):

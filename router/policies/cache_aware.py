@@ -207,7 +207,7 @@ class CacheAwarePolicy:
         """`cost` of every candidate, inlined: this loop is the hot path."""
         block_size, prompt = request.block_size, request.prompt_tokens
         chunk = self.chunk_tokens
-        s_per_token = self._s_per_token
+        s_per_token, s_per_copy = self._s_per_token, self._s_per_copy
         decode_token_s = self.decode_token_s
         n = len(candidates)
         waiting = queued = 0
@@ -224,19 +224,21 @@ class CacheAwarePolicy:
             matched = c.matched_blocks * block_size
             if matched > prompt:
                 matched = prompt
-            copied = 0  # host-tier tokens: promoted on this request's critical path
+            uncached = prompt - matched
+            copy_s = 0.0  # host-tier tokens, promoted on this request's critical path
             if c.host_blocks:
                 copied = (c.matched_blocks + c.host_blocks) * block_size
                 if copied > prompt:
                     copied = prompt
                 copied -= matched
-            uncached = prompt - matched - copied
+                uncached -= copied
+                copy_s = copied * s_per_copy
             work = base + share * c.queued_prefill_tokens + uncached
-            cost = work * s_per_token + uncached * (
-                s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay
+            cost = (
+                work * s_per_token
+                + copy_s
+                + uncached * (s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay)
             )
-            if copied:
-                cost += copied * self._s_per_copy
             if c.running_decode:
                 steps = -(-work // chunk)
                 if steps < 1.0:

@@ -66,7 +66,7 @@ def test_host_run_after_the_gpu_match_agrees_with_brute_force(ops, queries) -> N
     for prompt in queries:
         keys = _keys(prompt)
         matched = index.match(keys, G)
-        host = index.host_match(keys, G, matched)
+        host = index.host_match(keys, G, matched) or {}
         got = {w: (matched.get(w, 0), host.get(w, 0)) for w in WORKERS}
         assert got == _brute(held, keys)
         for w in WORKERS:
@@ -76,7 +76,7 @@ def test_host_run_after_the_gpu_match_agrees_with_brute_force(ops, queries) -> N
 def test_host_only_prefix_partial_runs_gpu_then_host_and_removal() -> None:
     keys = _keys(list(range(10 * BS)))
     index = UnifiedIndex()
-    assert index.host_match(keys, G, {}) == {}  # no host tier anywhere: nothing read
+    assert index.host_match(keys, G, {}) is None  # no host tier anywhere: nothing read
     index.insert(keys[:6], "w0", H, 0.0)  # host only, from the root
     assert index.match(keys, G) == {}
     assert index.host_match(keys, G, {}) == {"w0": 6}
@@ -89,8 +89,9 @@ def test_host_only_prefix_partial_runs_gpu_then_host_and_removal() -> None:
     assert index.held_from(keys, 6, "w1", H) == 2
     index.remove([keys[4]], "w0", H)  # a hole in w0's host run
     assert index.host_match(keys, G, matched) == {"w0": 1}
+    assert index.host_match(keys[:0], G, matched) == {}
     index.remove(keys[:6], "w0", H)
-    assert index.host_match(keys, G, matched) == {}
+    assert index.host_match(keys, G, matched) == {}  # w1's host tier is still there
     index.check()
 
 
