@@ -157,8 +157,11 @@ class Gateway:
     def _measured_host_copies(self, worker: Worker) -> None:
         """A worker came up: price host-tier hits at the slowest copy rate the fleet reports."""
         rate = self.fleet.host_copy_tokens_per_s()
-        if rate > 0 and isinstance(self.policy, CacheAwarePolicy):
-            self.policy.price_host_copies(rate)
+        policy = self.policy
+        if rate > 0 and isinstance(policy, CacheAwarePolicy):
+            if rate != policy.host_copy_tokens_per_s:
+                log.info("host-tier hits priced at %.0f tokens/s (the workers' copy rate)", rate)
+            policy.price_host_copies(rate)
 
     def reload(self, path: str) -> None:
         """SIGHUP: read the config file again for what can change at runtime."""
