@@ -14,15 +14,22 @@ def candidates(
     index: UnifiedIndex, request: RouteRequest, loads: list[WorkerLoad], now: float
 ) -> list[Candidate]:
     """What the policy sees of each worker in `loads` (the kv_group's, in the fleet's order):
-    its match (used now, for the index's LRU), a copy of its load, its cache's sizes."""
+    its match (used now, for the index's LRU) and the host tier's run after it, a copy of its
+    load, its cache's sizes."""
     group = request.kv_group
-    matched = index.match(request.block_keys, group, now)
+    keys = request.block_keys
+    matched = index.match(keys, group, now)
+    host = index.host_match(keys, group, matched)  # None without host tiers: nothing to read
     seen: list[Candidate] = []
     for w in loads:
-        held, stored = index.sizes(w.worker, group)
-        found = matched.get(w.worker, 0)
+        name = w.worker
+        held, stored = index.sizes(name, group)
+        found = matched.get(name, 0)
         queued, running = w.queued_prefill_tokens, w.running_decode
-        seen.append(Candidate(w.worker, found, w.in_flight, queued, running, held, stored))
+        c = Candidate(name, found, w.in_flight, queued, running, held, stored)
+        if host is not None:
+            c.host_blocks = host.get(name, 0)
+        seen.append(c)
     return seen
 
 
@@ -67,9 +74,13 @@ class LoadShare:
 def dispatch(
     index: UnifiedIndex, request: RouteRequest, chosen: Candidate, load: WorkerLoad
 ) -> LoadShare:
-    """Send `request` to `chosen` (whose load is `load`): its uncached tokens join the queue."""
+    """Send `request` to `chosen` (whose load is `load`): its uncached tokens join the queue.
+    Host-tier blocks are copied, not computed: they do not, while the GPU match before them is
+    confirmed."""
     blocks = request.matched_tokens(chosen.matched_blocks) // request.block_size
     held = index.confirmed_depth(request.block_keys, chosen.worker, request.kv_group, blocks)
+    if chosen.host_blocks and held == blocks:
+        held = request.matched_tokens(blocks + chosen.host_blocks) // request.block_size
     return LoadShare(load, request.prompt_tokens - held * request.block_size)
 
 

@@ -41,6 +41,7 @@ class UnifiedIndex(ResidencyTree):
         self.pending_ttl_s = pending_ttl_s  # 0: pending residency off (such inserts do nothing)
         # key that starts a salted namespace -> its salt (router/index_scopes.py finds by it)
         self.namespaces: dict[int, str] = {}
+        self._host_names: dict[str, str] = {}  # kv_group -> host_group(kv_group), made once
 
     def tag_namespace(self, key: int, salt: str) -> None:
         """`key` starts the namespace of `salt`; tags of gone blocks are pruned now and then."""
@@ -210,6 +211,57 @@ class UnifiedIndex(ResidencyTree):
             if last.children == 0:
                 self._link_newest(last)
         return matched
+
+    def host_match(
+        self, keys: Sequence[int], kv_group: str, matched: dict[str, int]
+    ) -> dict[str, int] | None:
+        """For each worker with a host tier for `kv_group`: the keys right after its GPU match
+        (`matched`, from `match`) it holds in its host tier, in a row (docs/tiers.md). None, at
+        the cost of two dict reads, when no worker of the group has a host tier."""
+        host = self._host_names.get(kv_group)
+        if host is None:  # the name is made once: a concatenation per request costs
+            host = self._host_names[kv_group] = kv_group + HOST_TIER
+        mask = self._group_mask.get(host, 0)
+        if not mask:
+            return None
+        found: dict[str, int] = {}
+        resident_of = self._resident_of
+        for bit in _bits(mask):
+            worker = resident_of[bit].worker  # type: ignore[union-attr]
+            held = self._held_from(keys, matched.get(worker, 0), bit)
+            if held:
+                found[worker] = held
+        return found
+
+    def held_from(self, keys: Sequence[int], start: int, worker: str, kv_group: str) -> int:
+        """How many keys of the chain from `start` on the resident holds, in a row."""
+        bit = self._find(worker, kv_group)
+        return 0 if bit is None else self._held_from(keys, start, bit)
+
+    def _held_from(self, keys: Sequence[int], start: int, bit: int) -> int:
+        flag = 1 << bit
+        where, by_id = self._where, self._runs
+        boxed = cast(Sequence[object], keys)  # keys stay objects (docs/compiled.md)
+        n = len(keys)
+        i = start
+        while i < n:
+            run = by_id.get(where.get(boxed[i], 0))
+            if run is None or not run.mask & flag:
+                break
+            run_keys = cast(list[object], run.keys)
+            if run_keys[0] != boxed[i]:
+                break  # mid-run on another path (an orphan's parent was missing)
+            size = len(run_keys)
+            if keys[i : i + size] == run_keys:
+                m = size
+            else:
+                m = 1
+                while m < size and i + m < n and boxed[i + m] == run_keys[m]:
+                    m += 1
+            i += m
+            if m < size:
+                break
+        return i - start
 
     def holds(self, key: int, worker: str, kv_group: str) -> bool:
         bit = self._find(worker, kv_group)

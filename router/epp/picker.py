@@ -104,11 +104,7 @@ class EndpointPicker:
             exact = chosen.exact(group)
             g.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
         load = dispatch(g.index, plan.request, plan.candidate(chosen.name), chosen.load)
-        route = (
-            f"worker={chosen.name}; matched_tokens={plan.matched(chosen.name)}; "
-            f"prompt_tokens={plan.request.prompt_tokens}; "
-            f"reason={plan.decision.reason}; policy={plan.policy}"
-        )
+        route = plan.route(chosen.name)
         payload = forwarded(body, salt, public_tokens)
         return Pick([endpoint_of(w) for w in ranked], payload, plan, load, route)
 
@@ -130,5 +126,7 @@ class EndpointPicker:
             plan.request, worker.name, group, worker.exact(group), plan.arrived, now
         )
         series = self.gateway.metrics.series[plan.model.name, worker.name]
-        predicted = plan.matched(worker.name) if worker in plan.workers else 0
-        series.prediction(plan.request.prompt_tokens, predicted, cached)  # as the gateway's
+        predicted = host = 0
+        if worker in plan.workers:
+            predicted, host = plan.matched(worker.name), plan.host_matched(worker.name)
+        series.prediction(plan.request.prompt_tokens, predicted, cached, host)  # as the gateway's

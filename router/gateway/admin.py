@@ -68,6 +68,7 @@ def describe(worker: Worker, index: UnifiedIndex) -> dict[str, Any]:
         "models": worker.models,
         "block_size": worker.block_size,
         "cached_blocks": worker.blocks_held(index),
+        "host_cached_blocks": worker.blocks_held(index, host=True),
         "incarnation": worker.incarnation,
         "load": {
             "in_flight": worker.load.in_flight,

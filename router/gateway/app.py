@@ -49,6 +49,7 @@ from router.gateway.server import FrontServer
 from router.gateway.siblings import Siblings
 from router.index import UnifiedIndex
 from router.policies import make_policy
+from router.policies.cache_aware import CacheAwarePolicy
 
 if TYPE_CHECKING:
     from router.gateway.discovery import PodDiscovery
@@ -77,6 +78,10 @@ class Gateway:
         self.fleet = Fleet(config, self.index)
         self.policy = make_policy(config.policy, **config.policy_params)
         self.router = Router(self.fleet, self.index, self.policy)
+        if isinstance(self.policy, CacheAwarePolicy) and (
+            "host_copy_tokens_per_s" not in config.policy_params
+        ):  # not configured: the rate the workers report (docs/tiers.md)
+            self.fleet.on_up.append(self._measured_host_copies)
         self.modes = RoutingModes(
             self.policy, config.shadow_policies, config.prefill_tokens_per_s, config.degraded
         )
@@ -148,6 +153,15 @@ class Gateway:
                 self.modes.auto = lost
                 routing = "degraded to least load" if lost else "restored"
                 log.warning("KV event streams %s: routing %s", "lost" if lost else "back", routing)
+
+    def _measured_host_copies(self, worker: Worker) -> None:
+        """A worker came up: price host-tier hits at the slowest copy rate the fleet reports."""
+        rate = self.fleet.host_copy_tokens_per_s()
+        policy = self.policy
+        if rate > 0 and isinstance(policy, CacheAwarePolicy):
+            if rate != policy.host_copy_tokens_per_s:
+                log.info("host-tier hits priced at %.0f tokens/s (the workers' copy rate)", rate)
+            policy.price_host_copies(rate)
 
     def reload(self, path: str) -> None:
         """SIGHUP: read the config file again for what can change at runtime."""

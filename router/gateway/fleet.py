@@ -17,7 +17,7 @@ import aiohttp
 from core.tokenizer import Tokenizer, load_tokenizer
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
 from router.gateway.upstream import UpstreamPool
-from router.index import UnifiedIndex
+from router.index import UnifiedIndex, host_group
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
 from router.policies import WorkerLoad
@@ -72,6 +72,14 @@ class EventStream:
         }
 
 
+def _host_copy_rate(info: dict[str, Any]) -> float:
+    """/urc/info's `host_copy_tokens_per_s`, for a worker with a host tier (docs/tiers.md)."""
+    rate = info.get("host_copy_tokens_per_s")
+    if info.get("host_capacity_tokens", 1) == 0 or isinstance(rate, bool):
+        return 0.0
+    return float(rate) if isinstance(rate, int | float) and rate > 0 else 0.0
+
+
 def discovered_streams(
     info: dict[str, Any], served: dict[str, str], host: str
 ) -> list[EventStream]:
@@ -121,6 +129,7 @@ class Worker:
     alive_at: float = 0.0  # its last answer of any kind, or passed health check (monotonic)
     incarnation: str | None = None
     load_endpoint: str | None = None  # where it pushes its load (ours: /urc/info's load_events)
+    host_copy_tokens_per_s: float = 0.0  # its host tier's copy rate, from /urc/info (0: unsaid)
     load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
     streams: list[EventStream] = field(default_factory=list)  # KV events, one per kv_group
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
@@ -148,8 +157,10 @@ class Worker:
             return "approximate"
         return "exact" if exact == len(groups) else "mixed"
 
-    def blocks_held(self, index: UnifiedIndex) -> int:
-        return sum(index.blocks_held(self.name, g) for g in set(self.models.values()))
+    def blocks_held(self, index: UnifiedIndex, host: bool = False) -> int:
+        """Blocks the index holds for the worker, in its GPU tier or (`host`) its host tier."""
+        groups = set(self.models.values())
+        return sum(index.blocks_held(self.name, host_group(g) if host else g) for g in groups)
 
 
 class Fleet:
@@ -184,6 +195,11 @@ class Fleet:
 
     def candidates(self, kv_group: str) -> list[Worker]:
         return self._by_group.get(kv_group, [])
+
+    def host_copy_tokens_per_s(self) -> float:
+        """The slowest host-tier copy rate the up workers report (0.0: none reports one)."""
+        rates = [w.host_copy_tokens_per_s for w in self.workers.values() if w.up]
+        return min((r for r in rates if r > 0), default=0.0)
 
     def loads(self, kv_group: str) -> list[WorkerLoad]:
         """The loads of `candidates(kv_group)`, in order (kept: no list made per request)."""
@@ -296,6 +312,7 @@ class Fleet:
             (info.get("load_events") or {}).get("endpoint"), worker.pool.host
         )
         worker.block_size = int(config.block_size or info.get("block_size") or 16)
+        worker.host_copy_tokens_per_s = _host_copy_rate(info)
         served: dict[str, str] = {}
         for entry in info.get("models", []):
             name = entry["name"]

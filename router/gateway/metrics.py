@@ -55,14 +55,18 @@ class Series:
     latency: Hist = field(default_factory=partial(Hist, _LATENCY_BUCKETS))
     prompt_tokens: float = 0.0
     predicted: float = 0.0
+    host_predicted: float = 0.0  # of `predicted`, in the worker's host tier
     actual: float = 0.0
     error: float = 0.0
 
-    def prediction(self, prompt_tokens: int, predicted: int, cached: int | None) -> None:
-        """One answered request: the cached tokens the index predicted, and (when the worker
-        reported them) those it had."""
+    def prediction(
+        self, prompt_tokens: int, predicted: int, cached: int | None, host: int = 0
+    ) -> None:
+        """One answered request: the cached tokens the index predicted (`host` of them in the
+        host tier), and (when the worker reported them) those it had."""
         self.prompt_tokens += prompt_tokens
         self.predicted += predicted
+        self.host_predicted += host
         if cached is not None:
             self.actual += cached
             self.error += abs(predicted - cached)
@@ -110,10 +114,12 @@ class GatewayMetrics(Collector):
             for (model, worker), s in series:
                 family.add_metric([model, worker], *getattr(s, attr).family_point())
             yield family
-        predicted_doc = "Cached tokens the index predicted on the chosen worker"
+        predicted_doc = "Cached tokens the index predicted on the chosen worker (both tiers)"
+        host_doc = "Of the predicted cached tokens, those in the worker's host tier"
         counters = [
             ("urc_prompt_tokens", "Prompt tokens routed", "prompt_tokens"),
             ("urc_predicted_cached_tokens", predicted_doc, "predicted"),
+            ("urc_predicted_host_cached_tokens", host_doc, "host_predicted"),
             ("urc_actual_cached_tokens", "Cached tokens the worker reported (usage)", "actual"),
             ("urc_prediction_abs_error_tokens", "|predicted - actual| cached tokens", "error"),
         ]
@@ -162,6 +168,7 @@ class GatewayMetrics(Collector):
         doc = "Uncached prompt tokens routed, not yet prefilled"
         queued = gauge("urc_worker_queued_prefill_tokens", doc)
         held = gauge("urc_worker_cached_blocks", "Blocks held")
+        host_held = gauge("urc_worker_host_cached_blocks", "Blocks held in its host tier")
         lag = gauge("urc_kv_event_lag_seconds", "Now minus the newest event's timestamp")
         batches = counter("urc_kv_event_batches", "Event batches applied to the index")
         gaps = counter("urc_kv_event_gaps", "Sequence gaps seen")
@@ -176,6 +183,7 @@ class GatewayMetrics(Collector):
             in_flight.add_metric(name, w.load.in_flight)
             queued.add_metric(name, w.load.queued_prefill_tokens)
             held.add_metric(name, w.blocks_held(self.index))
+            host_held.add_metric(name, w.blocks_held(self.index, host=True))
             mirrors = [s.mirror.stats() for s in w.streams if s.mirror is not None]
             if mirrors:
                 newest = max((m.last_event_ts or 0.0) for m in mirrors)
@@ -188,7 +196,8 @@ class GatewayMetrics(Collector):
             if subscribers:
                 replays.add_metric(name, sum(s.replays for s in subscribers))
                 failed.add_metric(name, sum(s.replay_failures for s in subscribers))
-        yield from (healthy, exact, in_flight, queued, held, lag, batches, gaps, resets)
+        yield from (healthy, exact, in_flight, queued, held, host_held, lag, batches, gaps)
+        yield resets
         yield from (replays, failed)
 
     def _modes(self) -> Iterator[Any]:

@@ -206,12 +206,7 @@ class _Attempt:
         """The worker's headers for the client: hop-by-hop ones out, `x-urc-route` in."""
         plan, name = self.plan, self.worker.name
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_HEADERS]
-        route = (
-            f"worker={name}; matched_tokens={plan.matched(name)}; "
-            f"prompt_tokens={plan.request.prompt_tokens}; "
-            f"reason={plan.decision.reason}; policy={plan.policy}"
-        )
-        headers.append(("x-urc-route", route))
+        headers.append(("x-urc-route", plan.route(name)))
         return headers
 
     async def _whole(self, upstream: UpstreamResponse) -> tuple[int, Usage | None]:
@@ -293,8 +288,8 @@ class _Attempt:
         if self.note is not None:
             self.note.attempt_ended(status, None, usage.cached_tokens if usage else None)
         if usage is not None and plan.prefix_cache:
-            predicted = plan.matched(worker.name)
-            series.prediction(plan.request.prompt_tokens, predicted, usage.cached_tokens)
+            predicted, host = plan.matched(worker.name), plan.host_matched(worker.name)
+            series.prediction(plan.request.prompt_tokens, predicted, usage.cached_tokens, host)
 
 
 class Deadlines:

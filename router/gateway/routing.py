@@ -195,8 +195,29 @@ class Plan:
         return candidate(self.decision.candidates, worker)
 
     def matched(self, worker: str) -> int:
-        """Tokens of the prompt `worker` can reuse, as the index says (router/dispatch.py)."""
-        return self.decision.request.matched_tokens(self.candidate(worker).matched_blocks)
+        """Tokens of the prompt `worker` can reuse, as the index says (router/dispatch.py), in
+        either tier: the prediction of the cached tokens it reports."""
+        c = self.candidate(worker)
+        return self.decision.request.matched_tokens(c.matched_blocks + c.host_blocks)
+
+    def host_matched(self, worker: str) -> int:
+        """Of `matched(worker)`, the tokens in its host tier (docs/tiers.md)."""
+        c = self.candidate(worker)
+        if not c.host_blocks:
+            return 0
+        request = self.decision.request
+        return request.matched_tokens(c.matched_blocks + c.host_blocks) - request.matched_tokens(
+            c.matched_blocks
+        )
+
+    def route(self, worker: str) -> str:
+        """The `x-urc-route` header's value for an answer from `worker`."""
+        return (
+            f"worker={worker}; matched_tokens={self.matched(worker)}; "
+            f"host_tokens={self.host_matched(worker)}; "
+            f"prompt_tokens={self.decision.request.prompt_tokens}; "
+            f"reason={self.decision.reason}; policy={self.policy}"
+        )
 
     def worker(self, name: str) -> Worker:
         for w in self.workers:  # a few candidates: a scan, not a dict per request

@@ -70,6 +70,7 @@ class Candidate(WorkerLoad):
     matched_blocks: int  # leading blocks of the request this worker holds (unified index)
     cached_blocks: int  # all blocks this worker holds for the kv_group (its tree size)
     stored_blocks: int  # blocks it has stored so far (its cache's inflow, from KV events)
+    host_blocks: int  # blocks right after matched_blocks it holds in its host tier (docs/tiers.md)
 
     def __init__(
         self,
@@ -80,6 +81,7 @@ class Candidate(WorkerLoad):
         running_decode: int = 0,
         cached_blocks: int = 0,
         stored_blocks: int = 0,
+        host_blocks: int = 0,
     ) -> None:
         self.worker = worker
         self.matched_blocks = matched_blocks
@@ -88,6 +90,7 @@ class Candidate(WorkerLoad):
         self.running_decode = running_decode
         self.cached_blocks = cached_blocks
         self.stored_blocks = stored_blocks
+        self.host_blocks = host_blocks
 
 
 @dataclass(init=False, slots=True)
@@ -95,15 +98,19 @@ class Score:
     """How a policy saw one candidate: the explanation's row."""
 
     worker: str
-    matched_tokens: int
+    matched_tokens: int  # in either tier (the prediction of the worker's cached tokens)
     load: int  # in-flight requests
     cost: float  # what the policy minimised (lower is better); meaning is per policy
+    host_tokens: int  # of matched_tokens, those in the host tier (docs/tiers.md)
 
-    def __init__(self, worker: str, matched_tokens: int, load: int, cost: float) -> None:
+    def __init__(
+        self, worker: str, matched_tokens: int, load: int, cost: float, host_tokens: int = 0
+    ) -> None:
         self.worker = worker
         self.matched_tokens = matched_tokens
         self.load = load
         self.cost = cost
+        self.host_tokens = host_tokens
 
 
 @dataclass(init=False, slots=True)
@@ -135,19 +142,20 @@ class Decision:
     def scores(self) -> tuple[Score, ...]:
         """How the policy saw every candidate, in the order given: the explanation's rows."""
         request = self.request
-        return tuple(
-            [
-                Score(c.worker, request.matched_tokens(c.matched_blocks), c.in_flight, cost)
-                for c, cost in zip(self.candidates, self.costs, strict=True)
-            ]
-        )
+        scores: list[Score] = []
+        for c, cost in zip(self.candidates, self.costs, strict=True):
+            matched = request.matched_tokens(c.matched_blocks + c.host_blocks)
+            host = matched - request.matched_tokens(c.matched_blocks) if c.host_blocks else 0
+            scores.append(Score(c.worker, matched, c.in_flight, cost, host))
+        return tuple(scores)
 
     @property
     def matched_tokens(self) -> int:
-        """Prompt tokens the chosen worker holds (shadow policies read it on every request)."""
+        """Prompt tokens the chosen worker holds, in either tier (shadow policies read it on
+        every request)."""
         for c in self.candidates:
             if c.worker == self.worker:
-                return self.request.matched_tokens(c.matched_blocks)
+                return self.request.matched_tokens(c.matched_blocks + c.host_blocks)
         raise ValueError(f"{self.worker!r} is not a candidate")
 
     def ranked(self) -> list[str]:

@@ -97,9 +97,12 @@ class CacheAwarePolicy:
         cache_value: float = 1.0,
         rendezvous_slack_s: float = 0.0,
         rendezvous_factor: float = 0.1,
+        host_copy_tokens_per_s: float = 400_000.0,
     ) -> None:
-        if prefill_tokens_per_s <= 0 or chunk_tokens <= 0:
-            raise ValueError("prefill_tokens_per_s and chunk_tokens must be positive")
+        if min(prefill_tokens_per_s, chunk_tokens, host_copy_tokens_per_s) <= 0:
+            raise ValueError(
+                "prefill_tokens_per_s, chunk_tokens and host_copy_tokens_per_s must be positive"
+            )
         if min(decode_token_s, externality, cache_value) < 0:
             raise ValueError("decode_token_s, externality and cache_value must be >= 0")
         if min(rendezvous_slack_s, rendezvous_factor) < 0:
@@ -111,18 +114,32 @@ class CacheAwarePolicy:
         self.cache_value = cache_value
         self.rendezvous_slack_s = rendezvous_slack_s
         self.rendezvous_factor = rendezvous_factor
+        self.host_copy_tokens_per_s = host_copy_tokens_per_s
         self._s_per_token = 1.0 / prefill_tokens_per_s
+        self._s_per_copy = 1.0 / host_copy_tokens_per_s  # a host-tier block's promotion
         self._name_bytes: dict[str, bytes] = {}
         self._history: dict[str, RoutingHistory] = {}
 
+    def price_host_copies(self, tokens_per_s: float) -> None:
+        """Price host-tier hits at a measured copy rate (the gateway's: what its workers report,
+        when none is configured)."""
+        if tokens_per_s <= 0:
+            raise ValueError("host_copy_tokens_per_s must be positive")
+        self.host_copy_tokens_per_s = tokens_per_s
+        self._s_per_copy = 1.0 / tokens_per_s
+
     def ttft(self, request: RouteRequest, candidate: Candidate) -> float:
-        """Estimated seconds to this request's first token on `candidate` (its own queue)."""
-        matched = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
+        """Estimated seconds to this request's first token on `candidate` (its own queue, and
+        the copy of its host-tier blocks back to the GPU)."""
+        gpu = min(candidate.matched_blocks * request.block_size, request.prompt_tokens)
+        blocks = candidate.matched_blocks + candidate.host_blocks
+        matched = min(blocks * request.block_size, request.prompt_tokens)
         work = float(candidate.queued_prefill_tokens + request.prompt_tokens - matched)
         steps = -(-work // self.chunk_tokens)  # chunks; at least one step (no builtins: hot)
         if steps < 1.0:
             steps = 1.0
-        return work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
+        wait = work * self._s_per_token + steps * candidate.running_decode * self.decode_token_s
+        return wait + (matched - gpu) * self._s_per_copy
 
     def history(self, kv_group: str) -> RoutingHistory:
         """What the policy has learnt of `kv_group` from its own decisions (made on first use)."""
@@ -142,7 +159,7 @@ class CacheAwarePolicy:
                 best, best_cost, n_best = i, cost, 1
             elif cost == best_cost:
                 n_best += 1
-            blocks = c.matched_blocks
+            blocks = c.matched_blocks + c.host_blocks  # a host hit is a hit
             if blocks > most_blocks:
                 most_blocks = blocks
             if blocks < fewest_blocks:
@@ -169,23 +186,28 @@ class CacheAwarePolicy:
             for i, cost in enumerate(costs):
                 if cost == best_cost:
                     tied.append(i)
-                    if candidates[i].matched_blocks < shared:
-                        shared = candidates[i].matched_blocks
+                    blocks = candidates[i].matched_blocks + candidates[i].host_blocks
+                    if blocks < shared:
+                        shared = blocks
             best = self._rendezvous_among(candidates, tied, keys[shared])
 
-        blocks = candidates[best].matched_blocks
-        reason = (
-            "cold_miss" if most_blocks <= 0 else "cache_hit" if blocks >= most_blocks else "load"
-        )
+        chosen = candidates[best]
+        blocks = chosen.matched_blocks + chosen.host_blocks
+        if most_blocks <= 0:
+            reason = "cold_miss"
+        elif blocks < most_blocks:
+            reason = "load"
+        else:
+            reason = "host_hit" if chosen.host_blocks else "cache_hit"
         hit = min(blocks * block_size, prompt)
         self.history(request.kv_group).record(hit, prompt - hit, free, held * block_size)
-        return Decision(candidates[best].worker, reason, request, candidates, costs)
+        return Decision(chosen.worker, reason, request, candidates, costs)
 
     def _costs(self, request: RouteRequest, candidates: Sequence[Candidate]) -> list[float]:
         """`cost` of every candidate, inlined: this loop is the hot path."""
         block_size, prompt = request.block_size, request.prompt_tokens
         chunk = self.chunk_tokens
-        s_per_token = self._s_per_token
+        s_per_token, s_per_copy = self._s_per_token, self._s_per_copy
         decode_token_s = self.decode_token_s
         n = len(candidates)
         waiting = queued = 0
@@ -206,10 +228,20 @@ class CacheAwarePolicy:
             if matched > prompt:
                 matched = prompt
             uncached = prompt - matched
+            copy_s = 0.0  # host-tier tokens, promoted on this request's critical path
+            if c.host_blocks:
+                copied = (c.matched_blocks + c.host_blocks) * block_size
+                if copied > prompt:
+                    copied = prompt
+                copied -= matched
+                uncached -= copied
+                copy_s = copied * s_per_copy
             work = base + share * c.queued_prefill_tokens + uncached
             s_delay = delay_base + delay_own * c.in_flight
-            cost = work * s_per_token + uncached * (
-                s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay
+            cost = (
+                work * s_per_token
+                + copy_s
+                + uncached * (s_delay + s_evict if c.stored_blocks > c.cached_blocks else s_delay)
             )
             if c.running_decode:
                 steps = -(-work // chunk)

@@ -114,7 +114,9 @@ def test_every_queried_metric_is_exported(scrapes: Scrapes) -> None:
     # the areas the dashboard is for
     for metric in (
         "urc_predicted_cached_tokens_total",
+        "urc_predicted_host_cached_tokens_total",
         "urc_actual_cached_tokens_total",
+        "urc_worker_host_cached_blocks",
         "urc_engine_cached_tokens_total",
         "urc_ttft_seconds_bucket",
         "urc_requests_total",
