@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client.core import Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.embedding import embed
@@ -103,7 +103,10 @@ class EmulatedSide:
         return [embed(prompt) for prompt in prompts]
 
     def info(self) -> dict[str, Any]:
-        return {}
+        return {
+            "host_capacity_tokens": self.config.host_capacity_tokens,
+            "host_copy_tokens_per_s": self.config.host_copy_tokens_per_s,
+        }
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -131,6 +134,7 @@ class EmulatedSide:
             ("urc_engine_evicted_blocks", "KV blocks evicted", stats.evicted_blocks),
             ("urc_engine_stored_blocks", "KV blocks cached", stats.stored_blocks),
         )
+
         gauges = (
             ("urc_engine_running_requests", "Requests in the batch", load.running),
             ("urc_engine_waiting_requests", "Requests in the queue", load.waiting),
@@ -149,6 +153,49 @@ class EmulatedSide:
         for family, table in ((counter, counters), (gauge, gauges)):
             for metric, doc, value in table:
                 yield family(metric, doc, "model", [(name, value)])
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator[Metric]:
+        """Per tier (docs/tiers.md): "gpu", and "host" when the worker has a host tier."""
+        engine, name = self.engine, self.model.name
+        gpu = engine.cache.stats()
+        hits = [("gpu", engine.cached_tokens - engine.host_hit_tokens)]
+        held = [("gpu", gpu.cached_blocks)]
+        host = engine.host
+        if host is not None:
+            hits.append(("host", engine.host_hit_tokens))
+            held.append(("host", len(host)))
+        labels = ["model", "tier"]
+        hit = CounterMetricFamily(
+            "urc_engine_tier_hit_tokens", "Prompt tokens found in a KV tier", labels=labels
+        )
+        blocks = GaugeMetricFamily("urc_engine_tier_blocks", "KV blocks in a tier", labels=labels)
+        for tier, value in hits:
+            hit.add_metric([name, tier], value)
+        for tier, value in held:
+            blocks.add_metric([name, tier], value)
+        yield hit
+        yield blocks
+        if host is not None:
+            stats = host.stats()
+            for metric, doc, value in (
+                (
+                    "urc_engine_host_demoted_blocks",
+                    "KV blocks demoted to the host",
+                    stats.demoted_blocks,
+                ),
+                (
+                    "urc_engine_host_promoted_blocks",
+                    "KV blocks promoted back",
+                    stats.promoted_blocks,
+                ),
+                (
+                    "urc_engine_host_evicted_blocks",
+                    "KV blocks the host tier dropped",
+                    stats.evicted_blocks,
+                ),
+            ):
+                yield counter(metric, doc, "model", [(name, value)])
 
 
 def _catch_up(gen: Generation, n: int) -> None:
@@ -181,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
             ("--decode-per-request-ms", float, d.decode_per_request_s * 1e3, per_request),
             ("--max-batch", int, d.max_batch, "running requests"),
             ("--chunk-tokens", int, d.chunk_tokens, "prefill tokens per step"),
+            ("--host-capacity-tokens", int, 0, "host-memory KV tier in tokens (0: none)"),
+            (
+                "--host-copy-tokens-per-s",
+                float,
+                d.host_copy_tokens_per_s,
+                "host -> GPU copy rate of the host tier, tokens/s",
+            ),
         ],
     )
     return parser
@@ -196,6 +250,8 @@ def build_engine(args: argparse.Namespace) -> EmulatedSide:
         decode_per_request_s=args.decode_per_request_ms / 1e3,
         max_batch=args.max_batch,
         chunk_tokens=args.chunk_tokens,
+        host_capacity_tokens=args.host_capacity_tokens,
+        host_copy_tokens_per_s=args.host_copy_tokens_per_s,
     )
     kv_group, tokenizer = args.kv_group or args.model, ByteTokenizer()
     # workers that agree on it produce identical K/V for identical tokens (same emulated
