@@ -16,14 +16,7 @@ from backends.emulated.paging import admit, cache_output, cache_prompt, release
 from backends.emulated.request import Request, State
 from core.blocks import block_keys
 from core.heap import Heap
-from core.kv_events import (
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    BlockHash,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-)
+from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 _EPS: Final = 1e-9  # float slack when counting steps between two times
 
