@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.embedding import embed
@@ -153,49 +153,38 @@ class EmulatedSide:
         for family, table in ((counter, counters), (gauge, gauges)):
             for metric, doc, value in table:
                 yield family(metric, doc, "model", [(name, value)])
-        yield from self._tiers()
-
-    def _tiers(self) -> Iterator[Metric]:
-        """Per tier (docs/tiers.md): "gpu", and "host" when the worker has a host tier."""
-        engine, name = self.engine, self.model.name
-        gpu = engine.cache.stats()
-        hits = [("gpu", engine.cached_tokens - engine.host_hit_tokens)]
-        held = [("gpu", gpu.cached_blocks)]
         host = engine.host
-        if host is not None:
-            hits.append(("host", engine.host_hit_tokens))
-            held.append(("host", len(host)))
-        labels = ["model", "tier"]
-        hit = CounterMetricFamily(
-            "urc_engine_tier_hit_tokens", "Prompt tokens found in a KV tier", labels=labels
-        )
-        blocks = GaugeMetricFamily("urc_engine_tier_blocks", "KV blocks in a tier", labels=labels)
-        for tier, value in hits:
-            hit.add_metric([name, tier], value)
-        for tier, value in held:
-            blocks.add_metric([name, tier], value)
-        yield hit
-        yield blocks
-        if host is not None:
-            stats = host.stats()
-            for metric, doc, value in (
-                (
-                    "urc_engine_host_demoted_blocks",
-                    "KV blocks demoted to the host",
-                    stats.demoted_blocks,
-                ),
-                (
-                    "urc_engine_host_promoted_blocks",
-                    "KV blocks promoted back",
-                    stats.promoted_blocks,
-                ),
-                (
-                    "urc_engine_host_evicted_blocks",
-                    "KV blocks the host tier dropped",
-                    stats.evicted_blocks,
-                ),
-            ):
-                yield counter(metric, doc, "model", [(name, value)])
+        if host is None:
+            return
+        tier = host.stats()  # the host tier (docs/tiers.md): the torch worker's names, in blocks
+        for family, metric, doc, value in (
+            (
+                counter,
+                "urc_engine_host_hit_tokens",
+                "Prompt tokens promoted from the host tier",
+                engine.host_hit_tokens,
+            ),
+            (gauge, "urc_engine_host_cached_blocks", "KV blocks in the host tier", len(host)),
+            (
+                counter,
+                "urc_engine_host_demoted_blocks",
+                "Blocks demoted to the host tier",
+                tier.demoted_blocks,
+            ),
+            (
+                counter,
+                "urc_engine_host_promoted_blocks",
+                "Blocks copied back to the GPU",
+                tier.promoted_blocks,
+            ),
+            (
+                counter,
+                "urc_engine_host_evicted_blocks",
+                "Blocks the host tier dropped",
+                tier.evicted_blocks,
+            ),
+        ):
+            yield family(metric, doc, "model", [(name, value)])
 
 
 def _catch_up(gen: Generation, n: int) -> None:

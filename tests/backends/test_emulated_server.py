@@ -340,5 +340,5 @@ async def test_a_host_tier_serves_an_evicted_prefix_and_its_events_mirror_both_t
                 await asyncio.wait_for(task, 5)
             async with s.get("/metrics") as resp:
                 metrics = await resp.text()
-    host_hits = f'urc_engine_tier_hit_tokens_total{{model="{MODEL}",tier="host"}} {cached(150)}.0'
+    host_hits = f'urc_engine_host_hit_tokens_total{{model="{MODEL}"}} {cached(150)}.0'
     assert host_hits in metrics and "urc_engine_host_promoted_blocks_total" in metrics
