@@ -40,7 +40,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--host-copy-tokens-per-s",
         type=float,
         default=None,
-        help="the host tier's host -> GPU copy rate, tokens/s (default: the worker's)",
+        help="the emulated host tier's host -> GPU copy rate, tokens/s (default: the worker's)",
     )
     from backends.real.process import add_real_engine_arguments
 
@@ -76,6 +76,8 @@ def worker_argv(args: argparse.Namespace, config: GatewayConfig) -> list[str]:
     if args.host_capacity_tokens:
         argv += ["--host-capacity-tokens", str(args.host_capacity_tokens)]
     if args.host_copy_tokens_per_s is not None:
+        if args.engine != "emulated":  # the torch worker's copies take what they take
+            raise ValueError("--host-copy-tokens-per-s models the emulated engine's copies")
         argv += ["--host-copy-tokens-per-s", str(args.host_copy_tokens_per_s)]
     return [*argv, *args.worker_arg]
 

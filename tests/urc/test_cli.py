@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from urc.cli import SUBCOMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,6 +82,9 @@ def test_the_host_tier_flags_reach_the_workers_and_parse_on_each_command():
     assert worker.config.host_capacity_tokens == 1_600_000
     assert worker.engine.host is not None and worker.engine.host.capacity_tokens == 1_600_000
     assert worker.info()["host_copy_tokens_per_s"] == 250_000.0
+    torch = urc_parser()[0].parse_args(["cluster", "--engine", "torch", *flags])
+    with pytest.raises(ValueError):
+        worker_argv(torch, GatewayConfig())
     plain = worker_argv(urc_parser()[0].parse_args(["cluster"]), GatewayConfig())
     assert "--host-capacity-tokens" not in plain
     replay = replay_parser().parse_args(["trace.jsonl", *flags])
