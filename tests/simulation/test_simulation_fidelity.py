@@ -37,9 +37,8 @@ CASES = {
         pending_ttl_s=10.0,
     ),
     # a GPU tier that holds about one session per worker, a host tier that holds them all:
-    # most hits are promotions. Sessions stay on their worker (consistent_hash), so the two
-    # sides differ only in the tier's model; cache_aware does not price host hits yet, and
-    # which worker a session returns to then turns on ties in load (docs/benchmarks.md)
+    # most hits are promotions. consistent_hash keeps each session on its worker whatever the
+    # timing, so the two sides differ only in the tier's model (docs/benchmarks.md)
     "multi-turn sessions, host tier": FidelityCase(
         policy="consistent_hash",
         workload="multi-turn",
