@@ -26,7 +26,14 @@ TARGET = 50_000
 SOURCE_ENV = {**os.environ, "URC_PURE_PYTHON": "1"}  # every module from its Python source
 FIDELITY_PARAMS = ["groups=40", "question_tokens=400"]  # of the default workload
 # FidelityCase's fields that --fidelity-NAME sets, and their defaults here
-FIDELITY = dict(requests=1200, workers=8, capacity_tokens=30_000, prefill_tps=5e3, concurrency=24)
+FIDELITY = dict(
+    requests=1200,
+    workers=8,
+    capacity_tokens=30_000,
+    prefill_tps=5e3,
+    concurrency=24,
+    host_capacity_tokens=0,  # each worker's host tier (docs/tiers.md)
+)
 
 
 def _timed(obj: Any, attr: str, totals: dict[str, float], label: str) -> None:

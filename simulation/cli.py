@@ -94,6 +94,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add("--max-batch", type=int, default=d.max_batch, help="running requests per worker")
     add("--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step")
+    add(
+        "--host-capacity-tokens",
+        type=int,
+        default=d.host_capacity_tokens,
+        help="each worker's host-memory KV tier in tokens (0: none; docs/tiers.md)",
+    )
+    add(
+        "--host-copy-tokens-per-s",
+        type=float,
+        default=d.host_copy_tokens_per_s,
+        help="the host tier's host -> GPU copy rate (policies that model it are told)",
+    )
     add("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
     add(
         "--block-size",
@@ -199,6 +211,8 @@ def fleet_from_args(args: argparse.Namespace, block_size: int) -> FleetConfig:
         decode_per_request_s=args.decode_per_request_ms / 1e3,
         max_batch=args.max_batch,
         chunk_tokens=args.chunk_tokens,
+        host_capacity_tokens=args.host_capacity_tokens,
+        host_copy_tokens_per_s=args.host_copy_tokens_per_s,
         max_model_len=args.max_model_len,
         event_delay_s=args.event_delay_ms / 1e3,
         kv_events=not args.no_kv_events,

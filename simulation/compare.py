@@ -107,12 +107,14 @@ def split_params(items: Sequence[str], names: Sequence[str]) -> dict[str, dict[s
 def build_params(
     name: str, given: Mapping[str, Any], fleet: FleetConfig, seed: int
 ) -> dict[str, Any]:
-    """The policy's parameters: the given ones, the fleet's prefill rate and chunk size (an
-    operator configures the gateway for its hardware) and the seed, where it takes them."""
+    """The policy's parameters: the given ones, the fleet's prefill rate, chunk size and host
+    copy rate (an operator configures the gateway for its hardware) and the seed, where it
+    takes them."""
     accepted = policy_params(name)
     told = {
         "prefill_tokens_per_s": fleet.prefill_tokens_per_s,
         "chunk_tokens": fleet.chunk_tokens,
+        "host_copy_tokens_per_s": fleet.host_copy_tokens_per_s,
         "seed": seed,
     }
     return {**{k: v for k, v in told.items() if k in accepted}, **given}

@@ -38,6 +38,8 @@ class FidelityCase:
     concurrency: int = 8
     seed: int = 0
     pending_ttl_s: float = 0.0  # the gateway's --pending-ttl, and the replay's
+    host_capacity_tokens: int = 0  # each worker's host tier (docs/tiers.md; 0: none)
+    host_copy_tps: float = FleetConfig().host_copy_tokens_per_s
     ready_timeout_s: float = 90.0
 
 
@@ -62,7 +64,8 @@ class FidelityOutcome:
         lines = [
             f"{c.workload} x {c.requests} ({c.params or 'defaults'}), {c.policy}, {c.workers} "
             f"workers x {c.capacity_tokens:,} tokens, prefill {c.prefill_tps:,.0f} tok/s, "
-            f"concurrency {c.concurrency}",
+            f"concurrency {c.concurrency}"
+            + (f", host tier {c.host_capacity_tokens:,} tokens" if c.host_capacity_tokens else ""),
             f"{'':14s}{'live':>12s}{'offline':>12s}{'diff':>12s}",
             f"{'hit rate':14s}{a:>12.2%}{b:>12.2%}{(b - a) * 100:>+10.2f}pt",
         ]
@@ -99,9 +102,14 @@ def _start_cluster(case: FidelityCase, log: Path) -> tuple[subprocess.Popen[byte
         f"--worker-arg=--capacity-tokens={case.capacity_tokens}",
         f"--worker-arg=--prefill-tps={case.prefill_tps}",
         f"--pending-ttl={case.pending_ttl_s}",
+        f"--host-capacity-tokens={case.host_capacity_tokens}",
+        f"--host-copy-tokens-per-s={case.host_copy_tps}",
     )
-    if "prefill_tokens_per_s" in policy_params(case.policy):  # the gateway knows its hardware
+    accepted = policy_params(case.policy)
+    if "prefill_tokens_per_s" in accepted:  # the gateway knows its hardware
         cmd.append(f"--policy-param=prefill_tokens_per_s={case.prefill_tps}")
+    if "host_copy_tokens_per_s" in accepted:
+        cmd.append(f"--policy-param=host_copy_tokens_per_s={case.host_copy_tps}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -178,6 +186,8 @@ def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:
         prefill_tokens_per_s=case.prefill_tps,
         concurrency=case.concurrency,
         pending_ttl_s=case.pending_ttl_s,
+        host_capacity_tokens=case.host_capacity_tokens,
+        host_copy_tokens_per_s=case.host_copy_tps,
     )
     return compare(requests, [case.policy], fleet, seed=case.seed).runs[case.policy].summary
 

@@ -15,7 +15,7 @@ from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request
 from core.heap import Heap
 from router.dispatch import LoadShare, RoutedResidency, candidate, candidates, dispatch
-from router.index import UnifiedIndex
+from router.index import UnifiedIndex, host_group
 from router.policies import Policy, WorkerLoad
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
@@ -37,6 +37,8 @@ class FleetConfig:
     decode_per_request_s: float = _ENGINE.decode_per_request_s
     max_batch: int = _ENGINE.max_batch
     chunk_tokens: int = _ENGINE.chunk_tokens
+    host_capacity_tokens: int = _ENGINE.host_capacity_tokens  # each worker's host tier (0: none)
+    host_copy_tokens_per_s: float = _ENGINE.host_copy_tokens_per_s
     max_model_len: int = 0  # 0: the worker's default (context_len)
     event_delay_s: float = 0.002
     kv_events: bool = True  # False: approximate residency from routing history
@@ -65,6 +67,8 @@ class FleetConfig:
             decode_per_request_s=self.decode_per_request_s,
             max_batch=self.max_batch,
             chunk_tokens=self.chunk_tokens,
+            host_capacity_tokens=self.host_capacity_tokens,
+            host_copy_tokens_per_s=self.host_copy_tokens_per_s,
             report_tokens=False,
             emit_events=False,  # the simulated workers listen to their caches (worker.py)
             event_tokens=False,
@@ -72,14 +76,16 @@ class FleetConfig:
 
 
 class Change:
-    """Blocks stored (under `parent`, None: root blocks) or removed: one KV event's content."""
+    """Blocks stored (under `parent`, None: root blocks) or removed in one tier: one KV event's
+    content. `host`: the host tier's (resident under `host_group(kv_group)`)."""
 
-    __slots__ = ("keys", "parent", "stored")
+    __slots__ = ("keys", "parent", "stored", "host")
 
-    def __init__(self, keys: list[int], parent: int | None, stored: bool) -> None:
+    def __init__(self, keys: list[int], parent: int | None, stored: bool, host: bool) -> None:
         self.keys = keys
         self.parent = parent
         self.stored = stored
+        self.host = host
 
 
 class SimWorker:
@@ -95,6 +101,7 @@ class SimWorker:
         "wake",
         "wake_seq",
         "changes",
+        "host_group",
     )
 
     def __init__(
@@ -107,11 +114,16 @@ class SimWorker:
     ) -> None:
         self.name = name
         self.kv_group = kv_group
+        self.host_group = host_group(kv_group)  # its host tier's blocks in the index
         self.engine = EmulatedEngine(config)
         self.changes: list[Change] = []
         if kv_events:
             self.engine.cache.on_stored = self._stored
             self.engine.cache.on_removed = self._removed
+            host = self.engine.host
+            if host is not None:
+                host.on_stored = self._host_stored
+                host.on_removed = self._host_removed
         self.max_model_len = max_model_len  # longer prompt + max_tokens: 400, as the worker says
         self.load = WorkerLoad(name)
         self.wake: float | None = None  # when the engine wants its next step call
@@ -125,10 +137,23 @@ class SimWorker:
         tokens: list[int] | None,
         salt: str | None,
     ) -> None:
-        self.changes.append(Change(keys, parent, True))
+        self.changes.append(Change(keys, parent, True, False))
 
     def _removed(self, kv_group: str, keys: list[int]) -> None:
-        self.changes.append(Change(keys, None, False))
+        self.changes.append(Change(keys, None, False, False))
+
+    def _host_stored(
+        self,
+        kv_group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
+    ) -> None:
+        self.changes.append(Change(keys, parent, True, True))
+
+    def _host_removed(self, kv_group: str, keys: list[int]) -> None:
+        self.changes.append(Change(keys, None, False, True))
 
 
 @dataclass(slots=True)
@@ -140,7 +165,8 @@ class RunResult:
     sent_s: list[float]
     worker: list[int]
     predicted_tokens: list[int]
-    cached_tokens: list[int]
+    cached_tokens: list[int]  # both tiers
+    host_tokens: list[int]  # of those, promoted from the host tier
     ttft_s: list[float]  # nan when it never produced a token (rejected, or dropped)
     latency_s: list[float]
     ok: list[bool]
@@ -331,8 +357,9 @@ class Replay:
         applied = 0
         while kv and kv[0][0] <= now:
             due, w, changes = kv.popleft()
-            name, group = w.name, w.kv_group
+            name = w.name
             for change in changes:
+                group = w.host_group if change.host else w.kv_group
                 if change.stored:
                     index.insert(change.keys, name, group, due, parent=change.parent)
                 else:
@@ -347,6 +374,7 @@ class Replay:
         n = len(self.requests)
         nan = math.nan
         cached = [0] * n
+        host = [0] * n
         ttft = [nan] * n
         latency = [nan] * n
         ok = [False] * n
@@ -355,6 +383,7 @@ class Replay:
                 continue
             sent = self._sent[i]
             cached[i] = r.cached_tokens
+            host[i] = r.host_tokens
             ttft[i] = r.first_token_time - sent  # type: ignore[operator]
             latency[i] = r.finish_time - sent
             ok[i] = True
@@ -365,6 +394,7 @@ class Replay:
             worker=self._worker,
             predicted_tokens=self._predicted,
             cached_tokens=cached,
+            host_tokens=host,
             ttft_s=ttft,
             latency_s=latency,
             ok=ok,

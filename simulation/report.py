@@ -61,6 +61,11 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("index MB", "index_bytes_est", "mb"),
 )
 
+TIER_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("GPU hits", "gpu_hit_rate", "pct"),
+    ("host hits", "host_hit_rate", "pct"),
+)
+
 
 _FORMATS: dict[str, Callable[[Any], str]] = {
     "pct": lambda v: f"{v * 100:.1f}%",
@@ -91,7 +96,10 @@ def table_rows(
     speeds: Mapping[str, float] | None = None,
 ) -> list[list[str]]:
     """The policies' table (with `speeds`, its wall-clock column), the bound last."""
-    rows = named_rows("policy", COLUMNS, summaries)
+    columns = COLUMNS
+    if any(s.get("host_hit_rate") for s in summaries.values()):  # a host tier served hits
+        columns = (COLUMNS[0], *TIER_COLUMNS, *COLUMNS[1:])
+    rows = named_rows("policy", columns, summaries)
     if speeds is not None:
         rows[0].append("sim req/s")
         for name, row in zip(summaries, rows[1:], strict=True):
@@ -138,6 +146,14 @@ def markdown_table(rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def _host_tier(fleet: Mapping[str, Any]) -> str:
+    tokens = fleet.get("host_capacity_tokens") or 0
+    if not tokens:
+        return ""
+    rate = fleet.get("host_copy_tokens_per_s") or 0
+    return f" (+ {tokens:,} on a host tier copied at {rate:,.0f} tokens/s)"
+
+
 def markdown(
     report: Mapping[str, Any], plots: Sequence[str], shadow: Sequence[Sequence[str]] | None = None
 ) -> str:
@@ -151,7 +167,7 @@ def markdown(
         "",
         f"Source: `{source}`, {cfg.get('requests')} requests, seed {cfg.get('seed')}.",
         f"Fleet: {fleet.get('workers')} emulated workers, "
-        f"{fleet.get('capacity_tokens'):,} tokens of KV each, prefill "
+        f"{fleet.get('capacity_tokens'):,} tokens of KV each{_host_tier(fleet)}, prefill "
         f"{fleet.get('prefill_tokens_per_s'):,.0f} tokens/s, blocks of "
         f"{fleet.get('block_size')} tokens, KV events after {fleet.get('event_delay_s')} s"
         + ("." if fleet.get("kv_events", True) else " (off: approximate residency)."),

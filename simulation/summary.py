@@ -33,6 +33,7 @@ def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, An
     prompt = sum(len(requests[i].prompt) for i in done)
     output = sum(requests[i].max_tokens for i in done)
     cached = sum(result.cached_tokens[i] for i in done)
+    host = sum(result.host_tokens[i] for i in done)
     predicted = sum(result.predicted_tokens[i] for i in done)
     start = min((result.sent_s[i] for i in sent), default=0.0)
     end = max((result.sent_s[i] + result.latency_s[i] for i in done), default=start)
@@ -61,9 +62,12 @@ def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, An
         "rejected": len(sent) - len(done),
         "dropped": result.dropped,
         "hit_rate": cached / prompt if prompt else None,
+        "gpu_hit_rate": (cached - host) / prompt if prompt else None,
+        "host_hit_rate": host / prompt if prompt else None,  # promoted from the host tier
         "predicted_hit_rate": predicted / prompt if prompt else None,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
+        "host_cached_tokens": host,
         "output_tokens": output,
         "duration_s": duration,
         "throughput_tok_s": (prompt + output) / duration if duration > 0 else None,

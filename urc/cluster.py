@@ -30,6 +30,18 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="ARG",
         help="an argument passed to every worker, e.g. --worker-arg=--capacity-tokens=200000",
     )
+    parser.add_argument(
+        "--host-capacity-tokens",
+        type=int,
+        default=0,
+        help="each worker's host-memory KV tier in tokens (0: none; docs/tiers.md)",
+    )
+    parser.add_argument(
+        "--host-copy-tokens-per-s",
+        type=float,
+        default=None,
+        help="the emulated host tier's host -> GPU copy rate, tokens/s (default: the worker's)",
+    )
     from backends.real.process import add_real_engine_arguments
 
     add_real_engine_arguments(parser)
@@ -56,20 +68,31 @@ async def run_real_cluster(
         await asyncio.to_thread(stop_engines, engines)
 
 
+def worker_argv(args: argparse.Namespace, config: GatewayConfig) -> list[str]:
+    """The command line of each of our workers (ENGINES)."""
+    # port 0: each worker binds a port of its own and announces it (no race for a free one)
+    argv = [sys.executable, "-m", ENGINES[args.engine], "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--log-level", config.log_level, "--log-format", config.log_format]  # as ours
+    if args.host_capacity_tokens:
+        argv += ["--host-capacity-tokens", str(args.host_capacity_tokens)]
+    if args.host_copy_tokens_per_s is not None:
+        if args.engine != "emulated":  # the torch worker's copies take what they take
+            raise ValueError("--host-copy-tokens-per-s models the emulated engine's copies")
+        argv += ["--host-copy-tokens-per-s", str(args.host_copy_tokens_per_s)]
+    return [*argv, *args.worker_arg]
+
+
 async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     if args.engine in REAL_ENGINES:
+        if args.host_capacity_tokens or args.host_copy_tokens_per_s is not None:
+            raise ValueError("--host-capacity-tokens applies to our workers (emulated, torch)")
         await run_real_cluster(args, config, stop)
         return
-    # port 0: each worker binds a port of its own and announces it (no race for a free one)
-    argv = [sys.executable, "-m", ENGINES[args.engine], "--host", "127.0.0.1", "--port", "0"]
-    argv += ["--log-level", config.log_level, "--log-format", config.log_format]  # as ours
-    workers = [
-        Child(f"worker {i}", [*argv, *args.worker_arg], "ready: ", console=True)
-        for i in range(args.workers)
-    ]
+    argv = worker_argv(args, config)
+    workers = [Child(f"worker {i}", argv, "ready: ", console=True) for i in range(args.workers)]
     try:
         results = await asyncio.gather(
             *(asyncio.to_thread(w.wait_announced, READY_TIMEOUT_S) for w in workers),

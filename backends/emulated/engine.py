@@ -8,6 +8,7 @@ from collections import deque
 from typing import Any, Final, NamedTuple, cast
 
 from backends.cache.check import check, check_locks
+from backends.cache.host import HostTier
 from backends.cache.radix import RadixCache
 from backends.cache.scopes import Invalidated, SaltTest, invalidate
 from backends.emulated.config import EngineConfig
@@ -15,7 +16,7 @@ from backends.emulated.paging import admit, cache_output, cache_prompt, release
 from backends.emulated.request import Request, State
 from core.blocks import block_keys
 from core.heap import Heap
-from core.kv_events import MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
+from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 _EPS: Final = 1e-9  # float slack when counting steps between two times
 
@@ -56,12 +57,24 @@ class EmulatedEngine:
         self.config = cfg = config or EngineConfig()
         self._events: list[KVEvent] = []
         self._tokens_out = cfg.emit_events and cfg.event_tokens  # events carry token ids
+        tiered = cfg.host_capacity_tokens > 0
         self.cache = RadixCache(
             cfg.capacity_tokens,
             cfg.block_size,
+            keep_tokens=tiered and self._tokens_out,  # a demotion's event carries them
             on_stored=self._on_stored if cfg.emit_events else None,
             on_removed=self._on_removed if cfg.emit_events else None,
         )
+        # the host tier under it (docs/tiers.md): unpaged, this engine keeps no KV
+        self.host: HostTier | None = None
+        if tiered:
+            self.host = HostTier(
+                cfg.host_capacity_tokens,
+                cfg.block_size,
+                on_stored=self._on_host_stored if cfg.emit_events else None,
+                on_removed=self._on_host_removed if cfg.emit_events else None,
+            )
+            self.host.attach(self.cache)
         self._queue: deque[Request] = deque()
         self._prefilling: list[Request] = []  # admission order
         self._decoding: dict[Any, Request] = {}
@@ -82,7 +95,8 @@ class EmulatedEngine:
         self._planning = False  # the cache's stores now are a step's: held
         self.finished_requests = 0
         self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self.cached_tokens = 0  # both tiers
+        self.host_hit_tokens = 0  # of those, promoted from the host tier
         self.generated_tokens = 0
 
     # -- KV events ---------------------------------------------------------------------------
@@ -95,22 +109,40 @@ class EmulatedEngine:
         tokens: list[int] | None,
         salt: str | None,
     ) -> None:
-        if tokens is None:
-            assert not self.config.event_tokens, "events need the blocks' tokens"
-            tokens = []
-        (self._held if self._planning else self._events).append(
-            BlockStored(
-                cast(list[BlockHash], keys),
-                parent,
-                tokens,
-                self.config.block_size,
-                medium=MEDIUM_GPU,
-                cache_salt=salt,
-            )
-        )
+        event = self._stored_event(parent, keys, tokens, salt, MEDIUM_GPU)
+        (self._held if self._planning else self._events).append(event)
 
     def _on_removed(self, kv_group: str, keys: list[int]) -> None:
         self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_GPU))
+
+    def _on_host_stored(
+        self,
+        kv_group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
+    ) -> None:
+        """A demotion: announced at once, before the GPU's BlockRemoved of the same blocks."""
+        self._events.append(self._stored_event(parent, keys, tokens, salt, MEDIUM_CPU))
+
+    def _on_host_removed(self, kv_group: str, keys: list[int]) -> None:
+        self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_CPU))
+
+    def _stored_event(
+        self,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
+        medium: str,
+    ) -> BlockStored:
+        if tokens is None:
+            assert not self.config.event_tokens, "events need the blocks' tokens"
+            tokens = []
+        bs = self.config.block_size
+        hashes = cast(list[BlockHash], keys)
+        return BlockStored(hashes, parent, tokens, bs, medium=medium, cache_salt=salt)
 
     def _release(self) -> None:
         """Announce the blocks the step now ending cached, in the order they were cached."""
@@ -118,10 +150,14 @@ class EmulatedEngine:
         self._held = []
 
     def invalidate(self, scope: SaltTest | None) -> Invalidated:
-        """Scoped invalidation of the cache (backends/cache/scopes.py). What the step in flight
-        cached is announced first, so its BlockStored comes before the BlockRemoved."""
+        """Scoped invalidation of both tiers (backends/cache/scopes.py); `freed_blocks` counts
+        the host tier's too. What the step in flight cached is announced first, so its
+        BlockStored comes before the BlockRemoved."""
         self._release()
-        return invalidate(self.cache, scope)
+        done = invalidate(self.cache, scope)
+        if self.host is None:
+            return done
+        return Invalidated(done.freed_blocks + self.host.invalidate(scope), done.locked_blocks)
 
     def drain_events(self) -> list[KVEvent]:
         """Events not yet handed out by a step (an invalidation's, and any before it), in order."""
@@ -300,7 +336,7 @@ class EmulatedEngine:
             and (stuck[2] >= cap or not cache.starts_run(keys[stuck[2]]))
         ):
             return False  # still no room, and its cached prefix cannot have grown
-        need, blocks = admit(cache, req, bs)
+        need, blocks = admit(cache, req, bs, self.host, self._tokens_out)
         if req.node is None:
             self._stuck = (req, need, blocks)
             return False
@@ -310,6 +346,7 @@ class EmulatedEngine:
         self._queued_prefill -= cached
         self.prompt_tokens += prompt_len
         self.cached_tokens += cached
+        self.host_hit_tokens += req.host_tokens
         return True
 
     def _chunk(self, req: Request, budget: int, chunks: list[tuple[Request, int]]) -> int:
@@ -358,10 +395,15 @@ class EmulatedEngine:
         decoding = len(self._decoding)
         if not chunks and not decoding:
             return
+        copied = 0  # host-tier blocks promoted for the first chunks: copied in before them
+        for req, _ in chunks:
+            if req.host_tokens and req.computed == req.cached_tokens:
+                copied += req.host_tokens
         d = (  # the step's time (docs/workers.md)
             cfg.decode_base_s
             + cfg.decode_per_request_s * decoding
             + (cfg.chunk_tokens - budget) / cfg.prefill_tokens_per_s
+            + copied / cfg.host_copy_tokens_per_s
         )
         if chunks:
             k = 1
@@ -382,6 +424,8 @@ class EmulatedEngine:
         """The cache's invariants, plus: its allocated room is exactly what the running
         requests reserve, and its lock counts are exactly their locked paths."""
         check(self.cache)
+        if self.host is not None:
+            self.host.check()
         running = self._prefilling + list(self._decoding.values())
         assert sum(r.reserved for r in running) == self.cache.allocated_tokens, "reserved room"
         check_locks(self.cache, [r.node for r in running if r.node is not None])

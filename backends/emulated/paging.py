@@ -1,36 +1,52 @@
-"""A request's room through its life in the emulated engine: admit (match + lock + reserve its
-footprint), cache its full blocks, release. The only code that moves room between a request
-and the radix cache:
+"""A request's room through its life in the emulated engine: admit (match + lock + promote from
+the host tier + reserve its footprint), cache its full blocks, release. The only code that
+moves room between a request and the radix cache:
 
-    [0, node_blocks)   in the tree, on the path `node` locks: its cached prefix, then the
-                       full blocks of each chunk scheduled (the step in flight's included)
+    [0, node_blocks)   in the tree, on the path `node` locks: its cached prefix (GPU hits,
+                       then blocks promoted from the host tier), then the full blocks of
+                       each chunk scheduled (the step in flight's included)
     reserved           private room for the rest of its footprint (prompt + max_tokens - 1)
 """
 
 from __future__ import annotations
 
+from backends.cache.host import HostTier
 from backends.cache.radix import RadixCache
 from backends.emulated.request import Request, tail_tokens
 from core.blocks import chain_keys, continue_after
 
 
-def admit(cache: RadixCache, req: Request, bs: int) -> tuple[int, int]:
+def admit(
+    cache: RadixCache, req: Request, bs: int, host: HostTier | None, with_tokens: bool
+) -> tuple[int, int]:
     """Match the prompt's cached prefix but its last token (one is always computed: it yields
-    the first token), lock it and reserve the footprint beyond it. Returns the room needed and
-    the blocks matched; admitted when `req.node` is set, else nothing is held."""
+    the first token), lock it, promote the blocks after it that the host tier holds (`host`)
+    and reserve the footprint beyond. Returns the room needed beyond the GPU match and the
+    blocks matched on the GPU; admitted when `req.node` is set, else nothing is held."""
     keys = req.keys
     assert keys is not None and req.node is None
-    match = cache.match(keys, (req.prompt_len - 1) // bs)
-    cached = match.blocks * bs
-    need = req.prompt_len + req.max_tokens - 1 - cached
-    cache.lock(match.node)
-    if not cache.allocate(need):
-        cache.unlock(match.node)
+    limit = (req.prompt_len - 1) // bs
+    match = cache.match(keys, limit)
+    need = req.prompt_len + req.max_tokens - 1 - match.blocks * bs  # promotion takes room too
+    node = match.node
+    cache.lock(node)
+    if not cache.can_allocate(need):
+        cache.unlock(node)
         return need, match.blocks
-    req.node = match.node
-    req.node_blocks = match.blocks
+    promoted = 0
+    if host is not None and match.blocks < limit:
+        tokens = req.prompt if with_tokens else None
+        salt, public = req.cache_salt, req.public_blocks
+        node, promoted = host.promote(node, keys, match.blocks, limit, "", tokens, salt, public)
+    cached = (match.blocks + promoted) * bs
+    rest = need - promoted * bs
+    reserved = cache.allocate(rest)
+    assert reserved, "room checked before the promotion"
+    req.node = node
+    req.node_blocks = match.blocks + promoted
     req.cached_tokens = req.computed = cached
-    req.reserved = need
+    req.host_tokens = promoted * bs
+    req.reserved = rest
     return need, match.blocks
 
 

@@ -72,7 +72,8 @@ class Request:
     # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
     public_blocks: int
     state: State
-    cached_tokens: int  # prompt tokens found in the cache on admission
+    cached_tokens: int  # prompt tokens found in the cache on admission (both tiers)
+    host_tokens: int  # of those, promoted from the host tier: copied in before its first chunk
     computed: int  # prompt tokens whose KV exists (cached ones included)
     generated: int  # current at first token and finish; `engine.generated(req)` meanwhile
     admitted_time: float | None
@@ -106,7 +107,7 @@ class Request:
         self.tail_keys = tail_keys
         self.public_blocks = public_blocks
         self.state = State.WAITING
-        self.cached_tokens = self.computed = self.generated = 0
+        self.cached_tokens = self.host_tokens = self.computed = self.generated = 0
         self.admitted_time = self.first_token_time = self.finish_time = None
         self.node = None
         self.prompt_len = self.node_blocks = self.reserved = self.decode_from = 0

@@ -103,7 +103,10 @@ class EmulatedSide:
         return [embed(prompt) for prompt in prompts]
 
     def info(self) -> dict[str, Any]:
-        return {}
+        return {
+            "host_capacity_tokens": self.config.host_capacity_tokens,
+            "host_copy_tokens_per_s": self.config.host_copy_tokens_per_s,
+        }
 
     def settings(self) -> dict[str, Any]:
         return {
@@ -131,6 +134,7 @@ class EmulatedSide:
             ("urc_engine_evicted_blocks", "KV blocks evicted", stats.evicted_blocks),
             ("urc_engine_stored_blocks", "KV blocks cached", stats.stored_blocks),
         )
+
         gauges = (
             ("urc_engine_running_requests", "Requests in the batch", load.running),
             ("urc_engine_waiting_requests", "Requests in the queue", load.waiting),
@@ -149,6 +153,38 @@ class EmulatedSide:
         for family, table in ((counter, counters), (gauge, gauges)):
             for metric, doc, value in table:
                 yield family(metric, doc, "model", [(name, value)])
+        host = engine.host
+        if host is None:
+            return
+        tier = host.stats()  # the host tier (docs/tiers.md): the torch worker's names, in blocks
+        for family, metric, doc, value in (
+            (
+                counter,
+                "urc_engine_host_hit_tokens",
+                "Prompt tokens promoted from the host tier",
+                engine.host_hit_tokens,
+            ),
+            (gauge, "urc_engine_host_cached_blocks", "KV blocks in the host tier", len(host)),
+            (
+                counter,
+                "urc_engine_host_demoted_blocks",
+                "Blocks demoted to the host tier",
+                tier.demoted_blocks,
+            ),
+            (
+                counter,
+                "urc_engine_host_promoted_blocks",
+                "Blocks copied back to the GPU",
+                tier.promoted_blocks,
+            ),
+            (
+                counter,
+                "urc_engine_host_evicted_blocks",
+                "Blocks the host tier dropped",
+                tier.evicted_blocks,
+            ),
+        ):
+            yield family(metric, doc, "model", [(name, value)])
 
 
 def _catch_up(gen: Generation, n: int) -> None:
@@ -181,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
             ("--decode-per-request-ms", float, d.decode_per_request_s * 1e3, per_request),
             ("--max-batch", int, d.max_batch, "running requests"),
             ("--chunk-tokens", int, d.chunk_tokens, "prefill tokens per step"),
+            ("--host-capacity-tokens", int, 0, "host-memory KV tier in tokens (0: none)"),
+            (
+                "--host-copy-tokens-per-s",
+                float,
+                d.host_copy_tokens_per_s,
+                "host -> GPU copy rate of the host tier, tokens/s",
+            ),
         ],
     )
     return parser
@@ -196,6 +239,8 @@ def build_engine(args: argparse.Namespace) -> EmulatedSide:
         decode_per_request_s=args.decode_per_request_ms / 1e3,
         max_batch=args.max_batch,
         chunk_tokens=args.chunk_tokens,
+        host_capacity_tokens=args.host_capacity_tokens,
+        host_copy_tokens_per_s=args.host_copy_tokens_per_s,
     )
     kv_group, tokenizer = args.kv_group or args.model, ByteTokenizer()
     # workers that agree on it produce identical K/V for identical tokens (same emulated

@@ -23,7 +23,7 @@ import pytest
 from backends.emulated.request import output_tokens
 from core.blocks import block_keys
 from core.tokenizer import ByteTokenizer
-from router.index import UnifiedIndex
+from router.index import UnifiedIndex, host_group
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
 from tests import processes
@@ -296,3 +296,49 @@ async def test_kv_events_rebuild_the_workers_cache_in_the_index() -> None:
             finally:
                 sub.stop()
                 await asyncio.wait_for(task, 5)
+
+
+async def test_a_host_tier_serves_an_evicted_prefix_and_its_events_mirror_both_tiers() -> None:
+    tier = ["--capacity-tokens", "256", "--host-capacity-tokens", "4096"]
+    with running_worker("--model", MODEL, "--kv-group", GROUP, *FAST, *tier) as w:
+        async with aiohttp.ClientSession(w.url, timeout=aiohttp.ClientTimeout(total=10)) as s:
+
+            async def send(ids: list[int], max_tokens: int) -> int:
+                body = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens}
+                async with s.post("/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    usage = (await resp.json())["usage"]
+                return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+            first = list(os.urandom(150))
+            assert await send(first, 10) == 0
+            assert await send(list(os.urandom(240)), 10) == 0  # evicts `first` to the host
+            async with s.get("/urc/info") as resp:
+                info = await resp.json()
+            assert info["host_capacity_tokens"] == 4096 and info["host_copy_tokens_per_s"] > 0
+            index = UnifiedIndex()
+            mirror = WorkerMirror(index, "w0", GROUP, BS)
+            events = info["kv_events"]
+            sub = KVEventSubscriber(
+                mirror, events["endpoint"], events["replay_endpoint"], topic=events["topic"]
+            )
+            task = asyncio.create_task(sub.run())
+            try:
+                await asyncio.wait_for(sub.synced.wait(), 10)
+                keys = block_keys(first, BS)
+                assert index.residency("w0", host_group(GROUP)) >= set(keys)
+                assert index.residency("w0", GROUP).isdisjoint(keys)
+                assert await send(first, 10) == cached(150)  # promoted back
+                for _ in range(200):
+                    if index.residency("w0", GROUP) >= set(keys):
+                        break
+                    await asyncio.sleep(0.02)
+                assert index.residency("w0", GROUP) >= set(keys)  # and still on the host
+                assert index.residency("w0", host_group(GROUP)) >= set(keys)
+            finally:
+                sub.stop()
+                await asyncio.wait_for(task, 5)
+            async with s.get("/metrics") as resp:
+                metrics = await resp.text()
+    host_hits = f'urc_engine_host_hit_tokens_total{{model="{MODEL}"}} {cached(150)}.0'
+    assert host_hits in metrics and "urc_engine_host_promoted_blocks_total" in metrics

@@ -245,3 +245,24 @@ def test_a_gateway_recording_replays_to_what_was_recorded(tmp_path: Path) -> Non
     assert recorded["policy"] == "cache_aware" and recorded["requests"] == 200
     replayed = report["policies"]["cache_aware"]["hit_rate"]
     assert replayed == pytest.approx(recorded["hit_rate"], abs=0.01)
+
+
+def test_a_host_tier_replays_identically_and_shows_hits_per_tier(
+    trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tier = ["--kv-capacity-tokens", "20000", "--host-capacity-tokens", "80000"]
+    tier += ["--host-copy-tokens-per-s", "200000"]
+    outputs = []
+    for n in range(2):
+        path = tmp_path / f"tier{n}.json"
+        argv = [str(trace), "--policy", "cache_aware", "--workers", "3", "--json", str(path)]
+        assert run(*argv, *tier) == 0
+        outputs.append(path.read_bytes())
+    assert outputs[0] == outputs[1]
+    report = json.loads(outputs[0])
+    fleet = report["config"]["fleet"]
+    assert fleet["host_capacity_tokens"] == 80_000 and fleet["host_copy_tokens_per_s"] == 200_000
+    summary = report["policies"]["cache_aware"]
+    assert summary["host_hit_rate"] > 0 and summary["gpu_hit_rate"] > 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "GPU hits" in header and "host hits" in header

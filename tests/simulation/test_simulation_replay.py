@@ -12,6 +12,7 @@ import pytest
 from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request, tail_keys
 from core.blocks import block_keys
+from router.index import host_group
 from router.policies import Candidate, Decision, RouteRequest, make_policy
 from simulation.compare import compare, infinite_cache_hit_rate
 from simulation.replay import FleetConfig, Replay
@@ -176,3 +177,24 @@ def test_the_bound_caps_every_policy_and_cache_beats_blind_routing() -> None:
     assert all(h <= comparison.bound + 1e-9 for h in hit.values())  # type: ignore[operator]
     assert hit["cache_aware"] > hit["round_robin"] + 0.2
     assert hit["sglang"] > hit["round_robin"] + 0.2
+
+
+def test_with_a_host_tier_the_index_ends_equal_to_both_tiers_of_every_worker() -> None:
+    fleet = small_fleet(capacity_tokens=6_000, host_capacity_tokens=24_000)
+    replay = Replay(mixed(), make_policy("cache_aware"), fleet)
+    result = replay.run()
+    assert all(result.ok)
+    for w in replay.workers:
+        host = w.engine.host
+        assert host is not None and host.stats().demoted_blocks > 0
+        assert replay.index.residency(w.name, w.kv_group) == w.engine.cache.keys()
+        assert replay.index.residency(w.name, host_group(w.kv_group)) == host.keys()
+        w.engine.check()
+    summary = summarize(result, replay.requests)
+    assert summary["host_cached_tokens"] == sum(result.host_tokens) > 0
+    assert summary["hit_rate"] == pytest.approx(summary["gpu_hit_rate"] + summary["host_hit_rate"])
+    again = Replay(mixed(), make_policy("cache_aware"), fleet).run()
+    assert again.cached_tokens == result.cached_tokens and again.ttft_s == result.ttft_s
+    assert again.host_tokens == result.host_tokens
+    without = Replay(mixed(), make_policy("cache_aware"), small_fleet(capacity_tokens=6_000))
+    assert sum(without.run().cached_tokens) < sum(result.cached_tokens)

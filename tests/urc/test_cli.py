@@ -7,6 +7,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from urc.cli import SUBCOMMANDS, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,3 +64,28 @@ def test_version_from_a_checkout_that_is_not_installed():
         [sys.executable, "-S", "-c", code], capture_output=True, text=True, check=True, timeout=60
     ).stdout
     assert out == f"{project['version']}\n"
+
+
+def test_the_host_tier_flags_reach_the_workers_and_parse_on_each_command():
+    from backends.emulated.server import build_engine, build_parser
+    from router.gateway.config import GatewayConfig
+    from simulation.cli import build_parser as replay_parser
+    from urc.cli import build_parser as urc_parser
+    from urc.cluster import worker_argv
+
+    flags = ["--host-capacity-tokens", "1600000", "--host-copy-tokens-per-s", "250000"]
+    args = urc_parser()[0].parse_args(["cluster", "--workers", "2", *flags])
+    argv = worker_argv(args, GatewayConfig())
+    assert argv[argv.index("--host-capacity-tokens") + 1] == "1600000"
+    assert argv[argv.index("--host-copy-tokens-per-s") + 1] == "250000.0"
+    worker = build_engine(build_parser().parse_args(argv[3:]))
+    assert worker.config.host_capacity_tokens == 1_600_000
+    assert worker.engine.host is not None and worker.engine.host.capacity_tokens == 1_600_000
+    assert worker.info()["host_copy_tokens_per_s"] == 250_000.0
+    torch = urc_parser()[0].parse_args(["cluster", "--engine", "torch", *flags])
+    with pytest.raises(ValueError):
+        worker_argv(torch, GatewayConfig())
+    plain = worker_argv(urc_parser()[0].parse_args(["cluster"]), GatewayConfig())
+    assert "--host-capacity-tokens" not in plain
+    replay = replay_parser().parse_args(["trace.jsonl", *flags])
+    assert (replay.host_capacity_tokens, replay.host_copy_tokens_per_s) == (1_600_000, 250_000.0)
