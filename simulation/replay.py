@@ -293,7 +293,7 @@ class Replay:
         i = req.index
         self._sent[i] = now
         self._worker[i] = self._worker_index[w.name]
-        self._predicted[i] = route.matched_tokens(chosen.matched_blocks)
+        self._predicted[i] = route.matched_tokens(chosen.matched_blocks + chosen.host_blocks)
         share = self._shares[i] = dispatch(index, route, chosen, w.load)
         self.residency.dispatched(route, w.name, w.kv_group, self.fleet.kv_events, now)
         if route.prompt_tokens + req.max_tokens > w.max_model_len:

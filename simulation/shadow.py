@@ -39,7 +39,8 @@ class RecordedChoice:
             raise ValueError(f"the recording sent a request to {worker!r}, not one of {names}")
         self.shadows.watch(request, candidates, worker)
         ttft = self.shadows.estimator.ttft(request, chosen)
-        self.live.count(request, request.matched_tokens(chosen.matched_blocks), ttft, True)
+        predicted = request.matched_tokens(chosen.matched_blocks + chosen.host_blocks)
+        self.live.count(request, predicted, ttft, True)
         return Decision(worker, "recorded", request, candidates, [0.0] * len(candidates))
 
 
