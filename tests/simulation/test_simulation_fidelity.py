@@ -43,7 +43,7 @@ CASES = {
         policy="consistent_hash",
         workload="multi-turn",
         params={"sessions": "24", "turns": "5", "user_tokens": "400"},
-        requests=200,
+        requests=120,
         capacity_tokens=5_000,
         host_capacity_tokens=80_000,
     ),
