@@ -220,7 +220,7 @@ class UnifiedIndex(ResidencyTree):
         the cost of two dict reads, when no worker of the group has a host tier."""
         host = self._host_names.get(kv_group)
         if host is None:  # the name is made once: a concatenation per request costs
-            host = self._host_names[kv_group] = kv_group + HOST_TIER
+            host = self._host_names[kv_group] = host_group(kv_group)
         mask = self._group_mask.get(host, 0)
         if not mask:
             return None
@@ -233,12 +233,8 @@ class UnifiedIndex(ResidencyTree):
                 found[worker] = held
         return found
 
-    def held_from(self, keys: Sequence[int], start: int, worker: str, kv_group: str) -> int:
-        """How many keys of the chain from `start` on the resident holds, in a row."""
-        bit = self._find(worker, kv_group)
-        return 0 if bit is None else self._held_from(keys, start, bit)
-
     def _held_from(self, keys: Sequence[int], start: int, bit: int) -> int:
+        """How many keys of the chain from `start` on the resident `bit` holds, in a row."""
         flag = 1 << bit
         where, by_id = self._where, self._runs
         boxed = cast(Sequence[object], keys)  # keys stay objects (docs/compiled.md)
@@ -258,9 +254,7 @@ class UnifiedIndex(ResidencyTree):
                 m = 1
                 while m < size and i + m < n and boxed[i + m] == run_keys[m]:
                     m += 1
-            i += m
-            if m < size:
-                break
+            i += m  # a run that goes elsewhere: the next key may head one (an orphan's)
         return i - start
 
     def holds(self, key: int, worker: str, kv_group: str) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -90,7 +91,11 @@ class TorchEngine:
             if cfg.host_capacity_tokens > 0:  # split by layout, as the GPU budget is
                 host_tokens = cfg.host_capacity_tokens // len(layouts)
                 state.host, state.host_memory = make_host_tier(
-                    pool, cache, host_tokens, self._on_host_stored, self._on_host_removed
+                    pool,
+                    cache,
+                    host_tokens,
+                    partial(self._on_stored, medium=MEDIUM_CPU),
+                    partial(self._on_removed, medium=MEDIUM_CPU),
                 )
         self.models: dict[str, ModelState] = {}
         for group, loaded in groups.items():
@@ -112,30 +117,15 @@ class TorchEngine:
         keys: list[int],
         tokens: list[int] | None,
         salt: str | None,
-    ) -> None:
-        assert tokens is not None, "the engine inserts the blocks' tokens"
-        size = self.config.page_size
-        stored = BlockStored(keys, parent, tokens, size, medium=MEDIUM_GPU, cache_salt=salt)
-        self._events[group].append(stored)
-
-    def _on_removed(self, group: str, keys: list[int]) -> None:
-        self._events[group].append(BlockRemoved(keys, MEDIUM_GPU))
-
-    def _on_host_stored(
-        self,
-        group: str,
-        parent: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        salt: str | None,
+        medium: str = MEDIUM_GPU,
     ) -> None:
         assert tokens is not None, "the GPU cache keeps the blocks' tokens"
         size = self.config.page_size
-        stored = BlockStored(keys, parent, tokens, size, medium=MEDIUM_CPU, cache_salt=salt)
+        stored = BlockStored(keys, parent, tokens, size, medium=medium, cache_salt=salt)
         self._events[group].append(stored)
 
-    def _on_host_removed(self, group: str, keys: list[int]) -> None:
-        self._events[group].append(BlockRemoved(keys, MEDIUM_CPU))
+    def _on_removed(self, group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:
+        self._events[group].append(BlockRemoved(keys, medium))
 
     # -- the driver's API ----------------------------------------------------------------------
 

@@ -196,8 +196,7 @@ class GatewayMetrics(Collector):
             if subscribers:
                 replays.add_metric(name, sum(s.replays for s in subscribers))
                 failed.add_metric(name, sum(s.replay_failures for s in subscribers))
-        yield from (healthy, exact, in_flight, queued, held, host_held, lag, batches, gaps)
-        yield resets
+        yield from (healthy, exact, in_flight, queued, held, host_held, lag, batches, gaps, resets)
         yield from (replays, failed)
 
     def _modes(self) -> Iterator[Any]:

@@ -203,12 +203,7 @@ class Plan:
     def host_matched(self, worker: str) -> int:
         """Of `matched(worker)`, the tokens in its host tier (docs/tiers.md)."""
         c = self.candidate(worker)
-        if not c.host_blocks:
-            return 0
-        request = self.decision.request
-        return request.matched_tokens(c.matched_blocks + c.host_blocks) - request.matched_tokens(
-            c.matched_blocks
-        )
+        return self.decision.request.host_tokens(c.matched_blocks, c.host_blocks)
 
     def route(self, worker: str) -> str:
         """The `x-urc-route` header's value for an answer from `worker`."""

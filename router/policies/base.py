@@ -40,6 +40,14 @@ class RouteRequest:
             blocks = usable
         return blocks * self.block_size if blocks > 0 else 0
 
+    def host_tokens(self, matched_blocks: int, host_blocks: int) -> int:
+        """Of `matched_tokens(matched_blocks + host_blocks)`, those in the host tier: the
+        `host_blocks` a worker holds there right after its GPU match (docs/tiers.md)."""
+        if not host_blocks:
+            return 0
+        both = self.matched_tokens(matched_blocks + host_blocks)
+        return both - self.matched_tokens(matched_blocks)
+
 
 @dataclass(init=False, slots=True)
 class WorkerLoad:
@@ -145,7 +153,7 @@ class Decision:
         scores: list[Score] = []
         for c, cost in zip(self.candidates, self.costs, strict=True):
             matched = request.matched_tokens(c.matched_blocks + c.host_blocks)
-            host = matched - request.matched_tokens(c.matched_blocks) if c.host_blocks else 0
+            host = request.host_tokens(c.matched_blocks, c.host_blocks)
             scores.append(Score(c.worker, matched, c.in_flight, cost, host))
         return tuple(scores)
 

@@ -69,8 +69,6 @@ def test_host_run_after_the_gpu_match_agrees_with_brute_force(ops, queries) -> N
         host = index.host_match(keys, G, matched) or {}
         got = {w: (matched.get(w, 0), host.get(w, 0)) for w in WORKERS}
         assert got == _brute(held, keys)
-        for w in WORKERS:
-            assert index.held_from(keys, matched.get(w, 0), w, H) == host.get(w, 0)
 
 
 def test_host_only_prefix_partial_runs_gpu_then_host_and_removal() -> None:
@@ -86,7 +84,7 @@ def test_host_only_prefix_partial_runs_gpu_then_host_and_removal() -> None:
     assert index.host_match(keys, G, matched) == {"w0": 3}
     index.insert(keys[6:8], "w1", H, 0.0, parent=keys[5])  # another worker: a partial run
     assert index.host_match(keys, G, matched) == {"w0": 3}  # w1 lacks 0-5 in both tiers
-    assert index.held_from(keys, 6, "w1", H) == 2
+    assert index.host_match(keys, G, {"w0": 3, "w1": 6}) == {"w0": 3, "w1": 2}  # from a depth
     index.remove([keys[4]], "w0", H)  # a hole in w0's host run
     assert index.host_match(keys, G, matched) == {"w0": 1}
     assert index.host_match(keys[:0], G, matched) == {}
