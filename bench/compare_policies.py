@@ -20,6 +20,8 @@ ROWS = [
     ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),
     ("TTFT p50 (ms)", lambda s: s["ttft_s"]["p50"] * 1e3, "{:.0f}"),
     ("TTFT p99 (ms)", lambda s: s["ttft_s"]["p99"] * 1e3, "{:.0f}"),
+    ("TTFT mean (ms)", lambda s: s["ttft_s"]["mean"] * 1e3, "{:.0f}"),
+    ("TTFT max (ms)", lambda s: s["ttft_s"]["max"] * 1e3, "{:.0f}"),
     ("latency p50 (ms)", lambda s: s["latency_s"]["p50"] * 1e3, "{:.0f}"),
     ("throughput (req/s)", lambda s: s["throughput"]["requests_per_s"], "{:.1f}"),
     ("output tok/s", lambda s: s["throughput"]["output_tokens_per_s"], "{:.0f}"),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,15 @@ def verdict(results: Mapping[str, Mapping[str, Any]], ours: str, other: str) -> 
     )
 
 
+def slowest(n: int) -> str:
+    """The request p99 of `n` falls on (linear interpolation: next to the one slower)."""
+    rank = n - math.floor((n - 1) * 0.99)
+    if rank == 1:
+        return "the slowest"
+    suffix = {2: "nd", 3: "rd"}.get(rank % 10 if rank // 10 % 10 != 1 else 0, "th")
+    return f"the {rank}{suffix} slowest"
+
+
 def markdown(args: Any, rows: Sequence[Sequence[str]], plots: Sequence[Path], line: str) -> str:
     """The page: the workload, the cluster, the table, the plots (or why none), the verdict."""
     lines = [
@@ -96,7 +106,10 @@ def markdown(args: Any, rows: Sequence[Sequence[str]], plots: Sequence[Path], li
         "",
         "Hit rate: cached / prompt tokens as the workers report them. TTFT and latency as the "
         "client saw them. Prediction error: the gateway's matched tokens against the worker's "
-        "cached tokens, in % of the prompt.",
+        "cached tokens, in % of the prompt. TTFT p99 of "
+        f"{args.requests} requests is {slowest(args.requests)}; the first "
+        f"{args.concurrency} start at once into an empty fleet, and `python bench/cold_burst.py` "
+        "shows how much of p99 that cold burst decides (docs/benchmarks.md).",
         "",
     ]
     lines += [f"![{p.stem}]({p.name})" for p in plots] if plots else [MISSING]
