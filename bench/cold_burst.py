@@ -135,12 +135,12 @@ def report(
     name: str, run: RunResult, requests: list[SimRequest], burst_ids: list[int], fleet: FleetConfig
 ) -> None:
     """The policy's p99, max and mean, and the lowest p99 a split of its burst reaches."""
-    fleet_ttft = [-math.inf if math.isnan(t) else t for t in run.ttft_s]
+    sortable = [-math.inf if math.isnan(t) else t for t in run.ttft_s]
     ttft = [t for t in run.ttft_s if not math.isnan(t)]
     p99, top = harness.percentile(ttft, 0.99), max(ttft)
     in_burst = set(burst_ids)
     k = tail_size(len(ttft))
-    slowest = sorted(range(len(requests)), key=lambda i: -fleet_ttft[i])[:k]
+    slowest = sorted(range(len(requests)), key=lambda i: -sortable[i])[:k]
     print(
         f"\n{name}: p99 {p99 * 1e3:.1f}  max {top * 1e3:.1f}  mean "
         f"{sum(ttft) / len(ttft) * 1e3:.1f}  ({sum(i in in_burst for i in slowest)} of the "

@@ -18,6 +18,18 @@ def host_group(kv_group: str) -> str:
     return kv_group + HOST_TIER
 
 
+def _followed(chain: Sequence[int], boxed: Sequence[object], i: int, run: list[object]) -> int:
+    """How many keys of `run` the chain follows from chain[i] (== run[0]): the whole run by one
+    slice compare where it can, else key by key (`boxed`: the chain, its keys as objects)."""
+    size = len(run)
+    if chain[i : i + size] == run:
+        return size
+    n, m = len(chain), 1
+    while m < size and i + m < n and boxed[i + m] == run[m]:
+        m += 1
+    return m
+
+
 class IndexStats(NamedTuple):
     blocks: int  # keys in the tree
     runs: int  # tree nodes (runs of blocks with one residency)
@@ -133,14 +145,9 @@ class UnifiedIndex(ResidencyTree):
         boxed = cast(list[object], chain)
         if run.keys[0] != boxed[i]:  # entering mid-run (its parent was unknown to us)
             self._split(run, cast(list[object], run.keys).index(boxed[i]))
-        size, n = len(run.keys), len(chain)
-        boxed_run = cast(list[object], run.keys)
-        if chain[i : i + size] != run.keys:
-            m = 1
-            while m < size and i + m < n and boxed[i + m] == boxed_run[m]:
-                m += 1
-            if m < size:
-                run = self._split(run, m)
+        m = _followed(chain, boxed, i, cast(list[object], run.keys))
+        if m < len(run.keys):
+            run = self._split(run, m)
         if run.parent is None and prev is not None and not self._descends(prev, run):
             run.parent = prev  # an orphan whose parent arrived later (not a malformed
             self._adopt(prev)  # chain that loops back to one of its own ancestors)
@@ -183,12 +190,7 @@ class UnifiedIndex(ResidencyTree):
             if run_keys[0] != boxed[depth]:
                 break  # the key sits mid-run on another path (an orphan's parent was missing)
             size = len(run_keys)
-            if keys[depth : depth + size] == run_keys:
-                m = size
-            else:
-                m = 1
-                while m < size and depth + m < n and boxed[depth + m] == run_keys[m]:
-                    m += 1
+            m = _followed(keys, boxed, depth, run_keys)
             held = active & run.mask
             if held != active:
                 if depth:
@@ -247,14 +249,8 @@ class UnifiedIndex(ResidencyTree):
             run_keys = cast(list[object], run.keys)
             if run_keys[0] != boxed[i]:
                 break  # mid-run on another path (an orphan's parent was missing)
-            size = len(run_keys)
-            if keys[i : i + size] == run_keys:
-                m = size
-            else:
-                m = 1
-                while m < size and i + m < n and boxed[i + m] == run_keys[m]:
-                    m += 1
-            i += m  # a run that goes elsewhere: the next key may head one (an orphan's)
+            # a run that goes elsewhere: the next key may head one (an orphan's)
+            i += _followed(keys, boxed, i, run_keys)
         return i - start
 
     def holds(self, key: int, worker: str, kv_group: str) -> bool:
