@@ -14,7 +14,8 @@ from pathlib import Path
 import harness  # noqa: F401  (puts the repository root on sys.path)
 import run_report
 
-from urc.processes import Child, free_port
+from core.ports import free_port
+from urc.processes import Child
 
 ROWS = [
     ("hit rate (tokens)", lambda s: s["hit_rate"], "{:.1%}"),

@@ -23,9 +23,10 @@ from pathlib import Path
 import overhead_load as load
 from harness import fast_worker, log
 
+from core.ports import free_port
 from urc.envoy import Envoy
 from urc.envoy_epp import epp_envoy_config
-from urc.processes import Child, free_port, start_gateway
+from urc.processes import Child, start_gateway
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # sglang-router has fewer policies: the nearest one to ours, else cache_aware

@@ -12,7 +12,8 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from urc.processes import Child, free_port
+from core.ports import free_port
+from urc.processes import Child
 
 _HCM = "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3"
 _ROUTER = "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"

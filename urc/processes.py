@@ -7,7 +7,6 @@ import atexit
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,12 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 JSON_HEADERS = {"Content-Type": "application/json"}
 _started: list[Child] = []  # a caller that failed before its own cleanup leaves none running
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Child:

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from core.ports import free_port
 from loadgen.workloads import RequestSpec
 from urc.envoy import Envoy
-from urc.processes import Child, free_port, start_gateway, start_worker
+from urc.processes import Child, start_gateway, start_worker
 
 SALT_SECRET = "replicas-share-this-secret"
 

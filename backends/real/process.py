@@ -7,21 +7,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures as cf
 import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core.ports import free_ports
+
 KV_TOPIC = "kv"
+PORTS_PER_ENGINE = 3  # HTTP, KV events, KV replay (EngineSpec's order)
+_PORT_TRIES = 3
 # vLLM's CPU build: the engine core in-process (quicker start, one process to kill), 1 GiB of
 # KV cache, no hub
 CPU_ENV = {
@@ -89,6 +94,12 @@ class EngineProcess:
             return self.log_path.read_text(errors="replace")[-chars:]
         return ""
 
+    def lost_a_port(self) -> bool:
+        """Whether it exited because one of its ports was taken when it came to bind it."""
+        with contextlib.suppress(OSError):
+            return "address already in use" in self.log_path.read_text(errors="replace").lower()
+        return False
+
     def kill(self) -> None:
         """SIGKILL to the whole engine (its engine-core child holds the KV-event sockets),
         as a crash: no goodbye on any socket."""
@@ -153,7 +164,8 @@ class EngineSpec:
         return EngineLaunch(argv + self.extra_args, env, endpoints)
 
     def kv_events_config(self, **extra: Any) -> str:
-        """The `--kv-events-config` both engines take: ZMQ PUB and replay on every interface."""
+        """The `--kv-events-config` both engines take: ZMQ PUB and replay on every interface
+        (vLLM binds an endpoint only when it names a wildcard; any other it connects to)."""
         return json.dumps(
             {
                 **extra,
@@ -197,18 +209,6 @@ def sglang_launch(spec: EngineSpec) -> EngineLaunch:
     return spec.launch(argv, [name], {})
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct free ports (held open together so that none is handed out twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-
-
 def add_real_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("real engines (--engine vllm|sglang)")
     group.add_argument("--model", help="the model directory (or hub id) the engines serve")
@@ -244,20 +244,59 @@ async def start_real_engines(
     args: argparse.Namespace, timeout_s: float = 600.0
 ) -> list[EngineProcess]:
     """Start `args.workers` engines at once and wait until all are healthy (or stop them all)."""
+    engine_launch(args, [0] * PORTS_PER_ENGINE)  # a bad command line fails here, not n times
     log_dir = Path(args.engine_log_dir or tempfile.mkdtemp(prefix=f"urc-{args.engine}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    ports = free_ports(3 * args.workers)
-    engines = [
-        start_engine(engine_launch(args, ports[3 * i : 3 * i + 3]), log_dir / f"engine{i}.log")
-        for i in range(args.workers)
-    ]
-    print(f"{args.engine}: {len(engines)} engine(s) starting, logs in {log_dir}", flush=True)
+    print(f"{args.engine}: {args.workers} engine(s) starting, logs in {log_dir}", flush=True)
+    started: list[EngineProcess] = []
     try:
-        await asyncio.gather(*(asyncio.to_thread(e.wait_ready, timeout_s) for e in engines))
-    except BaseException:
-        stop_engines(engines)
+        return await asyncio.to_thread(
+            start_ready_engines,
+            lambda ports: engine_launch(args, ports),
+            args.workers,
+            log_dir,
+            timeout_s=timeout_s,
+            started=started,
+        )
+    except BaseException:  # cancelled (Ctrl-C) while the engines start: none is left running
+        stop_engines(started)
         raise
-    return engines
+
+
+def start_ready_engines(
+    launch_on: Callable[[list[int]], EngineLaunch],
+    n: int,
+    log_dir: Path,
+    name: str = "engine",
+    timeout_s: float = 600.0,
+    started: list[EngineProcess] | None = None,
+) -> list[EngineProcess]:
+    """`n` engines started at once, each on `PORTS_PER_ENGINE` free ports (`launch_on`'s
+    argument), and waited on until all are healthy, or all stopped. A port is free when drawn but
+    not held: an engine that finds one taken when it binds is started again on fresh ports.
+    Every engine started is appended to `started`, for a caller that must stop them itself."""
+    started = [] if started is None else started
+
+    def start_one(i: int) -> EngineProcess:
+        for attempt in range(_PORT_TRIES):
+            launch = launch_on(free_ports(PORTS_PER_ENGINE))
+            engine = start_engine(launch, log_dir / f"{name}{i}.log")
+            started.append(engine)
+            try:
+                engine.wait_ready(timeout_s)
+                return engine
+            except RuntimeError:
+                if attempt + 1 == _PORT_TRIES or not engine.lost_a_port():
+                    raise
+                engine.stop()
+        raise AssertionError("unreachable")
+
+    try:
+        with cf.ThreadPoolExecutor(n) as pool:
+            return list(pool.map(start_one, range(n)))
+    except BaseException:
+        stop_engines(started)
+        raise
 
 
 def stop_engines(engines: list[EngineProcess]) -> None:

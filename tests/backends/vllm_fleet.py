@@ -7,14 +7,19 @@ builds `.venv-vllm`); the engines serve a tiny random-weight Llama written here
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 import time
 from pathlib import Path
 
 import httpx
 
-from backends.real.process import EngineProcess, EngineSpec, free_ports, start_engine, vllm_launch
+from backends.real.process import (
+    EngineLaunch,
+    EngineProcess,
+    EngineSpec,
+    start_ready_engines,
+    vllm_launch,
+)
 
 VLLM_PYTHON = os.environ.get("URC_VLLM_PYTHON", "")
 MODEL = "tiny"
@@ -26,12 +31,11 @@ def start_vllm_engines(
     model_dir: Path, log_dir: Path, n: int, num_blocks: int
 ) -> list[EngineProcess]:
     """`n` engines started at once, each with `num_blocks` KV blocks; all healthy or none."""
-    ports = free_ports(3 * n)
-    engines = []
-    for i in range(n):
+
+    def launch_on(ports: list[int]) -> EngineLaunch:
         spec = EngineSpec(
             str(model_dir),
-            *ports[3 * i : 3 * i + 3],
+            *ports,
             names=[MODEL],
             block_size=BLOCK,
             max_model_len=1024,
@@ -39,15 +43,9 @@ def start_vllm_engines(
             cpu=True,
             python=VLLM_PYTHON,
         )
-        engines.append(start_engine(vllm_launch(spec), log_dir / f"vllm{i}.log"))
-    try:
-        with cf.ThreadPoolExecutor(n) as pool:
-            list(pool.map(lambda e: e.wait_ready(600), engines))
-    except BaseException:
-        for engine in engines:
-            engine.stop()
-        raise
-    return engines
+        return vllm_launch(spec)
+
+    return start_ready_engines(launch_on, n, log_dir, name="vllm")
 
 
 def attach_args(engines: list[EngineProcess]) -> list[str]:

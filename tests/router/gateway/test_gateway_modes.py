@@ -10,9 +10,10 @@ import time
 import httpx
 
 from core.kv_publisher import KVEventPublisher
+from core.ports import free_port
 from tests.gateway import ADMIN, all_exact, route
 from tests.processes import wait_for
-from urc.processes import free_port, start_gateway, start_worker
+from urc.processes import start_gateway, start_worker
 
 
 def mode(url: str) -> dict:

@@ -10,11 +10,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from core.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored
 from core.kv_publisher import KVEventPublisher
+from core.ports import free_port
 from router.gateway.fleet import _host_copy_rate
 from router.policies import make_policy
 from tests.gateway import ADMIN, admin_workers, all_exact, route
 from tests.processes import wait_for
-from urc.processes import free_port, start_gateway, start_worker
+from urc.processes import start_gateway, start_worker
 
 BS = 16
 PROMPT = list(range(1, 8 * BS + 2))  # eight whole blocks and one more token

@@ -13,10 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from core.ports import free_port
 from tests.gateway import ADMIN, all_exact
 from tests.processes import wait_for
 from tests.router.gateway.test_hardening_input import KEYS
-from urc.processes import free_port, start_gateway, start_worker
+from urc.processes import start_gateway, start_worker
 
 ADMIN_FLAG = ("--admin-key", "admin-secret")
 

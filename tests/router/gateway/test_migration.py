@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import httpx
 
+from core.ports import free_port
 from tests.gateway import ADMIN, all_exact
 from tests.processes import wait_for
-from urc.processes import Child, free_port, start_gateway, start_worker
+from urc.processes import Child, start_gateway, start_worker
 
 LIMIT = 2
 

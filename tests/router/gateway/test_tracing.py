@@ -14,10 +14,11 @@ import httpx
 import pytest
 from aiohttp import web
 
+from core.ports import free_port
 from tests.gateway import all_exact
 from tests.logs import access_line, text_lines
 from tests.processes import wait_for
-from urc.processes import free_port, start_gateway, start_worker
+from urc.processes import start_gateway, start_worker
 
 trace_service = pytest.importorskip(
     "opentelemetry.proto.collector.trace.v1.trace_service_pb2", reason="the otel extra"
