@@ -1,11 +1,11 @@
-"""The OpenAI-style error of the gateway and our workers: `{"error": {message, type, ...}}`."""
+"""The OpenAI-style error of the gateway and our workers: `{"error": {message, type, ...}}`, as
+a status and a JSON body; the layers that serve HTTP make their own response of it."""
 
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass
 
 import msgspec
-from aiohttp import web
 
 
 @dataclass(eq=False)  # eq=False: an exception stays hashable
@@ -23,6 +23,3 @@ class APIError(Exception):
     def body(self) -> bytes:
         error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         return msgspec.json.encode({"error": error})
-
-    def response(self) -> web.Response:
-        return web.Response(body=self.body(), status=self.status, content_type="application/json")

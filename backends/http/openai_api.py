@@ -50,6 +50,10 @@ def json_response(
     )
 
 
+def error_response(error: APIError) -> web.Response:
+    return web.Response(body=error.body(), status=error.status, content_type="application/json")
+
+
 _HTTP_CODES = {
     404: "not_found",
     405: "method_not_allowed",
@@ -63,15 +67,15 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except APIError as exc:
-        return exc.response()
+        return error_response(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         code = _HTTP_CODES.get(exc.status, "invalid_request")
-        return APIError(exc.status, exc.reason, code=code).response()
+        return error_response(APIError(exc.status, exc.reason, code=code))
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
-        return APIError(500, "internal error", type="server_error").response()
+        return error_response(APIError(500, "internal error", type="server_error"))
 
 
 def request_id(request: web.Request) -> str:

@@ -35,7 +35,7 @@ from router.gateway.load_feed import LoadFeed
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
-from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply
+from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply, error_response
 from router.gateway.routing import (
     Plan,
     Router,
@@ -324,10 +324,10 @@ class Gateway:
         if self.config.metrics_key or self.tenants.auth:
             if not keys:
                 message = "metrics are off on the API port: set --metrics-key or --metrics-port"
-                return APIError(403, message, type="permission_error").response()
+                return error_response(APIError(403, message, type="permission_error"))
             if not any(bearer_matches(request.headers.get("Authorization"), k) for k in keys):
                 message = "wrong or missing metrics key"
-                return APIError(401, message, type="authentication_error").response()
+                return error_response(APIError(401, message, type="authentication_error"))
         return await self.scrape(request)
 
     async def scrape(self, request: web.Request) -> web.Response:
@@ -351,19 +351,20 @@ def json_errors(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except APIError as exc:
-            return exc.response()
+            return error_response(exc)
         except web.HTTPRequestEntityTooLarge as exc:
             message = f"request body too large: {exc.text}"
-            return APIError(413, message, code="body_too_large").response()
+            return error_response(APIError(413, message, code="body_too_large"))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return APIError(exc.status, exc.reason).response()
+            return error_response(APIError(exc.status, exc.reason))
         except (ConnectionResetError, asyncio.CancelledError):
             raise
         except Exception:
             log.exception("internal error on %s %s", request.method, request.path)
-            return APIError(500, "internal error in the gateway", type="server_error").response()
+            error = APIError(500, "internal error in the gateway", type="server_error")
+            return error_response(error)
 
     return wrapped
 
@@ -375,8 +376,9 @@ def add_fallback_route(app: web.Application) -> None:
     async def fallback(request: web.Request) -> web.Response:
         if request.path in known:
             message = f"{request.method} is not allowed on {request.path}"
-            return APIError(405, message, code="method_not_allowed").response()
-        return APIError(404, f"no such endpoint: {request.path}", code="not_found").response()
+            return error_response(APIError(405, message, code="method_not_allowed"))
+        message = f"no such endpoint: {request.path}"
+        return error_response(APIError(404, message, code="not_found"))
 
     app.router.add_route("*", "/{tail:.*}", fallback)
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from core.errors import APIError
 from core.logs import REQUEST_ID_HEADER
 
 if TYPE_CHECKING:
@@ -54,6 +55,11 @@ class AiohttpReply:
     async def end(self) -> bool:
         assert self.response is not None
         return await _written(self.response.write_eof())
+
+
+def error_response(error: APIError) -> web.Response:
+    """The error as aiohttp's answer (the admin and metrics endpoints, the aiohttp front door)."""
+    return web.Response(body=error.body(), status=error.status, content_type="application/json")
 
 
 async def _written(write: Awaitable[None]) -> bool:
