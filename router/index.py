@@ -3,9 +3,10 @@ shape is router/run_tree.py, who holds each run router/residency.py."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, cast
 
+from core.scopes import runs_in_scope
 from router.residency import ResidencyTree, _bits
 from router.run_tree import Run
 
@@ -264,6 +265,26 @@ class UnifiedIndex(ResidencyTree):
         if bit is None:
             return set()
         return {key for run in self._runs.values() if run.mask >> bit & 1 for key in run.keys}
+
+    def runs_in(self, scope: Callable[[str], bool] | None) -> list[Run]:
+        """The runs in a namespace whose salt passes `scope` (None: every run), for scoped
+        invalidation (router/index_scopes.py); a run a namespace starts inside is split there."""
+        if scope is None:
+            return list(self._runs.values())
+        return runs_in_scope(self.run_of, self.namespaces, self._split, self._runs.values(), scope)
+
+    def release(self, runs: Iterable[Run], kv_group: str | None = None) -> int:
+        """Drop the holds of `kv_group`'s residents (None: every resident) on `runs`; a resident
+        left holding nothing is forgotten. Returns the block residencies dropped."""
+        if kv_group is None:
+            mask = sum(1 << bit for groups in self._bit_of.values() for bit in groups.values())
+        else:
+            mask = self._group_mask.get(kv_group, 0)
+        dropped, touched = self._release_runs(runs, mask)
+        for bit in _bits(touched):
+            if self._resident_of[bit] is not None and self._held[bit] == 0:
+                self._forget(bit)
+        return dropped
 
     def confirmed_depth(self, keys: Sequence[int], worker: str, kv_group: str, depth: int) -> int:
         """How many of the first `depth` keys lead before one the resident holds only pending."""
