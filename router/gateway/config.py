@@ -68,11 +68,11 @@ def load_config(path: str | Path | None = None) -> GatewayConfig:
 
 def parse_config(raw: dict[str, Any]) -> GatewayConfig:
     """A parsed TOML document: `[gateway]`, `[[workers]]`, `[[models]]`, `[[tenants]]`."""
-    _known(raw, {"gateway", *TABLES}, "", "table")
+    settings = {f.name for f in fields(GatewayConfig)} - set(TABLES)
+    _top_level(raw, settings)
     gateway = raw.get("gateway", {})
     if not isinstance(gateway, dict):
         raise ConfigError("[gateway] must be a table")
-    settings = {f.name for f in fields(GatewayConfig)} - set(TABLES)
     _known(gateway, settings, "[gateway].", "setting")
     merged = dict(gateway)
     for key, cls in TABLES.items():
@@ -86,13 +86,29 @@ def parse_config(raw: dict[str, Any]) -> GatewayConfig:
     return _convert(merged, merged)
 
 
+def _top_level(raw: dict[str, Any], settings: set[str]) -> None:
+    """Only `[gateway]` and the arrays of tables live at the top: a setting written there (a
+    flat `port = 8000`) is pointed to its table, a misspelt table to the nearest one."""
+    for key, value in raw.items():
+        if key == "gateway" or key in TABLES:
+            continue
+        if isinstance(value, dict):
+            close = difflib.get_close_matches(key, ["gateway", *TABLES], n=1)
+            hint = f"; did you mean [{close[0]}]?" if close else ""
+            raise ConfigError(f"unknown table [{key}]{hint}")
+        setting = difflib.get_close_matches(key, settings, n=1)
+        hint = (
+            f": did you mean [gateway] {setting[0]}?" if setting else " (settings go in [gateway])"
+        )
+        raise ConfigError(f"unknown key {key!r} at the top level{hint}")
+
+
 def _known(table: dict[str, Any], known: set[str], where: str, what: str) -> None:
     for key in table:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            name = f"[{key}]" if what == "table" else f"{where}{key}"
-            raise ConfigError(f"unknown {what} {name}{hint}")
+            raise ConfigError(f"unknown {what} {where}{key}{hint}")
 
 
 def _convert(merged: dict[str, Any], raw: dict[str, Any], flags: bool = False) -> GatewayConfig:
@@ -157,6 +173,9 @@ def check(config: GatewayConfig) -> None:
         raise ConfigError(f"[gateway].otel_endpoint: must be an http(s):// URL, got {endpoint!r}")
     keys: set[str] = set()
     for i, tenant in enumerate(config.tenants):
+        if not tenant.api_keys or not all(tenant.api_keys):
+            where = f"tenants[{i}].api_keys (tenant {tenant.name!r})"
+            raise ConfigError(f"{where}: one or more keys, none empty")
         for key in tenant.api_keys:
             if key in keys:
                 raise ConfigError(f"API key of tenant {tenant.name!r} is used twice")

@@ -11,6 +11,7 @@ from typing import Any, get_args, get_type_hints
 
 from router.gateway.config import ConfigError, validate
 from router.gateway.config_schema import (
+    DEFAULT_TENANT,
     LOG_FORMATS,
     LOG_LEVELS,
     GatewayConfig,
@@ -82,8 +83,9 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     )
     repeatable(
         "--api-key",
-        "TENANT:KEY",
-        "an API key of a tenant; repeatable. With none, auth is off (one shared tenant)",
+        "[TENANT:]KEY",
+        "an API key of a tenant (a bare KEY: the tenant 'default'); repeatable. With none, "
+        "auth is off (one shared tenant)",
     )
     repeatable(
         "--tenant-isolation",
@@ -135,6 +137,16 @@ def _pair(item: str, sep: str, flag: str, form: str) -> tuple[str, str]:
     return left, right
 
 
+def _tenant_key(item: str) -> tuple[str, str]:
+    """`--api-key TENANT:KEY`, or a bare `KEY` as sglang-router and vllm-router mean it: the
+    one key of the one tenant, `default` (docs/isolation.md)."""
+    if ":" in item:
+        return _pair(item, ":", "--api-key", "[TENANT:]KEY")
+    if not item:
+        raise ConfigError("--api-key wants [TENANT:]KEY, got ''")
+    return DEFAULT_TENANT, item
+
+
 def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfig:
     for setting in _SETTINGS:
         value = getattr(args, setting.name, None)
@@ -148,7 +160,7 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
     _apply_thresholds(config, args)
     by_name = {t.name: t for t in config.tenants}
     for item in args.api_key:
-        tenant, key = _pair(item, ":", "--api-key", "TENANT:KEY")
+        tenant, key = _tenant_key(item)
         if tenant not in by_name:
             by_name[tenant] = TenantConfig(tenant, [])
             config.tenants.append(by_name[tenant])

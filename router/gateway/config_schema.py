@@ -14,6 +14,8 @@ ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
 ENGINES = ("urc", "vllm", "sglang")
 LOG_LEVELS, LOG_FORMATS = LEVELS, FORMATS  # core/logs.py
 SECRETS = ("admin_key", "metrics_key", "salt_secret")  # and tenants' api_keys: masked in print
+# the one tenant when auth is off, and the owner of a key given without a tenant
+DEFAULT_TENANT = "default"
 
 # limits msgspec checks on every value, from the file and from flags
 Positive = Annotated[float, Meta(gt=0)]
@@ -56,8 +58,8 @@ class WorkerConfig:
 
 @dataclass(slots=True)
 class TenantConfig:
-    name: str
-    api_keys: list[str]
+    name: str = DEFAULT_TENANT  # a bare `--api-key KEY` (sglang-router's form) is this tenant's
+    api_keys: list[str] = field(default_factory=list)  # at least one (config.py checks)
     isolation: str = "tenant"  # shared | tenant | user | session
 
 

@@ -10,11 +10,10 @@ from typing import Any, NamedTuple
 from prometheus_client import CollectorRegistry, Gauge
 
 from core.errors import APIError
-from router.gateway.config import TenantConfig
+from router.gateway.config_schema import DEFAULT_TENANT, TenantConfig
 
 SESSION_HEADERS = ("x-urc-session", "x-session-id")
 _PUBLIC_ROLES = frozenset({"system", "developer"})
-SHARED_TENANT = "default"
 
 
 class Scope(NamedTuple):
@@ -87,7 +86,7 @@ class Tenants:
             for key in config.api_keys:
                 self._by_key[key] = tenant
         self.auth = bool(self._by_key)
-        self._shared = Tenant(SHARED_TENANT, None)
+        self._shared = Tenant(DEFAULT_TENANT, None)
 
     def authenticate(self, authorization: str | None) -> Tenant:
         if not self.auth:

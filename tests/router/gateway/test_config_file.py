@@ -144,3 +144,37 @@ def test_the_reference_table_lists_every_setting_with_its_flag() -> None:
         ("[[tenants]]", TenantConfig),
     ):
         assert set(_table(text, heading)) == {f.name for f in fields(cls)}, heading
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("port = 8000\n", "unknown key 'port' at the top level: did you mean [gateway] port?"),
+        ("prot = 8000\n", "unknown key 'prot' at the top level: did you mean [gateway] port?"),
+        ("zzz = 1\n", "unknown key 'zzz' at the top level (settings go in [gateway])"),
+        ("[gatway]\nport = 8000\n", "unknown table [gatway]; did you mean [gateway]?"),
+        (
+            '[[tenants]]\nname = "t"\n',
+            "tenants[0].api_keys (tenant 't'): one or more keys, none empty",
+        ),
+    ],
+)
+def test_a_misplaced_key_is_pointed_to_its_table(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert str(raised.value) == f"config {path}: {error}"
+
+
+def test_a_bare_api_key_is_the_default_tenants_in_flags_and_file(tmp_path: Path) -> None:
+    path = tmp_path / "gateway.toml"
+    path.write_text('[[tenants]]\napi_keys = ["sk-123"]\n')
+    from_file = load_config(path).tenants
+    from_flag = _parse("--api-key", "sk-123").tenants
+    assert from_file == from_flag == [TenantConfig("default", ["sk-123"])]
+    mixed = _parse("--api-key", "sk-1", "--api-key", "acme:sk-2", "--api-key", "sk-3").tenants
+    assert mixed == [TenantConfig("default", ["sk-1", "sk-3"]), TenantConfig("acme", ["sk-2"])]
+    for bad in ("", "acme:", ":sk-1"):
+        with pytest.raises(ConfigError, match=r"--api-key wants \[TENANT:\]KEY"):
+            _parse("--api-key", bad)

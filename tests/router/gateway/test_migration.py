@@ -1,10 +1,12 @@
 """sglang-router's and vllm-router's flags and worker endpoints on a real gateway
 (docs/migration.md): --worker-urls, --policy, --cache-threshold, --prometheus-port,
---max-concurrent-requests (a 429 past it, counted), /add_worker, /list_workers, /remove_worker."""
+--max-concurrent-requests (a 429 past it, counted), a bare --api-key, /add_worker, /list_workers,
+/remove_worker."""
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -103,5 +105,35 @@ def test_add_list_and_remove_worker_by_url() -> None:
             served = httpx.post(f"{url}/v1/completions", json=body(0), timeout=30)
             assert served.status_code == 200
     finally:
+        for w in workers:
+            w.stop()
+
+
+def test_their_launch_line_with_a_bare_api_key_works_unchanged() -> None:
+    workers = [start_worker() for _ in range(2)]
+    port = free_port()
+    line = ["--host", "127.0.0.1", "--port", str(port), "--worker-urls", *(w.url for w in workers)]
+    line += ["--policy", "cache_aware", "--api-key", "sk-123"]
+    gateway = Child("urc gateway", [sys.executable, "-m", "urc.cli", "gateway", *line], "gateway: ")
+    try:
+        url = gateway.wait_announced().url
+        assert url == f"http://127.0.0.1:{port}"
+        assert wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 20)
+        key = {"Authorization": "Bearer sk-123"}
+        for i in range(3):
+            served = httpx.post(f"{url}/v1/completions", json=body(i), headers=key, timeout=30)
+            assert served.status_code == 200, served.text
+            assert served.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(f"{url}/v1/models", headers=key, timeout=5).status_code == 200
+        missing = httpx.post(f"{url}/v1/completions", json=body(0), timeout=30)
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
+        wrong = {"Authorization": "Bearer sk-124"}
+        other = httpx.post(f"{url}/v1/completions", json=body(0), headers=wrong, timeout=30)
+        assert other.status_code == 401 and other.json()["error"]["code"] == "invalid_api_key"
+        # their worker endpoints are urc's admin API: off without --admin-key (docs/migration.md)
+        listed = httpx.get(f"{url}/list_workers", headers=key, timeout=5)
+        assert listed.status_code == 403 and listed.json()["error"]["code"] == "admin_disabled"
+    finally:
+        gateway.stop()
         for w in workers:
             w.stop()
