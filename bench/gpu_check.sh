@@ -42,6 +42,8 @@ fi
 test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV" || exit 1
 PY=$VENV/bin/python
 if ! "$PY" -c "import torch, pytest, urc.cli" 2>/dev/null; then
+    # pinned first so that the torch extra keeps it; the build is the index's: the public index
+    # serves CUDA's on Linux, a CPU wheel index set up for pip would give one the check refuses
     "$PY" -m pip install -q "torch==$TORCH_VERSION" || exit 1
     "$PY" -m pip install -q -e '.[test,torch]' || exit 1
 fi
