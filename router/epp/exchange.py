@@ -10,7 +10,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext
 from google.protobuf import struct_pb2
 
 from core.errors import APIError
-from router.epp import protocol
+from router.epp import models, protocol
 from router.epp.picker import EndpointPicker, Pick, cached_tokens
 
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
@@ -21,8 +21,11 @@ class Exchange:
     """Request headers -> request body (whole, or chunks until end_of_stream) -> the pick;
     then response headers (the status, the endpoint that served) -> response body (usage)."""
 
-    def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
+    def __init__(
+        self, picker: EndpointPicker, listing: models.ModelsAnswer, max_body_bytes: int
+    ) -> None:
         self.picker = picker
+        self.listing = listing  # GET /v1/models, answered here
         self.max_body_bytes = max_body_bytes
         self.headers: dict[str, str] = {}
         self.subset: set[str] | None = None
@@ -81,6 +84,8 @@ class Exchange:
         h = self.headers
         method, path = h.get(":method", ""), h.get(":path", "")
         try:
+            if path.partition("?")[0] == models.PATH:  # nothing to route: the EPP answers
+                return [self.listing.answer(method, h)]
             self.pick = self.picker.pick(method, path, h, bytes(self.body), self.subset)
         except APIError as exc:
             return [protocol.error(exc)]

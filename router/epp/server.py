@@ -16,6 +16,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp.exchange import Exchange
+from router.epp.models import ModelsAnswer
 from router.epp.picker import EndpointPicker
 from router.gateway.app import Gateway, add_fallback_route, run_async
 from router.gateway.config import GatewayConfig
@@ -31,6 +32,7 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):
 
     def __init__(self, picker: EndpointPicker, max_body_bytes: int) -> None:
         self.picker = picker
+        self.listing = ModelsAnswer(picker.gateway)
         self.max_body_bytes = max_body_bytes
 
     async def Process(  # noqa: N802 (the gRPC method's name)
@@ -38,7 +40,7 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):
         request_iterator: AsyncIterator[ext.ProcessingRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[ext.ProcessingResponse]:
-        exchange = Exchange(self.picker, self.max_body_bytes)
+        exchange = Exchange(self.picker, self.listing, self.max_body_bytes)
         try:
             async for message in request_iterator:
                 for answer in exchange.on(message):

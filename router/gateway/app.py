@@ -33,6 +33,7 @@ from router.gateway.fleet import Fleet, Worker
 from router.gateway.isolation import Tenants
 from router.gateway.load_feed import LoadFeed
 from router.gateway.metrics import GatewayMetrics
+from router.gateway.model_list import ModelList
 from router.gateway.parity import ParityProbe
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply, error_response
@@ -102,6 +103,7 @@ class Gateway:
             self.fleet.on_up.append(self.parity.on_up)
             self.metrics.registry.register(self.parity)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
+        self.model_list = ModelList(self.fleet)  # GET /v1/models, here and in urc epp
         self.load_feed = LoadFeed(self.fleet, config.load_interval_s)  # the workers' own load
         self.metrics.registry.register(self.load_feed)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
@@ -282,13 +284,7 @@ class Gateway:
 
     async def list_models(self, request: web.Request) -> web.Response:
         self.tenants.authenticate(request.headers.get("Authorization"))
-        served = {name for w in self.fleet.workers.values() if w.up for name in w.models}
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "urc", "kv_group": m.kv_group}
-            for name, m in sorted(self.fleet.models.items())
-            if name in served
-        ]
-        return web.json_response({"object": "list", "data": data})
+        return web.Response(body=self.model_list.body, content_type="application/json")
 
     async def health(self, _request: web.Request) -> web.Response:
         up = sum(w.up for w in self.fleet.workers.values())

