@@ -75,8 +75,8 @@ class GatewayConfig:
     admin_key: str | None = _setting(None, "the key of the admin API (/admin/...); off without")
     salt_secret: str = _setting(
         "",
-        "keys the tenants' cache salts (unset: random per process; gateway replicas in front "
-        "of one fleet must share one)",
+        "keys the tenants' cache salts (unset: random per gateway, one for all its --processes; "
+        "gateway replicas in front of one fleet must share one)",
     )
     processes: PositiveInt = _setting(
         1,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import logging
 import os
+import secrets
 import select
 import shutil
 import signal
@@ -21,6 +23,8 @@ from dataclasses import dataclass, replace
 
 from router.gateway.config import GatewayConfig
 from router.gateway.siblings import Siblings
+
+log = logging.getLogger(__name__)
 
 _RESTART_BACKOFF_S = 1.0  # a child that dies is restarted after this, doubling up to 30 s
 _READY_TIMEOUT_S = 120.0
@@ -62,6 +66,7 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
             sock.close()
         print(f"urc gateway: cannot listen on {config.host}: {exc}", file=sys.stderr)
         return 1
+    config = _shared_salt_secret(config)
     directory = tempfile.mkdtemp(prefix="urc-gateway-")  # 0700: only this user reaches it
     token = os.urandom(16).hex()
     ready_r, ready_w = os.pipe()
@@ -116,6 +121,19 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
         for sock in reserved:
             sock.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _shared_salt_secret(config: GatewayConfig) -> GatewayConfig:
+    """With tenants and no salt_secret, one random secret for every process: each drawing its
+    own would salt a tenant's prompts differently per process and split the workers' caches."""
+    if config.salt_secret or not config.tenants:
+        return config
+    log.warning(
+        "no salt_secret set: tenants' cache salts are keyed with a random secret shared by this "
+        "gateway's %d processes (replicas in front of one fleet must share one: --salt-secret)",
+        config.processes,
+    )
+    return replace(config, salt_secret=secrets.token_hex(32))
 
 
 def _await_ready(ready_r: int, n: int, children: list[_Child]) -> bool:

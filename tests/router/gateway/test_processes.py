@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from router.gateway.siblings import merge_expositions
+from tests.processes import wait_for
 from urc.processes import start_gateway, start_worker
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -70,6 +71,55 @@ def test_admin_changes_and_metrics_reach_every_process(workers: list[str]) -> No
         assert "applied_to" not in missing.json()
     finally:
         assert gateway.stop(signal.SIGTERM) == 0  # every process drained and exited
+
+
+def exact_residencies(metrics_url: str) -> list[float]:
+    """Each process's index residencies confirmed by KV events (pending ones left out)."""
+    by_process: dict[str, float] = {}
+    for line in httpx.get(metrics_url, timeout=5).text.splitlines():
+        for name, sign in (("urc_index_residencies", 1), ("urc_index_pending_residencies", -1)):
+            if line.startswith((name + " ", name + "{")):
+                labels = line[len(name) :].rsplit(" ", 1)[0]
+                by_process[labels] = by_process.get(labels, 0.0) + sign * float(line.split()[-1])
+    return list(by_process.values())
+
+
+def hot_prefix_hit_rate(workers: list[str], processes: str) -> float:
+    """Cached over prompt tokens of one tenant's hot-prefix load (4 prefixes, 6 requests each,
+    each on a fresh connection), every process's index caught up before the next request."""
+    flags = ("--processes", processes, "--api-key", "acme:sk-acme", "--metrics-port", "0")
+    gateway = start_gateway(workers, *flags)
+    try:
+        metrics_url = next(line for line in gateway.lines if line.startswith("metrics: "))[9:]
+        cached = prompt = 0
+        before = max(exact_residencies(metrics_url))
+        for i in range(24):
+            text = f"hot prefix {i % 4}: " + "a shared system prompt " * 40
+            body = {"model": "emulated", "prompt": text + f"question {i}: " * 12, "max_tokens": 2}
+            auth = {"Authorization": "Bearer sk-acme"}
+            answer = httpx.post(gateway.url + "/v1/completions", json=body, headers=auth)
+            usage = answer.json()["usage"]
+            cached += usage["prompt_tokens_details"]["cached_tokens"]
+            prompt += usage["prompt_tokens"]
+
+            def caught_up(floor: float = before) -> bool:
+                seen = exact_residencies(metrics_url)
+                return len(set(seen)) == 1 and seen[0] > floor
+
+            assert wait_for(caught_up, 20)  # the suffix's new blocks reached every index
+            before = exact_residencies(metrics_url)[0]
+        return cached / prompt
+    finally:
+        gateway.stop()
+
+
+def test_processes_share_one_salt_secret(workers: list[str]) -> None:
+    """Tenants and no salt_secret: the supervisor draws one secret for all its processes, so
+    they salt a tenant alike and the load hits the workers' caches as through one process."""
+    one = hot_prefix_hit_rate(workers, "1")
+    three = hot_prefix_hit_rate(workers, "3")
+    assert one > 0.6  # every request but each prefix's first hits its whole prefix
+    assert abs(three - one) <= 0.02, (one, three)
 
 
 def test_merge_expositions_labels_each_process() -> None:
