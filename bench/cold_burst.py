@@ -168,18 +168,18 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--kv-capacity-tokens", type=int, default=30_000)
+    parser.add_argument("--capacity-tokens", type=int, default=30_000)
     parser.add_argument("--workload", default="mixed")
     args = parser.parse_args()
     replay_args = build_parser().parse_args(
         ["--workload", args.workload, "--requests", str(args.requests)]
         + ["--concurrency", str(args.concurrency), "--workers", str(args.workers)]
-        + ["--kv-capacity-tokens", str(args.kv_capacity_tokens), "--seed", str(args.seed)]
+        + ["--capacity-tokens", str(args.capacity_tokens), "--seed", str(args.seed)]
     )
     requests, _, fleet, _ = load(replay_args)
     print(
         f"{args.workload} x {args.requests}, {args.concurrency} in flight, {args.workers} "
-        f"workers x {args.kv_capacity_tokens} tokens, seed {args.seed} (replay; TTFT in ms)"
+        f"workers x {args.capacity_tokens} tokens, seed {args.seed} (replay; TTFT in ms)"
     )
     runs = {
         name: Replay(requests, make_policy(name), fleet).run() for name in args.policies.split(",")

@@ -12,7 +12,7 @@ from loadgen.report import percentile as loadgen_percentile  # noqa: E402
 from urc.processes import Child, start_worker  # noqa: E402
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
-SHARED_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
+SHARED_TRACE = Path(__file__).resolve().parents[1] / "traces/mooncake_synthetic_trace.jsonl"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -50,5 +50,5 @@ def log(message: str) -> None:
 
 def fast_worker(*extra: str, decode_step_ms: float = 0.01) -> Child:
     """An emulated worker with negligible modelled GPU time: what remains is HTTP and routing."""
-    fast = ["--prefill-tps", "1e9", "--decode-per-request-ms", "0"]
+    fast = ["--prefill-tokens-per-s", "1e9", "--decode-per-request-ms", "0"]
     return start_worker(*fast, "--decode-base-ms", str(decode_step_ms), *extra)

@@ -129,7 +129,9 @@ async def serve_load(url: str, seconds: float, concurrency: int) -> list[float]:
 
 
 def measure(args: argparse.Namespace, rate: float) -> dict:
-    workers = [start_worker("--prefill-tps", "1e9", "--decode-base-ms", "1") for _ in range(2)]
+    workers = [
+        start_worker("--prefill-tokens-per-s", "1e9", "--decode-base-ms", "1") for _ in range(2)
+    ]
     argv = [sys.executable, __file__, "--flood", str(rate / 2)]
     floods = [Child("flood", argv, "ready: ").wait_announced() for _ in range(2 if rate else 0)]
     urls = [c.url for c in workers + floods]

@@ -16,6 +16,7 @@ from typing import Any
 
 from harness import SHARED_TRACE
 
+from backends.emulated.config import EngineConfig
 from router.policies import make_policy
 from simulation.compare import build_params
 from simulation.replay import FleetConfig, Replay
@@ -156,13 +157,14 @@ def run(
     fleet = FleetConfig(
         workers=scenario.workers,
         names=[f"{scenario.names}{i}" for i in range(scenario.workers)],
-        block_size=scenario.block_size,
-        capacity_tokens=scenario.capacity_tokens,
+        engine=EngineConfig(
+            block_size=scenario.block_size, capacity_tokens=scenario.capacity_tokens
+        ),
     )
     for key in [k for k in params if k.startswith("fleet.")]:  # e.g. fleet.pending_ttl_s=10
         setattr(fleet, key[6:], float(params[key]))
     params = {k: v for k, v in params.items() if not k.startswith("fleet.")}
-    policy = make_policy(name, **build_params(name, params, fleet, 0))
+    policy = make_policy(name, build_params(name, {}, fleet, 0), **params)
     return summarize(Replay(requests, policy, fleet).run(), requests)
 
 

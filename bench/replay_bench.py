@@ -16,6 +16,7 @@ from typing import Any
 
 from harness import SHARED_TRACE
 
+from backends.emulated.config import EngineConfig
 from core import native
 from router.policies import make_policy
 from simulation.compare import build_params, policy_names
@@ -30,7 +31,7 @@ FIDELITY = dict(
     requests=1200,
     workers=8,
     capacity_tokens=30_000,
-    prefill_tps=5e3,
+    prefill_tokens_per_s=5e3,
     concurrency=24,
     host_capacity_tokens=0,  # each worker's host tier (docs/tiers.md)
 )
@@ -55,13 +56,12 @@ def speed(args: argparse.Namespace) -> None:
     trace = read_trace(args.trace)
     requests = trace_requests(trace, limit=args.requests)
     load_s = time.perf_counter() - t0
-    fleet = FleetConfig(
-        workers=args.workers, block_size=trace.block_size, capacity_tokens=args.kv_capacity_tokens
-    )
+    engine = EngineConfig(block_size=trace.block_size, capacity_tokens=args.capacity_tokens)
+    fleet = FleetConfig(workers=args.workers, engine=engine)
     n = len(requests)
     print(
         f"{Path(args.trace).name}: {n} requests, blocks of {trace.block_size} tokens, "
-        f"{args.workers} workers x {args.kv_capacity_tokens:,} tokens of KV; read + keyed in "
+        f"{args.workers} workers x {args.capacity_tokens:,} tokens of KV; read + keyed in "
         f"{load_s * 1e3:.0f} ms ({n / load_s:,.0f} requests/s, once for every policy)"
     )
     print(
@@ -107,7 +107,7 @@ def _source_speed(policy: str) -> float:
 
 def _replay(requests: list, name: str, fleet: FleetConfig, per_step: bool = False) -> Replay:
     """A replay of `requests` under policy `name` with its default parameters."""
-    policy = make_policy(name, **build_params(name, {}, fleet, 0))
+    policy = make_policy(name, build_params(name, {}, fleet, 0))
     return Replay(requests, policy, fleet, per_step=per_step)
 
 
@@ -179,7 +179,7 @@ def main() -> int:
     add("--trace", default=str(SHARED_TRACE))
     add("--requests", type=int, default=None)
     add("--workers", type=int, default=8)
-    add("--kv-capacity-tokens", type=int, default=400_000)
+    add("--capacity-tokens", type=int, default=400_000)
     add("--policies", default="all")
     add("--repeat", type=int, default=3)
     baseline = "also time the replay from source and per step (the in-run baselines)"

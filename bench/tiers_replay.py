@@ -19,6 +19,8 @@ from typing import Any
 
 from harness import SHARED_TRACE
 
+from backends.emulated.config import EngineConfig
+from core.hardware import DEFAULT_HOST_COPY_TOKENS_PER_S
 from loadgen.report import percentile
 from router.policies import make_policy
 from simulation.compare import build_params, run_policy
@@ -35,11 +37,12 @@ TTFT_RATIO = 0.8  # at most
 def alone_ttft(prompt: int, cached: int, host: int, fleet: FleetConfig) -> float:
     """A request's TTFT on an idle worker: its chunks' steps, its host copy."""
     uncached = prompt - cached
-    steps = max(1, math.ceil(uncached / fleet.chunk_tokens))
+    engine = fleet.engine
+    steps = max(1, math.ceil(uncached / engine.chunk_tokens))
     return (
-        steps * fleet.decode_base_s
-        + uncached / fleet.prefill_tokens_per_s
-        + host / fleet.host_copy_tokens_per_s
+        steps * engine.decode_base_s
+        + uncached / engine.prefill_tokens_per_s
+        + host / engine.host_copy_tokens_per_s
     )
 
 
@@ -89,7 +92,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--gpu-tokens", type=int, default=400_000, help="each worker's GPU KV")
     p.add_argument("--host-tokens", type=int, default=1_600_000, help="each worker's host tier")
-    p.add_argument("--copy-tps", type=float, default=FleetConfig().host_copy_tokens_per_s)
+    p.add_argument("--copy-tps", type=float, default=DEFAULT_HOST_COPY_TOKENS_PER_S)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--json", help="write the numbers here")
     args = p.parse_args()
@@ -108,13 +111,15 @@ def main() -> None:
     for setting, host in settings.items():
         fleet = FleetConfig(
             workers=args.workers,
-            block_size=trace.block_size,
-            capacity_tokens=args.gpu_tokens,
-            host_capacity_tokens=host,
-            host_copy_tokens_per_s=args.copy_tps,
+            engine=EngineConfig(
+                block_size=trace.block_size,
+                capacity_tokens=args.gpu_tokens,
+                host_capacity_tokens=host,
+                host_copy_tokens_per_s=args.copy_tps,
+            ),
         )
         for name in args.policies.split(","):
-            policy = make_policy(name, **build_params(name, {}, fleet, 0))
+            policy = make_policy(name, build_params(name, {}, fleet, 0))
             run = run_policy(name, requests, policy, fleet)
             floor_s = floor(run.result, requests, fleet)
             rows.append(row(f"{setting} / {name}", run.summary, floor_s))

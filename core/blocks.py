@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from functools import lru_cache
+from typing import Final
 
 import xxhash
 
@@ -15,6 +16,8 @@ except ImportError:  # pragma: no cover - only without a compiler
     _native_chain_keys = None
 
 SHARED_NAMESPACE = b"\x00\x00\x00\x00"
+# tokens per KV block where nothing says otherwise: vLLM's default (urc sets SGLang's page size)
+DEFAULT_BLOCK_SIZE: Final = 16
 _LE64 = struct.Struct("<Q")
 _xxh3 = xxhash.xxh3_64_intdigest
 

@@ -4,12 +4,14 @@ shape is router/run_tree.py, who holds each run router/residency.py."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple, cast
+from typing import Final, NamedTuple, cast
 
 from core.scopes import runs_in_scope
 from router.residency import ResidencyTree, _bits
 from router.run_tree import Run
 
+# seconds a prefix routed to a worker without KV events counts as held there
+DEFAULT_APPROX_TTL_S: Final = 120.0
 HOST_TIER = "@host"  # a kv_group's blocks in workers' host tiers are resident under this name
 
 
@@ -45,7 +47,10 @@ class UnifiedIndex(ResidencyTree):
     """Residency of every block on every `(worker, kv_group)`; time is always an argument."""
 
     def __init__(
-        self, max_blocks: int = 0, approx_ttl_s: float = 120.0, pending_ttl_s: float = 10.0
+        self,
+        max_blocks: int = 0,
+        approx_ttl_s: float = DEFAULT_APPROX_TTL_S,
+        pending_ttl_s: float = 10.0,
     ) -> None:
         if max_blocks < 0 or approx_ttl_s <= 0 or pending_ttl_s < 0:
             raise ValueError("max_blocks, pending_ttl_s must be >= 0 and approx_ttl_s > 0")

@@ -39,12 +39,14 @@ class ShadowStats:
 
 
 class ShadowPolicies:
-    """Policies by name (built with their defaults, as the gateway builds them), each watching
+    """Policies by name (their defaults, told the fleet's prefill speed, as the gateway builds
+    them), each watching
     every request; `stats[name]` is what it would have done."""
 
     def __init__(self, names: Sequence[str], prefill_tokens_per_s: float) -> None:
         self.estimator = CacheAwarePolicy(prefill_tokens_per_s=prefill_tokens_per_s)
-        self.policies: dict[str, Policy] = {name: make_policy(name) for name in names}
+        told = {"prefill_tokens_per_s": prefill_tokens_per_s}
+        self.policies: dict[str, Policy] = {name: make_policy(name, told) for name in names}
         self.stats = {name: ShadowStats() for name in names}
 
     def watch(self, request: RouteRequest, candidates: Sequence[Candidate], live: str) -> None:

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from backends.emulated.config import EngineConfig
+from core.settings import add_setting_flags, from_flags, settings_of
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.policies import POLICY_NAMES
@@ -29,7 +31,7 @@ DEFAULT_WORKLOAD_REQUESTS = 1000
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The `replay` options, for a standalone parser or the `urc replay` subparser."""
-    d = FleetConfig()  # the emulated engine's defaults
+    d = FleetConfig()
     add = p.add_argument
     add("trace", nargs="?", help="a Mooncake-format JSONL trace or a gateway recording")
     add("--workload", choices=sorted(WORKLOADS), help="a built-in workload instead")
@@ -78,41 +80,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="[POLICY:]KEY=VALUE",
         help="a policy parameter; without POLICY: every listed policy that has KEY",
     )
-    add("--kv-capacity-tokens", type=int, default=d.capacity_tokens, help="KV pool per worker")
-    add(
-        "--prefill-tps",
-        type=float,
-        default=d.prefill_tokens_per_s,
-        help="prefill tokens/s per worker (policies that model it are told, as a gateway is)",
-    )
-    add("--decode-base-ms", type=float, default=d.decode_base_s * 1e3, help="a decode step, ms")
-    add(
-        "--decode-per-request-ms",
-        type=float,
-        default=d.decode_per_request_s * 1e3,
-        help="added to a decode step per running request, ms",
-    )
-    add("--max-batch", type=int, default=d.max_batch, help="running requests per worker")
-    add("--chunk-tokens", type=int, default=d.chunk_tokens, help="prefill tokens per step")
-    add(
-        "--host-capacity-tokens",
-        type=int,
-        default=d.host_capacity_tokens,
-        help="each worker's host-memory KV tier in tokens (0: none; docs/tiers.md)",
-    )
-    add(
-        "--host-copy-tokens-per-s",
-        type=float,
-        default=d.host_copy_tokens_per_s,
-        help="the host tier's host -> GPU copy rate (policies that model it are told)",
-    )
     add("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
-    add(
-        "--block-size",
-        type=int,
-        default=16,
-        help="workload: tokens per block (a trace has its own)",
-    )
     add("--event-delay-ms", type=float, default=2.0, help="KV events reach the index after this")
     add(
         "--no-kv-events",
@@ -128,6 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "them, or for S seconds, as `urc gateway --pending-ttl` does (0: off)",
     )
     add("--max-in-flight", type=int, default=1024, help="open loop cap")
+    engine = p.add_argument_group(
+        "emulated engine", "each worker's (a trace keys its prompts with its own block size)"
+    )
+    add_setting_flags(engine, EngineConfig)
     add = p.add_argument_group("output").add_argument
     add("--out", help="directory for report.md, report.json, series.json, PNGs")
     add("--json", help="write the report as JSON here")
@@ -143,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="urc replay",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
         description="The offline simulator: replay a trace through the gateway's policies "
         "against emulated workers in virtual time.",
     )
@@ -190,8 +163,9 @@ def load(
         fleet.names = fleet_names(trace, len(requests), fleet.names)
         fleet.workers = len(fleet.names)
     fleet.worker_names()  # ValueError on a bad fleet, before any run
-    fleet.engine_config()
-    fleet_config = dataclasses.asdict(fleet)
+    # one flat record: the engine's settings beside the fleet's
+    fleet_config = {k: v for k, v in dataclasses.asdict(fleet).items() if k != "engine"}
+    fleet_config.update(settings_of(fleet.engine))
     config.update(requests=len(requests), seed=args.seed, rate=args.rate, fleet=fleet_config)
     return requests, trace, fleet, config
 
@@ -204,15 +178,7 @@ def fleet_from_args(args: argparse.Namespace, block_size: int) -> FleetConfig:
     return FleetConfig(
         workers=args.workers,
         names=names,
-        block_size=block_size,
-        capacity_tokens=args.kv_capacity_tokens,
-        prefill_tokens_per_s=args.prefill_tps,
-        decode_base_s=args.decode_base_ms / 1e3,
-        decode_per_request_s=args.decode_per_request_ms / 1e3,
-        max_batch=args.max_batch,
-        chunk_tokens=args.chunk_tokens,
-        host_capacity_tokens=args.host_capacity_tokens,
-        host_copy_tokens_per_s=args.host_copy_tokens_per_s,
+        engine=from_flags(EngineConfig, args, block_size=block_size),
         max_model_len=args.max_model_len,
         event_delay_s=args.event_delay_ms / 1e3,
         kv_events=not args.no_kv_events,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from router.policies import POLICY_NAMES, Policy, make_policy, policy_params
+from router.policies import POLICY_NAMES, Policy, make_policy, policy_params, told_params
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
 from simulation.summary import series, summarize
@@ -110,14 +110,13 @@ def build_params(
     """The policy's parameters: the given ones, the fleet's prefill rate, chunk size and host
     copy rate (an operator configures the gateway for its hardware) and the seed, where it
     takes them."""
-    accepted = policy_params(name)
     told = {
-        "prefill_tokens_per_s": fleet.prefill_tokens_per_s,
-        "chunk_tokens": fleet.chunk_tokens,
-        "host_copy_tokens_per_s": fleet.host_copy_tokens_per_s,
+        "prefill_tokens_per_s": fleet.engine.prefill_tokens_per_s,
+        "chunk_tokens": fleet.engine.chunk_tokens,
+        "host_copy_tokens_per_s": fleet.engine.host_copy_tokens_per_s,
         "seed": seed,
     }
-    return {**{k: v for k, v in told.items() if k in accepted}, **given}
+    return {**told_params(name, told), **given}
 
 
 def compare(
@@ -133,8 +132,9 @@ def compare(
     runs: dict[str, Run] = {}
     used: dict[str, dict[str, Any]] = {}
     for name in names:
-        used[name] = build_params(name, (params or {}).get(name, {}), fleet, seed)
-        policy = make_policy(name, **used[name])
+        given = (params or {}).get(name, {})
+        used[name] = build_params(name, given, fleet, seed)
+        policy = make_policy(name, used[name], **given)
         runs[name] = run_policy(name, requests, policy, fleet, progress)
     limit = fleet.context_len()
     bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from backends.emulated.config import EngineConfig
+from core.hardware import DEFAULT_HOST_COPY_TOKENS_PER_S
 from router.policies import policy_params
 from simulation.compare import compare
 from simulation.replay import FleetConfig
@@ -34,12 +36,12 @@ class FidelityCase:
     requests: int = 300
     workers: int = 4
     capacity_tokens: int = 40_000
-    prefill_tps: float = 5_000.0
+    prefill_tokens_per_s: float = 5_000.0
     concurrency: int = 8
     seed: int = 0
     pending_ttl_s: float = 0.0  # the gateway's --pending-ttl, and the replay's
     host_capacity_tokens: int = 0  # each worker's host tier (docs/tiers.md; 0: none)
-    host_copy_tps: float = FleetConfig().host_copy_tokens_per_s
+    host_copy_tokens_per_s: float = DEFAULT_HOST_COPY_TOKENS_PER_S
     ready_timeout_s: float = 90.0
 
 
@@ -63,7 +65,7 @@ class FidelityOutcome:
         a, b = live["hit_rate"], off["hit_rate"]
         lines = [
             f"{c.workload} x {c.requests} ({c.params or 'defaults'}), {c.policy}, {c.workers} "
-            f"workers x {c.capacity_tokens:,} tokens, prefill {c.prefill_tps:,.0f} tok/s, "
+            f"workers x {c.capacity_tokens:,} tokens, prefill {c.prefill_tokens_per_s:,.0f} tok/s, "
             f"concurrency {c.concurrency}"
             + (f", host tier {c.host_capacity_tokens:,} tokens" if c.host_capacity_tokens else ""),
             f"{'':14s}{'live':>12s}{'offline':>12s}{'diff':>12s}",
@@ -100,16 +102,14 @@ def _start_cluster(case: FidelityCase, log: Path) -> tuple[subprocess.Popen[byte
         f"--policy={case.policy}",
         f"--admin-key={ADMIN_KEY}",
         f"--worker-arg=--capacity-tokens={case.capacity_tokens}",
-        f"--worker-arg=--prefill-tps={case.prefill_tps}",
+        f"--worker-arg=--prefill-tokens-per-s={case.prefill_tokens_per_s}",
         f"--pending-ttl={case.pending_ttl_s}",
         f"--host-capacity-tokens={case.host_capacity_tokens}",
-        f"--host-copy-tokens-per-s={case.host_copy_tps}",
+        f"--host-copy-tokens-per-s={case.host_copy_tokens_per_s}",
+        f"--prefill-tokens-per-s={case.prefill_tokens_per_s}",  # the gateway knows its hardware
     )
-    accepted = policy_params(case.policy)
-    if "prefill_tokens_per_s" in accepted:  # the gateway knows its hardware
-        cmd.append(f"--policy-param=prefill_tokens_per_s={case.prefill_tps}")
-    if "host_copy_tokens_per_s" in accepted:
-        cmd.append(f"--policy-param=host_copy_tokens_per_s={case.host_copy_tps}")
+    if "host_copy_tokens_per_s" in policy_params(case.policy):
+        cmd.append(f"--policy-param=host_copy_tokens_per_s={case.host_copy_tokens_per_s}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -182,12 +182,14 @@ def run_offline(case: FidelityCase, names: list[str]) -> dict[str, Any]:
     fleet = FleetConfig(
         workers=len(names),
         names=names,
-        capacity_tokens=case.capacity_tokens,
-        prefill_tokens_per_s=case.prefill_tps,
+        engine=EngineConfig(
+            capacity_tokens=case.capacity_tokens,
+            prefill_tokens_per_s=case.prefill_tokens_per_s,
+            host_capacity_tokens=case.host_capacity_tokens,
+            host_copy_tokens_per_s=case.host_copy_tokens_per_s,
+        ),
         concurrency=case.concurrency,
         pending_ttl_s=case.pending_ttl_s,
-        host_capacity_tokens=case.host_capacity_tokens,
-        host_copy_tokens_per_s=case.host_copy_tps,
     )
     return compare(requests, [case.policy], fleet, seed=case.seed).runs[case.policy].summary
 

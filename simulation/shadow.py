@@ -75,7 +75,7 @@ def replay_shadow(
     lines = trace.ordered(len(requests))
     if len({r.kv_group for r in requests}) > 1:
         raise ValueError("--shadow replays a recording of one model (kv_group) for now")
-    watch = ShadowPolicies(shadows, fleet.prefill_tokens_per_s)
+    watch = ShadowPolicies(shadows, fleet.engine.prefill_tokens_per_s)
     policy = RecordedChoice(requests, [rec.worker or "" for rec in lines], watch)
     run = run_policy(LIVE, requests, policy, fleet, progress)
     prompt = sum(rec.input_length for rec in lines)

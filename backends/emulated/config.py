@@ -1,25 +1,36 @@
-"""The emulated engine's time model: what a forward pass costs, and the pool."""
+"""The emulated engine's settings, declared once (core/settings.py): the time model, the pool
+and the host tier. `urc worker --engine emulated` and `urc replay` make their flags from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.blocks import DEFAULT_BLOCK_SIZE
+from core.hardware import DEFAULT_HOST_COPY_TOKENS_PER_S, DEFAULT_PREFILL_TOKENS_PER_S
+from core.settings import setting
+
 
 @dataclass(slots=True)
 class EngineConfig:
-    """The time model; the defaults model an 8B bf16 model on one H100 (docs/workers.md)."""
+    """The time model; the defaults model an 8B bf16 model on one H100 (docs/workers.md). Each
+    setting with a flag is one of `urc worker --engine emulated` and of `urc replay`."""
 
-    block_size: int = 16
-    capacity_tokens: int = 400_000
-    prefill_tokens_per_s: float = 15_000.0
-    decode_base_s: float = 0.008
-    decode_per_request_s: float = 0.00008
-    max_batch: int = 256
-    chunk_tokens: int = 8192
-    # the host tier (docs/tiers.md; 0: none) and its copy rate: ~128 KiB of KV per token over
-    # ~50 GB/s of PCIe 5 (docs/workers.md)
-    host_capacity_tokens: int = 0
-    host_copy_tokens_per_s: float = 400_000.0
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, "tokens per KV block")
+    capacity_tokens: int = setting(400_000, "KV pool size in tokens")
+    prefill_tokens_per_s: float = setting(DEFAULT_PREFILL_TOKENS_PER_S, "prefill tokens/s")
+    decode_base_s: float = setting(0.008, "a decode step, ms", "--decode-base-ms", flag_scale=1e3)
+    decode_per_request_s: float = setting(
+        0.00008,
+        "added to a decode step per running request, ms",
+        "--decode-per-request-ms",
+        flag_scale=1e3,
+    )
+    max_batch: int = setting(256, "running requests")
+    chunk_tokens: int = setting(8192, "prefill tokens per step")
+    host_capacity_tokens: int = setting(0, "host-memory KV tier in tokens (0: none; docs/tiers.md)")
+    host_copy_tokens_per_s: float = setting(
+        DEFAULT_HOST_COPY_TOKENS_PER_S, "host -> GPU copy rate of the host tier, tokens/s"
+    )
     report_tokens: bool = True  # StepResult.emitted per request (a simulator turns it off)
     emit_events: bool = True  # StepResult.events (BlockStored / BlockRemoved)
     # BlockStored carries the blocks' token ids; off, token_ids is empty (a simulator that

@@ -21,6 +21,7 @@ from backends.emulated.request import Request, output_bytes
 from backends.http.generation import Generation, ServedModel, WorkerLoad
 from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
+from core.settings import add_setting_flags, from_flags
 from core.tokenizer import ByteTokenizer
 
 ENGINE = "emulated"
@@ -195,7 +196,6 @@ def _catch_up(gen: Generation, n: int) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = EngineConfig()
     parser = worker_parser(
         ENGINE,
         "An emulated GPU worker: a real radix KV cache with modelled time, served over "
@@ -204,44 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
         "8 ms + 0.08 ms per running request, 400k tokens of KV, batch 256, chunks of 8192.",
         "context length (0: min(capacity, 131072))",
     )
-    per_request = "added to a decode step per running request, ms"
     add_flags(
         parser,
         [
             ("--model", str, "emulated", "the served model name"),
             ("--kv-group", str, None, "KV-identity group (unset: the model name)"),
-            ("--block-size", int, d.block_size, "tokens per block"),
-            ("--capacity-tokens", int, d.capacity_tokens, "KV pool size in tokens"),
-            ("--prefill-tps", float, d.prefill_tokens_per_s, "prefill tokens/s"),
-            ("--decode-base-ms", float, d.decode_base_s * 1e3, "decode step, ms"),
-            ("--decode-per-request-ms", float, d.decode_per_request_s * 1e3, per_request),
-            ("--max-batch", int, d.max_batch, "running requests"),
-            ("--chunk-tokens", int, d.chunk_tokens, "prefill tokens per step"),
-            ("--host-capacity-tokens", int, 0, "host-memory KV tier in tokens (0: none)"),
-            (
-                "--host-copy-tokens-per-s",
-                float,
-                d.host_copy_tokens_per_s,
-                "host -> GPU copy rate of the host tier, tokens/s",
-            ),
         ],
     )
+    add_setting_flags(parser.add_argument_group("emulated engine"), EngineConfig)
     return parser
 
 
 def build_engine(args: argparse.Namespace) -> EmulatedSide:
     """ValueError on settings that cannot work."""
-    config = EngineConfig(
-        block_size=args.block_size,
-        capacity_tokens=args.capacity_tokens,
-        prefill_tokens_per_s=args.prefill_tps,
-        decode_base_s=args.decode_base_ms / 1e3,
-        decode_per_request_s=args.decode_per_request_ms / 1e3,
-        max_batch=args.max_batch,
-        chunk_tokens=args.chunk_tokens,
-        host_capacity_tokens=args.host_capacity_tokens,
-        host_copy_tokens_per_s=args.host_copy_tokens_per_s,
-    )
+    config = from_flags(EngineConfig, args)
     kv_group, tokenizer = args.kv_group or args.model, ByteTokenizer()
     # workers that agree on it produce identical K/V for identical tokens (same emulated
     # weights, tokenizer and block size)

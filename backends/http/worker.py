@@ -215,6 +215,7 @@ def worker_parser(
         prog=f"urc worker --engine {engine}",
         description=description,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
     )
     parser.add_argument("--engine", choices=[engine], default=engine, help="the engine")
     add_flags(

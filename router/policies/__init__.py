@@ -3,7 +3,8 @@ and the policies by name, with parameters as keyword values (strings are convert
 
 import inspect
 import math
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Final
 
 from router.policies.base import Candidate, Decision, Policy, RouteRequest, Score, WorkerLoad
 from router.policies.cache_aware import CacheAwarePolicy
@@ -13,6 +14,7 @@ from router.policies.round_robin import RoundRobinPolicy
 from router.policies.sglang import SGLangCacheAwarePolicy
 
 __all__ = [
+    "FLEET_SETTINGS",
     "POLICY_NAMES",
     "CacheAwarePolicy",
     "Candidate",
@@ -28,6 +30,7 @@ __all__ = [
     "WorkerLoad",
     "make_policy",
     "policy_params",
+    "told_params",
 ]
 
 POLICIES: dict[str, type] = {
@@ -43,12 +46,15 @@ POLICIES: dict[str, type] = {
 }
 POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 
+# what a policy that models it is told by its fleet, never given as a parameter: one knob, the
+# gateway's prefill_tokens_per_s (its cost model's too) or the replay's engine's
+FLEET_SETTINGS: Final = ("prefill_tokens_per_s",)
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
 
-def policy_params(name: str) -> dict[str, Any]:
-    """The parameters a policy takes, with their defaults."""
+def _signature(name: str) -> dict[str, Any]:
+    """Everything policy `name` takes, with its default."""
     cls = _policy_class(name)
     # the class's signature, not __init__'s: a compiled class (core/native.py) tells only that
     # one, its parameters marked positional-only although it takes them by keyword too
@@ -59,16 +65,35 @@ def policy_params(name: str) -> dict[str, Any]:
     }
 
 
-def make_policy(name: str, **params: Any) -> Policy:
-    """Build policy `name`; values may be strings ("64", "0.3", "true") and are converted to
-    the type of the parameter's default. Unknown names, parameters or values: ValueError."""
+def policy_params(name: str) -> dict[str, Any]:
+    """The parameters one may give policy `name`, with their defaults (FLEET_SETTINGS are not)."""
+    return {k: v for k, v in _signature(name).items() if k not in FLEET_SETTINGS}
+
+
+def told_params(name: str, told: Mapping[str, Any]) -> dict[str, Any]:
+    """Of what the caller knows of its fleet (settings, a seed), what policy `name` takes."""
+    takes = _signature(name)
+    return {k: v for k, v in told.items() if k in takes}
+
+
+def make_policy(name: str, told: Mapping[str, Any] | None = None, /, **params: Any) -> Policy:
+    """Build policy `name` from what the caller knows of its fleet (`told`: taken where the
+    policy has it) and the given parameters, which override it; values may be strings ("64",
+    "0.3", "true") and are converted to the type of the parameter's default. Unknown names,
+    parameters or values, or a fleet setting given as a parameter: ValueError."""
     defaults = policy_params(name)
     unknown = sorted(set(params) - set(defaults))
     if unknown:
+        fleet = [k for k in unknown if k in FLEET_SETTINGS]
+        if fleet:
+            raise ValueError(
+                f"{', '.join(fleet)} is a setting of the fleet, not a policy parameter: the "
+                "gateway's, or the replay's engine (--prefill-tokens-per-s)"
+            )
         known = ", ".join(defaults) or "none"
         raise ValueError(f"policy {name!r} has no parameter {', '.join(unknown)} (known: {known})")
     converted = {key: _convert(name, key, value, defaults[key]) for key, value in params.items()}
-    return _policy_class(name)(**converted)
+    return _policy_class(name)(**{**told_params(name, told or {}), **converted})
 
 
 def _policy_class(name: str) -> type:

@@ -11,6 +11,7 @@ from typing import ClassVar, Final
 
 import xxhash
 
+from core.hardware import DEFAULT_HOST_COPY_TOKENS_PER_S, DEFAULT_PREFILL_TOKENS_PER_S
 from router.policies.base import Candidate, Decision, RouteRequest
 
 _xxh3 = xxhash.xxh3_64_intdigest
@@ -90,14 +91,14 @@ class CacheAwarePolicy:
 
     def __init__(
         self,
-        prefill_tokens_per_s: float = 15_000.0,
+        prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
         decode_token_s: float = 2e-4,
         chunk_tokens: int = 8192,
         externality: float = 1.0,
         cache_value: float = 1.0,
         rendezvous_slack_s: float = 0.0,
         rendezvous_factor: float = 0.1,
-        host_copy_tokens_per_s: float = 400_000.0,
+        host_copy_tokens_per_s: float = DEFAULT_HOST_COPY_TOKENS_PER_S,
     ) -> None:
         if min(prefill_tokens_per_s, chunk_tokens, host_copy_tokens_per_s) <= 0:
             raise ValueError(

@@ -55,7 +55,7 @@ def test_compiled_and_source_replays_are_byte_identical(tmp_path: Path):
         out = tmp_path / f"{pure}.json"
         code = (
             "from simulation import cli; import sys; sys.exit(cli.main(["
-            f"{str(trace)!r}, '--policy', 'all', '--workers', '3', '--kv-capacity-tokens', "
+            f"{str(trace)!r}, '--policy', 'all', '--workers', '3', '--capacity-tokens', "
             f"'8192', '--json', {str(out)!r}, '--no-progress']))"
         )
         _python(code, pure)

@@ -482,7 +482,19 @@ def test_make_policy_builds_every_name_and_converts_strings() -> None:
     assert policy.cache_threshold == 0.5 and policy.balance_abs_threshold == 32
     assert make_policy("consistent_hash", prefix_blocks="2.0").prefix_blocks == 2
     assert make_policy("power_of_two", seed="18446744073709551615").seed == 2**64 - 1
-    assert policy_params("cache_aware")["prefill_tokens_per_s"] == 15_000.0
+    assert policy_params("cache_aware")["chunk_tokens"] == 8192
+
+
+def test_prefill_speed_is_the_fleets_one_setting() -> None:
+    """A policy is told the fleet's prefill speed; given as its parameter, it is refused."""
+    assert "prefill_tokens_per_s" not in policy_params("cache_aware")
+    told = {"prefill_tokens_per_s": 2_000.0, "seed": 3}
+    policy = make_policy("cache_aware", told, externality="0.5")
+    assert isinstance(policy, CacheAwarePolicy)
+    assert policy.prefill_tokens_per_s == 2_000.0 and policy.externality == 0.5
+    assert make_policy("round_robin", told).name == "round_robin"  # takes neither
+    with pytest.raises(ValueError, match="setting of the fleet"):
+        make_policy("cache_aware", prefill_tokens_per_s=2_000.0)
 
 
 @pytest.mark.parametrize(
@@ -492,9 +504,9 @@ def test_make_policy_builds_every_name_and_converts_strings() -> None:
         ("sglang", {"threshold": 1}, "no parameter threshold"),
         ("least_load", {"seed": 1}, "no parameter seed"),
         ("sglang", {"balance_abs_threshold": "3.5"}, "not a valid int"),
-        ("cache_aware", {"prefill_tokens_per_s": "fast"}, "not a valid float"),
-        ("cache_aware", {"prefill_tokens_per_s": "nan"}, "not a valid float"),
-        ("cache_aware", {"prefill_tokens_per_s": 0}, "must be positive"),
+        ("cache_aware", {"decode_token_s": "fast"}, "not a valid float"),
+        ("cache_aware", {"decode_token_s": "nan"}, "not a valid float"),
+        ("cache_aware", {"chunk_tokens": 0}, "must be positive"),
         ("consistent_hash", {"virtual_nodes": "0"}, "at least 1"),
         ("sglang", {"cache_threshold": 2}, "within"),
         ("sglang", {"tree_size": "chars"}, "routed"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from backends.emulated.config import EngineConfig
 from simulation.compare import compare
 from simulation.replay import FleetConfig
 from simulation.workloads import workload_requests
@@ -15,7 +16,7 @@ def test_a_shared_system_prompt_does_not_herd_sessions_onto_one_worker() -> None
     # worker hold ~10 of them: the working set fits only when spread over the four workers
     params = {"sessions": 48, "turns": 6, "system_tokens": 1000}
     reqs = workload_requests("multi-turn", 1200, seed=7, rate=40.0, params=params)
-    fleet = FleetConfig(workers=4, block_size=16, capacity_tokens=16_000)
+    fleet = FleetConfig(workers=4, engine=EngineConfig(block_size=16, capacity_tokens=16_000))
     runs = compare(reqs, ["cache_aware", "round_robin"], fleet).runs
     busiest = max(Counter(runs["cache_aware"].result.worker).values())
     assert busiest < 0.4 * len(reqs)  # herded, one worker took them all

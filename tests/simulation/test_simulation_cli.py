@@ -67,7 +67,7 @@ def test_a_trace_replay_prints_a_table_and_writes_the_report(
             "cache_aware,sglang,round_robin",
             "--workers",
             "4",
-            "--kv-capacity-tokens",
+            "--capacity-tokens",
             "40000",
             "--out",
             str(out),
@@ -198,12 +198,13 @@ def test_the_options_mount_on_a_subcommand(trace: Path) -> None:
 
 def test_a_gateway_recording_replays_to_what_was_recorded(tmp_path: Path) -> None:
     """Record a run in the gateway's --record format, replay the recording: same hit rate."""
+    from backends.emulated.config import EngineConfig
     from simulation.compare import compare
     from simulation.replay import FleetConfig
     from simulation.workloads import workload_requests
 
     reqs = workload_requests("system-prompts", 200, rate=30.0, params={"groups": 10})
-    fleet = FleetConfig(workers=3, capacity_tokens=15_000, concurrency=None)
+    fleet = FleetConfig(workers=3, engine=EngineConfig(capacity_tokens=15_000), concurrency=None)
     live = compare(reqs, ["cache_aware"], fleet).runs["cache_aware"].result
     lines = [json.dumps({"urc_record": 1, "block_size": 16})]
     for r in reqs:
@@ -230,7 +231,7 @@ def test_a_gateway_recording_replays_to_what_was_recorded(tmp_path: Path) -> Non
             "cache_aware",
             "--workers",
             "3",
-            "--kv-capacity-tokens",
+            "--capacity-tokens",
             "15000",
             "--trace-kind",
             "chat",
@@ -250,7 +251,7 @@ def test_a_gateway_recording_replays_to_what_was_recorded(tmp_path: Path) -> Non
 def test_a_host_tier_replays_identically_and_shows_hits_per_tier(
     trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tier = ["--kv-capacity-tokens", "20000", "--host-capacity-tokens", "80000"]
+    tier = ["--capacity-tokens", "20000", "--host-capacity-tokens", "80000"]
     tier += ["--host-copy-tokens-per-s", "200000"]
     outputs = []
     for n in range(2):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import fields
 
 import pytest
 
+from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request, tail_keys
 from core.blocks import block_keys
@@ -19,6 +21,8 @@ from simulation.replay import FleetConfig, Replay
 from simulation.requests import SimRequest
 from simulation.summary import summarize
 from simulation.workloads import workload_requests
+
+ENGINE_SETTINGS = {f.name for f in fields(EngineConfig)}
 
 
 class Recorder:
@@ -35,9 +39,12 @@ class Recorder:
 
 
 def small_fleet(**kw: object) -> FleetConfig:
-    defaults: dict[str, object] = {"workers": 3, "capacity_tokens": 12_000, "concurrency": 6}
-    defaults.update(kw)
-    return FleetConfig(**defaults)  # type: ignore[arg-type]
+    """Three workers of 12k tokens, 6 in flight; `kw`: settings of the fleet or of its engine."""
+    engine: dict[str, object] = {"capacity_tokens": 12_000}
+    fleet: dict[str, object] = {"workers": 3, "concurrency": 6}
+    for key, value in kw.items():
+        (engine if key in ENGINE_SETTINGS else fleet)[key] = value
+    return FleetConfig(engine=EngineConfig(**engine), **fleet)  # type: ignore[arg-type]
 
 
 def mixed(n: int = 240) -> list[SimRequest]:
@@ -86,7 +93,9 @@ def test_the_first_byte_is_the_first_token_for_chats_and_completions(chat: bool)
     """As the live proxy sees it: a prefill in progress is still queued work (a chat's role
     chunk rides on its first token)."""
     policy = Recorder()
-    fleet = FleetConfig(workers=1, prefill_tokens_per_s=1000.0, decode_base_s=0.01)
+    fleet = FleetConfig(
+        workers=1, engine=EngineConfig(prefill_tokens_per_s=1000.0, decode_base_s=0.01)
+    )
     reqs = [keyed(0, 0.0, 500, chat), keyed(1, 0.1, 40, chat)]
     Replay(reqs, policy, fleet).run()
     (only,) = policy.seen[1][1]  # what the second request saw: the first mid-prefill
@@ -96,7 +105,7 @@ def test_the_first_byte_is_the_first_token_for_chats_and_completions(chat: bool)
 
 def test_one_worker_is_driven_exactly_as_the_engine_alone() -> None:
     reqs = [keyed(i, i * 0.03, 200 + 37 * (i % 5), chat=False) for i in range(40)]
-    fleet = FleetConfig(workers=1, capacity_tokens=3000, event_delay_s=0.0)
+    fleet = FleetConfig(workers=1, engine=EngineConfig(capacity_tokens=3000), event_delay_s=0.0)
     result = Replay(reqs, make_policy("round_robin"), fleet).run()
     engine = EmulatedEngine(fleet.engine_config())
     alone = [Request(r.index, r.prompt, r.max_tokens, None, r.arrival_s, r.keys) for r in reqs]

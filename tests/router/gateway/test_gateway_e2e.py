@@ -96,7 +96,7 @@ def test_a_new_prefix_is_pending_on_its_worker_before_its_events_arrive():
     """Two concurrent requests over one new 2,000-token prefix: the second, sent while the
     first is still prefilling (so no KV event has told the gateway anything), goes where the
     first went and finds the prefix there, as the gateway predicted."""
-    workers = [start_worker("--prefill-tps", "400") for _ in range(2)]  # ~5 s of prefill
+    workers = [start_worker("--prefill-tokens-per-s", "400") for _ in range(2)]  # ~5 s of prefill
     gateway = start_gateway(
         [w.url for w in workers], "--admin-key", "admin-secret", "--pending-ttl", "10"
     )
