@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from functools import partial
 from typing import Any, Final, NamedTuple, cast
 
 from backends.cache.check import check, check_locks
@@ -68,11 +69,12 @@ class EmulatedEngine:
         # the host tier under it (docs/tiers.md): unpaged, this engine keeps no KV
         self.host: HostTier | None = None
         if tiered:
+            events = cfg.emit_events
             self.host = HostTier(
                 cfg.host_capacity_tokens,
                 cfg.block_size,
-                on_stored=self._on_host_stored if cfg.emit_events else None,
-                on_removed=self._on_host_removed if cfg.emit_events else None,
+                on_stored=partial(self._on_stored, medium=MEDIUM_CPU) if events else None,
+                on_removed=partial(self._on_removed, medium=MEDIUM_CPU) if events else None,
             )
             self.host.attach(self.cache)
         self._queue: deque[Request] = deque()
@@ -108,41 +110,21 @@ class EmulatedEngine:
         keys: list[int],
         tokens: list[int] | None,
         salt: str | None,
+        medium: str = MEDIUM_GPU,
     ) -> None:
-        event = self._stored_event(parent, keys, tokens, salt, MEDIUM_GPU)
-        (self._held if self._planning else self._events).append(event)
-
-    def _on_removed(self, kv_group: str, keys: list[int]) -> None:
-        self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_GPU))
-
-    def _on_host_stored(
-        self,
-        kv_group: str,
-        parent: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        salt: str | None,
-    ) -> None:
-        """A demotion: announced at once, before the GPU's BlockRemoved of the same blocks."""
-        self._events.append(self._stored_event(parent, keys, tokens, salt, MEDIUM_CPU))
-
-    def _on_host_removed(self, kv_group: str, keys: list[int]) -> None:
-        self._events.append(BlockRemoved(cast(list[BlockHash], keys), MEDIUM_CPU))
-
-    def _stored_event(
-        self,
-        parent: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        salt: str | None,
-        medium: str,
-    ) -> BlockStored:
+        """A GPU store of the step being planned is held to its end; a demotion to the host tier
+        (MEDIUM_CPU) is announced at once, before the GPU's BlockRemoved of the same blocks."""
         if tokens is None:
             assert not self.config.event_tokens, "events need the blocks' tokens"
             tokens = []
         bs = self.config.block_size
         hashes = cast(list[BlockHash], keys)
-        return BlockStored(hashes, parent, tokens, bs, medium=medium, cache_salt=salt)
+        event = BlockStored(hashes, parent, tokens, bs, medium=medium, cache_salt=salt)
+        held = self._planning and medium == MEDIUM_GPU
+        (self._held if held else self._events).append(event)
+
+    def _on_removed(self, kv_group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:
+        self._events.append(BlockRemoved(cast(list[BlockHash], keys), medium))
 
     def _release(self) -> None:
         """Announce the blocks the step now ending cached, in the order they were cached."""
