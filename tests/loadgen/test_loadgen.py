@@ -27,7 +27,7 @@ from loadgen.runner import KeyRing
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import WORKLOADS, iter_requests, with_poisson_arrivals
 
-TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "traces/mooncake_synthetic_trace.jsonl"
 TOK = ByteTokenizer()
 
 

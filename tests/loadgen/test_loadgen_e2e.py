@@ -22,7 +22,7 @@ from loadgen.report import summarize
 from loadgen.runner import BenchConfig, run_bench
 from loadgen.workloads import iter_requests
 
-TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "traces/mooncake_synthetic_trace.jsonl"
 TOK = ByteTokenizer()
 
 FIRST_TOKEN_DELAY = 0.03

@@ -23,7 +23,7 @@ from simulation.requests import KeyedPrompt
 from simulation.traces import parse_trace, trace_requests
 from simulation.workloads import workload_requests
 
-TRACE = Path(__file__).resolve().parents[3] / "shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[2] / "traces/mooncake_synthetic_trace.jsonl"
 
 
 def line(ts: float, n: int, out: int, ids: list[int], **extra: object) -> str:
@@ -150,7 +150,6 @@ def test_keyed_requests_run_through_the_engine_without_token_ids() -> None:
     assert runs[0] == runs[1]
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="the shared trace is not here")
 def test_the_shared_trace_reads_into_512_token_blocks() -> None:
     from simulation.traces import read_trace
 
