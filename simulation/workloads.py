@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from backends.emulated.request import output_bytes, tail_keys
-from core.blocks import block_keys
+from core.blocks import DEFAULT_BLOCK_SIZE, block_keys
 from core.tokenizer import ByteTokenizer
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import iter_requests, with_poisson_arrivals
@@ -24,7 +24,7 @@ def workload_requests(
     seed: int = 0,
     models: Sequence[str] = DEFAULT_MODELS,
     rate: float | None = None,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     params: dict[str, Any] | None = None,
     isolate_tenants: bool = True,
 ) -> list[SimRequest]:

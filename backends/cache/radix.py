@@ -10,6 +10,7 @@ from typing import cast
 
 from backends.cache.nodes import CacheStats, InsertResult, MatchResult, Run, Tree
 from backends.cache.pool import Pool, RemovedCallback
+from core.blocks import DEFAULT_BLOCK_SIZE
 
 # (kv_group, parent key or None for a root block, keys, token ids of exactly those blocks or
 # None, salt)
@@ -27,7 +28,7 @@ class RadixCache(Pool):
     def __init__(
         self,
         capacity_tokens: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         *,
         page_ids: list[int] | None = None,
         keep_tokens: bool = False,

@@ -21,12 +21,13 @@ from backends.torch_worker.model import ModelRunner, WorkItem
 from backends.torch_worker.paging import KVLayout, PagePool, cache_blocks
 from backends.torch_worker.request import Request, SamplingParams, Status
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
+from core.blocks import DEFAULT_BLOCK_SIZE
 from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    page_size: int = 16
+    page_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_mb: float = 256.0  # all pools together
     num_pages: int = 0  # > 0: pages per pool, instead of the kv_cache_mb split (tests)
     host_capacity_tokens: int = 0  # > 0: a host tier of this many tokens, all pools together

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from backends.torch_worker.model import PRESETS, LlamaConfig, LlamaForCausalLM
 from backends.torch_worker.paging import KVLayout
+from core.blocks import DEFAULT_BLOCK_SIZE
 from core.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -153,7 +154,7 @@ def load_model(
     *,
     device: torch.device,
     dtype: str = "auto",
-    page_size: int = 16,
+    page_size: int = DEFAULT_BLOCK_SIZE,
     load_format: str = "auto",
     seed: int = 0,
     max_model_len: int = 0,
