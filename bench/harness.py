@@ -50,5 +50,5 @@ def log(message: str) -> None:
 
 def fast_worker(*extra: str, decode_step_ms: float = 0.01) -> Child:
     """An emulated worker with negligible modelled GPU time: what remains is HTTP and routing."""
-    fast = ["--prefill-tps", "1e9", "--decode-per-request-ms", "0"]
+    fast = ["--prefill-tokens-per-s", "1e9", "--decode-per-request-ms", "0"]
     return start_worker(*fast, "--decode-base-ms", str(decode_step_ms), *extra)
