@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 from harness import cpu_seconds, fast_worker
 
-from router.gateway.routing import forwarded, parse_request, validate
+from router.gateway.parsing import forwarded, parse_request, validate
 from urc.processes import JSON_HEADERS, start_gateway
 
 SALT = "urc-0123456789abcdef0123456789abcdef"

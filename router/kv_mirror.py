@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Collection, Hashable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from core.blocks import chain_keys, namespace, parent_prefix, salted_after
 from core.kv_events import (
@@ -76,7 +76,9 @@ class WorkerMirror:
     """Applies one worker's event batches to `index` under `worker`. `kv_group` names the group
     of its base model, or maps an event's LoRA (lora_name, else lora_id, else None) to one.
     `block_size` (None: trust the event's) must be the one the gateway keys prompts with.
-    Blocks of `medium` "CPU" (a host tier) are resident under `host_group(kv_group)`."""
+    Blocks of `medium` "CPU" (a host tier) are resident under `host_group(kv_group)`.
+    `own_keys`: the engine hashes blocks as we key them (our engines, in-process: the replay),
+    so its events need no token ids and its hashes are our keys."""
 
     def __init__(
         self,
@@ -88,8 +90,10 @@ class WorkerMirror:
         media: Collection[str | None] = frozenset({"GPU", MEDIUM_CPU, None}),
         cache_groups: Collection[int | None] = frozenset({None, 0}),
         dedup_window: int = 2048,
+        own_keys: bool = False,
     ) -> None:
         self.index = index
+        self.own_keys = own_keys
         self.worker = worker
         if isinstance(kv_group, str):
             base = kv_group
@@ -217,6 +221,9 @@ class WorkerMirror:
     def _stored(self, ev: BlockStored, now: float) -> None:
         if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
             return
+        if self.own_keys:
+            self._stored_own(ev, now)
+            return
         bs = ev.block_size
         hashes = ev.block_hashes
         if (
@@ -258,6 +265,19 @@ class WorkerMirror:
         self._groups.add(resident)
         if salt:  # ours, or vLLM's root-block extra key
             self.index.tag_namespace(keys[0], salt)
+        self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
+
+    def _stored_own(self, ev: BlockStored, now: float) -> None:
+        """A store keyed as ours: its hashes are the keys, its parent our key of the parent."""
+        keys = cast(list[int], ev.block_hashes)
+        if not keys:
+            return
+        group = self._group_of(ev.lora_name if ev.lora_name is not None else ev.lora_id)
+        resident = host_group(group) if ev.medium == MEDIUM_CPU else group
+        self._groups.add(resident)
+        if ev.cache_salt:  # where its namespace starts (a root, or after a public prefix)
+            self.index.tag_namespace(keys[0], ev.cache_salt)
+        parent = cast(int | None, ev.parent_block_hash)
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
 
     def _plain_prefix(self, ev: BlockStored, salt: str | None) -> int:

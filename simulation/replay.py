@@ -7,42 +7,45 @@ import gc
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Final, cast
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request
 from core.heap import Heap
-from router.dispatch import LoadShare, RoutedResidency, candidate, candidates, dispatch
-from router.index import UnifiedIndex, host_group
+from core.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+)
+from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
+from router.kv_mirror import WorkerMirror
 from router.policies import Policy, WorkerLoad
+from router.route import LoadShare, Route, Routing
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
 
-EXPIRE_EVERY_S: Final = 0.5  # approximate residency expires as often as the gateway checks health
-_ENGINE = EngineConfig()  # the emulated worker's defaults: one place to change them
+EXPIRE_EVERY_S: Final = 0.5  # residency expires as often as the gateway checks health (0.5 s)
 
 
 @dataclass(slots=True)
 class FleetConfig:
-    """The fleet (the emulated worker's defaults), the gateway's settings and the client."""
+    """The fleet (each worker an emulated engine of `engine`'s settings), the gateway's settings
+    and the client."""
 
     workers: int = 8
     names: list[str] | None = None  # worker names (default w0, w1, ...): rendezvous hashes them
-    block_size: int = _ENGINE.block_size
-    capacity_tokens: int = _ENGINE.capacity_tokens
-    prefill_tokens_per_s: float = _ENGINE.prefill_tokens_per_s
-    decode_base_s: float = _ENGINE.decode_base_s
-    decode_per_request_s: float = _ENGINE.decode_per_request_s
-    max_batch: int = _ENGINE.max_batch
-    chunk_tokens: int = _ENGINE.chunk_tokens
-    host_capacity_tokens: int = _ENGINE.host_capacity_tokens  # each worker's host tier (0: none)
-    host_copy_tokens_per_s: float = _ENGINE.host_copy_tokens_per_s
+    engine: EngineConfig = field(default_factory=EngineConfig)  # every worker's
     max_model_len: int = 0  # 0: the worker's default (context_len)
     event_delay_s: float = 0.002
     kv_events: bool = True  # False: approximate residency from routing history
-    approx_ttl_s: float = 120.0
+    approx_ttl_s: float = DEFAULT_APPROX_TTL_S
     pending_ttl_s: float = 0.0  # dispatched keys held until confirmed, e.g. 10 (0: off)
     index_max_blocks: int = 20_000_000
     concurrency: int | None = None  # closed loop with this many in flight; None: open loop
@@ -56,41 +59,22 @@ class FleetConfig:
 
     def context_len(self) -> int:
         """`max_model_len`, or the emulated worker's default: min(capacity, 131072)."""
-        return self.max_model_len or min(self.capacity_tokens, 131_072)
+        return self.max_model_len or min(self.engine.capacity_tokens, 131_072)
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            block_size=self.block_size,
-            capacity_tokens=self.capacity_tokens,
-            prefill_tokens_per_s=self.prefill_tokens_per_s,
-            decode_base_s=self.decode_base_s,
-            decode_per_request_s=self.decode_per_request_s,
-            max_batch=self.max_batch,
-            chunk_tokens=self.chunk_tokens,
-            host_capacity_tokens=self.host_capacity_tokens,
-            host_copy_tokens_per_s=self.host_copy_tokens_per_s,
+        """`engine` as a simulated worker runs it."""
+        return replace(
+            self.engine,
             report_tokens=False,
             emit_events=False,  # the simulated workers listen to their caches (worker.py)
             event_tokens=False,
         )
 
 
-class Change:
-    """Blocks stored (under `parent`, None: root blocks) or removed in one tier: one KV event's
-    content. `host`: the host tier's (resident under `host_group(kv_group)`)."""
-
-    __slots__ = ("keys", "parent", "stored", "host")
-
-    def __init__(self, keys: list[int], parent: int | None, stored: bool, host: bool) -> None:
-        self.keys = keys
-        self.parent = parent
-        self.stored = stored
-        self.host = host
-
-
 class SimWorker:
     """One simulated worker: an emulated engine on the virtual clock, the gateway's view of its
-    load, and (with KV events) its cache's changes as BlockStored / BlockRemoved carry them."""
+    load, and (with KV events) its cache's changes as the BlockStored / BlockRemoved events a
+    live worker publishes, for the gateway's own mirror of it (router/kv_mirror.py)."""
 
     __slots__ = (
         "name",
@@ -100,8 +84,10 @@ class SimWorker:
         "load",
         "wake",
         "wake_seq",
-        "changes",
-        "host_group",
+        "events",
+        "mirror",
+        "seq",
+        "block_size",
     )
 
     def __init__(
@@ -110,20 +96,24 @@ class SimWorker:
         kv_group: str,
         config: EngineConfig,
         max_model_len: int,
+        index: UnifiedIndex,
         kv_events: bool = True,
     ) -> None:
         self.name = name
         self.kv_group = kv_group
-        self.host_group = host_group(kv_group)  # its host tier's blocks in the index
+        self.block_size = config.block_size
         self.engine = EmulatedEngine(config)
-        self.changes: list[Change] = []
+        self.events: list[KVEvent] = []  # since the last batch
+        self.mirror = WorkerMirror(index, name, kv_group, config.block_size, own_keys=True)
+        self.seq = 0  # the next batch's
         if kv_events:
-            self.engine.cache.on_stored = self._stored
-            self.engine.cache.on_removed = self._removed
+            cache = self.engine.cache
+            cache.on_stored = partial(self._stored, medium=MEDIUM_GPU)
+            cache.on_removed = partial(self._removed, medium=MEDIUM_GPU)
             host = self.engine.host
             if host is not None:
-                host.on_stored = self._host_stored
-                host.on_removed = self._host_removed
+                host.on_stored = partial(self._stored, medium=MEDIUM_CPU)
+                host.on_removed = partial(self._removed, medium=MEDIUM_CPU)
         self.max_model_len = max_model_len  # longer prompt + max_tokens: 400, as the worker says
         self.load = WorkerLoad(name)
         self.wake: float | None = None  # when the engine wants its next step call
@@ -136,24 +126,23 @@ class SimWorker:
         keys: list[int],
         tokens: list[int] | None,
         salt: str | None,
+        medium: str = MEDIUM_GPU,
     ) -> None:
-        self.changes.append(Change(keys, parent, True, False))
+        hashes = cast(list[BlockHash], keys)
+        self.events.append(
+            BlockStored(hashes, parent, [], self.block_size, medium=medium, cache_salt=salt)
+        )
 
-    def _removed(self, kv_group: str, keys: list[int]) -> None:
-        self.changes.append(Change(keys, None, False, False))
+    def _removed(self, kv_group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:
+        self.events.append(BlockRemoved(cast(list[BlockHash], keys), medium))
 
-    def _host_stored(
-        self,
-        kv_group: str,
-        parent: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        salt: str | None,
-    ) -> None:
-        self.changes.append(Change(keys, parent, True, True))
-
-    def _host_removed(self, kv_group: str, keys: list[int]) -> None:
-        self.changes.append(Change(keys, None, False, True))
+    def batch(self, now: float) -> tuple[int, EventBatch]:
+        """The events since the last batch, as the batch published at `now`, and its seq."""
+        seq = self.seq
+        self.seq = seq + 1
+        batch = EventBatch(now, self.events)
+        self.events = []
+        return seq, batch
 
 
 @dataclass(slots=True)
@@ -196,7 +185,7 @@ class Replay:
         self.fleet = fleet
         # an event per forward pass, as in real time: the same outcome, slower (a bench baseline)
         self.per_step = per_step
-        if any(r.route.block_size != fleet.block_size for r in self.requests):
+        if any(r.route.block_size != fleet.engine.block_size for r in self.requests):
             raise ValueError("requests are keyed with another block size than the fleet's")
         config = fleet.engine_config()
         limit = fleet.context_len()
@@ -204,21 +193,21 @@ class Replay:
         names = fleet.worker_names()
         if len(names) < len(groups):
             raise ValueError(f"{len(groups)} kv_groups need at least as many workers")
+        self.index = UnifiedIndex(
+            max_blocks=fleet.index_max_blocks,
+            approx_ttl_s=fleet.approx_ttl_s,
+            pending_ttl_s=fleet.pending_ttl_s,
+        )
+        self.routing = Routing(self.index)  # the gateway's request lifecycle (router/route.py)
         # one kv_group per worker (its event stream carries no model): groups take turns
         self.workers = [
-            SimWorker(name, groups[i % len(groups)], config, limit, fleet.kv_events)
+            SimWorker(name, groups[i % len(groups)], config, limit, self.index, fleet.kv_events)
             for i, name in enumerate(names)
         ]
         self.loads: dict[str, list[WorkerLoad]] = {}  # kv_group -> its workers' loads
         for w in self.workers:
             self.loads.setdefault(w.kv_group, []).append(w.load)
         self.by_name = {w.name: w for w in self.workers}
-        self.index = UnifiedIndex(
-            max_blocks=fleet.index_max_blocks,
-            approx_ttl_s=fleet.approx_ttl_s,
-            pending_ttl_s=fleet.pending_ttl_s,
-        )
-        self.residency = RoutedResidency(self.index)
         self._expires = not fleet.kv_events or fleet.pending_ttl_s > 0  # what the gateway writes
         self.client = Client(self.requests, fleet.concurrency, fleet.max_in_flight)
         n = len(self.requests)
@@ -226,10 +215,11 @@ class Replay:
         self._worker = [-1] * n
         self._predicted = [0] * n
         self._shares: list[LoadShare | None] = [None] * n
+        self._routes: list[Route | None] = [None] * n
         self._engine_req: list[Request | None] = [None] * n
         self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
         self._heap: Heap[SimWorker] = Heap()  # workers by the time of their next step call
-        self._kv: deque[tuple[float, SimWorker, list[Change]]] = deque()
+        self._kv: deque[tuple[float, SimWorker, int, EventBatch]] = deque()  # due, from, seq
         self._reasons: dict[str, int] = {}  # a plain dict: a Counter's += runs Python code
         self._peak = 0
         self._events = 0
@@ -254,6 +244,10 @@ class Replay:
         sent = 0
         while True:
             t_send = client.next_at
+            if self._expires:
+                t_next = heap.peek().key if len(heap) and heap.peek().key < t_send else t_send
+                if self._next_expire <= t_next < INF:
+                    self._expire(t_next)
             if len(heap) and heap.peek().key < t_send:
                 entry = heap.pop()
                 w = entry.item
@@ -276,27 +270,33 @@ class Replay:
         elif t != w.wake or w.wake_seq < 0:
             w.wake, w.wake_seq = t, self._heap.push(t, w)
 
+    def _expire(self, now: float) -> None:
+        """The gateway's health-interval sweep, at the last tick due by `now` (ticks with
+        nothing between them sweep the same), after the events due by then."""
+        ticks = (now - self._next_expire) // EXPIRE_EVERY_S
+        tick = self._next_expire + ticks * EXPIRE_EVERY_S
+        self._deliver(tick)
+        self.routing.expire(tick)
+        self._next_expire = tick + EXPIRE_EVERY_S
+
     def _route(self, req: SimRequest, now: float) -> None:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
-        index = self.index
-        if self._expires and now >= self._next_expire:
-            index.expire(now)
-            self._next_expire = now + EXPIRE_EVERY_S
-        route = req.route
-        seen = candidates(index, route, self.loads[route.kv_group], now)
-        decision = self.policy.choose(route, seen)
+        request = req.route
+        route = self.routing.route(request, self.loads[request.kv_group], self.policy, now)
+        decision = route.decision
         w = self.by_name[decision.worker]
         reasons = self._reasons
         reasons[decision.reason] = reasons.get(decision.reason, 0) + 1
-        chosen = candidate(seen, w.name)
         i = req.index
         self._sent[i] = now
         self._worker[i] = self._worker_index[w.name]
-        self._predicted[i] = route.matched_tokens(chosen.matched_blocks + chosen.host_blocks)
-        share = self._shares[i] = dispatch(index, route, chosen, w.load)
-        self.residency.dispatched(route, w.name, w.kv_group, self.fleet.kv_events, now)
-        if route.prompt_tokens + req.max_tokens > w.max_model_len:
+        self._predicted[i] = route.matched(w.name)
+        self._routes[i] = route
+        share = self._shares[i] = route.attempt(
+            w.name, w.kv_group, self.fleet.kv_events, w.load, now
+        )
+        if request.prompt_tokens + req.max_tokens > w.max_model_len:
             self._reject(req, share, now)
             return
         engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
@@ -321,7 +321,7 @@ class Replay:
         heap = self._heap
         requests = self.requests
         shares = self._shares
-        sent = self._sent
+        routes = self._routes
         exact = self.fleet.kv_events
         per_step = self.per_step
         while True:
@@ -333,12 +333,11 @@ class Replay:
                 for r in result.finished:
                     i = r.rid
                     cast(LoadShare, shares[i]).finish()
-                    req = requests[i]
-                    self.residency.served(req.route, w.name, w.kv_group, exact, sent[i], now)
-                    client.complete(req, True, now)
-            if w.changes:
-                self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
-                w.changes = []
+                    cast(Route, routes[i]).done(w.name, w.kv_group, exact, now)
+                    client.complete(requests[i], True, now)
+            if w.events:
+                seq, batch = w.batch(now)
+                self._kv.append((now + self.fleet.event_delay_s, w, seq, batch))
             # this call consumed the worker's heap entry
             t = engine.next_step_time() if per_step else engine.next_time()
             if t is None:
@@ -351,22 +350,15 @@ class Replay:
             return
 
     def _deliver(self, now: float) -> None:
-        """Apply every event batch due by `now`, in order, as a WorkerMirror would."""
+        """Apply every event batch due by `now`, in order, through each worker's mirror."""
         kv = self._kv
-        index = self.index
         applied = 0
         while kv and kv[0][0] <= now:
-            due, w, changes = kv.popleft()
-            name = w.name
-            for change in changes:
-                group = w.host_group if change.host else w.kv_group
-                if change.stored:
-                    index.insert(change.keys, name, group, due, parent=change.parent)
-                else:
-                    index.remove(change.keys, name, group)
-                applied += 1
+            due, w, seq, batch = kv.popleft()
+            w.mirror.apply(seq, batch, due)
+            applied += len(batch.events)
         self._events += applied
-        size = len(index)
+        size = len(self.index)
         if size > self._peak:
             self._peak = size
 

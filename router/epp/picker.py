@@ -1,28 +1,22 @@
-"""The endpoint picker's decision: the gateway's own request path (Gateway.serve) up to the
-point where the gateway would forward, answered as endpoints instead (docs/epp.md)."""
+"""The endpoint picker's decision: the one request lifecycle (router/route.py) as the gateway
+runs it, up to where the gateway would forward, answered as endpoints instead (docs/epp.md)."""
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Collection, Mapping
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from core.errors import APIError
-from router.dispatch import LoadShare, dispatch
 from router.gateway.app import Gateway
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Worker
-from router.gateway.routing import (
-    Plan,
-    forwarded,
-    parse_embeddings,
-    parse_request,
-    parse_responses,
-)
+from router.gateway.parsing import forwarded, parse_embeddings, parse_request, parse_responses
+from router.gateway.proxy import usage_of
+from router.gateway.routing import Plan
+from router.route import LoadShare
 
-_CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PATHS = frozenset(HOT_PATHS.values())
 
 
@@ -33,8 +27,7 @@ def endpoint_of(worker: Worker) -> str:
 
 def cached_tokens(chunk: bytes) -> int | None:
     """`usage.prompt_tokens_details.cached_tokens` in a response body or SSE chunk."""
-    found = _CACHED_RE.search(chunk)
-    return int(found.group(1)) if found else None
+    return usage_of(chunk).cached_tokens
 
 
 class Pick(NamedTuple):
@@ -43,7 +36,8 @@ class Pick(NamedTuple):
     endpoints: list[str]
     body: bytes  # what the worker gets: cache_salt written in
     plan: Plan
-    load: LoadShare  # the chosen worker's share of load until the response ends
+    worker: Worker  # the chosen one
+    load: LoadShare  # its share of load until the response ends
     route: str  # x-urc-route, as the gateway writes it
 
 
@@ -88,7 +82,8 @@ class EndpointPicker:
             salt, public_tokens = scope.salt, plan.public_tokens
         g.metrics.decision.observe(plan.decision_s)
         g.metrics.reasons[plan.decision.reason] += 1
-        ranked = [w for w in plan.ranked() if w.up]
+        workers = self.fleet.workers
+        ranked = [w for name in plan.ranked() if (w := workers.get(name)) is not None and w.up]
         if subset is not None:
             ranked = [w for w in ranked if endpoint_of(w) in subset]
         if not ranked:
@@ -100,13 +95,11 @@ class EndpointPicker:
             raise APIError(429, message, type="rate_limit_error", code="overloaded")
         chosen = ranked[0]
         group = chosen.kv_group_of(plan.model)
-        if plan.prefix_cache:
-            exact = chosen.exact(group)
-            g.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
-        load = dispatch(g.index, plan.request, plan.candidate(chosen.name), chosen.load)
-        route = plan.route(chosen.name)
+        exact = chosen.exact(group)
+        load = plan.route.attempt(chosen.name, group, exact, chosen.load, plan.arrived)
+        header = plan.header(chosen.name)
         payload = forwarded(body, salt, public_tokens)
-        return Pick([endpoint_of(w) for w in ranked], payload, plan, load, route)
+        return Pick([endpoint_of(w) for w in ranked], payload, plan, chosen, load, header)
 
     def worker_at(self, endpoint: str) -> Worker | None:
         for worker in self.fleet.workers.values():
@@ -121,12 +114,10 @@ class EndpointPicker:
         if worker is None or not plan.prefix_cache:  # embeddings: nothing cached
             return
         group = worker.kv_group_of(plan.model)
-        now = time.monotonic()
-        self.gateway.residency.served(
-            plan.request, worker.name, group, worker.exact(group), plan.arrived, now
-        )
+        plan.route.done(worker.name, group, worker.exact(group), time.monotonic())
         series = self.gateway.metrics.series[plan.model.name, worker.name]
-        predicted = host = 0
-        if worker in plan.workers:
+        try:
             predicted, host = plan.matched(worker.name), plan.host_matched(worker.name)
+        except KeyError:  # not a candidate when routed (it came up since)
+            predicted = host = 0
         series.prediction(plan.request.prompt_tokens, predicted, cached, host)  # as the gateway's

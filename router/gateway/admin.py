@@ -21,7 +21,7 @@ from core.errors import APIError
 from router.gateway.config import WorkerConfig
 from router.gateway.fleet import Worker
 from router.gateway.isolation import session_salt, user_salt
-from router.gateway.routing import bad_request, parse_body, validate
+from router.gateway.parsing import bad_request, parse_body, validate
 from router.gateway.siblings import scoped
 from router.index import UnifiedIndex
 from router.index_scopes import SaltTest, invalidate
@@ -274,7 +274,7 @@ class _Admin:
 
     async def invalidate(self, request: web.Request) -> web.Response:
         scope, named, test, kv_group, fields = self.resolve(parse_body(await request.read()))
-        self.gateway.residency.invalidated_at = time.monotonic()  # responses under way
+        self.gateway.routing.invalidated_at = time.monotonic()  # responses under way
         index = self.gateway.index
         dropped = invalidate(index, test, kv_group)
         siblings = self.gateway.siblings

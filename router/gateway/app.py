@@ -15,16 +15,13 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.errors import APIError
 from core.logs import REQUEST_ID_HEADER, RequestIds
-from router.dispatch import RoutedResidency
 from router.gateway.access import Observer, RequestNote
 from router.gateway.admin import admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
@@ -35,22 +32,17 @@ from router.gateway.load_feed import LoadFeed
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.model_list import ModelList
 from router.gateway.parity import ParityProbe
+from router.gateway.parsing import forwarded, parse_embeddings, parse_request, parse_responses
 from router.gateway.proxy import Proxy, Usage
+from router.gateway.recorder import Recorder
 from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply, error_response
-from router.gateway.routing import (
-    Plan,
-    Router,
-    RoutingModes,
-    forwarded,
-    parse_embeddings,
-    parse_request,
-    parse_responses,
-)
+from router.gateway.routing import Plan, Router, RoutingModes
 from router.gateway.server import FrontServer
 from router.gateway.siblings import Siblings
 from router.index import UnifiedIndex
 from router.policies import make_policy
 from router.policies.cache_aware import CacheAwarePolicy
+from router.route import Routing
 
 if TYPE_CHECKING:
     from router.gateway.discovery import PodDiscovery
@@ -77,8 +69,11 @@ class Gateway:
         max_blocks = config.index_max_blocks
         self.index = UnifiedIndex(max_blocks, config.approx_ttl_s, config.pending_ttl_s)
         self.fleet = Fleet(config, self.index)
-        self.policy = make_policy(config.policy, **config.policy_params)
-        self.router = Router(self.fleet, self.index, self.policy)
+        told = {"prefill_tokens_per_s": config.prefill_tokens_per_s}  # one knob (docs/policies.md)
+        self.policy = make_policy(config.policy, told, **config.policy_params)
+        # the one request lifecycle (router/route.py): admin invalidations mark when they begin
+        self.routing = Routing(self.index)
+        self.router = Router(self.fleet, self.routing, self.policy)
         if isinstance(self.policy, CacheAwarePolicy) and (
             "host_copy_tokens_per_s" not in config.policy_params
         ):  # not configured: the rate the workers report (docs/tiers.md)
@@ -107,7 +102,6 @@ class Gateway:
         self.load_feed = LoadFeed(self.fleet, config.load_interval_s)  # the workers' own load
         self.metrics.registry.register(self.load_feed)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
-        self.residency = RoutedResidency(self.index)  # admin invalidations mark when they begin
         self.request_ids = RequestIds()
         # the access log and tracing (docs/operability.md); None: both off, nothing is noted
         self.observer: Observer | None = None
@@ -115,8 +109,12 @@ class Gateway:
             self.observer = Observer(config.access_log, config.otel_endpoint)
         self._tasks: list[asyncio.Task[None]] = []
         self.discovery: PodDiscovery | None = None  # --discover k8s
-        # JSON errors per handler (json_errors), not a middleware: it costs every request a wrapper
-        self.app = web.Application(client_max_size=config.max_body_bytes)
+        self.app = self._application()
+
+    def _application(self) -> web.Application:
+        """The aiohttp side: every route but the hot paths' fast lane (server.py). JSON errors
+        per handler (json_errors), not a middleware: it costs every request a wrapper."""
+        app = web.Application(client_max_size=self.config.max_body_bytes)
         via_aiohttp = self._via_aiohttp
         routes = [web.post(p, json_errors(partial(via_aiohttp, p))) for p in HOT_PATHS.values()]
         routes.append(web.get("/v1/models", json_errors(self.list_models)))
@@ -124,12 +122,13 @@ class Gateway:
         routes.append(web.get("/health/live", self.live))
         routes.append(web.get("/metrics", self.metrics_endpoint))
         routes += [route(path, json_errors(h)) for route, path, h in admin_routes(self)]
-        self.app.add_routes(routes)
-        add_fallback_route(self.app)
-        self.app.on_response_prepare.append(self._close_when_draining)
-        self.app.on_response_prepare.append(self._with_request_id)
-        self.app.on_startup.append(self._start)
-        self.app.on_cleanup.append(self._stop)
+        app.add_routes(routes)
+        add_fallback_route(app)
+        app.on_response_prepare.append(self._close_when_draining)
+        app.on_response_prepare.append(self._with_request_id)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
 
     async def _start(self, _app: web.Application) -> None:
         await self.fleet.start()
@@ -147,9 +146,11 @@ class Gateway:
             await self.discovery.start()
 
     async def _watch_index_health(self) -> None:
-        """Degrade while every KV-event stream is lost; recover when one is back."""
+        """Each health interval: expired residency out of the index; degrade while every
+        KV-event stream is lost, recover when one is back."""
         while True:
             await asyncio.sleep(self.config.health_interval_s)
+            self.routing.expire(time.monotonic())
             lost = self.fleet.events_lost()
             if lost != self.modes.auto:
                 self.modes.auto = lost
@@ -234,10 +235,6 @@ class Gateway:
                 modes.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
             self.metrics.decision.observe(plan.decision_s)
             self.metrics.reasons[plan.decision.reason] += 1
-            chosen = plan.worker(plan.decision.worker)
-            group = chosen.kv_group_of(plan.model)
-            exact = chosen.exact(group)
-            self.residency.dispatched(plan.request, chosen.name, group, exact, plan.arrived)
             payload = forwarded(body, scope.salt, plan.public_tokens)
             on_success = partial(self._served, tenant=tenant.name)
             stream = body.get("stream") is True
@@ -273,13 +270,8 @@ class Gateway:
         await self.proxy.forward(reply, "/v1/embeddings", payload, plan, False, on_success, note)
 
     def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
-        """After a success: residency for workers without KV events; the recording."""
-        if not plan.prefix_cache:  # embeddings: nothing cached, nothing to replay
-            return
-        group = worker.kv_group_of(plan.model)
-        exact, now = worker.exact(group), time.monotonic()
-        self.residency.served(plan.request, worker.name, group, exact, plan.arrived, now)
-        if self.recorder is not None:
+        """After a success: the recording (embeddings: nothing cached, nothing to replay)."""
+        if self.recorder is not None and plan.prefix_cache:
             self.recorder.record(plan, worker, tenant, usage)
 
     async def list_models(self, request: web.Request) -> web.Response:
@@ -379,36 +371,6 @@ def add_fallback_route(app: web.Application) -> None:
     app.router.add_route("*", "/{tail:.*}", fallback)
 
 
-class Recorder:
-    """`--record FILE`: a Mooncake JSON line per served request, as it ends (docs/traces.md)."""
-
-    def __init__(self, path: str | Path, policy: str) -> None:
-        self.path = Path(path)
-        self.policy = policy
-        self._file = self.path.open("ab", buffering=1 << 16)
-        self._t0 = time.monotonic()  # the clock of Plan.arrived
-        self._encode = msgspec.json.Encoder().encode
-
-    def record(self, plan: Plan, worker: Worker, tenant: str, usage: Usage) -> None:
-        line = {
-            "timestamp": round((plan.arrived - self._t0) * 1000, 3),
-            "input_length": plan.request.prompt_tokens,
-            "output_length": usage.output_tokens or 0,
-            "hash_ids": plan.request.block_keys,
-            "block_size": plan.model.block_size,
-            "model": plan.model.name,
-            "tenant": tenant,
-            "worker": worker.name,
-            "policy": self.policy,
-            "predicted_tokens": plan.matched(worker.name),
-            "cached_tokens": usage.cached_tokens,
-        }
-        self._file.write(self._encode(line) + b"\n")
-
-    def close(self) -> None:
-        self._file.close()
-
-
 async def serve_gateway(
     config: GatewayConfig,
     stop: asyncio.Event,
@@ -443,19 +405,7 @@ async def serve_gateway(
         if siblings is not None:
             await siblings.start(runner)
         if config.metrics_port is not None:  # /metrics with no key, and /health
-            metrics_app = web.Application()
-            routes = [web.get("/metrics", gateway.scrape), web.get("/health", gateway.health)]
-            routes.append(web.get("/health/live", gateway.live))
-            metrics_app.add_routes(routes)
-            add_fallback_route(metrics_app)
-            metrics_runner = web.AppRunner(metrics_app, access_log=None)
-            await metrics_runner.setup()
-            metrics_host = config.metrics_host or config.host
-            site = web.TCPSite(metrics_runner, metrics_host, config.metrics_port, reuse_port=reuse)
-            await site.start()
-            metrics_port = metrics_runner.addresses[0][1]
-            if siblings is None:
-                print(f"metrics: http://{metrics_host}:{metrics_port}/metrics", flush=True)
+            metrics_runner = await _serve_metrics(gateway, config.metrics_port, reuse)
         # what startup made lives as long as the process: frozen, collections under load skip it
         gc.collect()
         gc.freeze()
@@ -478,6 +428,23 @@ async def serve_gateway(
             await metrics_runner.cleanup()
         if siblings is not None:
             await siblings.close()
+
+
+async def _serve_metrics(gateway: Gateway, port: int, reuse: bool) -> web.AppRunner:
+    """`--metrics-port`: /metrics with no key, and the health endpoints, on a port of their own
+    (`reuse`: shared by the processes of --processes N, which print nothing)."""
+    app = web.Application()
+    routes = [web.get("/metrics", gateway.scrape), web.get("/health", gateway.health)]
+    routes.append(web.get("/health/live", gateway.live))
+    app.add_routes(routes)
+    add_fallback_route(app)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    host = gateway.config.metrics_host or gateway.config.host
+    await web.TCPSite(runner, host, port, reuse_port=reuse).start()
+    if not reuse:
+        print(f"metrics: http://{host}:{runner.addresses[0][1]}/metrics", flush=True)
+    return runner
 
 
 async def _drain(front: FrontServer, held: web.Server, grace_s: float) -> None:

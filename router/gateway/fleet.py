@@ -14,6 +14,7 @@ from urllib.parse import urlparse
 
 import aiohttp
 
+from core.blocks import DEFAULT_BLOCK_SIZE
 from core.tokenizer import Tokenizer, load_tokenizer
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
 from router.gateway.upstream import UpstreamPool
@@ -121,7 +122,7 @@ class Worker:
     config: WorkerConfig
     pool: UpstreamPool  # keep-alive connections for requests
     models: dict[str, str] = field(default_factory=dict)  # served name -> kv_group
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     up: bool = False
     failures: int = 0  # consecutive failed checks or requests
     down_until: float = 0.0  # circuit breaker: no re-admission before this (monotonic)
@@ -130,7 +131,7 @@ class Worker:
     incarnation: str | None = None
     load_endpoint: str | None = None  # where it pushes its load (ours: /urc/info's load_events)
     host_copy_tokens_per_s: float = 0.0  # its host tier's copy rate, from /urc/info (0: unsaid)
-    load: WorkerLoad = field(init=False)  # as the gateway sees it (router/dispatch.py)
+    load: WorkerLoad = field(init=False)  # as the gateway sees it (router/route.py)
     streams: list[EventStream] = field(default_factory=list)  # KV events, one per kv_group
     waiting: set[asyncio.Task[object]] = field(default_factory=set)  # sent, nothing back yet
     draining: bool = False  # removed gracefully: requests under way finish on it
@@ -178,7 +179,8 @@ class Fleet:
         # --kv-groups: the only groups this gateway routes and follows the KV events of
         self.follow = frozenset(g for g in config.kv_groups.split(",") if g)
         for model in config.models:
-            self._declare(model.name, model, model.kv_group or model.name, model.block_size or 16)
+            group, block_size = model.kv_group or model.name, model.block_size or DEFAULT_BLOCK_SIZE
+            self._declare(model.name, model, group, block_size)
         self.session: aiohttp.ClientSession | None = None
         self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
         self.on_down: list[Callable[[Worker], None]] = []  # called when a worker is taken out
@@ -287,6 +289,17 @@ class Fleet:
             worker.down_until = time.monotonic() + self.config.breaker_cooldown_s
             asyncio.get_running_loop().create_task(self._mark_down(worker, "unhealthy"))
 
+    def alive(self, worker: Worker, now: float) -> None:
+        """`worker` answered something (its head, an error): alive, whatever it said."""
+        worker.alive_at = now
+
+    def answered(self, worker: Worker, status: int, now: float) -> None:
+        """A request's answer from `worker` went to the client: no failures in a row, and
+        below 500 it answered for itself, as good as a health check."""
+        worker.failures = 0
+        if status < 500:
+            worker.answered_at = now
+
     async def health_loop(self) -> None:
         """Probe every worker each interval but those up that answered a request within it."""
         interval = self.config.health_interval_s
@@ -295,7 +308,6 @@ class Fleet:
             recent = time.monotonic() - interval
             workers = [w for w in self.workers.values() if not (w.up and w.answered_at > recent)]
             await asyncio.gather(*(self.check(w) for w in workers), return_exceptions=True)
-            self.index.expire(time.monotonic())
 
     async def _discover(self, worker: Worker, timeout: aiohttp.ClientTimeout) -> None:
         """Ask our workers what they serve; engines that cannot be asked are configured."""
@@ -311,7 +323,7 @@ class Fleet:
         worker.load_endpoint = reachable(
             (info.get("load_events") or {}).get("endpoint"), worker.pool.host
         )
-        worker.block_size = int(config.block_size or info.get("block_size") or 16)
+        worker.block_size = int(config.block_size or info.get("block_size") or DEFAULT_BLOCK_SIZE)
         worker.host_copy_tokens_per_s = _host_copy_rate(info)
         served: dict[str, str] = {}
         for entry in info.get("models", []):

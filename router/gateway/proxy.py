@@ -12,13 +12,13 @@ from typing import NamedTuple
 
 from core.errors import APIError
 from core.logs import REQUEST_ID_HEADER
-from router.dispatch import LoadShare, dispatch
 from router.gateway.access import RequestNote
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.reply import Headers, Reply, request_id_line
 from router.gateway.routing import Plan
 from router.gateway.upstream import UpstreamError, UpstreamResponse
+from router.route import LoadShare
 
 # usage as chat and completions report it, or as the Responses API does (output_tokens)
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
@@ -41,6 +41,13 @@ class Usage(NamedTuple):
     output_tokens: int | None
 
 
+def usage_of(body: bytes) -> Usage:
+    """The usage a response body or an SSE chunk reports (None: it says nothing of it)."""
+    cached = _CACHED_RE.search(body)
+    output = _OUTPUT_RE.search(body)
+    return Usage(int(cached.group(1)) if cached else None, int(output.group(1)) if output else None)
+
+
 class _Failover(Exception):
     """The worker failed before the first byte reached the client. `answer`: it answered
     (status, headers, body) with a 5xx; None: it could not be reached or broke the exchange."""
@@ -56,7 +63,6 @@ class _Failover(Exception):
 class Proxy:
     def __init__(self, fleet: Fleet, metrics: GatewayMetrics, prefill_tokens_per_s: float):
         self.fleet = fleet
-        self.index = fleet.index
         self.metrics = metrics
         self.s_per_token = 1.0 / prefill_tokens_per_s
         self.request_timeout_s = fleet.config.request_timeout_s
@@ -89,15 +95,14 @@ class Proxy:
         request_id = request_id_line(reply.request_id)
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
-        for worker in plan.ranked():
-            if not worker.up:
+        workers = self.fleet.workers
+        for name in plan.ranked():
+            worker = workers.get(name)
+            if worker is None or not worker.up:
                 continue
-            load = dispatch(self.index, plan.request, plan.candidate(worker.name), worker.load)
-            timer: asyncio.TimerHandle | None = None
-            if not stream:
-                delay = worker.load.queued_prefill_tokens * self.s_per_token
-                timer = self.deadlines.loop().call_later(delay, load.first_token)
-            attempt = _Attempt(self, reply, plan, worker, load, t0, note)
+            attempt = _Attempt(self, reply, plan, worker, t0, note)
+            load = attempt.load
+            timer = None if stream else self._estimated_first_token(worker, load)
             headers = request_id if note is None else request_id + note.attempt(worker.name)
             failed: _Failover | None = None
             try:
@@ -132,6 +137,12 @@ class Proxy:
         message = f"every worker failed for model '{plan.model.name}' (last: {last_error})"
         raise APIError(502, message, type="bad_gateway", code="worker_failed")
 
+    def _estimated_first_token(self, worker: Worker, load: LoadShare) -> asyncio.TimerHandle:
+        """A non-streamed answer shows no first byte: its prefill leaves the ledger's queue
+        when the gateway's estimate says it is done (docs/dispatch.md, 3)."""
+        delay = worker.load.queued_prefill_tokens * self.s_per_token
+        return self.deadlines.loop().call_later(delay, load.first_token)
+
 
 class _Attempt:
     """One try of a request on one worker, answered to `reply`."""
@@ -142,7 +153,6 @@ class _Attempt:
         reply: Reply,
         plan: Plan,
         worker: Worker,
-        load: LoadShare,
         t0: float,
         note: RequestNote | None,
     ) -> None:
@@ -150,7 +160,10 @@ class _Attempt:
         self.reply = reply
         self.plan = plan
         self.worker = worker
-        self.load = load
+        self.kv_group = group = worker.kv_group_of(plan.model)
+        self.exact = worker.exact(group)
+        # the lifecycle's attempt (router/route.py): this try's share of the worker's load
+        self.load = plan.route.attempt(worker.name, group, self.exact, worker.load, t0)
         self.t0 = t0  # when the request's forwarding began
         self.note = note
 
@@ -168,9 +181,10 @@ class _Attempt:
                 upstream = await worker.pool.post(path, payload, headers)
             except UpstreamError as exc:
                 raise _Failover(str(exc)) from None
-            worker.alive_at = time.monotonic()
+            now = time.monotonic()
+            proxy.fleet.alive(worker, now)
             if not stream and self.note is not None:  # a whole answer's TTFT: its head
-                self.note.first_byte(worker.alive_at)
+                self.note.first_byte(now)
             try:
                 if stream and upstream.status == 200:
                     return 200, await self._stream(upstream, task)
@@ -206,7 +220,7 @@ class _Attempt:
         """The worker's headers for the client: hop-by-hop ones out, `x-urc-route` in."""
         plan, name = self.plan, self.worker.name
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_HEADERS]
-        headers.append(("x-urc-route", plan.route(name)))
+        headers.append(("x-urc-route", plan.header(name)))
         return headers
 
     async def _whole(self, upstream: UpstreamResponse) -> tuple[int, Usage | None]:
@@ -225,12 +239,9 @@ class _Attempt:
         self._first_byte()
         usage = None
         if status == 200:
-            cached = _CACHED_RE.search(body)
-            output = _OUTPUT_RE.search(body)
-            usage = Usage(
-                int(cached.group(1)) if cached else _header_int(upstream),
-                int(output.group(1)) if output else None,
-            )
+            usage = usage_of(body)
+            if usage.cached_tokens is None:
+                usage = Usage(_header_int(upstream), usage.output_tokens)
         self.reply.whole(status, self._headers(upstream), body)
         return status, usage
 
@@ -258,10 +269,11 @@ class _Attempt:
                     await reply.start(upstream.status, headers)
                 events += chunk.count(b"data:")
                 if b'"usage"' in chunk:
-                    if found := _CACHED_RE.search(chunk):
-                        cached = int(found.group(1))
-                    if found := _OUTPUT_RE.search(chunk):
-                        output = int(found.group(1))
+                    said = usage_of(chunk)
+                    if said.cached_tokens is not None:
+                        cached = said.cached_tokens
+                    if said.output_tokens is not None:
+                        output = said.output_tokens
                 if not await reply.send(chunk):
                     return None  # the client went away: stop reading, free the worker
         except UpstreamError as exc:
@@ -279,14 +291,14 @@ class _Attempt:
         """The answer went to the client: the worker's health and the metrics."""
         now = time.monotonic()
         plan, worker = self.plan, self.worker
-        worker.failures = 0
-        if status < 500:  # it answered for itself: as good as a health check
-            worker.answered_at = now
+        self.proxy.fleet.answered(worker, status, now)
         self.proxy.metrics.statuses[plan.model.name, worker.name, status] += 1
         series = self.proxy.metrics.series[plan.model.name, worker.name]
         series.latency.observe(now - self.t0)
         if self.note is not None:
             self.note.attempt_ended(status, None, usage.cached_tokens if usage else None)
+        if usage is not None:
+            plan.route.done(worker.name, self.kv_group, self.exact, now)
         if usage is not None and plan.prefix_cache:
             predicted, host = plan.matched(worker.name), plan.host_matched(worker.name)
             series.prediction(plan.request.prompt_tokens, predicted, usage.cached_tokens, host)

@@ -51,7 +51,7 @@ class RouteRequest:
 
 @dataclass(init=False, slots=True)
 class WorkerLoad:
-    """A worker's load as the gateway sees it, moved only by router/dispatch.py's `LoadShare`."""
+    """A worker's load as the gateway sees it, moved only by router/route.py's `LoadShare`."""
 
     worker: str
     in_flight: int  # requests sent and not finished

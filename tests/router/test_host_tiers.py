@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core.blocks import block_keys
-from router.dispatch import candidates, dispatch
 from router.index import UnifiedIndex, host_group
 from router.policies import Candidate, RouteRequest, WorkerLoad, make_policy
+from router.route import Routing, candidates
 
 BS = 4
 G = "llama"
@@ -103,15 +103,18 @@ def test_candidates_carry_host_blocks_and_dispatch_queues_only_what_is_computed(
     loads = [WorkerLoad("w0"), WorkerLoad("w1")]
     w0, w1 = candidates(index, request, loads, 1.0)
     assert (w0.matched_blocks, w0.host_blocks, w1.matched_blocks, w1.host_blocks) == (2, 5, 4, 0)
-    share = dispatch(index, request, w0, loads[0])
+    route = Routing(index).route(request, loads, make_policy("least_load"), 1.0)
+    share = route.attempt("w0", G, False, loads[0], 1.0)
     assert share.uncached == request.prompt_tokens - 7 * BS  # the host's blocks are copied
     share.finish()
     # a GPU match still pending (not confirmed by events) does not reach the host run after it
     index.insert(keys[:2], "w2", G, 1.0, pending=True)
     index.insert(keys[2:5], "w2", H, 1.0, parent=keys[1])
-    w2 = candidates(index, request, [WorkerLoad("w2")], 1.0)[0]
+    w2_load = WorkerLoad("w2")
+    w2 = candidates(index, request, [w2_load], 1.0)[0]
     assert (w2.matched_blocks, w2.host_blocks) == (2, 3)
-    assert dispatch(index, request, w2, WorkerLoad("w2")).uncached == request.prompt_tokens
+    route = Routing(index).route(request, [w2_load], make_policy("least_load"), 1.0)
+    assert route.attempt("w2", G, False, w2_load, 1.0).uncached == request.prompt_tokens
 
 
 def _explained(policy_name: str, prompt: int, cands: list[Candidate], **params: object):

@@ -30,10 +30,12 @@ from router.gateway.isolation import (
     session_salt,
     user_salt,
 )
-from router.gateway.routing import Router, forwarded, parse_body
+from router.gateway.parsing import forwarded, parse_body
+from router.gateway.routing import Router
 from router.index import UnifiedIndex
 from router.index_scopes import invalidate as invalidate_index
 from router.kv_mirror import WorkerMirror
+from router.route import Routing
 
 BS = 16
 
@@ -103,7 +105,7 @@ class CountingTokenizer(ByteTokenizer):
 def test_a_system_prompt_is_rendered_alone_once() -> None:
     tokenizer = CountingTokenizer()
     model = Model("m", "m", tokenizer, BS)
-    router = Router(None, UnifiedIndex(), None)  # type: ignore[arg-type]
+    router = Router(None, Routing(UnifiedIndex()), None)  # type: ignore[arg-type]
     system = {"role": "system", "content": "You are a careful assistant. " * 20}
     publics = []
     for i in range(5):

@@ -10,7 +10,6 @@ import random
 import httpx
 import pytest
 
-from router.dispatch import LoadShare
 from router.gateway.load_report import (
     STALE_AFTER,
     Reported,
@@ -21,6 +20,7 @@ from router.gateway.load_report import (
     parse_urc,
 )
 from router.policies import WorkerLoad
+from router.route import LoadShare
 from tests.gateway import ADMIN, admin_workers, route
 from tests.processes import wait_for
 from urc.processes import start_gateway, start_worker
@@ -155,7 +155,7 @@ def test_urc_load_is_read_strictly():
 # -- end to end -------------------------------------------------------------------------------
 
 # slow workers, one request at a time: a burst of long prompts queues for seconds
-SLOW = ("--prefill-tps", "4000", "--max-batch", "1")
+SLOW = ("--prefill-tokens-per-s", "4000", "--max-batch", "1")
 BURST, BURST_TOKENS = 6, 4000  # 6 s of prefill queued on the worker
 
 

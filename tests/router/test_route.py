@@ -1,4 +1,4 @@
-"""The one dispatch (router/dispatch.py): matched tokens, the load ledger, and that the gateway's
+"""The one dispatch (router/route.py): matched tokens, the load ledger, and that the gateway's
 header, its metrics and a shadow policy read the same matched tokens."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.dispatch import LoadShare
 from router.policies import RouteRequest, WorkerLoad
+from router.route import LoadShare
 from tests.gateway import ADMIN, all_exact, route
 from tests.processes import wait_for
 from urc.processes import start_gateway, start_worker
