@@ -1,6 +1,6 @@
 """How fast `urc replay` runs, and (with --fidelity) how close it is to a live cluster.
 
-    python bench/replay_bench.py [--breakdown] [--profile POLICY] [--fidelity]
+    python bench/replay_bench.py [--breakdown] [--profile POLICY] [--fidelity | --fidelity-cases]
 
 Requests per CPU second against in-run baselines, or live vs offline (docs/benchmarks.md)."""
 
@@ -151,18 +151,21 @@ def profile(requests: list, name: str, fleet: FleetConfig) -> None:
 
 
 def fidelity(args: argparse.Namespace) -> None:
-    from simulation.fidelity import FidelityCase, run_case
+    from simulation.fidelity import CASES, FidelityCase, run_case
 
     items = args.fidelity_param
     if not items and args.fidelity_workload == "system-prompts":
         items = FIDELITY_PARAMS
-    for policy in policy_names(args.fidelity_policy):
-        case = FidelityCase(
+    cases = [
+        FidelityCase(
             policy=policy,
             workload=args.fidelity_workload,
             params=dict(item.split("=", 1) for item in items),
             **{name: getattr(args, f"fidelity_{name}") for name in FIDELITY},
         )
+        for policy in policy_names(args.fidelity_policy)
+    ]
+    for case in CASES.values() if args.fidelity_cases else cases:
         outcome = run_case(case)
         print(outcome.describe())
         hit_ok = abs(outcome.hit_rate_diff) <= 0.02
@@ -188,6 +191,8 @@ def main() -> int:
     add("--breakdown", action="store_true")
     add("--profile", metavar="POLICY")
     add("--fidelity", action="store_true", help="live vs offline instead")
+    cases = "live vs offline on the cases of tests/simulation/test_simulation_fidelity.py"
+    add("--fidelity-cases", action="store_true", help=cases)
     add("--fidelity-policy", default="cache_aware,sglang,round_robin")
     add("--fidelity-workload", default="system-prompts")
     add("--fidelity-param", action="append", default=[], metavar="KEY=VALUE")
@@ -197,7 +202,7 @@ def main() -> int:
     if (args.breakdown or args.profile) and native.compiled():  # wrappers need the source
         print("--breakdown/--profile: running the Python source (URC_PURE_PYTHON=1)", flush=True)
         os.execve(sys.executable, [sys.executable, *sys.argv], SOURCE_ENV)
-    if args.fidelity:
+    if args.fidelity or args.fidelity_cases:
         fidelity(args)
     else:
         speed(args)
