@@ -61,3 +61,18 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
+
+
+def check_listen(host: str, port: int) -> None:
+    """The OSError a server would meet binding `host:port` now (as asyncio binds: every address
+    `host` resolves to, SO_REUSEADDR); nothing for port 0 or a free port. Nothing is held."""
+    if port == 0:
+        return
+    for family, kind, proto, _, address in socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    ):
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)

@@ -31,7 +31,9 @@ DEFAULT_REQUESTS = 100  # a workload is endless: without --duration, this many
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="urc bench", description="A load generator for any OpenAI-compatible endpoint."
+        prog="urc bench",
+        description="A load generator for any OpenAI-compatible endpoint.",
+        allow_abbrev=False,  # `--request 5` is not `--requests 5`
     )
     p.add_argument("--target", help="the endpoint's base URL, e.g. http://127.0.0.1:8000")
     source = p.add_mutually_exclusive_group()

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from core import lifeline
 from core.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def _epp(args: argparse.Namespace) -> int:
 def _delegate(command: str, argv: list[str]) -> int:
     """Run another package's `main`; `urc worker` picks its module by `--engine`."""
     if command == "worker":
-        pre = argparse.ArgumentParser(prog="urc worker", add_help=False)
+        pre = argparse.ArgumentParser(prog="urc worker", add_help=False, allow_abbrev=False)
         pre.add_argument("--engine", default="emulated")
         known, argv = pre.parse_known_args(argv)
         if known.engine not in ENGINES:
@@ -140,25 +141,23 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int]]]:
+    """The `urc` parser (no prefix abbreviations anywhere: `--capacity` is not
+    `--capacity-tokens`) and each built subcommand's handler."""
     parser = argparse.ArgumentParser(
         prog="urc",
         description="urc (Unified Radix Cache): a cache-aware gateway for LLM fleets.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action=_Version, help="print urc's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
-        sub.add_parser(name, help=help_text, description=help_text)
+        usage = "%(prog)s [OPTION ...]" if name in ("gateway", "epp", "cluster") else None
+        sub.add_parser(name, help=help_text, description=help_text, usage=usage, allow_abbrev=False)
+    from core.blocks import DEFAULT_BLOCK_SIZE
     from router.gateway.config_flags import add_gateway_arguments
     from urc.cluster import add_cluster_arguments, cluster_main
 
-    for name in ("gateway", "epp"):
-        add_gateway_arguments(sub.choices[name])
-        sub.choices[name].add_argument(
-            "--print-config",
-            action="store_true",
-            help="print the merged config (file + flags) as TOML, secrets masked, and exit",
-        )
-    epp = sub.choices["epp"]
+    epp = sub.choices["epp"].add_argument_group("endpoint picker")
     epp.add_argument("--grpc-port", type=int, default=9002, help="ext_proc and gRPC health port")
     epp.add_argument(
         "--max-in-flight",
@@ -166,17 +165,25 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, Callable[..., int
         default=0,
         help="shed with 429 when every eligible endpoint has this many in flight (0: never)",
     )
+    for name in ("gateway", "epp"):
+        add_gateway_arguments(sub.choices[name])
     add_cluster_arguments(sub.choices["cluster"])
     keys = sub.choices["keys"]
     keys.add_argument("text", help="the prompt text")
     keys.add_argument("--tokenizer", default="byte", help="'byte' or a model directory")
-    keys.add_argument("--block-size", type=int, default=16)
+    keys.add_argument(
+        "--block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help=f"tokens per block (default {DEFAULT_BLOCK_SIZE})",
+    )
     keys.add_argument("--salt", default=None, help="the tenant's cache salt (default: shared)")
     handlers = {"gateway": _gateway, "epp": _epp, "cluster": cluster_main, "keys": _keys}
     return parser, handlers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    lifeline.watch_parent()  # started by a urc process: do not outlive it
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and (argv[0] in DELEGATED or argv[0] == "worker"):
         return _delegate(argv[0], argv[1:])

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from core.logs import configure_logging
+from core.ports import check_listen
 from router.gateway.app import run_async, serve_gateway
 from router.gateway.config import ConfigError, GatewayConfig, ModelConfig, WorkerConfig, load_config
 from router.gateway.config_flags import add_gateway_arguments, apply_flags
@@ -21,25 +22,37 @@ READY_TIMEOUT_S = 120.0
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=4, help="number of workers (default 4)")
-    parser.add_argument("--engine", choices=sorted([*ENGINES, *REAL_ENGINES]), default="emulated")
-    parser.add_argument(
+    """The cluster's own flags first, then the real engines', then every gateway flag."""
+    cluster = parser.add_argument_group("cluster", "the workers started on 127.0.0.1")
+    cluster.add_argument(
+        "--workers", type=int, default=4, metavar="N", help="number of workers (default 4)"
+    )
+    cluster.add_argument(
+        "--engine",
+        choices=sorted([*ENGINES, *REAL_ENGINES]),
+        default="emulated",
+        help="the workers' engine: ours, emulated (default) or torch; or vllm or sglang, real "
+        "engines started with --model",
+    )
+    cluster.add_argument(
         "--worker-arg",
         action="append",
         default=[],
         metavar="ARG",
         help="an argument passed to every worker, e.g. --worker-arg=--capacity-tokens=200000",
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--host-capacity-tokens",
         type=int,
         default=0,
+        metavar="N",
         help="each worker's host-memory KV tier in tokens (0: none; docs/tiers.md)",
     )
-    parser.add_argument(
+    cluster.add_argument(
         "--host-copy-tokens-per-s",
         type=float,
         default=None,
+        metavar="R",
         help="the emulated host tier's host -> GPU copy rate, tokens/s (default: the worker's)",
     )
     from backends.real.process import add_real_engine_arguments
@@ -63,15 +76,37 @@ async def run_real_cluster(
             config.models += [
                 ModelConfig(n, tokenizer=args.model) for n in names if n not in configured
             ]
-        await serve_gateway(config, stop)
+        await _serve(config, stop)
     finally:
         await asyncio.to_thread(stop_engines, engines)
 
 
+async def _serve(config: GatewayConfig, stop: asyncio.Event) -> None:
+    try:
+        await serve_gateway(config, stop)
+    except OSError as exc:  # at start: the port was taken after _check_ports, or not our host
+        raise RuntimeError(f"cannot listen: {exc}") from exc
+
+
+def _check_ports(config: GatewayConfig) -> None:
+    """RuntimeError naming the address when the gateway could not listen now: before any worker
+    starts (the gateway itself binds only once they are up)."""
+    listens = [(config.host, config.port)]
+    if config.metrics_port:
+        listens.append((config.metrics_host or config.host, config.metrics_port))
+    for host, port in listens:
+        try:
+            check_listen(host, port)
+        except OSError as exc:
+            raise RuntimeError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+
+
 def worker_argv(args: argparse.Namespace, config: GatewayConfig) -> list[str]:
-    """The command line of each of our workers (ENGINES)."""
+    """The command line of each of our workers (ENGINES): `urc worker`, which stops itself when
+    we die where the kernel would not tell it (core/lifeline.py)."""
+    argv = [sys.executable, "-m", "urc.cli", "worker", "--engine", args.engine]
     # port 0: each worker binds a port of its own and announces it (no race for a free one)
-    argv = [sys.executable, "-m", ENGINES[args.engine], "--host", "127.0.0.1", "--port", "0"]
+    argv += ["--host", "127.0.0.1", "--port", "0"]
     argv += ["--log-level", config.log_level, "--log-format", config.log_format]  # as ours
     if args.host_capacity_tokens:
         argv += ["--host-capacity-tokens", str(args.host_capacity_tokens)]
@@ -102,7 +137,7 @@ async def run_cluster(args: argparse.Namespace, config: GatewayConfig) -> None:
         if failed:
             raise RuntimeError(f"{len(failed)} worker(s) did not start: {failed[0]}")
         config.workers.extend(WorkerConfig(url=w.url) for w in workers)
-        await serve_gateway(config, stop)
+        await _serve(config, stop)
     finally:
         await asyncio.gather(*(asyncio.to_thread(w.stop) for w in workers))
 
@@ -111,8 +146,14 @@ def cluster_main(args: argparse.Namespace) -> int:
     if args.workers < 1:
         raise ConfigError("--workers must be at least 1")
     config = apply_flags(load_config(args.config), args)
+    if args.print_config:
+        from router.gateway.config_print import config_toml
+
+        print(config_toml(config), end="")
+        return 0
     configure_logging(config.log_level, config.log_format)
     try:
+        _check_ports(config)
         run_async(run_cluster(args, config))
     except (RuntimeError, ValueError) as exc:
         print(f"urc cluster: {exc}", file=sys.stderr)

@@ -15,14 +15,17 @@ import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 
+from core import lifeline
+
 ROOT = Path(__file__).resolve().parents[1]
 JSON_HEADERS = {"Content-Type": "application/json"}
 _started: list[Child] = []  # a caller that failed before its own cleanup leaves none running
 
 
 class Child:
-    """A child process in its own session (Ctrl-C reaches only us), its output kept for errors;
-    `url` from its `ready_prefix` line. `console` (urc cluster): our cwd, its stderr ours."""
+    """A child process in its own session (Ctrl-C reaches only us) that dies with us (SIGTERM
+    even when we are killed: core/lifeline.py), its output kept for errors; `url` from its
+    `ready_prefix` line. `console` (urc cluster): our cwd, its stderr ours."""
 
     def __init__(
         self,
@@ -37,7 +40,7 @@ class Child:
         self.url = url
         self.lines: list[str] = []
         self._ready = threading.Event()
-        self.popen = subprocess.Popen(
+        self.popen = lifeline.popen(
             argv,
             cwd=None if console else ROOT,
             stdin=subprocess.DEVNULL,

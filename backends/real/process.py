@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core import lifeline
 from core.ports import free_ports
 
 KV_TOPIC = "kv"
@@ -121,10 +122,11 @@ class EngineProcess:
 
 
 def start_engine(launch: EngineLaunch, log_path: str | Path) -> EngineProcess:
-    """Start `launch` in its own process group, output to `log_path`; does not wait."""
+    """Start `launch` in its own process group, output to `log_path`; does not wait. The engine
+    gets SIGTERM when this process dies, even by SIGKILL (core/lifeline.py)."""
     path = Path(log_path)
     with path.open("wb") as log:  # the child writes to its own copy of the descriptor
-        popen = subprocess.Popen(
+        popen = lifeline.popen(
             launch.argv,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import fields
+from dataclasses import Field, fields
 from typing import Any, get_args, get_type_hints
 
 from router.gateway.config import ConfigError, validate
 from router.gateway.config_schema import (
     DEFAULT_TENANT,
+    GROUPS,
     LOG_FORMATS,
     LOG_LEVELS,
     GatewayConfig,
@@ -42,35 +43,20 @@ _IGNORED = {
 
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
-    def repeatable(flag: str, metavar: str, help: str, **kwargs: Any) -> None:
-        parser.add_argument(flag, action="append", default=[], metavar=metavar, help=help, **kwargs)
-
-    parser.add_argument("--config", help="TOML file (flags override it; docs/config.md)")
-    for setting in _SETTINGS:  # the help gets the setting's default
-        flag = flag_of(setting.name)
-        assert flag is not None
-        help = setting.metadata["help"]
-        names = (flag, *setting.metadata["aliases"])
-        if setting.default is False:  # a switch: unset keeps the file's value
-            parser.add_argument(
-                *names, dest=setting.name, action="store_true", default=None, help=help
-            )
-            continue
-        shown = f"{help} (default {setting.default})" if setting.default else help
-        if setting.name == "policy":
-            shown = f"{shown}: {', '.join(POLICY_NAMES)}"
-        kind, choices = _kind(setting.name), _CHOICES.get(setting.name)
-        metavar = "S" if setting.name.endswith("_s") else "N" if kind is int else None
-        parser.add_argument(
-            *names, dest=setting.name, type=kind, choices=choices, metavar=metavar, help=shown
-        )
-    repeatable(
-        "--worker",
-        "URL",
-        "a worker's base URL; repeatable. Ours are discovered (models, block size, "
-        "KV-event endpoints); others are described in the config file",
+    """Every gateway flag on `parser`, in GROUPS' argument groups (the essentials first)."""
+    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
+    essentials = groups["essentials"]
+    essentials.add_argument("--config", help="TOML file (flags override it; docs/config.md)")
+    essentials.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the merged config (file + flags) as TOML, secrets masked, and exit",
     )
-    parser.add_argument(
+    for setting in _SETTINGS:
+        _add_setting(groups[setting.metadata["group"]], setting)
+    _add_tables(groups)
+    compat = groups["compat"]
+    compat.add_argument(
         "--worker-urls",
         dest="worker",
         nargs="+",
@@ -78,16 +64,66 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="URL",
         help="workers' base URLs, space-separated (sglang-router's form of --worker)",
     )
+    for name, kind in _THRESHOLDS.items():
+        compat.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=kind,
+            help=f"sglang-router's {name}: a parameter of --policy sglang (docs/migration.md)",
+        )
+    for flag, why in _IGNORED.items():
+        compat.add_argument(flag, help=f"accepted from sglang-router and ignored: {why}")
+
+
+def _add_setting(group: argparse._ArgumentGroup, setting: Field[Any]) -> None:
+    """The flag (and aliases) of one GatewayConfig setting; its help gets the default."""
+    flag = flag_of(setting.name)
+    assert flag is not None
+    help = setting.metadata["help"]
+    names = (flag, *setting.metadata["aliases"])
+    if setting.default is False:  # a switch: unset keeps the file's value
+        group.add_argument(*names, dest=setting.name, action="store_true", default=None, help=help)
+        return
+    shown = f"{help} (default {setting.default})" if setting.default else help
+    if setting.name == "policy":
+        shown = f"{shown}: {', '.join(POLICY_NAMES)}"
+    kind, choices = _kind(setting.name), _CHOICES.get(setting.name)
+    metavar = "S" if setting.name.endswith("_s") else "N" if kind is int else None
+    group.add_argument(
+        *names, dest=setting.name, type=kind, choices=choices, metavar=metavar, help=shown
+    )
+
+
+def _add_tables(groups: dict[str, argparse._ArgumentGroup]) -> None:
+    """The repeatable flags that build the config's tables and lists."""
+
+    def repeatable(
+        group: argparse._ArgumentGroup, flag: str, metavar: str, help: str, **kwargs: Any
+    ) -> None:
+        group.add_argument(flag, action="append", default=[], metavar=metavar, help=help, **kwargs)
+
     repeatable(
-        "--policy-param", "KEY=VALUE", "a policy parameter, e.g. cache_threshold=0.5; repeatable"
+        groups["essentials"],
+        "--worker",
+        "URL",
+        "a worker's base URL; repeatable. Ours are discovered (models, block size, "
+        "KV-event endpoints); others are described in the config file",
     )
     repeatable(
+        groups["essentials"],
         "--api-key",
         "[TENANT:]KEY",
         "an API key of a tenant (a bare KEY: the tenant 'default'); repeatable. With none, "
         "auth is off (one shared tenant)",
     )
     repeatable(
+        groups["routing"],
+        "--policy-param",
+        "KEY=VALUE",
+        "a policy parameter, e.g. cache_threshold=0.5; repeatable",
+    )
+    repeatable(
+        groups["tenants"],
         "--tenant-isolation",
         "TENANT:LEVEL",
         "a tenant's cache isolation: shared (its leading system prompt is shared with "
@@ -95,6 +131,7 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         "(the x-urc-session header); repeatable",
     )
     repeatable(
+        groups["routing"],
         "--shadow-policy",
         "NAME",
         "a policy that sees every request and chooses without being acted on; its "
@@ -102,25 +139,18 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         choices=POLICY_NAMES,
     )
     repeatable(
+        groups["workers"],
         "--attach",
         "URL,KEY=VALUE,...",
         "an engine started elsewhere (vLLM, SGLang), e.g. http://h:8000,model=llama,"
         "kv_events=tcp://h:5557,kv_replay=tcp://h:5558,kv_topic=kv,block_size=16; repeatable",
     )
     repeatable(
+        groups["workers"],
         "--model-tokenizer",
         "MODEL=SPEC",
         "tokenizer of a model: 'byte' or a model directory; repeatable",
     )
-    for name, kind in _THRESHOLDS.items():
-        parser.add_argument(
-            "--" + name.replace("_", "-"),
-            dest=name,
-            type=kind,
-            help=f"sglang-router's {name}: a parameter of --policy sglang (docs/migration.md)",
-        )
-    for flag, why in _IGNORED.items():
-        parser.add_argument(flag, help=f"accepted from sglang-router and ignored: {why}")
 
 
 def _kind(setting: str) -> type:

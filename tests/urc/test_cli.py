@@ -39,6 +39,71 @@ def test_every_subcommand_has_help():
         assert out.returncode == 0 and "usage" in out.stdout.lower(), name
 
 
+def _help(*command: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-m", "urc.cli", *command, "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+
+
+def _group_titles(out: str) -> list[str]:
+    return [line[:-1] for line in out.splitlines() if line and line[0] != " " and line[-1] == ":"]
+
+
+def _options_without_help(out: str) -> list[str]:
+    """Option lines of a --help with no text: none after the flag, none on the next line."""
+    lines = out.splitlines()
+    return [
+        line.strip()
+        for line, after in zip(lines, [*lines[1:], ""], strict=True)
+        if line.startswith("  -") and "  " not in line.strip() and not after.startswith(" " * 24)
+    ]
+
+
+def test_gateway_help_groups_its_options_essentials_first():
+    out = _help("gateway")
+    titles = _group_titles(out)
+    assert titles[:3] == ["options", "essentials", "workers, models and discovery"]
+    assert len(titles) >= 10
+    essentials = out.split("essentials:\n")[1].split("\n\n")[0]
+    for flag in ("--config", "--host", "--port", "--policy", "--worker", "--api-key"):
+        assert f"  {flag} " in essentials, flag
+    assert "--drain-timeout" not in essentials
+
+
+def test_cluster_help_gives_its_own_options_first():
+    out = _help("cluster")
+    assert _group_titles(out)[:4] == [
+        "options",
+        "cluster",
+        "real engines (--engine vllm|sglang)",
+        "essentials",
+    ]
+    assert "the workers' engine" in out.split("--engine {")[1].split("--worker-arg")[0]
+
+
+@pytest.mark.parametrize("command", ["gateway", "epp", "cluster", "keys"])
+def test_every_option_has_help(command):
+    assert _options_without_help(_help(command)) == []
+
+
+@pytest.mark.parametrize("command", ["gateway", "cluster", "epp"])
+def test_a_prefix_of_a_flag_is_an_error(command, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main([command, "--print-config", "--drain-time", "5"])
+    assert exit.value.code == 2
+    assert "--drain-time" in capsys.readouterr().err
+
+
+def test_cluster_prints_the_merged_config(capsys):
+    assert main(["cluster", "--print-config", "--port", "9123", "--policy", "round_robin"]) == 0
+    printed = tomllib.loads(capsys.readouterr().out)["gateway"]
+    assert (printed["port"], printed["policy"]) == (9123, "round_robin")
+
+
 def test_keys_prints_one_key_per_full_block(capsys):
     assert main(["keys", "x" * 40, "--block-size", "16"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
@@ -78,7 +143,8 @@ def test_the_host_tier_flags_reach_the_workers_and_parse_on_each_command():
     argv = worker_argv(args, GatewayConfig())
     assert argv[argv.index("--host-capacity-tokens") + 1] == "1600000"
     assert argv[argv.index("--host-copy-tokens-per-s") + 1] == "250000.0"
-    worker = build_engine(build_parser().parse_args(argv[3:]))
+    assert argv[2:6] == ["urc.cli", "worker", "--engine", "emulated"]
+    worker = build_engine(build_parser().parse_args(argv[6:]))
     assert worker.config.host_capacity_tokens == 1_600_000
     assert worker.engine.host is not None and worker.engine.host.capacity_tokens == 1_600_000
     assert worker.info()["host_copy_tokens_per_s"] == 250_000.0
