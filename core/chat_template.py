@@ -207,9 +207,11 @@ class ChatTemplate:
         messages: Sequence[Message],
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The prompt text with the generation prompt (`template_kwargs`: vLLM's
-        `chat_template_kwargs`); ValueError on bad input (ChatTemplateError: the template's)."""
+        """The prompt text, with the generation prompt unless told otherwise (`template_kwargs`:
+        vLLM's `chat_template_kwargs`); ValueError on bad input (ChatTemplateError: the
+        template's)."""
         conversation = normalise_messages(messages, self.content_format)
         if tools is not None and (
             not isinstance(tools, Sequence) or not all(isinstance(t, Mapping) for t in tools)
@@ -221,7 +223,7 @@ class ChatTemplate:
             "messages": conversation,
             "tools": None if tools is None else list(tools),
             "documents": None,
-            "add_generation_prompt": True,
+            "add_generation_prompt": add_generation_prompt,
         }
         try:
             return self._template.render(context)

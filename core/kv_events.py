@@ -1,10 +1,10 @@
-"""The KV-event codec: vLLM's batches in both msgpack encodings, positional and map, and our
-`BlockStored.cache_salt` (maps only). The wire format and what is tolerated: docs/kv-events.md."""
+"""The KV-event codec: vLLM's batches in both msgpack encodings, positional and map; a salt rides
+where vLLM puts a cache_salt, in `extra_keys`. The wire format and what is tolerated:
+docs/kv-events.md."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -35,7 +35,6 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None  # per block: what else the engine hashed (mm, salt)
     group_idx: int | None = None  # the engine's KV cache group (hybrid models)
-    cache_salt: str | None = None  # our extension: the salt of a namespace-starting block
 
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):
@@ -51,6 +50,36 @@ class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+def block_stored(
+    block_hashes: list[BlockHash],
+    parent_block_hash: BlockHash | None,
+    token_ids: list[int],
+    block_size: int,
+    *,
+    medium: str | None = MEDIUM_GPU,
+    salt: str | None = None,
+) -> BlockStored:
+    """Our workers' BlockStored (no LoRA): `salt`, the namespace the first block starts, is that
+    block's one extra key, as vLLM publishes a cache_salt (docs/kv-events.md)."""
+    extra = [[salt], *[None] * (len(block_hashes) - 1)] if salt and block_hashes else None
+    return BlockStored(
+        block_hashes, parent_block_hash, token_ids, block_size, None, medium, None, extra
+    )
+
+
+def first_block_salt(ev: BlockStored) -> str | None:
+    """The salt the event's first block was hashed with: the one bare string among its extra
+    keys that is not the LoRA name (vLLM's multimodal keys are pairs, its embedding keys
+    bytes); None without one."""
+    if not ev.extra_keys:
+        return None
+    keys = ev.extra_keys[0]
+    if not isinstance(keys, list | tuple):
+        return None
+    strings = [k for k in keys if isinstance(k, str) and k != ev.lora_name]
+    return strings[0] if len(strings) == 1 else None
+
+
 @dataclass(slots=True)
 class EventBatch:
     ts: float
@@ -59,24 +88,37 @@ class EventBatch:
     unknown_events: int = field(default=0, compare=False)  # skipped on decode, never encoded
 
 
-# -- positional twins (array_like: older vLLM, and our compact encoding) -----------------------
+# -- twins: positional (older vLLM, our compact encoding) and vLLM's maps -----------------------
 # msgspec cannot mix array_like and map Structs in one union, hence twins and a first-byte peek.
+# The records decode leniently (older vLLM lacks fields); what we send is exactly what vLLM's
+# classes send: the fields vLLM requires always, the rest only when set (omit_defaults).
+
+_VLLM_REQUIRED = frozenset({"lora_id", "medium", "lora_name"})  # besides the leading ones
+_RECORDS = (BlockStored, BlockRemoved, AllBlocksCleared)
 
 
-def _twin(cls: type[msgspec.Struct]) -> Any:
-    """`cls` as positions: its fields in order, all but our `cache_salt` (maps only)."""
+def _twin(cls: type[msgspec.Struct], *, array_like: bool) -> Any:
+    """`cls` with its fields in order: as positions, or as vLLM's tagged map."""
     fields = [
-        (f.name, f.type) if f.required else (f.name, f.type, f.default)
+        (f.name, f.type)
+        if f.required or not array_like and f.name in _VLLM_REQUIRED
+        else (f.name, f.type, f.default)
         for f in msgspec.structs.fields(cls)
-        if f.name != "cache_salt"
     ]
+    suffix = "Pos" if array_like else "Vllm"
     return msgspec.defstruct(
-        f"_{cls.__name__}Pos", fields, tag=cls.__name__, array_like=True, gc=False
+        f"_{cls.__name__}{suffix}",
+        fields,
+        tag=cls.__name__,
+        array_like=array_like,
+        omit_defaults=not array_like,
+        gc=False,
     )
 
 
-_TWINS: dict[type, Any] = {cls: _twin(cls) for cls in (BlockStored, BlockRemoved, AllBlocksCleared)}
+_TWINS: dict[type, Any] = {cls: _twin(cls, array_like=True) for cls in _RECORDS}
 _FROM_TWIN: dict[type, Any] = {twin: cls for cls, twin in _TWINS.items()}
+_VLLM_MAPS: dict[type, Any] = {cls: _twin(cls, array_like=False) for cls in _RECORDS}
 
 
 class _PosBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -115,9 +157,8 @@ def _from_pos(ev: Any) -> KVEvent:
     return _FROM_TWIN[type(ev)](*msgspec.structs.astuple(ev))
 
 
-def _to_pos(ev: KVEvent) -> Any:
-    twin = _TWINS[type(ev)]
-    return twin(*msgspec.structs.astuple(ev)[: len(twin.__struct_fields__)])
+def _to_twin(ev: KVEvent, twins: dict[type, Any]) -> Any:
+    return twins[type(ev)](*msgspec.structs.astuple(ev))
 
 
 def _decode_event(raw: msgspec.Raw) -> KVEvent | None:
@@ -161,7 +202,9 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
 
 
 def encode_batch(batch: EventBatch, *, array_like: bool = True) -> bytes:
-    """Encode a batch as `[ts, [events...], dp_rank]`: events positional (array_like, older
-    vLLM) or as tagged maps (vLLM today; the only encoding that carries `cache_salt`)."""
-    events: Sequence[Any] = [_to_pos(ev) for ev in batch.events] if array_like else batch.events
-    return _encoder.encode(_PosBatch(batch.ts, list(events), batch.dp_rank))  # type: ignore[arg-type]
+    """Encode a batch as `[ts, [events...], dp_rank]` (dp_rank left out when None): events
+    positional (array_like, older vLLM) or as tagged maps, byte for byte what vLLM's own
+    classes encode (vLLM today)."""
+    twins = _TWINS if array_like else _VLLM_MAPS
+    events = [_to_twin(ev, twins) for ev in batch.events]
+    return _encoder.encode(_PosBatch(batch.ts, events, batch.dp_rank))  # type: ignore[arg-type]

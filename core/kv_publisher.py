@@ -41,8 +41,9 @@ def _bind(kind: int, endpoint: str, send_hwm: int) -> tuple[zmq.Socket, str]:
 
 
 class KVEventPublisher:
-    """Publishes batches as maps (which carry `cache_salt`) and serves replays; `endpoint` and
-    `replay_endpoint` become the addresses bound."""
+    """Publishes batches as vLLM's ZmqEventPublisher does (tagged-map events, its data-parallel
+    rank 0, its default topic "") and serves replays; `endpoint` and `replay_endpoint` become
+    the addresses bound."""
 
     def __init__(
         self,
@@ -73,7 +74,7 @@ class KVEventPublisher:
         self, events: Sequence[KVEvent], ts: float | None = None, *, live: bool = True
     ) -> int:
         """Send one batch (thread-safe); returns its seq. `live=False`: for replay only (tests)."""
-        batch = EventBatch(time.time() if ts is None else ts, list(events))
+        batch = EventBatch(time.time() if ts is None else ts, list(events), dp_rank=0)
         return self.publish_payload(encode_batch(batch, array_like=False), live=live)
 
     def publish_payload(self, payload: bytes, *, live: bool = True) -> int:

@@ -20,7 +20,7 @@ Tools = Sequence[Mapping[str, Any]]
 
 
 class Tokenizer(ABC):
-    """What decides a prompt's ids; chat is one path for all: the template, then `_encode_plain`."""
+    """What decides a prompt's ids; chat is one path for all: the template, then `encode_plain`."""
 
     fingerprint: str  # a digest of all that decides the ids: part of a model's KV identity
     eos_token_id: int | None
@@ -36,8 +36,13 @@ class Tokenizer(ABC):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     @abstractmethod
-    def _encode_plain(self, text: str) -> list[int]:
-        """Text -> ids, no special tokens added."""
+    def encode_plain(self, text: str) -> list[int]:
+        """Text -> ids, no special tokens added (special tokens in the text still match)."""
+
+    @abstractmethod
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as its tokenizer.json names it (vLLM's `token_strs`); ValueError
+        on an id outside the vocabulary."""
 
     def _template_for(self, tools: Tools | None) -> ChatTemplate:
         """transformers' `get_chat_template`: "tool_use" when tools are given, else "default"."""
@@ -57,18 +62,23 @@ class Tokenizer(ABC):
         messages: Sequence[Message],
         tools: Tools | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> str:
-        """The chat template's text with the generation prompt; ValueError on bad messages."""
-        return self._template_for(tools).render(messages, tools, template_kwargs)
+        """The chat template's text (with the generation prompt unless told otherwise);
+        ValueError on bad messages."""
+        template = self._template_for(tools)
+        return template.render(messages, tools, template_kwargs, add_generation_prompt)
 
     def encode_chat(
         self,
         messages: Sequence[Message],
         tools: Tools | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """`render_chat` encoded without special tokens added; ValueError on bad messages."""
-        return self._encode_plain(self.render_chat(messages, tools, template_kwargs))
+        text = self.render_chat(messages, tools, template_kwargs, add_generation_prompt)
+        return self.encode_plain(text)
 
 
 BYTE_SPECIAL_TOKENS: dict[str, int] = {
@@ -86,6 +96,14 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
+def _byte_level_chars() -> list[str]:
+    """GPT-2's byte -> printable character map (HF `ByteLevel`), indexed by byte: printable
+    Latin-1 bytes stand for themselves, the rest for U+0100 onwards in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    moved = iter(range(0x100, 0x200))
+    return [chr(b) if b in kept else chr(next(moved)) for b in range(256)]
+
+
 class ByteTokenizer(Tokenizer):
     """id = UTF-8 byte, one id per special token wherever its text appears, no BOS; chat: ChatML."""
 
@@ -98,6 +116,8 @@ class ByteTokenizer(Tokenizer):
 
     _SPECIAL_RE = re.compile("(" + "|".join(re.escape(t) for t in BYTE_SPECIAL_TOKENS) + ")")
     _SPECIAL_TEXT = {i: t.encode() for t, i in BYTE_SPECIAL_TOKENS.items()}
+    # the token strings of write_byte_tokenizer's tokenizer.json, by id
+    TOKEN_STRS = [*_byte_level_chars(), *sorted(BYTE_SPECIAL_TOKENS, key=BYTE_SPECIAL_TOKENS.get)]
 
     def __init__(self) -> None:
         special = {"bos_token": "<|bos|>", "eos_token": "<|eos|>"}
@@ -119,7 +139,7 @@ class ByteTokenizer(Tokenizer):
                 ids.extend(piece.encode())
         return ids
 
-    _encode_plain = encode  # the byte tokenizer adds no special tokens
+    encode_plain = encode  # the byte tokenizer adds no special tokens
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`; invalid UTF-8 becomes U+FFFD. ValueError on ids outside the vocab."""
@@ -132,6 +152,51 @@ class ByteTokenizer(Tokenizer):
             else:
                 raise ValueError(f"token id {i} is outside the byte vocabulary")
         return raw.decode(errors="replace")
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        if any(not 0 <= i < BYTE_VOCAB_SIZE for i in ids):
+            raise ValueError(f"a token id is outside the byte vocabulary [0, {BYTE_VOCAB_SIZE})")
+        return [self.TOKEN_STRS[i] for i in ids]
+
+
+def write_byte_tokenizer(directory: str | Path) -> Path:
+    """Write the byte tokenizer as a Hugging Face fast tokenizer (`tokenizer.json`,
+    `tokenizer_config.json`) into `directory`, created if missing, and return it:
+    `AutoTokenizer.from_pretrained(directory)` (and `HFTokenizer`) then give ByteTokenizer's
+    ids, chats included: each byte its own id through `ByteLevel` and a merge-free BPE, the
+    special tokens as added tokens, no BOS (docs/workers.md)."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    chars = ByteTokenizer.TOKEN_STRS[:256]
+    special = [
+        {"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False}
+        | {"normalized": False, "special": True}
+        for t, i in BYTE_SPECIAL_TOKENS.items()
+    ]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False}
+    model = {"type": "BPE", "vocab": {c: i for i, c in enumerate(chars)}, "merges": []}
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": special,
+        "normalizer": None,
+        "pre_tokenizer": {**byte_level, "use_regex": True},
+        "post_processor": None,
+        "decoder": {**byte_level, "use_regex": True},
+        "model": model,
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>",
+        "eos_token": "<|eos|>",
+        "chat_template": BYTE_CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 30,
+    }
+    (root / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    (root / "tokenizer_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    return root
 
 
 _SPECIAL_TOKEN_KEYS = [f"{k}_token" for k in ("bos", "eos", "unk", "sep", "pad", "cls", "mask")]
@@ -234,11 +299,17 @@ class HFTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=True).ids
 
-    def _encode_plain(self, text: str) -> list[int]:
+    def encode_plain(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=False)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        strs = [self._backend.id_to_token(i) for i in ids]
+        if any(s is None for s in strs):
+            raise ValueError(f"a token id is outside the vocabulary [0, {self.vocab_size})")
+        return strs  # type: ignore[return-value]
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -15,6 +15,7 @@ from core.kv_events import (
     BlockRemoved,
     BlockStored,
     EventBatch,
+    first_block_salt,
 )
 from router.index import UnifiedIndex, host_group
 
@@ -59,17 +60,6 @@ def _fingerprint(batch: EventBatch) -> int:
         ev = batch.events[0]
         first = tuple(ev.block_hashes[:1]) if not isinstance(ev, AllBlocksCleared) else "clear"
     return hash((batch.ts, len(batch.events), first))
-
-
-def _engine_salt(ev: BlockStored) -> str | None:
-    """A root block's cache_salt as vLLM publishes it: the one extra key not the LoRA name."""
-    if not ev.extra_keys:
-        return None
-    keys = ev.extra_keys[0]
-    if not isinstance(keys, list | tuple):
-        return None
-    strings = [k for k in keys if isinstance(k, str) and k != ev.lora_name]
-    return strings[0] if len(strings) == 1 else None
 
 
 class WorkerMirror:
@@ -235,11 +225,9 @@ class WorkerMirror:
             return
         lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
         group = self._group_of(lora)
-        salt = ev.cache_salt
+        salt = first_block_salt(ev)
         if ev.parent_block_hash is None:
             parent = None
-            if salt is None:
-                salt = _engine_salt(ev)
             first = namespace(salt)
         else:
             known = self._lookup(ev.parent_block_hash)
@@ -248,7 +236,7 @@ class WorkerMirror:
                 return
             parent = known[0]
             # a salt on a child: the first private block after a public prefix (blocks.py)
-            first = salted_after(parent, ev.cache_salt) if ev.cache_salt else parent_prefix(parent)
+            first = salted_after(parent, salt) if salt else parent_prefix(parent)
         n = self._plain_prefix(ev, salt)
         if n < len(hashes):
             self.skipped_unkeyable += len(hashes) - n
@@ -263,7 +251,7 @@ class WorkerMirror:
         else:
             self._remember(hashes[:n], keys, group)
         self._groups.add(resident)
-        if salt:  # ours, or vLLM's root-block extra key
+        if salt:
             self.index.tag_namespace(keys[0], salt)
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
 
@@ -275,8 +263,9 @@ class WorkerMirror:
         group = self._group_of(ev.lora_name if ev.lora_name is not None else ev.lora_id)
         resident = host_group(group) if ev.medium == MEDIUM_CPU else group
         self._groups.add(resident)
-        if ev.cache_salt:  # where its namespace starts (a root, or after a public prefix)
-            self.index.tag_namespace(keys[0], ev.cache_salt)
+        salt = first_block_salt(ev)
+        if salt:  # where its namespace starts (a root, or after a public prefix)
+            self.index.tag_namespace(keys[0], salt)
         parent = cast(int | None, ev.parent_block_hash)
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
 

@@ -20,9 +20,9 @@ from core.kv_events import (
     MEDIUM_GPU,
     BlockHash,
     BlockRemoved,
-    BlockStored,
     EventBatch,
     KVEvent,
+    block_stored,
 )
 from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
 from router.kv_mirror import WorkerMirror
@@ -130,7 +130,7 @@ class SimWorker:
     ) -> None:
         hashes = cast(list[BlockHash], keys)
         self.events.append(
-            BlockStored(hashes, parent, [], self.block_size, medium=medium, cache_salt=salt)
+            block_stored(hashes, parent, [], self.block_size, medium=medium, salt=salt)
         )
 
     def _removed(self, kv_group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:

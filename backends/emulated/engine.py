@@ -17,7 +17,7 @@ from backends.emulated.paging import admit, cache_output, cache_prompt, release
 from backends.emulated.request import Request, State
 from core.blocks import block_keys
 from core.heap import Heap
-from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockHash, BlockRemoved, BlockStored, KVEvent
+from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockHash, BlockRemoved, KVEvent, block_stored
 
 _EPS: Final = 1e-9  # float slack when counting steps between two times
 
@@ -119,7 +119,7 @@ class EmulatedEngine:
             tokens = []
         bs = self.config.block_size
         hashes = cast(list[BlockHash], keys)
-        event = BlockStored(hashes, parent, tokens, bs, medium=medium, cache_salt=salt)
+        event = block_stored(hashes, parent, tokens, bs, medium=medium, salt=salt)
         held = self._planning and medium == MEDIUM_GPU
         (self._held if held else self._events).append(event)
 

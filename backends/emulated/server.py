@@ -22,7 +22,7 @@ from backends.http.generation import Generation, ServedModel, WorkerLoad
 from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from core.settings import add_setting_flags, from_flags
-from core.tokenizer import ByteTokenizer
+from core.tokenizer import ByteTokenizer, write_byte_tokenizer
 
 ENGINE = "emulated"
 
@@ -209,6 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
         [
             ("--model", str, "emulated", "the served model name"),
             ("--kv-group", str, None, "KV-identity group (unset: the model name)"),
+            (
+                "--write-tokenizer",
+                str,
+                None,
+                "write the byte tokenizer as a Hugging Face tokenizer into DIR, then exit",
+            ),
         ],
     )
     add_setting_flags(parser.add_argument_group("emulated engine"), EngineConfig)
@@ -236,7 +242,12 @@ def build_engine(args: argparse.Namespace) -> EmulatedSide:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_worker(build_parser(), build_engine, argv)
+    parser = build_parser()
+    directory = parser.parse_args(argv).write_tokenizer
+    if directory is not None:
+        print(write_byte_tokenizer(directory))
+        return 0
+    return run_worker(parser, build_engine, argv)
 
 
 if __name__ == "__main__":

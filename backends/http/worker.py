@@ -29,6 +29,7 @@ from backends.http.openai_api import (
 from backends.http.responses_api import ResponsesApi
 from backends.http.runner import Engine, EngineRunner, Events, InvalidateRequest
 from backends.http.sglang_api import SGLangApi
+from backends.http.tokenize_api import TokenizeApi
 from core.blocks import salt_scope
 from core.errors import APIError
 from core.kv_publisher import KVEventPublisher
@@ -37,7 +38,7 @@ from core.process_metrics import process_registry
 
 log = logging.getLogger(__name__)
 
-KV_TOPIC = "kv"
+KV_TOPIC = ""  # vLLM's default (KVEventsConfig.topic), what its consumers expect
 _ANY_HOST = ("0.0.0.0", "::", "*", "")
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -82,6 +83,7 @@ class Worker:
         ResponsesApi(self.runner, engine.models).add_routes(app)
         EmbeddingsApi(self.runner, engine.models).add_routes(app)
         SGLangApi(self).add_routes(app)
+        TokenizeApi(engine.models).add_routes(app)
         app.router.add_get("/urc/info", self.info)
         app.router.add_get("/urc/load", self.load)
         app.router.add_post("/urc/invalidate", self.invalidate)

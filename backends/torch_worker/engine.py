@@ -22,7 +22,7 @@ from backends.torch_worker.paging import KVLayout, PagePool, cache_blocks
 from backends.torch_worker.request import Request, SamplingParams, Status
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
 from core.blocks import DEFAULT_BLOCK_SIZE
-from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, KVEvent
+from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, KVEvent, block_stored
 
 
 @dataclass(slots=True)
@@ -122,7 +122,7 @@ class TorchEngine:
     ) -> None:
         assert tokens is not None, "the GPU cache keeps the blocks' tokens"
         size = self.config.page_size
-        stored = BlockStored(keys, parent, tokens, size, medium=medium, cache_salt=salt)
+        stored = block_stored(keys, parent, tokens, size, medium=medium, salt=salt)
         self._events[group].append(stored)
 
     def _on_removed(self, group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:

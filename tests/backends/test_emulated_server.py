@@ -165,7 +165,7 @@ def test_info_document(worker: Child) -> None:
     assert model["name"] == MODEL and model["kv_group"] == GROUP and model["tokenizer"] == "byte"
     assert len(model["fingerprint"]) == 32 and model["max_model_len"] == 131_072
     events = info["kv_events"]
-    assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["topic"] == "kv"
+    assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["topic"] == ""
     assert events["replay_endpoint"].startswith("tcp://127.0.0.1:")
     assert set(info["load"]) == {"running", "waiting", "queued_prefill_tokens", "decoding"}
     assert "urc_engine_requests_total" in metrics and "urc_engine_cache_usage" in metrics

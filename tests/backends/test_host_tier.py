@@ -11,7 +11,15 @@ from backends.cache.host import HostTier
 from backends.cache.radix import RadixCache
 from backends.cache.scopes import invalidate
 from core.blocks import block_keys, salt_scope
-from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, BlockStored, EventBatch, KVEvent
+from core.kv_events import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+    block_stored,
+)
 from router.index import UnifiedIndex, host_group
 from router.kv_mirror import WorkerMirror
 
@@ -30,7 +38,7 @@ class Fleet:
             page_ids=list(range(gpu_blocks, 0, -1)),
             keep_tokens=True,
             on_stored=lambda g, p, k, t, s: self.events.append(
-                BlockStored(list(k), p, list(t or []), BS, medium=MEDIUM_GPU, cache_salt=s)
+                block_stored(list(k), p, list(t or []), BS, medium=MEDIUM_GPU, salt=s)
             ),
             on_removed=lambda g, k: self.events.append(BlockRemoved(list(k), MEDIUM_GPU)),
         )
@@ -40,7 +48,7 @@ class Fleet:
             page_ids=list(range(host_blocks)),
             keep_tokens=True,
             on_stored=lambda g, p, k, t, s: self.events.append(
-                BlockStored(list(k), p, list(t or []), BS, medium=MEDIUM_CPU, cache_salt=s)
+                block_stored(list(k), p, list(t or []), BS, medium=MEDIUM_CPU, salt=s)
             ),
             on_removed=lambda g, k: self.events.append(BlockRemoved(list(k), MEDIUM_CPU)),
         )

@@ -10,7 +10,7 @@ from backends.cache.nodes import Run
 from backends.cache.radix import RadixCache
 from backends.cache.scopes import invalidate
 from core.blocks import block_keys, salt_scope
-from core.kv_events import BlockRemoved, BlockStored, EventBatch, KVEvent
+from core.kv_events import BlockRemoved, EventBatch, KVEvent, block_stored
 from router.gateway.isolation import user_salt
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
@@ -45,7 +45,7 @@ class Recorder:
         assert parent is not None or block_keys(tokens, BS, salt)[0] == keys[0], "root salt"
         assert held.isdisjoint(keys)
         held.update(keys)
-        self.events.append(BlockStored(keys, parent, tokens, BS, None, "GPU", cache_salt=salt))
+        self.events.append(block_stored(keys, parent, tokens, BS, salt=salt))
 
     def gone(self, group: str, keys: list[int]) -> None:
         assert set(keys) <= self.keys[group]

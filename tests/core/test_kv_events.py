@@ -1,4 +1,5 @@
-"""The KV events codec against vLLM's wire shapes, garbage, and a round-trip property."""
+"""The KV events codec against vLLM's wire shapes, garbage, and a round-trip property. (That
+vLLM's own classes decode what we send: tests/backends/test_vllm_wire.py.)"""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from core.kv_events import (
     BlockStored,
     EventBatch,
     KVEventDecodeError,
+    block_stored,
     decode_batch,
     encode_batch,
+    first_block_salt,
 )
 
 TOKENS = list(range(1000, 1016))
@@ -75,7 +78,7 @@ def test_decodes_hybrid_fields_and_ignores_unknown_ones() -> None:
     (stored,) = decode_batch(pack([1.0, [VLLM_STORED_HYBRID]])).events
     assert isinstance(stored, BlockStored)
     assert stored.parent_block_hash is None and stored.group_idx == 1
-    assert stored.extra_keys == [None] and stored.cache_salt is None
+    assert stored.extra_keys == [None] and first_block_salt(stored) is None
 
 
 def test_decodes_positional_events_with_trailing_fields() -> None:
@@ -93,10 +96,10 @@ def test_decodes_positional_events_with_trailing_fields() -> None:
 
 
 def test_decodes_map_batch() -> None:
-    salted = {**VLLM_STORED, "parent_block_hash": None, "cache_salt": "tenant-a"}
+    salted = {**VLLM_STORED, "parent_block_hash": None, "extra_keys": [["tenant-a"]], "x": 1}
     batch = decode_batch(pack({"ts": 3, "events": [salted], "data_parallel_rank": 2, "x": 1}))
     assert batch.ts == 3.0 and batch.dp_rank == 2
-    assert batch.events[0].cache_salt == "tenant-a"  # type: ignore[union-attr]
+    assert first_block_salt(batch.events[0]) == "tenant-a"  # type: ignore[arg-type]
     assert decode_batch(pack({"ts": 3.5, "events": []})).dp_rank is None
 
 
@@ -140,21 +143,51 @@ def test_garbage_raises_decode_error(payload: bytes) -> None:
         decode_batch(payload)
 
 
-def test_cache_salt_travels_only_in_map_encoding() -> None:
-    ev = BlockStored([1, 2], None, list(range(8)), 4, None, "GPU", cache_salt="s")
-    batch = EventBatch(1.0, [ev], 0)
-    assert decode_batch(encode_batch(batch, array_like=False)) == batch
-    (positional,) = decode_batch(encode_batch(batch, array_like=True)).events
-    assert positional.cache_salt is None  # type: ignore[union-attr]
-    assert msgspec.msgpack.decode(encode_batch(batch, array_like=True))[1][0][:7] == [
-        "BlockStored",
-        [1, 2],
-        None,
-        list(range(8)),
-        4,
-        None,
-        "GPU",
-    ]
+def test_our_events_are_vllms_maps_with_the_salt_in_extra_keys() -> None:
+    """vLLM's field order, its required fields always, the rest only when set; the salt is the
+    first block's extra key, where vLLM puts a cache_salt; in both encodings."""
+    ev = block_stored([1, 2], None, list(range(8)), 4, salt="s")
+    batch = EventBatch(1.0, [ev, BlockRemoved([1], "GPU"), AllBlocksCleared()], 0)
+    wire = msgspec.msgpack.decode(encode_batch(batch, array_like=False))
+    assert wire == [1.0, [VLLM_SALTED_WIRE, VLLM_REMOVED_WIRE, VLLM_CLEARED], 0]
+    assert [list(e) for e in wire[1]] == [list(VLLM_SALTED_WIRE), list(VLLM_REMOVED_WIRE), ["type"]]
+    for array_like in (False, True):
+        (decoded, _, _) = decode_batch(encode_batch(batch, array_like=array_like)).events
+        assert decoded == ev and first_block_salt(decoded) == "s"  # type: ignore[arg-type]
+    assert block_stored([3], 1, list(range(4)), 4).extra_keys is None
+
+
+VLLM_SALTED_WIRE = {
+    "type": "BlockStored",
+    "block_hashes": [1, 2],
+    "parent_block_hash": None,
+    "token_ids": list(range(8)),
+    "block_size": 4,
+    "lora_id": None,
+    "medium": "GPU",
+    "lora_name": None,
+    "extra_keys": [["s"], None],
+}
+VLLM_REMOVED_WIRE = {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}
+
+
+@pytest.mark.parametrize(
+    ("lora_name", "keys", "salt"),
+    [
+        (None, ["t"], "t"),
+        ("ad", ["ad", "t"], "t"),  # vLLM: the LoRA name first, then the salt
+        ("ad", ["ad"], None),
+        (None, [["mm-hash", 0], "t", b"embeds"], "t"),  # multimodal pairs, embedding bytes
+        (None, [["mm-hash", 0]], None),
+        (None, ["a", "b"], None),  # two bare strings: not a salt we can tell
+        (None, None, None),
+    ],
+)
+def test_first_block_salt_as_vllm_orders_extra_keys(
+    lora_name: str | None, keys: list[object] | None, salt: str | None
+) -> None:
+    ev = BlockStored([1], None, [0] * 4, 4, None, "GPU", lora_name, [keys])
+    assert first_block_salt(ev) == salt
 
 
 hash_st = st.one_of(st.integers(0, 2**64 - 1), st.integers(-(2**63), -1), st.binary(max_size=32))
@@ -185,11 +218,6 @@ batch_st = st.builds(
 
 
 @settings(max_examples=300, deadline=None)
-@given(batch=batch_st, array_like=st.booleans(), salt=st.none() | st.text(max_size=8))
-def test_round_trip(batch: EventBatch, array_like: bool, salt: str | None) -> None:
-    if not array_like:  # the salt rides only in the map encoding
-        batch.events = [
-            msgspec.structs.replace(ev, cache_salt=salt) if isinstance(ev, BlockStored) else ev
-            for ev in batch.events
-        ]
+@given(batch=batch_st, array_like=st.booleans())
+def test_round_trip(batch: EventBatch, array_like: bool) -> None:
     assert decode_batch(encode_batch(batch, array_like=array_like)) == batch

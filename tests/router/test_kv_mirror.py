@@ -18,6 +18,7 @@ from core.kv_events import (
     BlockStored,
     EventBatch,
     KVEvent,
+    block_stored,
     decode_batch,
     encode_batch,
 )
@@ -70,7 +71,7 @@ class RefEngine:
             prev = node
         tail = tokens[i * BS : n * BS]
         root_salt = salt if parent is None else None
-        return [BlockStored(hashes, parent, tail, BS, None, "GPU", cache_salt=root_salt)]
+        return [block_stored(hashes, parent, tail, BS, salt=root_salt)]
 
     def evict(self, count: int) -> list[KVEvent]:
         leaves = [node for node, c in self.children.items() if c == 0]
@@ -150,9 +151,10 @@ def feed(mirror: WorkerMirror, seq: int, payload: bytes, replay: Stream | None =
     return result.outcome
 
 
-# salted roots (our workers) need the map encoding; vLLM's hashes come in both
+# salted roots (our workers) in both encodings, as vLLM's hashes
 @pytest.mark.parametrize(
-    ("hashing", "array_like"), [("ours", False), ("int", False), ("int", True), ("bytes", True)]
+    ("hashing", "array_like"),
+    [("ours", False), ("ours", True), ("int", False), ("int", True), ("bytes", True)],
 )
 def test_mirror_reproduces_the_engine_exactly(hashing: str, array_like: bool) -> None:
     engine = RefEngine(hashing, seed=1)
@@ -239,7 +241,7 @@ def test_lora_groups_salts_and_what_is_not_tracked() -> None:
         BlockStored([11, 12], None, toks[: 2 * BS], BS, None, "GPU"),
         BlockStored([13], 12, toks[2 * BS :], BS, None, "GPU"),
         BlockStored([21], None, toks[:BS], BS, 7, "GPU"),  # a LoRA adapter: its own kv_group
-        BlockStored([31], None, toks[:BS], BS, None, "GPU", cache_salt="t"),
+        block_stored([31], None, toks[:BS], BS, salt="t"),
         BlockStored([41], None, toks[:BS], BS, None, "CPU"),  # offloaded: not tracked
         BlockStored([51], None, toks[:BS], BS, None, "GPU", group_idx=1),  # another group
         BlockStored([61, 62], 99, toks[: 2 * BS], BS, None, "GPU"),  # parent never seen
