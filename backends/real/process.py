@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core import lifeline
+from core.blocks import DEFAULT_BLOCK_SIZE
 from core.ports import free_ports
 
 KV_TOPIC = "kv"
@@ -146,7 +147,8 @@ class EngineSpec:
     replay_port: int
     names: list[str] = field(default_factory=list)  # none: the model path
     host: str = "127.0.0.1"
-    block_size: int = 16  # SGLang's default page size, 1, would make every token a block
+    # SGLang's default page size, 1, would make every token a block
+    block_size: int = DEFAULT_BLOCK_SIZE
     python: str = sys.executable  # the interpreter of the environment the engine is installed in
     extra_args: list[str] = field(default_factory=list)
     cpu: bool = False  # vLLM's CPU build (block size a multiple of 32): CPU_ENV, bf16, eager
@@ -220,7 +222,9 @@ def add_real_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="the interpreter of the environment the engine is installed in (default: this one)",
     )
     group.add_argument(
-        "--block-size", type=int, help="tokens per KV block (default 16; vLLM on CPU: 32)"
+        "--block-size",
+        type=int,
+        help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}; vLLM on CPU: 32)",
     )
     group.add_argument("--cpu", action="store_true", help="vLLM's CPU build: small footprint")
     group.add_argument("--engine-log-dir", help="where engine logs go (default: a temp dir)")
@@ -234,7 +238,7 @@ def engine_launch(args: argparse.Namespace, ports: list[int]) -> EngineLaunch:
         args.model,
         *ports,
         [args.served_model_name] if args.served_model_name else [],
-        block_size=args.block_size or (32 if vllm and args.cpu else 16),
+        block_size=args.block_size or (32 if vllm and args.cpu else DEFAULT_BLOCK_SIZE),
         python=args.engine_python or sys.executable,
         extra_args=list(args.worker_arg),
         cpu=vllm and args.cpu,
