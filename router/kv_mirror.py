@@ -93,6 +93,7 @@ class WorkerMirror:
         else:
             self._group_of = kv_group
         self.base_group = self._group_of(None)
+        self._base_host = host_group(self.base_group)
         self.block_size = block_size
         self.media = frozenset(media)
         self.cache_groups = frozenset(cache_groups)
@@ -256,17 +257,35 @@ class WorkerMirror:
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
 
     def _stored_own(self, ev: BlockStored, now: float) -> None:
-        """A store keyed as ours: its hashes are the keys, its parent our key of the parent."""
         keys = cast(list[int], ev.block_hashes)
+        parent = cast(int | None, ev.parent_block_hash)
+        lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+        self.stored(keys, parent, ev.medium, first_block_salt(ev), now, lora)
+
+    def stored(
+        self,
+        keys: list[int],
+        parent: int | None,
+        medium: str | None,
+        salt: str | None,
+        now: float,
+        lora: LoraId = None,
+    ) -> None:
+        """Blocks keyed as ours (`own_keys`) stored in `medium` under our key `parent`: a
+        BlockStored of our engines, or the replay's engines' changes in-process (no event)."""
         if not keys:
             return
-        group = self._group_of(ev.lora_name if ev.lora_name is not None else ev.lora_id)
-        resident = host_group(group) if ev.medium == MEDIUM_CPU else group
+        group = self.base_group if lora is None else self._group_of(lora)
+        resident = group
+        if medium == MEDIUM_CPU:
+            resident = self._base_host if lora is None else host_group(group)
+        if lora is not None:  # a removal names the hash alone: remember its group
+            table = self._host if medium == MEDIUM_CPU else self._other
+            for key in keys:
+                table[key] = (key, group)
         self._groups.add(resident)
-        salt = first_block_salt(ev)
         if salt:  # where its namespace starts (a root, or after a public prefix)
             self.index.tag_namespace(keys[0], salt)
-        parent = cast(int | None, ev.parent_block_hash)
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
 
     def _plain_prefix(self, ev: BlockStored, salt: str | None) -> int:
@@ -323,11 +342,11 @@ class WorkerMirror:
             if index.holds(key, worker, resident):
                 repeats[h] = repeats.get(h, 0) + 1
 
-    def _removed_host(self, ev: BlockRemoved) -> None:
+    def _removed_host(self, hashes: list[BlockHash]) -> None:
         by_group: dict[str, list[int]] = {}
         base = self.base_group
         repeats = self._host_repeats
-        for h in ev.block_hashes:
+        for h in hashes:
             left = repeats.get(h)
             if left is not None:  # announced more often than removed so far: still held
                 if left > 1:
@@ -357,12 +376,21 @@ class WorkerMirror:
     def _removed(self, ev: BlockRemoved) -> None:
         if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
             return
-        if ev.medium == MEDIUM_CPU:
-            self._removed_host(ev)
+        self.removed(ev.block_hashes, ev.medium)
+
+    def removed(self, hashes: list[BlockHash], medium: str | None) -> None:
+        """Blocks gone from `medium`, by the engine's hashes: a BlockRemoved, or the replay's
+        engines' changes in-process."""
+        if self.own_keys and not self._other and not self._host:  # all keyed as ours, base group
+            group = self._base_host if medium == MEDIUM_CPU else self.base_group
+            self.blocks_removed += self.index.remove(cast(list[int], hashes), self.worker, group)
+            return
+        if medium == MEDIUM_CPU:
+            self._removed_host(hashes)
             return
         removed = 0
         base_keys: list[int] = []
-        for h in ev.block_hashes:
+        for h in hashes:
             other = self._other.pop(h, None)
             if other is not None:
                 removed += self.index.remove((other[0],), self.worker, other[1])

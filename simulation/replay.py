@@ -8,7 +8,6 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Final, cast
 
 from backends.emulated.config import EngineConfig
@@ -19,10 +18,6 @@ from core.kv_events import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     BlockHash,
-    BlockRemoved,
-    EventBatch,
-    KVEvent,
-    block_stored,
 )
 from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
 from router.kv_mirror import WorkerMirror
@@ -71,10 +66,49 @@ class FleetConfig:
         )
 
 
+class Change:
+    """Blocks stored (under our key `parent`, None: root blocks) or removed in one tier, as
+    one KV event of the worker would say it."""
+
+    __slots__ = ("keys", "parent", "medium", "salt", "stored")
+
+    def __init__(
+        self, keys: list[int], parent: int | None, medium: str, salt: str | None, stored: bool
+    ) -> None:
+        self.keys = keys
+        self.parent = parent
+        self.medium = medium
+        self.salt = salt
+        self.stored = stored
+
+
+class Tier:
+    """One tier's cache callbacks, with its medium: they record the worker's changes."""
+
+    __slots__ = ("worker", "medium")
+
+    def __init__(self, worker: SimWorker, medium: str) -> None:
+        self.worker = worker
+        self.medium = medium
+
+    def stored(
+        self,
+        kv_group: str,
+        parent: int | None,
+        keys: list[int],
+        tokens: list[int] | None,
+        salt: str | None,
+    ) -> None:
+        self.worker.changes.append(Change(keys, parent, self.medium, salt, True))
+
+    def removed(self, kv_group: str, keys: list[int]) -> None:
+        self.worker.changes.append(Change(keys, None, self.medium, None, False))
+
+
 class SimWorker:
     """One simulated worker: an emulated engine on the virtual clock, the gateway's view of its
-    load, and (with KV events) its cache's changes as the BlockStored / BlockRemoved events a
-    live worker publishes, for the gateway's own mirror of it (router/kv_mirror.py)."""
+    load, and (with KV events) its cache's changes, applied by the gateway's own mirror of it
+    (router/kv_mirror.py) as its BlockStored / BlockRemoved events would be."""
 
     __slots__ = (
         "name",
@@ -84,10 +118,8 @@ class SimWorker:
         "load",
         "wake",
         "wake_seq",
-        "events",
+        "changes",
         "mirror",
-        "seq",
-        "block_size",
     )
 
     def __init__(
@@ -101,48 +133,29 @@ class SimWorker:
     ) -> None:
         self.name = name
         self.kv_group = kv_group
-        self.block_size = config.block_size
         self.engine = EmulatedEngine(config)
-        self.events: list[KVEvent] = []  # since the last batch
+        self.changes: list[Change] = []  # since the last delivery
         self.mirror = WorkerMirror(index, name, kv_group, config.block_size, own_keys=True)
-        self.seq = 0  # the next batch's
-        if kv_events:
-            cache = self.engine.cache
-            cache.on_stored = partial(self._stored, medium=MEDIUM_GPU)
-            cache.on_removed = partial(self._removed, medium=MEDIUM_GPU)
+        if kv_events:  # one recorder per tier, the tier's medium its parameter
+            gpu, cache = Tier(self, MEDIUM_GPU), self.engine.cache
+            cache.on_stored, cache.on_removed = gpu.stored, gpu.removed
             host = self.engine.host
             if host is not None:
-                host.on_stored = partial(self._stored, medium=MEDIUM_CPU)
-                host.on_removed = partial(self._removed, medium=MEDIUM_CPU)
+                cpu = Tier(self, MEDIUM_CPU)
+                host.on_stored, host.on_removed = cpu.stored, cpu.removed
         self.max_model_len = max_model_len  # longer prompt + max_tokens: 400, as the worker says
         self.load = WorkerLoad(name)
         self.wake: float | None = None  # when the engine wants its next step call
         self.wake_seq = -1  # the one valid heap entry of this worker
 
-    def _stored(
-        self,
-        kv_group: str,
-        parent: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        salt: str | None,
-        medium: str = MEDIUM_GPU,
-    ) -> None:
-        hashes = cast(list[BlockHash], keys)
-        self.events.append(
-            block_stored(hashes, parent, [], self.block_size, medium=medium, salt=salt)
-        )
-
-    def _removed(self, kv_group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:
-        self.events.append(BlockRemoved(cast(list[BlockHash], keys), medium))
-
-    def batch(self, now: float) -> tuple[int, EventBatch]:
-        """The events since the last batch, as the batch published at `now`, and its seq."""
-        seq = self.seq
-        self.seq = seq + 1
-        batch = EventBatch(now, self.events)
-        self.events = []
-        return seq, batch
+    def apply(self, changes: list[Change], now: float) -> None:
+        """`changes` reach the gateway's mirror at `now` (one batch of events)."""
+        mirror = self.mirror
+        for c in changes:
+            if c.stored:
+                mirror.stored(c.keys, c.parent, c.medium, c.salt, now)
+            else:
+                mirror.removed(cast(list[BlockHash], c.keys), c.medium)
 
 
 @dataclass(slots=True)
@@ -219,7 +232,7 @@ class Replay:
         self._engine_req: list[Request | None] = [None] * n
         self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
         self._heap: Heap[SimWorker] = Heap()  # workers by the time of their next step call
-        self._kv: deque[tuple[float, SimWorker, int, EventBatch]] = deque()  # due, from, seq
+        self._kv: deque[tuple[float, SimWorker, list[Change]]] = deque()
         self._reasons: dict[str, int] = {}  # a plain dict: a Counter's += runs Python code
         self._peak = 0
         self._events = 0
@@ -335,9 +348,9 @@ class Replay:
                     cast(LoadShare, shares[i]).finish()
                     cast(Route, routes[i]).done(w.name, w.kv_group, exact, now)
                     client.complete(requests[i], True, now)
-            if w.events:
-                seq, batch = w.batch(now)
-                self._kv.append((now + self.fleet.event_delay_s, w, seq, batch))
+            if w.changes:
+                self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
+                w.changes = []
             # this call consumed the worker's heap entry
             t = engine.next_step_time() if per_step else engine.next_time()
             if t is None:
@@ -354,9 +367,9 @@ class Replay:
         kv = self._kv
         applied = 0
         while kv and kv[0][0] <= now:
-            due, w, seq, batch = kv.popleft()
-            w.mirror.apply(seq, batch, due)
-            applied += len(batch.events)
+            due, w, changes = kv.popleft()
+            w.apply(changes, due)
+            applied += len(changes)
         self._events += applied
         size = len(self.index)
         if size > self._peak:
