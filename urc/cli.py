@@ -83,7 +83,7 @@ def _fleet_config(args: argparse.Namespace) -> GatewayConfig | None:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from router.gateway.app import run_gateway
+    from router.gateway.serve import run_gateway
     from router.gateway.supervisor import run_processes
 
     config = _fleet_config(args)

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from core.logs import configure_logging
 from core.ports import check_listen
-from router.gateway.app import run_async, serve_gateway
 from router.gateway.config import ConfigError, GatewayConfig, ModelConfig, WorkerConfig, load_config
 from router.gateway.config_flags import add_gateway_arguments, apply_flags
+from router.gateway.serve import run_async, serve_gateway
 from urc.cli import ENGINES
 from urc.processes import Child
 

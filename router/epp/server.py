@@ -18,8 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from router.epp.exchange import Exchange
 from router.epp.models import ModelsAnswer
 from router.epp.picker import EndpointPicker
-from router.gateway.app import Gateway, add_fallback_route, run_async
+from router.gateway.app import Gateway, add_fallback_route
 from router.gateway.config import GatewayConfig
+from router.gateway.serve import run_async
 
 log = logging.getLogger(__name__)
 SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"

@@ -51,7 +51,7 @@ def reserve_port(host: str, port: int) -> socket.socket:
 
 def run_processes(config: GatewayConfig, config_path: str | None) -> int:
     """Fork `config.processes` gateways on one port; return when they have all exited."""
-    from router.gateway.app import run_gateway
+    from router.gateway.serve import run_gateway
 
     n = config.processes
     reserved: list[socket.socket] = []
