@@ -192,28 +192,26 @@ class WorkerMirror:
     def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
         """Our key and kv_group of a block this worker holds in either tier, None when we do
         not know it."""
-        other = self._other.get(engine_hash)
-        if other is not None:
+        if (other := self._other.get(engine_hash)) is not None:
             return other
         key = self._keys.get(engine_hash)
         if key is not None:
             return key, self.base_group
         if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, self.base_group):
             return engine_hash, self.base_group  # our own hashing: the engine hash is our key
-        hosted = self._host.get(engine_hash)
-        if hosted is not None:
+        if (hosted := self._host.get(engine_hash)) is not None:
             return hosted
-        base = self.base_group
-        hosts = host_group(base)
-        if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, hosts):
-            return engine_hash, base  # ours, in the host tier
+        if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, self._base_host):
+            return engine_hash, self.base_group  # ours, in the host tier
         return None
 
     def _stored(self, ev: BlockStored, now: float) -> None:
         if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
             return
         if self.own_keys:
-            self._stored_own(ev, now)
+            keys, parent = cast(list[int], ev.block_hashes), cast(int | None, ev.parent_block_hash)
+            lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
+            self.stored(keys, parent, ev.medium, first_block_salt(ev), now, lora)
             return
         bs = ev.block_size
         hashes = ev.block_hashes
@@ -255,12 +253,6 @@ class WorkerMirror:
         if salt:
             self.index.tag_namespace(keys[0], salt)
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
-
-    def _stored_own(self, ev: BlockStored, now: float) -> None:
-        keys = cast(list[int], ev.block_hashes)
-        parent = cast(int | None, ev.parent_block_hash)
-        lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
-        self.stored(keys, parent, ev.medium, first_block_salt(ev), now, lora)
 
     def stored(
         self,
@@ -374,9 +366,8 @@ class WorkerMirror:
             self._keys.pop(engine_hash, None)
 
     def _removed(self, ev: BlockRemoved) -> None:
-        if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
-            return
-        self.removed(ev.block_hashes, ev.medium)
+        if ev.medium in self.media and ev.group_idx in self.cache_groups:
+            self.removed(ev.block_hashes, ev.medium)
 
     def removed(self, hashes: list[BlockHash], medium: str | None) -> None:
         """Blocks gone from `medium`, by the engine's hashes: a BlockRemoved, or the replay's
