@@ -12,7 +12,7 @@ import json
 import random
 import sys
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from harness import SHARED_TRACE, log
@@ -242,20 +242,9 @@ def measure(
 def mean_row(rows: Sequence[Row]) -> Row:
     """The seeds' mean of each number."""
     k = len(rows)
-    first = rows[0]
-    return Row(
-        first.models,
-        first.mix,
-        -1,
-        sum(r.top_share for r in rows) / k,
-        sum(r.split_hit for r in rows) / k,
-        sum(r.shared_hit for r in rows) / k,
-        sum(r.ratio for r in rows) / k,
-        sum(r.split_hit_host for r in rows) / k,
-        sum(r.shared_hit_host for r in rows) / k,
-        sum(r.ratio_host for r in rows) / k,
-        sum(r.split_uncached for r in rows) // k,
-    )
+    means = {f.name: sum(getattr(r, f.name) for r in rows) / k for f in fields(Row)[3:]}
+    means["split_uncached"] = sum(r.split_uncached for r in rows) // k
+    return Row(rows[0].models, rows[0].mix, -1, **means)
 
 
 def table(rows: Sequence[Row], spread: dict[tuple[int, str], tuple[float, float]]) -> str:
@@ -282,7 +271,7 @@ def table(rows: Sequence[Row], spread: dict[tuple[int, str], tuple[float, float]
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--trace", type=Path, default=SHARED_TRACE, help="a Mooncake-format trace")
     ap.add_argument("--requests", type=int, default=None, help="its first N requests (all)")
@@ -294,6 +283,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=7, help="bisection steps (1/2**steps of C)")
     ap.add_argument("--quick", action="store_true", help="seed 0, 5 steps, 2 and 4 models")
     ap.add_argument("--json", type=Path, default=None, help="write every row here")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
     steps = 5 if args.quick else args.steps
@@ -307,11 +301,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu_blocks = args.gpu_tokens // bs
     if gpu_blocks < max(counts):
         ap.error("--gpu-tokens: at least one block per model")
-    everything = len({k for r in requests for k in r.keys}) + 1
+    host_blocks = round(gpu_blocks * args.host_ratio)
     one = [(r, 0) for r in requests]
-    infinite = serve(one, bs, 1, everything, 0).hit_rate
-    one_pool = serve(one, bs, 1, gpu_blocks, 0).hit_rate
-    one_pool_host = serve(one, bs, 1, gpu_blocks, round(gpu_blocks * args.host_ratio)).hit_rate
+    everything = len({k for r in requests for k in r.keys}) + 1
+    bounds = {  # the hit rate of one cache of each size
+        "infinite_hit_rate": serve(one, bs, 1, everything, 0).hit_rate,
+        "one_pool_hit_rate": serve(one, bs, 1, gpu_blocks, 0).hit_rate,
+        "one_pool_host_hit_rate": serve(one, bs, 1, gpu_blocks, host_blocks).hit_rate,
+    }
     rows: list[Row] = []
     means: list[Row] = []
     spread: dict[tuple[int, str], tuple[float, float]] = {}
@@ -325,36 +322,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             means.append(mean_row(got))
             spread[(n, mix)] = (min(r.ratio for r in got), max(r.ratio for r in got))
             spread[(-n, mix)] = (min(r.ratio_host for r in got), max(r.ratio_host for r in got))
-    host_tokens = round(gpu_blocks * args.host_ratio) * bs
-    print(
-        f"trace {args.trace.name}: {len(requests)} requests, blocks of {bs} tokens; one worker, "
-        f"C = {gpu_blocks * bs:,} GPU tokens, H = {host_tokens:,} host tokens"
-    )
-    print(
-        f"hit rate of one cache: infinite {infinite:.1%}, C {one_pool:.1%}, C + H "
-        f"{one_pool_host:.1%} (capacity bound below the infinite cache's)"
-    )
-    print(
-        f"ratio: the smallest shared pool reaching the split's hit rate, over the split's memory; "
-        f"mean over seeds {','.join(map(str, seeds))} (range)"
-    )
+    sizes = {"block_size": bs, "gpu_tokens": gpu_blocks * bs, "host_tokens": host_blocks * bs}
+    print(report(args.trace.name, len(requests), sizes, bounds, seeds))
     print(table(means, spread))
     print("big: requests bigger than their model's GPU share of the split (served, not cached)")
     if args.json is not None:
-        result = {
-            "trace": str(args.trace),
-            "requests": len(requests),
-            "block_size": bs,
-            "gpu_tokens": gpu_blocks * bs,
-            "host_tokens": host_tokens,
-            "infinite_hit_rate": infinite,
-            "one_pool_hit_rate": one_pool,
-            "one_pool_host_hit_rate": one_pool_host,
-            "rows": [asdict(r) for r in rows],
-            "means": [asdict(r) for r in means],
-        }
+        result = {"trace": str(args.trace), "requests": len(requests), **sizes, **bounds}
+        result |= {"rows": [asdict(r) for r in rows], "means": [asdict(r) for r in means]}
         args.json.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def report(
+    trace: str, requests: int, sizes: dict[str, int], bounds: dict[str, float], seeds: list[int]
+) -> str:
+    """The lines above the table: the run, one cache's hit rates, what the ratio is."""
+    return (
+        f"trace {trace}: {requests} requests, blocks of {sizes['block_size']} tokens; one "
+        f"worker, C = {sizes['gpu_tokens']:,} GPU tokens, H = {sizes['host_tokens']:,} host "
+        f"tokens\nhit rate of one cache: infinite {bounds['infinite_hit_rate']:.1%}, C "
+        f"{bounds['one_pool_hit_rate']:.1%}, C + H {bounds['one_pool_host_hit_rate']:.1%} "
+        "(capacity bound below the infinite cache's)\nratio: the smallest shared pool reaching "
+        "the split's hit rate, over the split's memory; mean over seeds "
+        f"{','.join(map(str, seeds))} (range)"
+    )
 
 
 if __name__ == "__main__":
