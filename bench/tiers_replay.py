@@ -78,14 +78,21 @@ def mean(values: list[float]) -> float:
     return math.fsum(values) / len(values)
 
 
-def row(name: str, s: dict[str, Any], floor_s: list[float]) -> list[str]:
-    pct = [f"{s[k] * 100:.1f}%" for k in ("hit_rate", "gpu_hit_rate", "host_hit_rate")]
-    ttft = [f"{s[k] * 1e3:,.0f}" for k in ("ttft_mean_s", "ttft_p99_s")]
-    floors = [f"{mean(floor_s) * 1e3:,.0f}", f"{(percentile(floor_s, 99) or 0.0) * 1e3:,.0f}"]
-    return [name, *pct, *ttft, *floors]
+_HITS = ("hit_rate", "gpu_hit_rate", "host_hit_rate")
 
 
-def main() -> None:
+def numbers(summary: dict[str, Any], floor_s: list[float]) -> dict[str, Any]:
+    """A run's hit rates, TTFTs and zero-queue floor (seconds), as --json writes them."""
+    run = {k: summary[k] for k in (*_HITS, "ttft_mean_s", "ttft_p99_s")}
+    return {**run, "floor_mean_s": mean(floor_s), "floor_p99_s": percentile(floor_s, 99)}
+
+
+def row(name: str, n: dict[str, Any]) -> list[str]:
+    times = [n["ttft_mean_s"], n["ttft_p99_s"], n["floor_mean_s"], n["floor_p99_s"] or 0.0]
+    return [name, *(f"{n[k] * 100:.1f}%" for k in _HITS), *(f"{t * 1e3:,.0f}" for t in times)]
+
+
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=str(SHARED_TRACE))
     p.add_argument("--requests", type=int, help="the first N requests (default: all)")
@@ -95,7 +102,11 @@ def main() -> None:
     p.add_argument("--copy-tps", type=float, default=DEFAULT_HOST_COPY_TOKENS_PER_S)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--json", help="write the numbers here")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     trace = read_trace(args.trace)
     requests = trace_requests(trace, limit=args.requests)
     settings = {"no tier": 0, "host tier": args.host_tokens}
@@ -121,14 +132,10 @@ def main() -> None:
         for name in args.policies.split(","):
             policy = make_policy(name, build_params(name, {}, fleet, 0))
             run = run_policy(name, requests, policy, fleet)
-            floor_s = floor(run.result, requests, fleet)
-            rows.append(row(f"{setting} / {name}", run.summary, floor_s))
-            out["runs"][f"{setting}/{name}"] = {
-                **{k: run.summary[k] for k in ("hit_rate", "gpu_hit_rate", "host_hit_rate")},
-                **{k: run.summary[k] for k in ("ttft_mean_s", "ttft_p99_s")},
-                "floor_mean_s": mean(floor_s),
-                "floor_p99_s": percentile(floor_s, 99),
-            }
+            got = out["runs"][f"{setting}/{name}"] = numbers(
+                run.summary, floor(run.result, requests, fleet)
+            )
+            rows.append(row(f"{setting} / {name}", got))
     bound, inf = infinite_floor(requests, fleet)
     rows.append(["infinite cache", f"{bound * 100:.1f}%", "-", "-", "-", "-"])
     rows[-1] += [f"{mean(inf) * 1e3:,.0f}", f"{(percentile(inf, 99) or 0.0) * 1e3:,.0f}"]
