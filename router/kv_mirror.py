@@ -190,8 +190,7 @@ class WorkerMirror:
         self._record(seq, _fingerprint(batch))
 
     def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
-        """Our key and kv_group of a block this worker holds in either tier, None when we do
-        not know it."""
+        """Our key and kv_group of a block this worker holds in either tier (None: unknown)."""
         if (other := self._other.get(engine_hash)) is not None:
             return other
         key = self._keys.get(engine_hash)
@@ -275,7 +274,8 @@ class WorkerMirror:
             table = self._host if medium == MEDIUM_CPU else self._other
             for key in keys:
                 table[key] = (key, group)
-        self._groups.add(resident)
+        if resident is not self.base_group:  # the base group is always among them
+            self._groups.add(resident)
         if salt:  # where its namespace starts (a root, or after a public prefix)
             self.index.tag_namespace(keys[0], salt)
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)

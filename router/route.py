@@ -112,13 +112,14 @@ class Routing:
 class Route:
     """One routed request: what the policy saw and chose, and its attempts' bookkeeping."""
 
-    __slots__ = ("routing", "decision", "arrived", "marked")
+    __slots__ = ("routing", "decision", "arrived", "marked", "chosen")
 
     def __init__(self, routing: Routing, decision: Decision, arrived: float) -> None:
         self.routing = routing
         self.decision = decision
         self.arrived = arrived  # the caller's clock when routing began
         self.marked = False  # its prefix is marked pending on the first worker tried
+        self.chosen = self._scan(decision.worker)  # the candidate asked for most
 
     @property
     def request(self) -> RouteRequest:
@@ -130,6 +131,10 @@ class Route:
         return self.decision.worker
 
     def candidate(self, worker: str) -> Candidate:
+        chosen = self.chosen
+        return chosen if chosen.worker == worker else self._scan(worker)
+
+    def _scan(self, worker: str) -> Candidate:
         for c in self.decision.candidates:  # a few candidates: a scan, not a dict per request
             if c.worker == worker:
                 return c
