@@ -52,8 +52,11 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the merged config (file + flags) as TOML, secrets masked, and exit",
     )
-    for setting in _SETTINGS:
-        _add_setting(groups[setting.metadata["group"]], setting)
+    group = groups["essentials"]
+    for setting in fields(GatewayConfig):  # a group runs to the next setting that names one
+        group = groups.get(setting.metadata["group"], group)
+        if setting.metadata["flag"] is not None:
+            _add_setting(group, setting)
     _add_tables(groups)
     compat = groups["compat"]
     compat.add_argument(

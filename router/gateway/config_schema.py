@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from msgspec import Meta
 
+from core import settings
 from core.hardware import DEFAULT_PREFILL_TOKENS_PER_S
 from core.logs import FORMATS, LEVELS
 from router.index import DEFAULT_APPROX_TTL_S
@@ -49,13 +50,12 @@ def _setting(
     help: str,
     flag: str | None = "",
     aliases: tuple[str, ...] = (),
-    *,
-    group: str,
+    group: str | None = None,
 ) -> Any:
-    """A setting and its flag: its name dashed, less a unit `_s`, unless `flag` says (None: no
-    flag of its own; config_flags.py adds what sets it). `aliases`: sglang-router's names.
-    `group`: a key of GROUPS, where `--help` lists the flag."""
-    assert group in GROUPS, group
+    """A setting and its flag, as core/settings.py's `setting` (None: no flag of its own;
+    config_flags.py adds what sets it). `group`: a key of GROUPS, under which `--help` lists this
+    setting's flag and those of the settings after it, up to the next that names a group."""
+    assert group is None or group in GROUPS, group
     metadata = {"flag": flag, "help": help, "aliases": aliases, "group": group}
     if isinstance(default, list | dict):
         return field(default_factory=type(default), metadata=metadata)
@@ -92,140 +92,44 @@ class TenantConfig:
 
 @dataclass(slots=True)
 class GatewayConfig:
+    # runs of settings, each under the GROUPS key its first one names
     host: str = _setting("127.0.0.1", "address to listen on", group="essentials")
-    port: Port = _setting(8000, "port to listen on (0: any free one)", group="essentials")
-    workers: list[WorkerConfig] = _setting(
-        [], "the workers ([[workers]] tables)", None, group="essentials"
-    )
+    port: Port = _setting(8000, "port to listen on (0: any free one)")
+    workers: list[WorkerConfig] = _setting([], "the workers ([[workers]] tables)", None)
+    tenants: list[TenantConfig] = _setting([], "tenants and API keys ([[tenants]])", None)
+    policy: str = _setting("cache_aware", "routing policy (docs/policies.md)")
+    # worker discovery (docs/kubernetes.md, "Discovery")
+    discover: str = _setting("", "discover workers: 'k8s' watches the engine pods of a namespace")
+
     models: list[ModelConfig] = _setting(
         [], "models and their tokenizers ([[models]])", None, group="workers"
     )
-    tenants: list[TenantConfig] = _setting(
-        [], "tenants and API keys ([[tenants]])", None, group="essentials"
+    discover_namespace: str = _setting(
+        "", "the pods' namespace (default: the gateway pod's own, else the kubeconfig's)"
     )
-    policy: str = _setting("cache_aware", "routing policy (docs/policies.md)", group="essentials")
+    discover_selector: str = _setting(
+        "", "label selector of the engine pods, e.g. app=vllm,tier=engine (--discover k8s)"
+    )
+    discover_port: Annotated[int, Meta(gt=0, le=65535)] = _setting(
+        8000, "a pod's port when no urc.dev/port annotation or container port 'http' says"
+    )
+    discover_kubeconfig: str = _setting(
+        "", "kubeconfig file (default: the in-cluster service account, else $KUBECONFIG)"
+    )
+
     policy_params: dict[str, PolicyParam] = _setting(
         {}, "the policy's parameters", None, group="routing"
     )
-    admin_key: str | None = _setting(
-        None, "the key of the admin API (/admin/...); off without", group="admin"
+    prefill_tokens_per_s: Positive = _setting(
+        DEFAULT_PREFILL_TOKENS_PER_S,
+        "a worker's prefill speed: the one the routing policy (cache_aware), the shadow policies' "
+        "estimates and the aging of non-streamed requests' queued prefill assume",
     )
-    salt_secret: str = _setting(
-        "",
-        "keys the tenants' cache salts (unset: random per gateway, one for all its --processes; "
-        "gateway replicas in front of one fleet must share one)",
-        group="tenants",
+    degraded: bool = _setting(
+        False, "start degraded: plain least-load routing (flip with POST /admin/mode)"
     )
-    processes: PositiveInt = _setting(
-        1,
-        "gateway processes on this host, one port (SO_REUSEPORT), each a full replica; "
-        "/metrics and the admin API cover them all (docs/scale-out.md)",
-        group="scale",
-    )
-    kv_groups: str = _setting(
-        "",
-        "route and follow the KV events of only these kv_groups, comma-separated (default: "
-        "all): replica sets that each follow a shard of a fleet too large for one",
-        group="scale",
-    )
-    max_concurrent_requests: NonNegativeInt = _setting(
-        0,
-        "inference requests in flight per gateway process; more get 429 (0: unlimited)",
-        group="load",
-    )
-    metrics_port: Port | None = _setting(
-        None,
-        "serve /metrics and /health on this port too",
-        aliases=("--prometheus-port",),
-        group="admin",
-    )
-    metrics_host: str = _setting(
-        "",
-        "address of the metrics port (default: --host)",
-        aliases=("--prometheus-host",),
-        group="admin",
-    )
-    metrics_key: str | None = _setting(
-        None,
-        "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
-        group="admin",
-    )
-    log_level: str = _setting("info", "log level: debug, info, warning or error", group="logs")
-    log_format: str = _setting("text", "log lines as text or json", group="logs")
-    access_log: bool = _setting(
-        False, "one line per request on the urc.access logger", group="logs"
-    )
-    otel_endpoint: str = _setting(
-        "",
-        "OTLP/HTTP traces endpoint, e.g. http://collector:4318 (empty: tracing off)",
-        group="logs",
-    )
-    max_body_bytes: PositiveInt = _setting(
-        16 * 2**20, "larger request bodies get 413", aliases=("--max-payload-size",), group="http"
-    )
-    max_request_line_bytes: PositiveInt = _setting(8192, "longer URLs get 414", group="http")
-    max_header_bytes: PositiveInt = _setting(65536, "larger request headers get 431", group="http")
-    header_timeout_s: Positive = _setting(
-        10.0,
-        "seconds from a request's first byte to the end of its headers, else 408",
-        group="http",
-    )
-    body_timeout_s: Positive = _setting(
-        60.0, "seconds from the end of the headers to the end of the body, else 408", group="http"
-    )
-    keepalive_s: Positive = _setting(
-        75.0,
-        "seconds before idle kept-alive connections close",
-        "--keepalive-timeout",
-        group="http",
-    )
-    shutdown_delay_s: NonNegative = _setting(
-        0.0,
-        "on SIGTERM, seconds /health answers 503 while the gateway still accepts and serves, "
-        "before it stops accepting (Kubernetes: at least the readiness probe's period times "
-        "its failureThreshold)",
-        group="http",
-    )
-    drain_timeout_s: Positive = _setting(
-        30.0,
-        "on SIGTERM, seconds in-flight requests have to finish before the gateway exits",
-        group="http",
-    )
-    connect_timeout_s: Positive = _setting(2.0, "seconds to connect to a worker", group="load")
-    ttfb_timeout_s: Positive = _setting(
-        30.0,
-        "seconds to a worker's first byte before the request fails over; a non-streamed one "
-        "waits on while its worker answers health checks",
-        group="load",
-    )
-    request_timeout_s: Positive = _setting(
-        600.0,
-        "seconds a request may take in all",
-        aliases=("--request-timeout-secs",),
-        group="load",
-    )
-    load_interval_s: NonNegative = _setting(
-        0.05,
-        "seconds between samples of every worker's own load (/urc/load, or vLLM's and SGLang's "
-        "/metrics), merged into the gateway's ledger so replicas see each other's requests "
-        "(0: off, the gateway's own counts only)",
-        group="load",
-    )
-    health_interval_s: Positive = _setting(
-        0.5,
-        "seconds between health checks of each worker",
-        aliases=("--health-check-interval-secs",),
-        group="load",
-    )
-    unhealthy_after: PositiveInt = _setting(
-        2,
-        "consecutive failed health checks or requests that take a worker out",
-        aliases=("--health-failure-threshold",),
-        group="load",
-    )
-    breaker_cooldown_s: NonNegative = _setting(
-        3.0, "seconds a worker taken out stays out at least", group="load"
-    )
+    shadow_policies: list[str] = _setting([], "policies that watch, never act", None)
+
     approx_ttl_s: Positive = _setting(
         DEFAULT_APPROX_TTL_S,
         "seconds a prefix routed to a worker without KV events counts as held there "
@@ -236,64 +140,117 @@ class GatewayConfig:
         0.0,
         "hold a request's prefix on its worker from dispatch until the worker's KV events "
         "confirm it, or for S seconds, so that concurrent requests find it (e.g. 10; 0: off)",
-        group="index",
     )
     index_max_blocks: NonNegativeInt = _setting(
         20_000_000,
         "blocks the unified index holds at most, the least recently used dropped "
         "past it (0: no bound)",
-        group="index",
-    )
-    prefill_tokens_per_s: Positive = _setting(
-        DEFAULT_PREFILL_TOKENS_PER_S,
-        "a worker's prefill speed: the one the routing policy (cache_aware), the shadow policies' "
-        "estimates and the aging of non-streamed requests' queued prefill assume",
-        "--prefill-tokens-per-s",
-        group="routing",
-    )
-    record: str | None = _setting(
-        None,
-        "append every served request to this file (Mooncake JSONL + model, tenant, worker, "
-        "cached tokens) for `urc replay`",
-        group="admin",
-    )
-    degraded: bool = _setting(
-        False,
-        "start degraded: plain least-load routing (flip with POST /admin/mode)",
-        group="routing",
-    )
-    shadow_policies: list[str] = _setting(
-        [], "policies that watch, never act", None, group="routing"
     )
     parity_interval_s: NonNegative = _setting(
         300.0,
         "probe every worker's token counts against the gateway's every S seconds, and when it "
         "comes up (0: never)",
-        group="index",
     )
-    # worker discovery (docs/kubernetes.md, "Discovery")
-    discover: str = _setting(
-        "", "discover workers: 'k8s' watches the engine pods of a namespace", group="essentials"
-    )
-    discover_namespace: str = _setting(
+
+    salt_secret: str = _setting(
         "",
-        "the pods' namespace (default: the gateway pod's own, else the kubeconfig's)",
-        group="workers",
+        "keys the tenants' cache salts (unset: random per gateway, one for all its --processes; "
+        "gateway replicas in front of one fleet must share one)",
+        group="tenants",
     )
-    discover_selector: str = _setting(
+
+    max_concurrent_requests: NonNegativeInt = _setting(
+        0,
+        "inference requests in flight per gateway process; more get 429 (0: unlimited)",
+        group="load",
+    )
+    connect_timeout_s: Positive = _setting(2.0, "seconds to connect to a worker")
+    ttfb_timeout_s: Positive = _setting(
+        30.0,
+        "seconds to a worker's first byte before the request fails over; a non-streamed one "
+        "waits on while its worker answers health checks",
+    )
+    request_timeout_s: Positive = _setting(
+        600.0, "seconds a request may take in all", aliases=("--request-timeout-secs",)
+    )
+    load_interval_s: NonNegative = _setting(
+        0.05,
+        "seconds between samples of every worker's own load (/urc/load, or vLLM's and SGLang's "
+        "/metrics), merged into the gateway's ledger so replicas see each other's requests "
+        "(0: off, the gateway's own counts only)",
+    )
+    health_interval_s: Positive = _setting(
+        0.5,
+        "seconds between health checks of each worker",
+        aliases=("--health-check-interval-secs",),
+    )
+    unhealthy_after: PositiveInt = _setting(
+        2,
+        "consecutive failed health checks or requests that take a worker out",
+        aliases=("--health-failure-threshold",),
+    )
+    breaker_cooldown_s: NonNegative = _setting(3.0, "seconds a worker taken out stays out at least")
+
+    max_body_bytes: PositiveInt = _setting(
+        16 * 2**20, "larger request bodies get 413", aliases=("--max-payload-size",), group="http"
+    )
+    max_request_line_bytes: PositiveInt = _setting(8192, "longer URLs get 414")
+    max_header_bytes: PositiveInt = _setting(65536, "larger request headers get 431")
+    header_timeout_s: Positive = _setting(
+        10.0, "seconds from a request's first byte to the end of its headers, else 408"
+    )
+    body_timeout_s: Positive = _setting(
+        60.0, "seconds from the end of the headers to the end of the body, else 408"
+    )
+    keepalive_s: Positive = _setting(
+        75.0, "seconds before idle kept-alive connections close", "--keepalive-timeout"
+    )
+    shutdown_delay_s: NonNegative = _setting(
+        0.0,
+        "on SIGTERM, seconds /health answers 503 while the gateway still accepts and serves, "
+        "before it stops accepting (Kubernetes: at least the readiness probe's period times "
+        "its failureThreshold)",
+    )
+    drain_timeout_s: Positive = _setting(
+        30.0, "on SIGTERM, seconds in-flight requests have to finish before the gateway exits"
+    )
+
+    admin_key: str | None = _setting(
+        None, "the key of the admin API (/admin/...); off without", group="admin"
+    )
+    metrics_port: Port | None = _setting(
+        None, "serve /metrics and /health on this port too", aliases=("--prometheus-port",)
+    )
+    metrics_host: str = _setting(
+        "", "address of the metrics port (default: --host)", aliases=("--prometheus-host",)
+    )
+    metrics_key: str | None = _setting(
+        None,
+        "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
+    )
+    record: str | None = _setting(
+        None,
+        "append every served request to this file (Mooncake JSONL + model, tenant, worker, "
+        "cached tokens) for `urc replay`",
+    )
+
+    log_level: str = _setting("info", "log level: debug, info, warning or error", group="logs")
+    log_format: str = _setting("text", "log lines as text or json")
+    access_log: bool = _setting(False, "one line per request on the urc.access logger")
+    otel_endpoint: str = _setting(
+        "", "OTLP/HTTP traces endpoint, e.g. http://collector:4318 (empty: tracing off)"
+    )
+
+    processes: PositiveInt = _setting(
+        1,
+        "gateway processes on this host, one port (SO_REUSEPORT), each a full replica; "
+        "/metrics and the admin API cover them all (docs/scale-out.md)",
+        group="scale",
+    )
+    kv_groups: str = _setting(
         "",
-        "label selector of the engine pods, e.g. app=vllm,tier=engine (--discover k8s)",
-        group="workers",
-    )
-    discover_port: Annotated[int, Meta(gt=0, le=65535)] = _setting(
-        8000,
-        "a pod's port when no urc.dev/port annotation or container port 'http' says",
-        group="workers",
-    )
-    discover_kubeconfig: str = _setting(
-        "",
-        "kubeconfig file (default: the in-cluster service account, else $KUBECONFIG)",
-        group="workers",
+        "route and follow the KV events of only these kv_groups, comma-separated (default: "
+        "all): replica sets that each follow a shard of a fleet too large for one",
     )
 
 
@@ -302,7 +259,4 @@ TABLES: dict[str, type] = {"workers": WorkerConfig, "models": ModelConfig, "tena
 
 def flag_of(name: str) -> str | None:
     """The flag of GatewayConfig's setting `name` (None: none of its own)."""
-    for f in fields(GatewayConfig):
-        if f.name == name and f.metadata["flag"] is not None:
-            return f.metadata["flag"] or "--" + name.removesuffix("_s").replace("_", "-")
-    return None
+    return settings.flag_of(GatewayConfig, name)
