@@ -26,27 +26,9 @@ def epp_envoy_config(
     (GIE's simplest wiring; no fallback on failure). With `workers` (their ports): a STATIC
     cluster under Envoy's `override_host` load balancer, which takes the EPP's endpoint list
     from the `envoy.lb` metadata and tries the next one on a retry (the failover)."""
-    ext_proc = {
-        "@type": _EXT_PROC,
-        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
-        "failure_mode_allow": False,
-        "message_timeout": "5s",
-        "processing_mode": {
-            "request_header_mode": "SEND",
-            "request_body_mode": body_mode,
-            "request_trailer_mode": "SKIP" if body_mode == "BUFFERED" else "SEND",
-            "response_header_mode": "SEND",
-            # usage (cached_tokens) is read from the answer as it passes
-            "response_body_mode": "FULL_DUPLEX_STREAMED" if body_mode != "BUFFERED" else "STREAMED",
-            "response_trailer_mode": "SKIP" if body_mode == "BUFFERED" else "SEND",
-        },
-        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
-    }
+    ext_proc = {"name": "envoy.filters.http.ext_proc", "typed_config": _ext_proc(body_mode)}
     retry = {"retry_on": "connect-failure,refused-stream,reset", "num_retries": 3}
     route = {"cluster": "workers", "timeout": "600s", "retry_policy": retry}
-    listener = front_listener(
-        port, route, [{"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}]
-    )
     epp = {
         "name": "epp",
         "connect_timeout": "1s",
@@ -59,38 +41,61 @@ def epp_envoy_config(
         },
         "load_assignment": static_endpoints("epp", [epp_port]),
     }
-    if workers:
-        source = {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}}
-        override = {
-            "@type": f"{_OVERRIDE}.OverrideHost",
-            "override_host_sources": [source, {"header": DESTINATION}],
-            "fallback_policy": {
-                "policies": [
-                    {"typed_extension_config": {"name": "rr", "typed_config": {"@type": _RR}}}
-                ]
-            },
-        }
-        upstream = {
-            "name": "workers",
-            "connect_timeout": "1s",
-            "type": "STATIC",
-            "load_balancing_policy": {
-                "policies": [
-                    {"typed_extension_config": {"name": "override_host", "typed_config": override}}
-                ]
-            },
-            "load_assignment": static_endpoints("workers", workers),
-        }
-    else:
-        upstream = {
+    upstream = _workers_cluster(workers)
+    upstream["circuit_breakers"] = RETRY_HEADROOM
+    return {
+        "admin": {"address": address(admin_port)},
+        "static_resources": {
+            "listeners": [front_listener(port, route, [ext_proc])],
+            "clusters": [epp, upstream],
+        },
+    }
+
+
+def _ext_proc(body_mode: str) -> dict:
+    """The ext_proc filter's config: the EPP sees the request's headers and body (`body_mode`)
+    and the answer's headers and body."""
+    buffered = body_mode == "BUFFERED"
+    return {
+        "@type": _EXT_PROC,
+        "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+        "failure_mode_allow": False,
+        "message_timeout": "5s",
+        "processing_mode": {
+            "request_header_mode": "SEND",
+            "request_body_mode": body_mode,
+            "request_trailer_mode": "SKIP" if buffered else "SEND",
+            "response_header_mode": "SEND",
+            # usage (cached_tokens) is read from the answer as it passes
+            "response_body_mode": "STREAMED" if buffered else "FULL_DUPLEX_STREAMED",
+            "response_trailer_mode": "SKIP" if buffered else "SEND",
+        },
+        "metadata_options": {"receiving_namespaces": {"untyped": ["envoy.lb"]}},
+    }
+
+
+def _workers_cluster(workers: Sequence[int]) -> dict:
+    """The upstream the EPP's endpoint names: ORIGINAL_DST, or `workers` under override_host."""
+    if not workers:
+        return {
             "name": "workers",
             "connect_timeout": "1s",
             "type": "ORIGINAL_DST",
             "lb_policy": "CLUSTER_PROVIDED",
             "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION},
         }
-    upstream["circuit_breakers"] = RETRY_HEADROOM
+    source = {"metadata": {"key": "envoy.lb", "path": [{"key": DESTINATION}]}}
+    rr = {"typed_extension_config": {"name": "rr", "typed_config": {"@type": _RR}}}
+    override = {
+        "@type": f"{_OVERRIDE}.OverrideHost",
+        "override_host_sources": [source, {"header": DESTINATION}],
+        "fallback_policy": {"policies": [rr]},
+    }
+    policy = {"typed_extension_config": {"name": "override_host", "typed_config": override}}
     return {
-        "admin": {"address": address(admin_port)},
-        "static_resources": {"listeners": [listener], "clusters": [epp, upstream]},
+        "name": "workers",
+        "connect_timeout": "1s",
+        "type": "STATIC",
+        "load_balancing_policy": {"policies": [policy]},
+        "load_assignment": static_endpoints("workers", workers),
     }
