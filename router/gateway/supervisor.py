@@ -18,8 +18,11 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
+from typing import NoReturn
 
 from router.gateway.config import GatewayConfig
 from router.gateway.siblings import Siblings
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 _RESTART_BACKOFF_S = 1.0  # a child that dies is restarted after this, doubling up to 30 s
 _READY_TIMEOUT_S = 120.0
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # forwarded to the children
 
 
 @dataclass(slots=True)
@@ -56,11 +60,7 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
     n = config.processes
     reserved: list[socket.socket] = []
     try:
-        reserved.append(reserve_port(config.host, config.port))
-        config = replace(config, port=reserved[0].getsockname()[1])
-        if config.metrics_port is not None:
-            reserved.append(reserve_port(config.metrics_host or config.host, config.metrics_port))
-            config = replace(config, metrics_port=reserved[1].getsockname()[1])
+        config = _reserve_ports(config, reserved)
     except OSError as exc:  # taken by a process that did not set SO_REUSEPORT, or no such host
         for sock in reserved:
             sock.close()
@@ -76,23 +76,8 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
     def start(child: _Child) -> None:
         pid = os.fork()
         if pid == 0:  # the child: a full gateway, told who its siblings are
-            code = 1
-            try:
-                os.close(ready_r)
-                _die_with_parent()
-                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                    signal.signal(sig, signal.SIG_DFL)
-                siblings = Siblings(child.index, n, directory, token)
-                run_gateway(config, config_path, siblings=siblings, ready_fd=ready_w)
-                code = 0
-            except BaseException:  # noqa: B036 - a forked child must never return into main
-                import traceback
-
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+            siblings = Siblings(child.index, n, directory, token)
+            _child_main(partial(run_gateway, config, config_path, siblings, ready_w), ready_r)
         child.pid, child.started_at = pid, time.monotonic()
 
     def forward(sig: int, _frame: object) -> None:
@@ -103,7 +88,7 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(child.pid, sig)
 
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    for sig in _SIGNALS:
         signal.signal(sig, forward)
     try:
         for child in children:
@@ -121,6 +106,36 @@ def run_processes(config: GatewayConfig, config_path: str | None) -> int:
         for sock in reserved:
             sock.close()
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _reserve_ports(config: GatewayConfig, reserved: list[socket.socket]) -> GatewayConfig:
+    """`config` with its port (and metrics port) reserved for every child, appended to
+    `reserved`: a port 0 becomes the one the system chose."""
+    reserved.append(reserve_port(config.host, config.port))
+    config = replace(config, port=reserved[-1].getsockname()[1])
+    if config.metrics_port is not None:
+        reserved.append(reserve_port(config.metrics_host or config.host, config.metrics_port))
+        config = replace(config, metrics_port=reserved[-1].getsockname()[1])
+    return config
+
+
+def _child_main(serve: Callable[[], None], ready_r: int) -> NoReturn:
+    """A forked child's life: `serve` with the default signal handlers, dying with the parent;
+    it exits, never returning into the parent's code."""
+    code = 1
+    try:
+        os.close(ready_r)
+        _die_with_parent()
+        for sig in _SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        serve()
+        code = 0
+    except BaseException:  # noqa: B036 - a forked child must never return into main
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _shared_salt_secret(config: GatewayConfig) -> GatewayConfig:
