@@ -104,9 +104,6 @@ class HostTier:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def holds(self, key: int, kv_group: str = "") -> bool:
-        return (kv_group, key) in self._lru
-
     def keys(self, kv_group: str = "") -> set[int]:
         return {key for group, key in self._lru if group == kv_group}
 
@@ -230,15 +227,14 @@ class HostTier:
     def _drop(self, count: int) -> None:
         """Evict the `count` least recently used unpinned blocks."""
         lru, pinned = self._lru, self._pinned
-        gone: dict[str, list[int]] = {}
-        while count > 0:
+        gone: list[tuple[str, int]] = []
+        while len(gone) < count:
             k, block = lru.popitem(last=False)
             if k in pinned:
                 lru[k] = block  # in use: now the newest
                 continue
             self._free(block)
-            gone.setdefault(k[0], []).append(k[1])
-            count -= 1
+            gone.append(k)
         self._removed(gone)
 
     def _free(self, block: HostBlock) -> None:
@@ -246,11 +242,12 @@ class HostTier:
         if self.page_ids is not None:
             self.page_ids.append(block.page)
 
-    def _removed(self, gone: dict[str, list[int]]) -> None:
-        for group, keys in gone.items():
-            self.evicted_blocks += len(keys)
-            if self.on_removed is not None:
-                self.on_removed(group, keys)
+    def _removed(self, gone: list[tuple[str, int]]) -> None:
+        """Count the blocks dropped and announce them, one BlockRemoved per kv_group."""
+        self.evicted_blocks += len(gone)
+        if self.on_removed is not None:
+            for group in dict.fromkeys(g for g, _ in gone):
+                self.on_removed(group, [k for g, k in gone if g == group])
 
     # -- promotion: a prefix found here goes back to the GPU ---------------------------------
 
@@ -296,12 +293,9 @@ class HostTier:
         and `public_blocks` are the request's (as for RadixCache.insert)."""
         gpu = self._gpu
         assert gpu is not None, "a host tier not attached"
-        n = self.match(keys, start, limit, kv_group, tokens)
-        if n == 0:
-            return node, 0
         bs = self.block_size
         room = (gpu.free_tokens + gpu.evictable_tokens) // bs
-        n = min(n, room)
+        n = min(self.match(keys, start, limit, kv_group, tokens), room)
         if n == 0:
             return node, 0
         held = [(kv_group, k) for k in keys[start : start + n]]
@@ -355,11 +349,9 @@ class HostTier:
             and (scope is None or (block.salt is not None and scope(block.salt)))
             and k not in self._pinned
         ]
-        gone: dict[str, list[int]] = {}
         for k in doomed:
             self._free(lru.pop(k))
-            gone.setdefault(k[0], []).append(k[1])
-        self._removed(gone)
+        self._removed(doomed)
         return len(doomed)
 
     def stats(self) -> HostStats:

@@ -26,6 +26,31 @@ from core.tokenizer import ByteTokenizer, write_byte_tokenizer
 
 ENGINE = "emulated"
 
+_METRICS = (  # (family, metric, doc): the torch worker's names
+    (counter, "urc_engine_requests", "Requests finished"),
+    (counter, "urc_engine_prompt_tokens", "Prompt tokens admitted"),
+    (counter, "urc_engine_cached_tokens", "Prompt tokens found in the KV cache"),
+    (counter, "urc_engine_generated_tokens", "Output tokens generated"),
+    (counter, "urc_engine_evicted_blocks", "KV blocks evicted"),
+    (counter, "urc_engine_stored_blocks", "KV blocks cached"),
+    (gauge, "urc_engine_running_requests", "Requests in the batch"),
+    (gauge, "urc_engine_waiting_requests", "Requests in the queue"),
+    (gauge, "urc_engine_queued_prefill_tokens", "Prompt tokens waiting to be prefilled"),
+    (
+        gauge,
+        "urc_engine_cache_usage",
+        "Fraction of the KV pool in use (cached or held by requests)",
+    ),
+    (gauge, "urc_engine_cached_blocks", "KV blocks in the cache"),
+)
+_HOST_METRICS = (  # the host tier (docs/tiers.md): the torch worker's names, in blocks
+    (counter, "urc_engine_host_hit_tokens", "Prompt tokens promoted from the host tier"),
+    (gauge, "urc_engine_host_cached_blocks", "KV blocks in the host tier"),
+    (counter, "urc_engine_host_demoted_blocks", "Blocks demoted to the host tier"),
+    (counter, "urc_engine_host_promoted_blocks", "Blocks copied back to the GPU"),
+    (counter, "urc_engine_host_evicted_blocks", "Blocks the host tier dropped"),
+)
+
 
 class EmulatedSide:
     """The emulated engine as the worker shell takes it (backends/http/runner.py): cheap steps,
@@ -117,75 +142,29 @@ class EmulatedSide:
 
     def collect(self) -> Iterator[Metric]:
         """One moment of the engine: the loop that steps it is the one scraping."""
-        engine, name = self.engine, self.model.name
-        stats = engine.cache.stats()
-        load = engine.load()
-        used = stats.capacity_tokens and (
-            (stats.capacity_tokens - stats.free_tokens) / stats.capacity_tokens
-        )
-        counters = (
-            ("urc_engine_requests", "Requests finished", engine.finished_requests),
-            ("urc_engine_prompt_tokens", "Prompt tokens admitted", engine.prompt_tokens),
-            (
-                "urc_engine_cached_tokens",
-                "Prompt tokens found in the KV cache",
-                engine.cached_tokens,
-            ),
-            ("urc_engine_generated_tokens", "Output tokens generated", engine.generated_tokens),
-            ("urc_engine_evicted_blocks", "KV blocks evicted", stats.evicted_blocks),
-            ("urc_engine_stored_blocks", "KV blocks cached", stats.stored_blocks),
-        )
-
-        gauges = (
-            ("urc_engine_running_requests", "Requests in the batch", load.running),
-            ("urc_engine_waiting_requests", "Requests in the queue", load.waiting),
-            (
-                "urc_engine_queued_prefill_tokens",
-                "Prompt tokens waiting to be prefilled",
-                load.queued_prefill_tokens,
-            ),
-            (
-                "urc_engine_cache_usage",
-                "Fraction of the KV pool in use (cached or held by requests)",
-                used,
-            ),
-            ("urc_engine_cached_blocks", "KV blocks in the cache", stats.cached_blocks),
-        )
-        for family, table in ((counter, counters), (gauge, gauges)):
-            for metric, doc, value in table:
-                yield family(metric, doc, "model", [(name, value)])
-        host = engine.host
-        if host is None:
-            return
-        tier = host.stats()  # the host tier (docs/tiers.md): the torch worker's names, in blocks
-        for family, metric, doc, value in (
-            (
-                counter,
-                "urc_engine_host_hit_tokens",
-                "Prompt tokens promoted from the host tier",
-                engine.host_hit_tokens,
-            ),
-            (gauge, "urc_engine_host_cached_blocks", "KV blocks in the host tier", len(host)),
-            (
-                counter,
-                "urc_engine_host_demoted_blocks",
-                "Blocks demoted to the host tier",
-                tier.demoted_blocks,
-            ),
-            (
-                counter,
-                "urc_engine_host_promoted_blocks",
-                "Blocks copied back to the GPU",
-                tier.promoted_blocks,
-            ),
-            (
-                counter,
-                "urc_engine_host_evicted_blocks",
-                "Blocks the host tier dropped",
-                tier.evicted_blocks,
-            ),
-        ):
-            yield family(metric, doc, "model", [(name, value)])
+        engine = self.engine
+        stats, load, host = engine.cache.stats(), engine.load(), engine.host
+        capacity = stats.capacity_tokens
+        values = [  # in _METRICS' order
+            engine.finished_requests,
+            engine.prompt_tokens,
+            engine.cached_tokens,
+            engine.generated_tokens,
+            stats.evicted_blocks,
+            stats.stored_blocks,
+            load.running,
+            load.waiting,
+            load.queued_prefill_tokens,
+            capacity and (capacity - stats.free_tokens) / capacity,
+            stats.cached_blocks,
+        ]
+        if host is not None:
+            tier = host.stats()
+            values += [engine.host_hit_tokens, len(host), tier.demoted_blocks]
+            values += [tier.promoted_blocks, tier.evicted_blocks]
+        table = _METRICS if host is None else _METRICS + _HOST_METRICS
+        for (family, metric, doc), value in zip(table, values, strict=True):
+            yield family(metric, doc, "model", [(self.model.name, value)])
 
 
 def _catch_up(gen: Generation, n: int) -> None:
