@@ -151,6 +151,7 @@ def summary(outcomes: Sequence[Outcome]) -> dict:
     """Hit rate, affinity (the share of each group's requests on its busiest worker, weighted),
     the busiest worker's share, latency percentiles, failures."""
     ok = [o for o in outcomes if o.status == 200 and o.complete]
+    failed = [o for o in outcomes if not (o.status == 200 and o.complete)]
     prompt = sum(o.prompt_tokens for o in ok)
     by_group: dict[str, Counter[str]] = {}
     for o in ok:
@@ -165,13 +166,9 @@ def summary(outcomes: Sequence[Outcome]) -> dict:
     return {
         "requests": len(outcomes),
         "ok": len(ok),
-        "failed": len(outcomes) - len(ok),
-        "errors": dict(
-            Counter(f"{o.status}" for o in outcomes if not (o.status == 200 and o.complete))
-        ),
-        "failed_non_streamed": sum(
-            1 for o in outcomes if not o.stream and not (o.status == 200 and o.complete)
-        ),
+        "failed": len(failed),
+        "errors": dict(Counter(f"{o.status}" for o in failed)),
+        "failed_non_streamed": sum(1 for o in failed if not o.stream),
         "hit_rate": sum(o.cached_tokens for o in ok) / prompt if prompt else 0.0,
         "affinity": affinity,
         "busiest_share": max(per_worker.values()) / len(ok) if ok else 0.0,
