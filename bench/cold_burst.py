@@ -184,9 +184,8 @@ def main() -> int:
     runs = {
         name: Replay(requests, make_policy(name), fleet).run() for name in args.policies.split(",")
     }
-    first = next(
-        iter(runs.values())
-    )  # a closed loop sends the same first requests under any policy
+    # a closed loop sends the same first requests under any policy
+    first = next(iter(runs.values()))
     burst_ids = sorted(range(len(requests)), key=lambda i: first.sent_s[i])[: args.concurrency]
     for k, group in enumerate(kinds([requests[i] for i in burst_ids])):
         print(f"burst kind {k}: {describe(group)}")

@@ -29,7 +29,7 @@ from core.kv_events import BlockRemoved, BlockStored, EventBatch, encode_batch
 from core.kv_publisher import KVEventPublisher
 from loadgen.workloads import make_workload
 from urc.processes import Child, start_gateway, start_worker
-from urc.replicas import send
+from urc.replicas import admin_get, send
 
 BLOCK = 16
 STEP_S = 0.01  # a batch per engine step, 100 steps a second
@@ -94,10 +94,7 @@ def run_flood(rate: float) -> None:
 async def applied_blocks(url: str) -> tuple[int, int]:
     """Blocks stored that the gateway's mirrors of the flood applied (as many are removed:
     the offered rate counts stores too), and gaps."""
-    async with aiohttp.ClientSession() as http:
-        headers = {"Authorization": f"Bearer {ADMIN}"}
-        async with http.get(url + "/admin/workers", headers=headers) as resp:
-            workers = (await resp.json())["workers"]
+    workers = (await admin_get(url, "/admin/workers", ADMIN))["workers"]
     blocks = gaps = 0
     for worker in workers:
         for stream in worker["kv_events"]:
@@ -185,14 +182,11 @@ def main() -> int:
     print(f"{'offered/s':>10} {'applied/s':>10} {'applied %':>9} {'gaps':>5} {'req/s':>7}", end="")
     print(f" {'x rate 0':>8} {'p50 ms':>7} {'x rate 0':>8} {'cores':>6} {'applied/core':>12}")
     for r in rows:
-        share = (
-            r["applied_blocks_per_s"] / r["offered_blocks_per_s"]
-            if r["offered_blocks_per_s"]
-            else 1.0
-        )
+        offered = r["offered_blocks_per_s"]
+        share = r["applied_blocks_per_s"] / offered if offered else 1.0
         rps, p50 = r["requests_per_s"], r["p50_ms"]
         print(
-            f"{r['offered_blocks_per_s']:10.0f} {r['applied_blocks_per_s']:10.0f} {share:9.1%}"
+            f"{offered:10.0f} {r['applied_blocks_per_s']:10.0f} {share:9.1%}"
             f" {r['gaps']:5d} {rps:7.1f} {ratio(rps, base['requests_per_s']):>8s}"
             f" {p50:7.1f} {ratio(p50, base['p50_ms']):>8s} {r['gateway_cores']:6.2f}"
             f" {r['applied_blocks_per_s'] / max(r['gateway_cores'], 1e-9):12.0f}"
