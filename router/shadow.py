@@ -40,8 +40,7 @@ class ShadowStats:
 
 class ShadowPolicies:
     """Policies by name (their defaults, told the fleet's prefill speed, as the gateway builds
-    them), each watching
-    every request; `stats[name]` is what it would have done."""
+    them), each watching every request; `stats[name]` is what it would have done."""
 
     def __init__(self, names: Sequence[str], prefill_tokens_per_s: float) -> None:
         self.estimator = CacheAwarePolicy(prefill_tokens_per_s=prefill_tokens_per_s)

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,7 +44,10 @@ class Observer:
             self.tracing = Tracing(otel_endpoint)
 
     def begin(self, request_id: str, path: str, headers: Mapping[str, str]) -> RequestNote:
-        return RequestNote(self, request_id, path, headers)
+        note = RequestNote(self, request_id, path)
+        if self.tracing is not None:
+            note.span = self.tracing.request_span(headers, path, note.wall_ns)
+        return note
 
     def close(self) -> None:
         if self.tracing is not None:
@@ -54,52 +58,27 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000, 3)
 
 
+@dataclass(slots=True, eq=False)
 class RequestNote:
     """One request: what is known of it so far; `finish` writes the line and ends the spans."""
 
-    __slots__ = (
-        "observer",
-        "request_id",
-        "path",
-        "started",
-        "wall_ns",
-        "tenant",
-        "model",
-        "stream",
-        "plan",
-        "worker",
-        "attempts",
-        "status",
-        "first_byte_at",
-        "cached_tokens",
-        "error",
-        "span",
-        "upstream",
-    )
-
-    def __init__(
-        self, observer: Observer, request_id: str, path: str, headers: Mapping[str, str]
-    ) -> None:
-        self.observer = observer
-        self.request_id = request_id
-        self.path = path
-        self.started = time.monotonic()
-        self.wall_ns = time.time_ns()  # the spans' clock at `started`
-        self.tenant: str | None = None
-        self.model: str | None = None
-        self.stream: bool | None = None
-        self.plan: Plan | None = None
-        self.worker: str | None = None  # the last worker tried
-        self.attempts = 0
-        self.status = 0  # 0: no answer yet
-        self.first_byte_at = 0.0  # monotonic; non-streamed: the worker's answer head
-        self.cached_tokens: int | None = None
-        self.error: str | None = None
-        tracing = observer.tracing
-        self.span: Span | None = None
-        self.upstream: Span | None = None  # the attempt under way
-        if tracing is not None:
-            self.span = tracing.request_span(headers, path, self.wall_ns)
+    observer: Observer
+    request_id: str
+    path: str
+    started: float = field(default_factory=time.monotonic)
+    wall_ns: int = field(default_factory=time.time_ns)  # the spans' clock at `started`
+    tenant: str | None = None
+    model: str | None = None
+    stream: bool | None = None
+    plan: Plan | None = None
+    worker: str | None = None  # the last worker tried
+    attempts: int = 0
+    status: int = 0  # 0: no answer yet
+    first_byte_at: float = 0.0  # monotonic; non-streamed: the worker's answer head
+    cached_tokens: int | None = None
+    error: str | None = None
+    span: Span | None = None  # the request's, while tracing is on
+    upstream: Span | None = None  # the attempt under way
 
     def _ns(self, monotonic: float) -> int:
         return self.wall_ns + int((monotonic - self.started) * 1e9)

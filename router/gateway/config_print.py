@@ -3,6 +3,7 @@ load_config reads back to the same config, secrets masked (docs/config.md)."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import fields
@@ -12,15 +13,6 @@ from router.gateway.config_schema import SECRETS, TABLES, GatewayConfig
 
 MASK = "***"
 _BARE = re.compile(r"[A-Za-z0-9_-]+")
-_ESCAPES = {
-    '"': '\\"',
-    "\\": "\\\\",
-    "\b": "\\b",
-    "\t": "\\t",
-    "\n": "\\n",
-    "\f": "\\f",
-    "\r": "\\r",
-}
 
 
 def config_toml(config: GatewayConfig, mask: bool = True) -> str:
@@ -70,13 +62,6 @@ def _value(value: Any) -> str:
 
 
 def _string(text: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped."""
-    out = []
-    for ch in text:
-        if ch in _ESCAPES:
-            out.append(_ESCAPES[ch])
-        elif ch < " " or ch == "\x7f":
-            out.append(f"\\u{ord(ch):04x}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
+    """A TOML basic string: JSON's escapes are TOML's (quotes, backslashes, control characters),
+    and TOML escapes DEL too."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")

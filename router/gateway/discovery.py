@@ -16,11 +16,11 @@ from lightkube.resources.core_v1 import Pod
 from lightkube.types import on_error_raise
 
 from router.gateway.config import GatewayConfig, WorkerConfig
+from router.gateway.config_schema import ENGINES
 from router.gateway.fleet import Fleet, reachable
 
 log = logging.getLogger(__name__)
 PREFIX = "urc.dev/"  # the annotations a pod describes itself with
-ENGINES = ("urc", "vllm", "sglang")
 _BACKOFF_S = (0.2, 5.0)  # a failed watch or list is retried after this, doubling to the cap
 _WATCH_S = 290  # the server ends each watch after this; lightkube re-issues it at once
 

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -165,9 +166,7 @@ class LoadFeed(Collector):
         }
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        def gauge(name: str, doc: str) -> GaugeMetricFamily:
-            return GaugeMetricFamily(name, doc, labels=["worker"])
-
+        gauge = partial(GaugeMetricFamily, labels=["worker"])
         waiting = gauge("urc_worker_reported_waiting", "Requests queued, as the worker says")
         running = gauge("urc_worker_reported_running", "Requests running, as the worker says")
         doc = "Prefill tokens queued, as the worker says (or estimated from its waiting requests)"
