@@ -137,14 +137,12 @@ class EmulatedEngine:
         BlockStored comes before the BlockRemoved."""
         self._release()
         done = invalidate(self.cache, scope)
-        if self.host is None:
-            return done
-        return Invalidated(done.freed_blocks + self.host.invalidate(scope), done.locked_blocks)
+        host = 0 if self.host is None else self.host.invalidate(scope)
+        return Invalidated(done.freed_blocks + host, done.locked_blocks)
 
     def drain_events(self) -> list[KVEvent]:
         """Events not yet handed out by a step (an invalidation's, and any before it), in order."""
-        events = self._events[:]
-        self._events.clear()
+        events, self._events = self._events, []
         return events
 
     # -- the driver's API --------------------------------------------------------------------
@@ -162,7 +160,7 @@ class EmulatedEngine:
                 f"capacity of {self.cache.capacity_tokens} tokens"
             )
         if req.public_blocks:  # only a salted prompt has a public part, of its full blocks
-            full = len(req.prompt) // cfg.block_size
+            full = prompt_len // cfg.block_size
             req.public_blocks = min(req.public_blocks, full) if req.cache_salt else 0
         if req.keys is None:
             req.keys = block_keys(req.prompt, cfg.block_size, req.cache_salt, req.public_blocks)
@@ -209,9 +207,7 @@ class EmulatedEngine:
         flight, or the arrival of the first queued request; None when idle."""
         if self._active:
             return self._seg_start + self._seg_k * self._seg_d
-        if self._queue:
-            return self._queue[0].arrival
-        return None
+        return self._queue[0].arrival if self._queue else None
 
     def next_step_time(self) -> float | None:
         """The end of the step in flight (a real-time loop streams tokens step by step); the
@@ -222,9 +218,7 @@ class EmulatedEngine:
 
     def generated(self, req: Request) -> int:
         """Tokens `req` has produced as of the last `step` call."""
-        if req.state is _DECODE:
-            return 1 + self._steps - req.decode_from
-        return req.generated
+        return 1 + self._steps - req.decode_from if req.state is _DECODE else req.generated
 
     def load(self) -> EngineLoad:
         decoding = len(self._decoding)
@@ -241,10 +235,8 @@ class EmulatedEngine:
                 delta = done - self._seg_done
                 self._seg_done = done
                 self._steps += delta
-                if self.config.report_tokens:
-                    emitted = result.emitted
-                    for rid in self._decoding:
-                        emitted[rid] = delta
+                if self.config.report_tokens:  # the result is new: nothing emitted yet
+                    result.emitted = dict.fromkeys(self._decoding, delta)
             if self._seg_done < self._seg_k:
                 return result
             self._active = False
@@ -253,14 +245,12 @@ class EmulatedEngine:
             self._end_segment(self._seg_start + self._seg_k * self._seg_d, result)
         self._plan(now, result)
         if self._events:
-            result.events.extend(self._events)
-            self._events.clear()
+            result.events, self._events = self._events, []
         return result
 
     # -- the segment's end -------------------------------------------------------------------
 
     def _end_segment(self, t: float, result: StepResult) -> None:
-        report = self.config.report_tokens
         if self._seg_chunks:
             for req, n in self._seg_chunks:
                 if req.state is not _PREFILL:
@@ -273,7 +263,7 @@ class EmulatedEngine:
                 req.first_token_time = t
                 req.generated = 1
                 result.first_token.append(req)
-                if report:
+                if self.config.report_tokens:
                     result.emitted[req.rid] = result.emitted.get(req.rid, 0) + 1
                 if req.max_tokens == 1:
                     self._finish(req, t, result)
@@ -308,8 +298,7 @@ class EmulatedEngine:
         keys = req.keys
         assert keys is not None
         cache = self.cache
-        prompt_len = req.prompt_len
-        cap = (prompt_len - 1) // bs  # at least one prompt token is computed: the first token
+        cap = (req.prompt_len - 1) // bs  # at least one prompt token is computed: the first token
         stuck = self._stuck
         if (
             stuck is not None
@@ -326,7 +315,7 @@ class EmulatedEngine:
         req.state = _PREFILL
         req.admitted_time = now
         self._queued_prefill -= cached
-        self.prompt_tokens += prompt_len
+        self.prompt_tokens += req.prompt_len
         self.cached_tokens += cached
         self.host_hit_tokens += req.host_tokens
         return True
@@ -341,39 +330,35 @@ class EmulatedEngine:
         return budget - n
 
     def _plan(self, now: float, result: StepResult) -> None:
-        """Plan the next step. The blocks its chunks cache are matchable at once but announced
-        when the step ends, as vLLM publishes a step's BlockStored after its forward pass
-        (docs/workers.md); evictions are announced at once, as before."""
-        self._planning = True
-        try:
-            self._schedule(now, result)
-        finally:
-            self._planning = False
-
-    def _schedule(self, now: float, result: StepResult) -> None:
-        """Chunks for the prefills already running (admission order), then admissions from the
-        queue, each admitted request getting a chunk while the budget lasts. A chunk's full
-        blocks are cached as it is scheduled, so a request admitted after it matches them."""
+        """Plan the next step: chunks for the prefills already running (admission order), then
+        admissions from the queue, each admitted request getting a chunk while the budget lasts.
+        A chunk's full blocks are cached as it is scheduled, so a request admitted after it
+        matches them; they are announced when the step ends, as vLLM publishes a step's
+        BlockStored after its forward pass (docs/workers.md); evictions are announced at once."""
         cfg = self.config
         budget = cfg.chunk_tokens
         chunks: list[tuple[Request, int]] = []
-        for req in self._prefilling:
-            if budget <= 0:
-                break
-            budget = self._chunk(req, budget, chunks)
-        queue = self._queue
-        running = len(self._prefilling) + len(self._decoding)
-        self._blocked = False
-        while queue and queue[0].arrival <= now + _EPS:
-            if running >= cfg.max_batch or not self._admit(queue[0], now):
-                self._blocked = True
-                break
-            req = queue.popleft()
-            self._prefilling.append(req)
-            result.admitted.append(req)
-            running += 1
-            if budget > 0:
+        self._planning = True  # the cache's stores until the admissions end are this step's
+        try:
+            for req in self._prefilling:
+                if budget <= 0:
+                    break
                 budget = self._chunk(req, budget, chunks)
+            queue = self._queue
+            running = len(self._prefilling) + len(self._decoding)
+            self._blocked = False
+            while queue and queue[0].arrival <= now + _EPS:
+                if running >= cfg.max_batch or not self._admit(queue[0], now):
+                    self._blocked = True
+                    break
+                req = queue.popleft()
+                self._prefilling.append(req)
+                result.admitted.append(req)
+                running += 1
+                if budget > 0:
+                    budget = self._chunk(req, budget, chunks)
+        finally:
+            self._planning = False
         decoding = len(self._decoding)
         if not chunks and not decoding:
             return
