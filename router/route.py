@@ -103,6 +103,20 @@ class Routing:
         seen = candidates(self.index, request, loads, now)
         return Route(self, policy.choose(request, seen), now)
 
+    def done(
+        self,
+        request: RouteRequest,
+        worker: str,
+        kv_group: str,
+        exact: bool,
+        arrived: float,
+        now: float,
+    ) -> None:
+        """`request`, routed at `arrived`, succeeded on `worker`: one without KV events holds the
+        prompt now, approximately (unless an invalidation began after it was routed)."""
+        if not exact and request.block_keys and arrived > self.invalidated_at:
+            self.index.insert(request.block_keys, worker, kv_group, now, approximate=True)
+
     def expire(self, now: float) -> None:
         """Approximate and pending residency past its TTL leaves the index: every health
         interval, on the gateway's clock or the replay's."""
@@ -179,8 +193,5 @@ class Route:
         return LoadShare(load, request.prompt_tokens - held * request.block_size)
 
     def done(self, worker: str, kv_group: str, exact: bool, now: float) -> None:
-        """A success on `worker`: one without KV events holds the prompt now, approximately
-        (unless an invalidation began after the request was routed)."""
-        request = self.decision.request
-        if not exact and request.block_keys and self.arrived > self.routing.invalidated_at:
-            self.routing.index.insert(request.block_keys, worker, kv_group, now, approximate=True)
+        """A success on `worker` (`Routing.done`)."""
+        self.routing.done(self.decision.request, worker, kv_group, exact, self.arrived, now)

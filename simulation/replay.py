@@ -15,7 +15,7 @@ from backends.emulated.request import Request
 from core.heap import Heap
 from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
 from router.policies import Policy, WorkerLoad
-from router.route import LoadShare, Route, Routing
+from router.route import LoadShare, Routing
 from simulation.client import INF, Client
 from simulation.requests import SimRequest
 from simulation.sim_worker import Change, SimWorker
@@ -130,7 +130,6 @@ class Replay:
         self._worker = [-1] * n
         self._predicted = [0] * n
         self._shares: list[LoadShare | None] = [None] * n
-        self._routes: list[Route | None] = [None] * n
         self._engine_req: list[Request | None] = [None] * n
         self._worker_index = {w.name: i for i, w in enumerate(self.workers)}
         self._heap: Heap[SimWorker] = Heap()  # workers by the time of their next step call
@@ -207,7 +206,6 @@ class Replay:
         self._sent[i] = now
         self._worker[i] = self._worker_index[w.name]
         self._predicted[i] = route.matched(w.name)
-        self._routes[i] = route
         share = self._shares[i] = route.attempt(
             w.name, w.kv_group, self.fleet.kv_events, w.load, now
         )
@@ -236,7 +234,8 @@ class Replay:
         heap = self._heap
         requests = self.requests
         shares = self._shares
-        routes = self._routes
+        sent = self._sent
+        routing = self.routing
         exact = self.fleet.kv_events
         per_step = self.per_step
         while True:
@@ -248,8 +247,9 @@ class Replay:
                 for r in result.finished:
                     i = r.rid
                     cast(LoadShare, shares[i]).finish()
-                    cast(Route, routes[i]).done(w.name, w.kv_group, exact, now)
-                    client.complete(requests[i], True, now)
+                    req = requests[i]
+                    routing.done(req.route, w.name, w.kv_group, exact, sent[i], now)
+                    client.complete(req, True, now)
             if w.changes:
                 self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
                 w.changes = []
