@@ -155,6 +155,8 @@ class HostTier:
         already are only marked used. `starts_salt`: keys[0] starts that namespace. Returns the
         blocks stored; the deepest are left out when the tier has no room for all."""
         lru = self._lru
+        bs = self.block_size
+        keep = tokens if self.keep_tokens else None
         stored = i = 0
         n = len(keys)
         while i < n:
@@ -166,55 +168,31 @@ class HostTier:
             j = i + 1
             while j < n and (kv_group, keys[j]) not in lru:
                 j += 1
-            put = self._store_run(
-                kv_group,
-                keys[i - 1] if i else parent_key,
-                keys[i:j],
-                _part(tokens, i * self.block_size, j * self.block_size),
-                _part(gpu_pages, i, j),
-                salt,
-                starts_salt if i == 0 else None,
-            )
+            put = self._make_room(j - i)  # keys[i : i + put] are stored now, a run of new ones
+            pages: list[int] | None = None
+            if self.page_ids is not None and put:
+                free = self.page_ids
+                pages = free[len(free) - put :]
+                del free[len(free) - put :]
+                assert gpu_pages is not None and self._copy_out is not None
+                self._copy_out(gpu_pages[i : i + put], pages)
+            self.free_blocks -= put
+            for b in range(i + put - 1, i - 1, -1):  # deepest first: a chain's head is the newest
+                block_tokens = None if keep is None else keep[b * bs : (b + 1) * bs]
+                page = -1 if pages is None else pages[b - i]
+                lru[(kv_group, keys[b])] = HostBlock(page, block_tokens, salt)
+            self.demoted_blocks += put
             stored += put
+            if put and self.on_stored is not None:
+                span = None if tokens is None else tokens[i * bs : (i + put) * bs]
+                parent = keys[i - 1] if i else parent_key
+                self.on_stored(
+                    kv_group, parent, keys[i : i + put], span, None if i else starts_salt
+                )
             if put < j - i:
                 break  # no room for the rest: deeper blocks would have no parent here
             i = j
         return stored
-
-    def _store_run(
-        self,
-        kv_group: str,
-        parent_key: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        gpu_pages: list[int] | None,
-        salt: str | None,
-        starts_salt: str | None,
-    ) -> int:
-        n = self._make_room(len(keys))
-        if n == 0:
-            return 0
-        keys = keys[:n]
-        bs = self.block_size
-        pages: list[int] | None = None
-        if self.page_ids is not None:
-            free = self.page_ids
-            pages = free[len(free) - n :]
-            del free[len(free) - n :]
-            assert gpu_pages is not None and self._copy_out is not None
-            self._copy_out(gpu_pages[:n], pages)
-        self.free_blocks -= n
-        keep = tokens if self.keep_tokens else None
-        lru = self._lru
-        for i in range(n - 1, -1, -1):  # deepest first: a chain's head is the newest
-            block_tokens = None if keep is None else keep[i * bs : (i + 1) * bs]
-            page = -1 if pages is None else pages[i]
-            lru[(kv_group, keys[i])] = HostBlock(page, block_tokens, salt)
-        self.demoted_blocks += n
-        if self.on_stored is not None:
-            span = None if tokens is None else tokens[: n * bs]
-            self.on_stored(kv_group, parent_key, keys, span, starts_salt)
-        return n
 
     def _make_room(self, n: int) -> int:
         """Free room for up to `n` blocks, dropping the least recently used unpinned ones;
@@ -383,7 +361,3 @@ class HostTier:
         held = [b.page for b in self._lru.values()]
         assert len(free) == self.free_blocks and len(set(free)) == len(free), "free pages"
         assert len(set(held)) == len(held) and not set(held) & set(free), "a page in two places"
-
-
-def _part(items: list[int] | None, start: int, stop: int) -> list[int] | None:
-    return None if items is None else items[start:stop]
