@@ -40,7 +40,8 @@ class TokenizeApi:
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """`{"model"?, "tokens": [id, ...]}` -> `{"prompt": text}`, special tokens kept; 400
-        for an id outside the model's vocabulary."""
+        for an id the tokenizer cannot take (outside the byte vocabulary; over u32 for a Hugging
+        Face tokenizer, which drops other unknown ids, as vLLM's does)."""
         body = await read_json(request)
         model = pick_model(self.models, body.get("model"))
         tokens = body.get("tokens")
@@ -50,7 +51,7 @@ class TokenizeApi:
             raise APIError(400, "'tokens' must be a list of integers >= 0", param="tokens")
         try:
             text = model.tokenizer.decode(tokens)
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # tokenizers: an id over u32 overflows
             raise APIError(400, str(exc), param="tokens") from exc
         return json_response({"prompt": text})
 

@@ -1,7 +1,7 @@
 """vLLM's `/tokenize` and `/detokenize` on an emulated worker (a real process on 127.0.0.1):
 vLLM's request and response shapes, the ids the worker runs, OpenAI-shaped 4xx for bad input;
 and `--write-tokenizer`, whose files AutoTokenizer loads to the worker's own ids. (Against a
-real vLLM engine's answers: tests/backends/test_vllm_wire.py.)"""
+real vLLM engine's answers: tests/backends/test_vllm_tokenize.py.)"""
 
 from __future__ import annotations
 
