@@ -44,7 +44,8 @@ _IGNORED = {
 
 def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
     """Every gateway flag on `parser`, in GROUPS' argument groups (the essentials first)."""
-    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
+    groups = {key: parser.add_argument_group(title) for key, (title, _) in GROUPS.items()}
+    runs = {first: groups[key] for key, (_, first) in GROUPS.items() if first is not None}
     essentials = groups["essentials"]
     essentials.add_argument("--config", help="TOML file (flags override it; docs/config.md)")
     essentials.add_argument(
@@ -52,11 +53,12 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print the merged config (file + flags) as TOML, secrets masked, and exit",
     )
-    group = groups["essentials"]
-    for setting in fields(GatewayConfig):  # a group runs to the next setting that names one
-        group = groups.get(setting.metadata["group"], group)
+    group = essentials
+    for setting in fields(GatewayConfig):  # a group's run of settings ends where another begins
+        group = runs.pop(setting.name, group)
         if setting.metadata["flag"] is not None:
             _add_setting(group, setting)
+    assert not runs, f"GROUPS names no setting {list(runs)}"
     _add_tables(groups)
     compat = groups["compat"]
     compat.add_argument(

@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
 
 from msgspec import Meta
 
 from core import settings
 from core.hardware import DEFAULT_PREFILL_TOKENS_PER_S
 from core.logs import FORMATS, LEVELS
+from core.settings import setting
 from router.index import DEFAULT_APPROX_TTL_S
 
 ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
@@ -29,37 +30,21 @@ Port = Annotated[int, Meta(ge=0, le=65535)]  # 0: any free one
 PolicyParam = str | int | float | bool
 
 
-# the groups of the flags in `--help` (config_flags.py), in this order: the essentials first
-GROUPS: dict[str, str] = {
-    "essentials": "essentials",
-    "workers": "workers, models and discovery",
-    "routing": "routing",
-    "index": "the index and KV events",
-    "tenants": "tenants and isolation",
-    "load": "load, health and failover",
-    "http": "HTTP limits, timeouts and shutdown",
-    "admin": "admin API, metrics and recording",
-    "logs": "logs and traces",
-    "scale": "scale-out (docs/scale-out.md)",
-    "compat": "sglang-router's and vllm-router's names (docs/migration.md)",
+# the groups of the flags in `--help` (config_flags.py), in this order, the essentials first; each
+# with the first of its run of settings in GatewayConfig (None: config_flags.py's own flags only)
+GROUPS: dict[str, tuple[str, str | None]] = {
+    "essentials": ("essentials", "host"),
+    "workers": ("workers, models and discovery", "models"),
+    "routing": ("routing", "policy_params"),
+    "index": ("the index and KV events", "approx_ttl_s"),
+    "tenants": ("tenants and isolation", "salt_secret"),
+    "load": ("load, health and failover", "max_concurrent_requests"),
+    "http": ("HTTP limits, timeouts and shutdown", "max_body_bytes"),
+    "admin": ("admin API, metrics and recording", "admin_key"),
+    "logs": ("logs and traces", "log_level"),
+    "scale": ("scale-out (docs/scale-out.md)", "processes"),
+    "compat": ("sglang-router's and vllm-router's names (docs/migration.md)", None),
 }
-
-
-def _setting(
-    default: Any,
-    help: str,
-    flag: str | None = "",
-    aliases: tuple[str, ...] = (),
-    group: str | None = None,
-) -> Any:
-    """A setting and its flag, as core/settings.py's `setting` (None: no flag of its own;
-    config_flags.py adds what sets it). `group`: a key of GROUPS, under which `--help` lists this
-    setting's flag and those of the settings after it, up to the next that names a group."""
-    assert group is None or group in GROUPS, group
-    metadata = {"flag": flag, "help": help, "aliases": aliases, "group": group}
-    if isinstance(default, list | dict):
-        return field(default_factory=type(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass(slots=True)
@@ -92,162 +77,162 @@ class TenantConfig:
 
 @dataclass(slots=True)
 class GatewayConfig:
-    # runs of settings, each under the GROUPS key its first one names
-    host: str = _setting("127.0.0.1", "address to listen on", group="essentials")
-    port: Port = _setting(8000, "port to listen on (0: any free one)")
-    workers: list[WorkerConfig] = _setting([], "the workers ([[workers]] tables)", None)
-    tenants: list[TenantConfig] = _setting([], "tenants and API keys ([[tenants]])", None)
-    policy: str = _setting("cache_aware", "routing policy (docs/policies.md)")
+    # A setting's flag: core/settings.py's `setting` (None: no flag of its own; config_flags.py
+    # adds what sets it). The settings come in runs, one per group of `--help` (GROUPS).
+    # essentials
+    host: str = setting("127.0.0.1", "address to listen on")
+    port: Port = setting(8000, "port to listen on (0: any free one)")
+    workers: list[WorkerConfig] = setting([], "the workers ([[workers]] tables)", None)
+    tenants: list[TenantConfig] = setting([], "tenants and API keys ([[tenants]])", None)
+    policy: str = setting("cache_aware", "routing policy (docs/policies.md)")
     # worker discovery (docs/kubernetes.md, "Discovery")
-    discover: str = _setting("", "discover workers: 'k8s' watches the engine pods of a namespace")
+    discover: str = setting("", "discover workers: 'k8s' watches the engine pods of a namespace")
 
-    models: list[ModelConfig] = _setting(
-        [], "models and their tokenizers ([[models]])", None, group="workers"
-    )
-    discover_namespace: str = _setting(
+    # workers
+    models: list[ModelConfig] = setting([], "models and their tokenizers ([[models]])", None)
+    discover_namespace: str = setting(
         "", "the pods' namespace (default: the gateway pod's own, else the kubeconfig's)"
     )
-    discover_selector: str = _setting(
+    discover_selector: str = setting(
         "", "label selector of the engine pods, e.g. app=vllm,tier=engine (--discover k8s)"
     )
-    discover_port: Annotated[int, Meta(gt=0, le=65535)] = _setting(
+    discover_port: Annotated[int, Meta(gt=0, le=65535)] = setting(
         8000, "a pod's port when no urc.dev/port annotation or container port 'http' says"
     )
-    discover_kubeconfig: str = _setting(
+    discover_kubeconfig: str = setting(
         "", "kubeconfig file (default: the in-cluster service account, else $KUBECONFIG)"
     )
 
-    policy_params: dict[str, PolicyParam] = _setting(
-        {}, "the policy's parameters", None, group="routing"
-    )
-    prefill_tokens_per_s: Positive = _setting(
+    # routing
+    policy_params: dict[str, PolicyParam] = setting({}, "the policy's parameters", None)
+    prefill_tokens_per_s: Positive = setting(
         DEFAULT_PREFILL_TOKENS_PER_S,
         "a worker's prefill speed: the one the routing policy (cache_aware), the shadow policies' "
         "estimates and the aging of non-streamed requests' queued prefill assume",
     )
-    degraded: bool = _setting(
+    degraded: bool = setting(
         False, "start degraded: plain least-load routing (flip with POST /admin/mode)"
     )
-    shadow_policies: list[str] = _setting([], "policies that watch, never act", None)
+    shadow_policies: list[str] = setting([], "policies that watch, never act", None)
 
-    approx_ttl_s: Positive = _setting(
+    # index
+    approx_ttl_s: Positive = setting(
         DEFAULT_APPROX_TTL_S,
         "seconds a prefix routed to a worker without KV events counts as held there "
         "(approximate residency)",
-        group="index",
     )
-    pending_ttl_s: NonNegative = _setting(
+    pending_ttl_s: NonNegative = setting(
         0.0,
         "hold a request's prefix on its worker from dispatch until the worker's KV events "
         "confirm it, or for S seconds, so that concurrent requests find it (e.g. 10; 0: off)",
     )
-    index_max_blocks: NonNegativeInt = _setting(
+    index_max_blocks: NonNegativeInt = setting(
         20_000_000,
         "blocks the unified index holds at most, the least recently used dropped "
         "past it (0: no bound)",
     )
-    parity_interval_s: NonNegative = _setting(
+    parity_interval_s: NonNegative = setting(
         300.0,
         "probe every worker's token counts against the gateway's every S seconds, and when it "
         "comes up (0: never)",
     )
 
-    salt_secret: str = _setting(
+    # tenants
+    salt_secret: str = setting(
         "",
         "keys the tenants' cache salts (unset: random per gateway, one for all its --processes; "
         "gateway replicas in front of one fleet must share one)",
-        group="tenants",
     )
 
-    max_concurrent_requests: NonNegativeInt = _setting(
-        0,
-        "inference requests in flight per gateway process; more get 429 (0: unlimited)",
-        group="load",
+    # load
+    max_concurrent_requests: NonNegativeInt = setting(
+        0, "inference requests in flight per gateway process; more get 429 (0: unlimited)"
     )
-    connect_timeout_s: Positive = _setting(2.0, "seconds to connect to a worker")
-    ttfb_timeout_s: Positive = _setting(
+    connect_timeout_s: Positive = setting(2.0, "seconds to connect to a worker")
+    ttfb_timeout_s: Positive = setting(
         30.0,
         "seconds to a worker's first byte before the request fails over; a non-streamed one "
         "waits on while its worker answers health checks",
     )
-    request_timeout_s: Positive = _setting(
+    request_timeout_s: Positive = setting(
         600.0, "seconds a request may take in all", aliases=("--request-timeout-secs",)
     )
-    load_interval_s: NonNegative = _setting(
+    load_interval_s: NonNegative = setting(
         0.05,
         "seconds between samples of every worker's own load (/urc/load, or vLLM's and SGLang's "
         "/metrics), merged into the gateway's ledger so replicas see each other's requests "
         "(0: off, the gateway's own counts only)",
     )
-    health_interval_s: Positive = _setting(
+    health_interval_s: Positive = setting(
         0.5,
         "seconds between health checks of each worker",
         aliases=("--health-check-interval-secs",),
     )
-    unhealthy_after: PositiveInt = _setting(
+    unhealthy_after: PositiveInt = setting(
         2,
         "consecutive failed health checks or requests that take a worker out",
         aliases=("--health-failure-threshold",),
     )
-    breaker_cooldown_s: NonNegative = _setting(3.0, "seconds a worker taken out stays out at least")
+    breaker_cooldown_s: NonNegative = setting(3.0, "seconds a worker taken out stays out at least")
 
-    max_body_bytes: PositiveInt = _setting(
-        16 * 2**20, "larger request bodies get 413", aliases=("--max-payload-size",), group="http"
+    # http
+    max_body_bytes: PositiveInt = setting(
+        16 * 2**20, "larger request bodies get 413", aliases=("--max-payload-size",)
     )
-    max_request_line_bytes: PositiveInt = _setting(8192, "longer URLs get 414")
-    max_header_bytes: PositiveInt = _setting(65536, "larger request headers get 431")
-    header_timeout_s: Positive = _setting(
+    max_request_line_bytes: PositiveInt = setting(8192, "longer URLs get 414")
+    max_header_bytes: PositiveInt = setting(65536, "larger request headers get 431")
+    header_timeout_s: Positive = setting(
         10.0, "seconds from a request's first byte to the end of its headers, else 408"
     )
-    body_timeout_s: Positive = _setting(
+    body_timeout_s: Positive = setting(
         60.0, "seconds from the end of the headers to the end of the body, else 408"
     )
-    keepalive_s: Positive = _setting(
+    keepalive_s: Positive = setting(
         75.0, "seconds before idle kept-alive connections close", "--keepalive-timeout"
     )
-    shutdown_delay_s: NonNegative = _setting(
+    shutdown_delay_s: NonNegative = setting(
         0.0,
         "on SIGTERM, seconds /health answers 503 while the gateway still accepts and serves, "
         "before it stops accepting (Kubernetes: at least the readiness probe's period times "
         "its failureThreshold)",
     )
-    drain_timeout_s: Positive = _setting(
+    drain_timeout_s: Positive = setting(
         30.0, "on SIGTERM, seconds in-flight requests have to finish before the gateway exits"
     )
 
-    admin_key: str | None = _setting(
-        None, "the key of the admin API (/admin/...); off without", group="admin"
-    )
-    metrics_port: Port | None = _setting(
+    # admin
+    admin_key: str | None = setting(None, "the key of the admin API (/admin/...); off without")
+    metrics_port: Port | None = setting(
         None, "serve /metrics and /health on this port too", aliases=("--prometheus-port",)
     )
-    metrics_host: str = _setting(
+    metrics_host: str = setting(
         "", "address of the metrics port (default: --host)", aliases=("--prometheus-host",)
     )
-    metrics_key: str | None = _setting(
+    metrics_key: str | None = setting(
         None,
         "/metrics on the API port needs 'Authorization: Bearer KEY' (the admin key works too)",
     )
-    record: str | None = _setting(
+    record: str | None = setting(
         None,
         "append every served request to this file (Mooncake JSONL + model, tenant, worker, "
         "cached tokens) for `urc replay`",
     )
 
-    log_level: str = _setting("info", "log level: debug, info, warning or error", group="logs")
-    log_format: str = _setting("text", "log lines as text or json")
-    access_log: bool = _setting(False, "one line per request on the urc.access logger")
-    otel_endpoint: str = _setting(
+    # logs
+    log_level: str = setting("info", "log level: debug, info, warning or error")
+    log_format: str = setting("text", "log lines as text or json")
+    access_log: bool = setting(False, "one line per request on the urc.access logger")
+    otel_endpoint: str = setting(
         "", "OTLP/HTTP traces endpoint, e.g. http://collector:4318 (empty: tracing off)"
     )
 
-    processes: PositiveInt = _setting(
+    # scale
+    processes: PositiveInt = setting(
         1,
         "gateway processes on this host, one port (SO_REUSEPORT), each a full replica; "
         "/metrics and the admin API cover them all (docs/scale-out.md)",
-        group="scale",
     )
-    kv_groups: str = _setting(
+    kv_groups: str = setting(
         "",
         "route and follow the KV events of only these kv_groups, comma-separated (default: "
         "all): replica sets that each follow a shard of a fleet too large for one",
