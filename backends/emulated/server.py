@@ -16,7 +16,7 @@ from prometheus_client.core import Metric
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.embedding import embed
-from backends.emulated.engine import EmulatedEngine, EngineLoad, StepResult
+from backends.emulated.engine import EmulatedEngine, StepResult
 from backends.emulated.request import Request, output_bytes
 from backends.http.generation import Generation, ServedModel, WorkerLoad
 from backends.http.runner import Events, InvalidateRequest, counter, gauge
@@ -77,6 +77,7 @@ class EmulatedSide:
             next(self._ids), gen.prompt, gen.sampling.max_tokens, gen.cache_salt, self._clock()
         )
         req.public_blocks = gen.public_tokens // self.config.block_size
+        req.priority = gen.priority
         return req
 
     def submit(self, req: Request) -> None:
@@ -109,13 +110,11 @@ class EmulatedSide:
                 _catch_up(gen, req.generated)
         return {self.model.kv_group: result.events} if result.events else {}
 
-    def loads(self) -> tuple[WorkerLoad, EngineLoad]:
-        load = self.engine.load()
-        stats = self.engine.cache.stats()
-        used = stats.capacity_tokens - stats.free_tokens
-        capacity = stats.capacity_tokens
+    def load(self) -> WorkerLoad:
+        load, stats = self.engine.load(), self.engine.cache.stats()
+        used, capacity = stats.capacity_tokens - stats.free_tokens, stats.capacity_tokens
         queued, decoding = load.queued_prefill_tokens, load.decoding
-        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding), load
+        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding)
 
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         if asked.kv_group not in (None, self.model.kv_group):

@@ -33,7 +33,6 @@ class LoadPublisher:
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._encode = msgspec.json.Encoder().encode
         self._task: asyncio.Task[None] | None = None
-        self.sent = 0
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -48,7 +47,6 @@ class LoadPublisher:
             if state != last or now - sent_at >= HEARTBEAT_S:
                 with contextlib.suppress(zmq.Again):
                     self._pub.send(self._encode(doc), zmq.NOBLOCK)
-                    self.sent += 1
                 last, sent_at = state, now
             await asyncio.sleep(self.interval_s)
 

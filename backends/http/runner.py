@@ -49,7 +49,7 @@ class Engine(Protocol):
     def due_in(self) -> float | None: ...  # seconds until a step is due; None: idle
     def step(self) -> Any: ...  # one step; its result goes to `advance`
     def advance(self, result: Any, live: dict[Any, Generation]) -> Events: ...  # its KV events
-    def loads(self) -> tuple[WorkerLoad, NamedTuple]: ...  # the HTTP layer's load, the engine's
+    def load(self) -> WorkerLoad: ...  # its load as the HTTP layer reports it
     # drop a scope of the cache: the answer, and the unpublished events (stores, then removals)
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]: ...
     # unit-norm embeddings of token-id prompts of `model`, one step's worth of work at most
@@ -91,7 +91,7 @@ class EngineRunner:
         self._thread = (
             ThreadPoolExecutor(1, thread_name_prefix=self.name) if steps.blocking else None
         )
-        self._snapshot = steps.loads()
+        self._snapshot = steps.load()
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._drive(), name=self.name)
@@ -148,10 +148,7 @@ class EngineRunner:
         self._wake.set()
 
     def load(self) -> WorkerLoad:
-        return self.loads()[0]
-
-    def loads(self) -> tuple[WorkerLoad, NamedTuple]:
-        return self._snapshot if self._stepping.locked() else self.steps.loads()
+        return self._snapshot if self._stepping.locked() else self.steps.load()
 
     # -- stepping ------------------------------------------------------------------------------
 
@@ -187,7 +184,7 @@ class EngineRunner:
                 except Exception:  # a bug: fail what is in flight, keep serving new requests
                     log.exception("%s step failed", self.name)
                     self._pending += [(False, gen) for gen in self._live.values()]
-                self._snapshot = steps.loads()
+                self._snapshot = steps.load()
             self._flush()
 
     def _flush(self) -> None:

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 KV_TOPIC = ""  # vLLM's default (KVEventsConfig.topic), what its consumers expect
 _ANY_HOST = ("0.0.0.0", "::", "*", "")
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ENGINE_LOAD = ("running", "waiting", "queued_prefill_tokens", "decoding")  # /urc/info's "load"
 
 
 class Worker:
@@ -122,6 +123,7 @@ class Worker:
 
     async def info(self, request: web.Request) -> web.Response:
         streams = {g: events_document(p, request) for g, p in self.publishers.items()}
+        load = self.runner.load()
         doc: dict[str, Any] = {
             "engine": self.engine.name,
             "incarnation": self.incarnation,
@@ -130,8 +132,8 @@ class Worker:
             ],
             "block_size": self.engine.block_size,
             **self.engine.info(),
-            "capacity_tokens": self.runner.load().capacity_tokens,
-            "load": self.runner.loads()[1]._asdict(),
+            "capacity_tokens": load.capacity_tokens,
+            "load": {k: getattr(load, k) for k in ENGINE_LOAD},
         }
         if len(self.groups) == 1:
             doc["kv_events"] = streams[self.groups[0]]

@@ -23,17 +23,26 @@ from backends.torch_worker.request import Request, SamplingParams, Status
 from backends.torch_worker.scheduler import ModelState, PoolState, Scheduler, SchedulerConfig
 from core.blocks import DEFAULT_BLOCK_SIZE
 from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockRemoved, KVEvent, block_stored
+from core.settings import setting
 
 
 @dataclass(slots=True)
 class EngineConfig:
-    page_size: int = DEFAULT_BLOCK_SIZE
-    kv_cache_mb: float = 256.0  # all pools together
-    num_pages: int = 0  # > 0: pages per pool, instead of the kv_cache_mb split (tests)
-    host_capacity_tokens: int = 0  # > 0: a host tier of this many tokens, all pools together
+    """Each setting with a flag is one of `urc worker --engine torch` (core/settings.py)."""
+
+    page_size: int = setting(DEFAULT_BLOCK_SIZE, "tokens per KV page")
+    kv_cache_mb: float = setting(256.0, "KV memory, all pools together")
+    num_pages: int = setting(0, "pages per pool (overrides --kv-cache-mb)")
+    host_capacity_tokens: int = setting(0, "host-memory KV tier, tokens (0: none)")
     attention: str = "auto"  # "torch", "flashinfer" or "auto"
     record_logits: bool = False  # keep every sampled row of logits on the request (tests)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.kv_cache_mb <= 0 or self.num_pages < 0:
+            raise ValueError("need --page-size >= 1, --kv-cache-mb > 0 and --num-pages >= 0")
+        if self.host_capacity_tokens < 0:
+            raise ValueError("need --host-capacity-tokens >= 0")
 
 
 class StepResult(NamedTuple):

@@ -1,5 +1,6 @@
-"""What runs: for one model per step, its batch of decodes and prefill chunks; admission longest
-cached prefix first, preemption of the pool's newest request (docs/workers.md)."""
+"""What runs: for one model per step, its batch of decodes and prefill chunks; everything by
+vLLM's `priority` first (lower earlier), then admission longest cached prefix first, preemption
+of the pool's worst-ranked newest request (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ from backends.torch_worker.paging import (
     release,
 )
 from backends.torch_worker.request import Request, Status
+from core.settings import setting
+
+
+def _priority(req: Request) -> int:
+    return req.priority
 
 
 @dataclass(slots=True, eq=False)
@@ -53,8 +59,8 @@ class ModelState:
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    chunk_size: int = 512  # prefill tokens per forward pass of a model
-    max_running: int = 64  # requests in one model's batch
+    chunk_size: int = setting(512, "prefill tokens per forward pass")  # of a model
+    max_running: int = setting(64, "requests in a model's batch")
     prefix_cache: bool = True
     lpf_limit: int = 128
 
@@ -76,7 +82,7 @@ class Scheduler:
         bs = cache.block_size
         items: list[WorkItem] = []
         budget = self.config.chunk_size
-        for req in list(ms.running):
+        for req in sorted(ms.running, key=_priority):  # stable: then admission order
             if req.status is not Status.RUNNING:
                 continue  # preempted while this batch was being built
             n = 1 if req.pending == 1 else min(req.pending, budget)
@@ -115,20 +121,22 @@ class Scheduler:
         return items
 
     def _admission_order(self, ms: ModelState) -> list[Request]:
-        waiting = list(ms.waiting)
+        """By priority, then the longest cached prefix (up to `lpf_limit` waiting), then FCFS."""
+        waiting = ms.waiting
         if not self.config.prefix_cache or len(waiting) > self.config.lpf_limit:
-            return waiting
+            return sorted(waiting, key=_priority)
         cache, host = ms.pool.cache, ms.pool.host
         group = ms.loaded.kv_group
         # stable: FCFS among equals
-        return sorted(waiting, key=lambda r: -matched_blocks(cache, r, group, host))
+        return sorted(waiting, key=lambda r: (r.priority, -matched_blocks(cache, r, group, host)))
 
     def _reserve(self, req: Request, need: int, items: list[WorkItem]) -> bool:
-        """Pages for the request's next chunk, preempting the pool's newest requests until
-        they fit. False when the request itself was the newest (it was preempted)."""
+        """Pages for the request's next chunk, preempting the pool's worst-ranked (as vLLM's
+        priority policy), then newest, requests until they fit. False when the request itself
+        was the victim (it was preempted)."""
         pool = self.models[req.kv_group].pool
         while not grow(pool.cache, req, need):
-            victim = max(pool.running, key=lambda r: r.order)
+            victim = max(pool.running, key=lambda r: (r.priority, r.order))
             self.preempt(victim)
             items[:] = [item for item in items if item.req is not victim]
             if victim is req:

@@ -16,16 +16,11 @@ from backends.http.generation import Generation, ServedModel, WorkerLoad
 from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from backends.torch_worker.embedding import embed
-from backends.torch_worker.engine import (
-    EngineConfig,
-    EngineLoad,
-    StepResult,
-    TorchEngine,
-    default_device,
-)
+from backends.torch_worker.engine import EngineConfig, StepResult, TorchEngine, default_device
 from backends.torch_worker.loader import LoadedModel, load_model
 from backends.torch_worker.request import Request, Status
 from backends.torch_worker.scheduler import SchedulerConfig
+from core.settings import add_setting_flags, from_flags
 
 ENGINE = "torch"
 
@@ -91,6 +86,7 @@ class TorchSide:
         if gen.cache_salt:  # shared isolation: the public part, whole blocks of the prompt
             page = self.config.page_size
             req.public_blocks = min(gen.public_tokens // page, len(gen.prompt) // page)
+        req.priority = gen.priority
         self.engine.validate(req)
         return req
 
@@ -121,13 +117,13 @@ class TorchSide:
             gen.changed.set()
         return result.events
 
-    def loads(self) -> tuple[WorkerLoad, EngineLoad]:
+    def load(self) -> WorkerLoad:
         pools = self.engine.pools.values()
         capacity = sum(p.memory.capacity for p in pools) * self.config.page_size
         used = sum(p.cache.capacity_tokens - p.cache.free_tokens for p in pools)
         load = self.engine.load()
         queued, decoding = load.queued_prefill_tokens, load.decoding
-        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding), load
+        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding)
 
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         done, events = self.engine.invalidate(asked.scope, asked.kv_group)
@@ -239,8 +235,6 @@ def _model_arg(value: str) -> tuple[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    d = EngineConfig()
-    s = SchedulerConfig()
     parser = worker_parser(
         ENGINE,
         "A PyTorch worker: Llama-architecture models with SGLang-style radix attention over "
@@ -266,14 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
             ("--dtype", str, "auto", "auto, float32, bfloat16, float16"),
             ("--load-format", str, "auto", dummy, ["auto", "safetensors", "dummy"]),
             ("--seed", int, 0, "seed of random (dummy) weights"),
-            ("--page-size", int, d.page_size, "tokens per KV page"),
-            ("--kv-cache-mb", float, d.kv_cache_mb, "KV memory, all pools together"),
-            ("--num-pages", int, 0, "pages per pool (overrides --kv-cache-mb)"),
-            ("--host-capacity-tokens", int, 0, "host-memory KV tier, tokens (0: none)"),
-            ("--chunk-size", int, s.chunk_size, "prefill tokens per forward pass"),
-            ("--max-running", int, s.max_running, "requests in a model's batch"),
         ],
     )
+    add_setting_flags(parser, EngineConfig)
+    add_setting_flags(parser, SchedulerConfig)
     parser.add_argument(
         "--disable-prefix-cache", action="store_true", help="compute every prompt token"
     )
@@ -289,25 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace) -> TorchSide:
     """ValueError on settings that cannot work."""
-    if args.page_size < 1 or args.kv_cache_mb <= 0 or args.num_pages < 0:
-        raise ValueError("need --page-size >= 1, --kv-cache-mb > 0 and --num-pages >= 0")
-    if args.host_capacity_tokens < 0:
-        raise ValueError("need --host-capacity-tokens >= 0")
+    scheduler = from_flags(SchedulerConfig, args, prefix_cache=not args.disable_prefix_cache)
+    config = from_flags(EngineConfig, args, attention=args.attention, scheduler=scheduler)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    scheduler = SchedulerConfig(
-        chunk_size=args.chunk_size,
-        max_running=args.max_running,
-        prefix_cache=not args.disable_prefix_cache,
-    )
-    config = EngineConfig(
-        page_size=args.page_size,
-        kv_cache_mb=args.kv_cache_mb,
-        num_pages=args.num_pages,
-        host_capacity_tokens=args.host_capacity_tokens,
-        attention=args.attention,
-        scheduler=scheduler,
-    )
     return TorchSide(load_models(args, config.page_size), config, args.default_max_tokens)
 
 
