@@ -64,13 +64,9 @@ async def _metrics_site(gateway: Gateway, host: str, port: int) -> web.AppRunner
     """`/metrics` (no key, as on the gateway's metrics port), `/health`, `/health/live`;
     prints `metrics: http://HOST:PORT/metrics` once listening."""
     app = web.Application()
-    app.add_routes(
-        [
-            web.get("/metrics", gateway.scrape),
-            web.get("/health", gateway.health),
-            web.get("/health/live", gateway.live),
-        ]
-    )
+    app.router.add_get("/metrics", gateway.scrape)
+    app.router.add_get("/health", gateway.health)
+    app.router.add_get("/health/live", gateway.live)
     add_fallback_route(app)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
