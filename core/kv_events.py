@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Final, Union
 
 import msgspec
 
 BlockHash = int | bytes
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"  # a host-memory tier (vLLM's offloading connector, our workers' host tier)
+MEDIUM_GPU: Final = "GPU"  # Final: compiled modules inline it
+MEDIUM_CPU: Final = "CPU"  # a host-memory tier (vLLM's offloading connector, our host tier)
 
 
 class KVEventDecodeError(ValueError):
