@@ -103,6 +103,15 @@ class Routing:
         seen = candidates(self.index, request, loads, now)
         return Route(self, policy.choose(request, seen), now)
 
+    def uncached(self, request: RouteRequest, now: float) -> int:
+        """The prompt tokens the best-placed worker of its kv_group would compute: what
+        admission charges a request before it is routed (docs/flow-control.md)."""
+        best = 0
+        for blocks in self.index.match(request.block_keys, request.kv_group, now).values():
+            if blocks > best:
+                best = blocks
+        return request.prompt_tokens - request.matched_tokens(best)
+
     def done(
         self,
         request: RouteRequest,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -20,11 +20,30 @@ from router.route import Route, Routing
 from router.shadow import ShadowPolicies
 
 
+class Keyed(NamedTuple):
+    """A request keyed for routing, not yet routed (admission may hold it in between)."""
+
+    model: Model
+    request: RouteRequest
+    salt: str | None
+    public_tokens: int  # shared isolation: leading tokens keyed shared
+    arrived: float  # time.monotonic() when keying began
+    keyed_s: float  # how long keying took (part of urc_decision_seconds)
+
+
 class Plan:
     """A routed request as the gateway holds it: the lifecycle's `route`, the model it named,
     and what the access log, the recording and `x-urc-route` say of it."""
 
-    __slots__ = ("model", "route", "decision_s", "policy", "public_tokens", "prefix_cache")
+    __slots__ = (
+        "model",
+        "route",
+        "decision_s",
+        "policy",
+        "public_tokens",
+        "prefix_cache",
+        "arrived",
+    )
 
     def __init__(
         self,
@@ -41,6 +60,7 @@ class Plan:
         self.policy = policy  # the policy that decided
         self.public_tokens = public_tokens  # shared isolation: leading tokens keyed shared
         self.prefix_cache = prefix_cache  # False: embeddings (no prefix to predict or record)
+        self.arrived = route.arrived  # time.monotonic() when the request was keyed
 
     @property
     def decision(self) -> Decision:
@@ -50,11 +70,6 @@ class Plan:
     def request(self) -> RouteRequest:
         """What the policy saw (shadow policies see the same)."""
         return self.route.decision.request
-
-    @property
-    def arrived(self) -> float:
-        """time.monotonic() when routing began."""
-        return self.route.arrived
 
     def matched(self, worker: str) -> int:
         return self.route.matched(worker)
@@ -121,21 +136,35 @@ class Router:
         policy: Policy | None = None,
         public: bool = False,
     ) -> Plan:
+        """Key the request and route it now (`keyed`, then `route`)."""
+        return self.route(self.keyed(body, chat, salt, public), policy)
+
+    def keyed(self, body: dict[str, Any], chat: bool, salt: str | None, public: bool) -> Keyed:
+        """The request as routing sees it: its model, tokens and block keys in `salt`'s
+        namespace (`public`: shared isolation's leading system prompt keyed shared)."""
         arrived = time.monotonic()
         t0 = time.perf_counter()
-        name = body["model"]
-        model = self._serving(name)
-        group = model.kv_group
+        model = self._serving(body["model"])
         tokens = self.tokens(model, body, chat)
         public_tokens = self.public_tokens(model, body, tokens) if public and chat and salt else 0
-        public_blocks = public_tokens // model.block_size
-        keys = block_keys(tokens, model.block_size, salt, public_blocks)
-        request = RouteRequest(keys, len(tokens), model.block_size, group, name)
+        keys = block_keys(tokens, model.block_size, salt, public_tokens // model.block_size)
+        request = RouteRequest(keys, len(tokens), model.block_size, model.kv_group, model.name)
+        return Keyed(model, request, salt, public_tokens, arrived, time.perf_counter() - t0)
+
+    def route(self, keyed: Keyed, policy: Policy | None = None, now: float | None = None) -> Plan:
+        """Route `keyed` against the loads of `now` (default: when it was keyed; after
+        admission, the moment it leaves the queue): the lifecycle's `route` (router/route.py)."""
+        t0 = time.perf_counter()
+        model = keyed.model
         policy = policy or self.policy
-        loads = self.fleet.loads(group)
-        route = self.routing.route(request, loads, policy, arrived, salt, public_blocks)
-        decision_s = time.perf_counter() - t0
-        return Plan(model, route, decision_s, policy.name, public_tokens)
+        loads = self.fleet.loads(model.kv_group)
+        public_blocks = keyed.public_tokens // model.block_size
+        at = keyed.arrived if now is None else now
+        route = self.routing.route(keyed.request, loads, policy, at, keyed.salt, public_blocks)
+        decision_s = keyed.keyed_s + time.perf_counter() - t0
+        plan = Plan(model, route, decision_s, policy.name, keyed.public_tokens)
+        plan.arrived = keyed.arrived
+        return plan
 
     def plan_embeddings(self, name: str, items: list[Any], policy: Policy) -> Plan:
         """An embeddings request: no prefix cache plays a part, so no block keys; its prompt
