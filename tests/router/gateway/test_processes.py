@@ -15,7 +15,7 @@ import pytest
 
 from router.gateway.siblings import merge_expositions
 from tests.processes import wait_for
-from urc.processes import start_gateway, start_worker
+from urc.processes import Child, start_gateway, start_worker
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 
@@ -51,7 +51,7 @@ def test_admin_changes_and_metrics_reach_every_process(workers: list[str]) -> No
             assert completion(gateway.url).status_code == 200
         assert len(replicas) > 1  # the answers came from more than one process
 
-        metrics_url = next(line for line in gateway.lines if line.startswith("metrics: "))[9:]
+        metrics_url = metrics_announced(gateway)
         text = httpx.get(metrics_url).text
         degraded = [line for line in text.splitlines() if line.startswith("urc_routing_degraded{")]
         assert sorted(degraded) == [f'urc_routing_degraded{{replica="{i}"}} 1.0' for i in range(3)]
@@ -84,13 +84,23 @@ def exact_residencies(metrics_url: str) -> list[float]:
     return list(by_process.values())
 
 
+def metrics_announced(gateway: Child) -> str:
+    """The metrics URL the gateway prints after `gateway:` (maybe a moment later)."""
+
+    def announced() -> list[str]:
+        return [line for line in gateway.lines if line.startswith("metrics: ")]
+
+    assert wait_for(announced, 10)
+    return announced()[0][9:]
+
+
 def hot_prefix_hit_rate(workers: list[str], processes: str) -> float:
     """Cached over prompt tokens of one tenant's hot-prefix load (4 prefixes, 6 requests each,
     each on a fresh connection), every process's index caught up before the next request."""
     flags = ("--processes", processes, "--api-key", "acme:sk-acme", "--metrics-port", "0")
     gateway = start_gateway(workers, *flags)
     try:
-        metrics_url = next(line for line in gateway.lines if line.startswith("metrics: "))[9:]
+        metrics_url = metrics_announced(gateway)
         cached = prompt = 0
         before = max(exact_residencies(metrics_url))
         for i in range(24):
