@@ -30,6 +30,10 @@ _FINISHED: Final = State.FINISHED
 _ABORTED: Final = State.ABORTED
 
 
+def _priority(req: Request) -> int:
+    return req.priority
+
+
 class StepResult:
     """What one `step` call did (a plain class: compiled, it is built natively)."""
 
@@ -77,7 +81,9 @@ class EmulatedEngine:
                 on_removed=partial(self._on_removed, medium=MEDIUM_CPU) if events else None,
             )
             self.host.attach(self.cache)
-        self._queue: deque[Request] = deque()
+        self._queue: deque[Request] = deque()  # arrival order
+        # waiting or prefilling requests with a non-zero priority: while any, planning ranks
+        self._ranked = 0
         self._prefilling: list[Request] = []  # admission order
         self._decoding: dict[Any, Request] = {}
         self._finishing: Heap[Request] = Heap()  # decoding requests by their last step
@@ -168,13 +174,22 @@ class EmulatedEngine:
         req.state = _WAITING
         self._queue.append(req)
         self._queued_prefill += req.prompt_len
+        if req.priority:
+            self._ranked += 1
         running = len(self._prefilling) + len(self._decoding)
-        if self._active and not self._blocked and running < cfg.max_batch:
+        if self._active and running < cfg.max_batch and (not self._blocked or self._outranks(req)):
             self._cut(req.arrival)
+
+    def _outranks(self, req: Request) -> bool:
+        """`req` ranks before the request that last did not fit: it may fit, and goes first."""
+        stuck = self._stuck
+        return stuck is not None and req.priority < stuck[0].priority
 
     def abort(self, req: Request, now: float) -> bool:
         """Drop a request (its client went away). Its room and locks are released now; blocks
         it already cached stay cached. False when it had already finished."""
+        if req.priority and (req.state is _WAITING or req.state is _PREFILL):
+            self._ranked -= 1
         if req.state is _WAITING:
             self._queue.remove(req)
             self._queued_prefill -= req.prompt_len
@@ -260,6 +275,8 @@ class EmulatedEngine:
                 if req.computed < req.prompt_len:
                     continue
                 req.state = _DECODE
+                if req.priority:
+                    self._ranked -= 1
                 req.first_token_time = t
                 req.generated = 1
                 result.first_token.append(req)
@@ -329,34 +346,82 @@ class EmulatedEngine:
         cache_prompt(self.cache, req, req.computed + n, self._tokens_out)
         return budget - n
 
-    def _plan(self, now: float, result: StepResult) -> None:
-        """Plan the next step: chunks for the prefills already running (admission order), then
-        admissions from the queue, each admitted request getting a chunk while the budget lasts.
-        A chunk's full blocks are cached as it is scheduled, so a request admitted after it
-        matches them; they are announced when the step ends, as vLLM publishes a step's
-        BlockStored after its forward pass (docs/workers.md); evictions are announced at once."""
+    def _schedule(self, now: float, chunks: list[tuple[Request, int]], result: StepResult) -> int:
+        """Every priority 0 (or one value): chunks for the prefills already running (admission
+        order), then admissions from the queue (arrival order), each admitted request getting a
+        chunk while the budget lasts. Returns the budget left."""
         cfg = self.config
         budget = cfg.chunk_tokens
-        chunks: list[tuple[Request, int]] = []
-        self._planning = True  # the cache's stores until the admissions end are this step's
-        try:
-            for req in self._prefilling:
-                if budget <= 0:
-                    break
+        for req in self._prefilling:
+            if budget <= 0:
+                break
+            budget = self._chunk(req, budget, chunks)
+        queue = self._queue
+        running = len(self._prefilling) + len(self._decoding)
+        self._blocked = False
+        while queue and queue[0].arrival <= now + _EPS:
+            if running >= cfg.max_batch or not self._admit(queue[0], now):
+                self._blocked = True
+                break
+            req = queue.popleft()
+            self._prefilling.append(req)
+            result.admitted.append(req)
+            running += 1
+            if budget > 0:
                 budget = self._chunk(req, budget, chunks)
-            queue = self._queue
-            running = len(self._prefilling) + len(self._decoding)
-            self._blocked = False
-            while queue and queue[0].arrival <= now + _EPS:
-                if running >= cfg.max_batch or not self._admit(queue[0], now):
+        return budget
+
+    def _schedule_ranked(
+        self, now: float, chunks: list[tuple[Request, int]], result: StepResult
+    ) -> int:
+        """`_schedule` by rank: the prefilling and the arrived waiting requests by priority, a
+        stable sort, so at equal priority prefills go first (admission order), then the queue
+        (arrival order). A waiting request that does not fit blocks those ranked after it, as
+        the FIFO head does. No preemption: a running prefill keeps its room, and loses only
+        this step's budget to better ranked ones. Sorting costs O(n log n) a step, only while a
+        non-zero priority is waiting or prefilling."""
+        cfg = self.config
+        budget = cfg.chunk_tokens
+        queue = self._queue
+        ranked = self._prefilling[:]
+        for req in queue:
+            if req.arrival > now + _EPS:
+                break
+            ranked.append(req)
+        ranked.sort(key=_priority)
+        running = len(self._prefilling) + len(self._decoding)
+        admitted = self._blocked = False
+        for req in ranked:
+            if req.state is _WAITING:
+                if self._blocked:
+                    continue
+                if running >= cfg.max_batch or not self._admit(req, now):
                     self._blocked = True
-                    break
-                req = queue.popleft()
+                    continue
                 self._prefilling.append(req)
                 result.admitted.append(req)
                 running += 1
-                if budget > 0:
-                    budget = self._chunk(req, budget, chunks)
+                admitted = True
+            if budget > 0:
+                budget = self._chunk(req, budget, chunks)
+        if admitted:
+            self._queue = deque([r for r in queue if r.state is _WAITING])
+        return budget
+
+    def _plan(self, now: float, result: StepResult) -> None:
+        """Plan the next step: its prefill chunks and admissions (`_schedule`, or by priority
+        `_schedule_ranked`). A chunk's full blocks are cached as it is scheduled, so a request
+        admitted after it matches them; they are announced when the step ends, as vLLM publishes
+        a step's BlockStored after its forward pass (docs/workers.md); evictions are announced
+        at once."""
+        cfg = self.config
+        chunks: list[tuple[Request, int]] = []
+        self._planning = True  # the cache's stores until the admissions end are this step's
+        try:
+            if self._ranked:
+                budget = self._schedule_ranked(now, chunks, result)
+            else:
+                budget = self._schedule(now, chunks, result)
         finally:
             self._planning = False
         decoding = len(self._decoding)
@@ -379,6 +444,7 @@ class EmulatedEngine:
             while finishing.peek().item.state is not _DECODE:
                 finishing.pop()  # aborted
             k = int(finishing.peek().key) - self._steps
+            queue = self._queue
             if queue and not self._blocked:  # a request submitted ahead of its arrival
                 k = min(k, max(1, math.ceil((queue[0].arrival - now) / d - _EPS)))
         self._active = True
@@ -397,4 +463,6 @@ class EmulatedEngine:
         assert sum(r.reserved for r in running) == self.cache.allocated_tokens, "reserved room"
         check_locks(self.cache, [r.node for r in running if r.node is not None])
         assert len(running) <= self.config.max_batch, "batch over max_batch"
+        ranked = sum(1 for r in [*self._queue, *self._prefilling] if r.priority)
+        assert ranked == self._ranked, "requests ranked by priority"
         assert self._active or not self._held, "events held past their step"

@@ -71,6 +71,8 @@ class Request:
     tail_keys: list[int] | None  # `tail_keys(...)` of the request; on finish when None
     # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
     public_blocks: int
+    # vLLM's `priority`: lower is scheduled earlier, ties by arrival (docs/workers.md)
+    priority: int
     state: State
     cached_tokens: int  # prompt tokens found in the cache on admission (both tiers)
     host_tokens: int  # of those, promoted from the host tier: copied in before its first chunk
@@ -97,6 +99,7 @@ class Request:
         keys: list[int] | None = None,
         tail_keys: list[int] | None = None,
         public_blocks: int = 0,
+        priority: int = 0,
     ) -> None:
         self.rid = rid
         self.prompt = prompt
@@ -106,6 +109,7 @@ class Request:
         self.keys = keys
         self.tail_keys = tail_keys
         self.public_blocks = public_blocks
+        self.priority = priority
         self.state = State.WAITING
         self.cached_tokens = self.host_tokens = self.computed = self.generated = 0
         self.admitted_time = self.first_token_time = self.finish_time = None

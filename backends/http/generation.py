@@ -105,6 +105,7 @@ class Generation:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     handle: Any = None  # the engine's own record of it
     public_tokens: int = 0  # `urc_public_tokens`: keyed in the shared namespace, then the salt
+    priority: int = 0  # vLLM's `priority`: lower is scheduled earlier (docs/workers.md)
 
     @property
     def finished(self) -> bool:

@@ -146,6 +146,17 @@ def public_param(body: dict[str, Any]) -> int:
     return value
 
 
+def priority_param(body: dict[str, Any]) -> int:
+    """vLLM's `priority`: an integer in int64's range, lower scheduled earlier (default 0).
+    Our engines always schedule by it; vLLM only under `--scheduling-policy priority`."""
+    value = body.get("priority")
+    if value is None:
+        return 0
+    if type(value) is not int or not -(2**63) <= value < 2**63:
+        raise APIError(400, "'priority' must be a 64-bit integer", param="priority")
+    return value
+
+
 def salt_param(body: dict[str, Any]) -> str | None:
     """vLLM's `cache_salt`: a non-empty string, or absent."""
     salt = body.get("cache_salt")
@@ -256,6 +267,7 @@ class _Call:
         salt = salt_param(body)
         self.gen = Generation(model, prompt, params, salt, chat)
         self.gen.public_tokens = public_param(body) if salt else 0
+        self.gen.priority = priority_param(body)
         self.chat = chat
         self.stream = bool_param(body, "stream")
         options = body.get("stream_options")

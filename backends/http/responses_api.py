@@ -16,6 +16,7 @@ from backends.http.generation import Generation, ServedModel, TextStream, decode
 from backends.http.openai_api import (
     bool_param,
     int_param,
+    priority_param,
     public_param,
     read_json,
     respond,
@@ -167,6 +168,7 @@ class ResponsesApi:
         salt = salt_param(body)
         gen = Generation(model, prompt, params, salt, chat=True)
         gen.public_tokens = public_param(body) if salt else 0
+        gen.priority = priority_param(body)
         stream = bool_param(body, "stream")
         answer = _Answer(model, body, gen)
         return await respond(

@@ -51,6 +51,7 @@ class Request:
     logits: list[torch.Tensor] | None = field(default=None, repr=False)  # when recorded
     # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
     public_blocks: int = 0
+    priority: int = 0  # vLLM's `priority`: lower is scheduled earlier (docs/workers.md)
 
     @property
     def tokens(self) -> list[int]:

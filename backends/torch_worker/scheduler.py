@@ -25,10 +25,6 @@ from backends.torch_worker.request import Request, Status
 from core.settings import setting
 
 
-def _priority(req: Request) -> int:
-    return req.priority
-
-
 @dataclass(slots=True, eq=False)
 class PoolState:
     """A page pool, its cache and every request that holds pages in it."""
@@ -77,58 +73,73 @@ class Scheduler:
 
     def schedule(self, ms: ModelState, admitted: list[Request]) -> list[WorkItem]:
         """The model's batch for this step (empty: nothing to run). Newly admitted requests
-        are appended to `admitted`."""
-        cache = ms.pool.cache
-        bs = cache.block_size
+        are appended to `admitted`. The chunk budget goes by priority band, best first: in a
+        band, the running requests (admission order), then admissions from its waiting ones
+        (`_admission_order`). A request that cannot be admitted stops all admissions."""
+        bs = ms.pool.cache.block_size
         items: list[WorkItem] = []
         budget = self.config.chunk_size
-        for req in sorted(ms.running, key=_priority):  # stable: then admission order
-            if req.status is not Status.RUNNING:
-                continue  # preempted while this batch was being built
-            n = 1 if req.pending == 1 else min(req.pending, budget)
-            if n == 0:
-                continue
-            if not self._reserve(req, pages_needed(req, n, bs), items):
-                continue
-            items.append(WorkItem(req, n))
-            if req.pending > 1:
+        admitting = True
+        for band in sorted({r.priority for r in ms.running} | {r.priority for r in ms.waiting}):
+            for req in [r for r in ms.running if r.priority == band]:
+                if req.status is not Status.RUNNING:
+                    continue  # preempted while this batch was being built
+                n = 1 if req.pending == 1 else min(req.pending, budget)
+                if n == 0:
+                    continue
+                if not self._reserve(req, pages_needed(req, n, bs), items):
+                    continue
+                items.append(WorkItem(req, n))
+                if req.pending > 1:
+                    budget -= n
+            for req in self._admission_order(ms, band) if admitting else []:
+                n = self._admit(ms, req, budget, admitted)
+                admitting = n > 0
+                if not admitting:
+                    break
+                items.append(WorkItem(req, n))
                 budget -= n
-        for req in self._admission_order(ms):
-            if budget <= 0 or len(ms.running) >= self.config.max_running:
-                break
-            host = ms.pool.host
-            promoted = admit(cache, req, ms.loaded.kv_group, self.config.prefix_cache, host)
-            n = min(req.pending, budget)
-            need = pages_needed(req, n, bs)
-            decoding = sum(1 for r in ms.pool.running if r.pending == 1)
-            if not cache.can_allocate(need + decoding) or not grow(cache, req, need):
-                release(cache, req)
-                if not req.admitted:  # what it promoted stays on the GPU for its next try
-                    req.host_hit_tokens += promoted * bs
-                break
-            ms.waiting.remove(req)
-            req.status = Status.RUNNING
-            req.order = next(self._order)
-            if not req.admitted:
-                req.admitted = True
-                req.cached_tokens = req.computed
-                req.host_hit_tokens = min(req.host_hit_tokens + promoted * bs, req.computed)
-                admitted.append(req)
-            ms.running.append(req)
-            ms.pool.running.append(req)
-            items.append(WorkItem(req, n))
-            budget -= n
         return items
 
-    def _admission_order(self, ms: ModelState) -> list[Request]:
-        """By priority, then the longest cached prefix (up to `lpf_limit` waiting), then FCFS."""
-        waiting = ms.waiting
+    def _admit(self, ms: ModelState, req: Request, budget: int, admitted: list[Request]) -> int:
+        """Move a waiting request into the batch with its first chunk of at most `budget`
+        tokens: the chunk's length, or 0 when there is no budget, place or room."""
+        if budget <= 0 or len(ms.running) >= self.config.max_running:
+            return 0
+        cache = ms.pool.cache
+        bs = cache.block_size
+        host = ms.pool.host
+        promoted = admit(cache, req, ms.loaded.kv_group, self.config.prefix_cache, host)
+        n = min(req.pending, budget)
+        need = pages_needed(req, n, bs)
+        decoding = sum(1 for r in ms.pool.running if r.pending == 1)
+        if not cache.can_allocate(need + decoding) or not grow(cache, req, need):
+            release(cache, req)
+            if not req.admitted:  # what it promoted stays on the GPU for its next try
+                req.host_hit_tokens += promoted * bs
+            return 0
+        ms.waiting.remove(req)
+        req.status = Status.RUNNING
+        req.order = next(self._order)
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = req.computed
+            req.host_hit_tokens = min(req.host_hit_tokens + promoted * bs, req.computed)
+            admitted.append(req)
+        ms.running.append(req)
+        ms.pool.running.append(req)
+        return n
+
+    def _admission_order(self, ms: ModelState, band: int) -> list[Request]:
+        """The waiting requests of priority `band`: longest cached prefix first (up to
+        `lpf_limit` of them), else first come, first served."""
+        waiting = [r for r in ms.waiting if r.priority == band]
         if not self.config.prefix_cache or len(waiting) > self.config.lpf_limit:
-            return sorted(waiting, key=_priority)
+            return waiting
         cache, host = ms.pool.cache, ms.pool.host
         group = ms.loaded.kv_group
         # stable: FCFS among equals
-        return sorted(waiting, key=lambda r: (r.priority, -matched_blocks(cache, r, group, host)))
+        return sorted(waiting, key=lambda r: -matched_blocks(cache, r, group, host))
 
     def _reserve(self, req: Request, need: int, items: list[WorkItem]) -> bool:
         """Pages for the request's next chunk, preempting the pool's worst-ranked (as vLLM's

@@ -335,3 +335,92 @@ def test_kv_events_rebuild_exactly_the_cache_in_the_mirror() -> None:
     for r in reqs[-30:]:  # the gateway would predict exactly what the worker would reuse
         keys = block_keys(r.prompt, BS, r.cache_salt)
         assert index.match(keys, "g").get("w", 0) == engine.cache.match(keys).blocks
+
+
+# -- priority (vLLM's `priority`: lower first, ties by arrival; no preemption) ----------------
+
+
+@pytest.mark.parametrize(("backlog_priority", "urgent_priority"), [(0, -1), (10, 0), (0, 0)])
+def test_a_later_better_priority_request_goes_before_the_queued_backlog(
+    backlog_priority: int, urgent_priority: int
+) -> None:
+    engine = EmulatedEngine(config(max_batch=2, chunk_tokens=1024))
+    backlog = [
+        Request(i, prompt(1500, 50 + i), 30, arrival=0.0, priority=backlog_priority)
+        for i in range(8)
+    ]
+    urgent = Request("urgent", prompt(200, 60), 5, arrival=0.05, priority=urgent_priority)
+    drive(engine, [*backlog, urgent])
+    order = [r.rid for r in sorted([*backlog, urgent], key=lambda r: r.first_token_time or 0)]
+    if urgent_priority < backlog_priority:
+        # the two running when it arrived keep their places; it takes the first one freed
+        assert order == [0, 1, "urgent", 2, 3, 4, 5, 6, 7]
+        assert urgent.admitted_time == backlog[0].finish_time
+    else:  # equal priorities: first come, first served
+        assert order == [0, 1, 2, 3, 4, 5, 6, 7, "urgent"]
+
+
+def test_the_chunk_budget_goes_to_the_best_priority_prefill_first() -> None:
+    engine = EmulatedEngine(config(chunk_tokens=1024))
+    backlog = [Request(i, prompt(3000, 70 + i), 4, arrival=0.0) for i in range(4)]
+    urgent = Request("urgent", prompt(500, 80), 4, arrival=0.05, priority=-1)
+    drive(engine, [*backlog, urgent])
+    step = BASE + 1024 / TPS  # every step is a full chunk: nothing decodes yet
+    assert all(r.admitted_time == 0.0 for r in backlog)  # none preempted, none held back
+    assert urgent.admitted_time == pytest.approx(step, abs=1e-12)  # the next boundary
+    # its 500 tokens lead the second step, the backlog's prefill fills the rest
+    assert urgent.first_token_time == pytest.approx(2 * step, abs=1e-12)
+    assert all(urgent.first_token_time < r.first_token_time for r in backlog)  # type: ignore[operator]
+
+
+def test_a_better_priority_arrival_passes_a_queue_head_that_does_not_fit() -> None:
+    def run(urgent_priority: int) -> tuple[Request, Request, Request]:
+        engine = EmulatedEngine(config(capacity_tokens=64 * BS))
+        a = Request("a", prompt(600, 90), 200, arrival=0.0)  # holds 50 of the 64 blocks
+        big = Request("big", prompt(500, 91), 100, arrival=0.0)  # needs 38: waits for a
+        small = Request("small", prompt(100, 92), 20, arrival=0.2, priority=urgent_priority)
+        drive(engine, [a, big, small])
+        return a, big, small
+
+    a, big, small = run(-1)
+    assert small.admitted_time is not None and small.admitted_time < a.finish_time  # type: ignore[operator]
+    assert big.admitted_time == a.finish_time
+    a, big, small = run(0)  # FIFO: behind the head that does not fit
+    assert big.admitted_time == a.finish_time
+    assert small.admitted_time == a.finish_time  # admitted right after it, in the same step
+
+
+def test_one_priority_for_all_schedules_exactly_as_first_come_first_served() -> None:
+    def workload(priority: int) -> list[Request]:
+        rng = random.Random(7)
+        reqs = []
+        for i in range(120):
+            n = rng.randrange(1, 700)
+            max_tokens = rng.randrange(1, 1024 - n + 2)
+            p = prompt(n, rng.randrange(30))
+            reqs.append(Request(i, p, max_tokens, arrival=i * 0.01, priority=priority))
+        return reqs
+
+    fifo, ranked = workload(0), workload(7)  # 7: every plan takes the ranked path
+    drive(EmulatedEngine(config(capacity_tokens=64 * BS, chunk_tokens=256)), fifo)
+    drive(EmulatedEngine(config(capacity_tokens=64 * BS, chunk_tokens=256)), ranked)
+    for f, r in zip(fifo, ranked, strict=True):
+        assert (f.admitted_time, f.cached_tokens) == (r.admitted_time, r.cached_tokens)
+        assert (f.first_token_time, f.finish_time) == (r.first_token_time, r.finish_time)
+
+
+def test_aborting_ranked_requests_keeps_the_ranking_count() -> None:
+    engine = EmulatedEngine(config(chunk_tokens=256, max_batch=1))
+    a = Request("a", prompt(1000, 93), 4, arrival=0.0, priority=2)  # prefilling when aborted
+    b = Request("b", prompt(100, 94), 4, arrival=0.0, priority=3)  # waiting when aborted
+    c = Request("c", prompt(100, 95), 4, arrival=0.0, priority=5)
+    for r in (a, b, c):
+        engine.submit(r)
+    engine.step(0.0)
+    engine.check()
+    assert a.state is State.PREFILL and b.state is State.WAITING
+    now = engine.next_time() / 2  # type: ignore[operator]
+    assert engine.abort(b, now) and engine.abort(a, now)
+    engine.check()  # the count of ranked requests matches the queue and the prefills
+    drive(engine, [])
+    assert c.state is State.FINISHED

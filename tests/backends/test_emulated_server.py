@@ -121,6 +121,57 @@ def test_completions(client: openai.OpenAI) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+@pytest.mark.parametrize("priority", [-(2**63), -5, 0, 7, 2**63 - 1])
+def test_vllms_priority_field_is_accepted(client: openai.OpenAI, priority: int) -> None:
+    extra = {"priority": priority}
+    out = client.completions.create(model=MODEL, prompt=unique(40), max_tokens=3, extra_body=extra)
+    assert out.choices[0].text == expected_text(3)
+    messages = [{"role": "user", "content": unique(30)}]
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=4,
+        stream=True,
+        extra_body=extra,
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == expected_text(4)
+    answer = client.responses.create(
+        model=MODEL, input=unique(30), max_output_tokens=2, extra_body=extra
+    )
+    assert answer.output_text == expected_text(2)
+
+
+async def test_the_worker_schedules_by_priority() -> None:
+    # one request at a time: while `long` decodes, `low` then `high` queue; the better priority
+    # runs first, so it is the one whose shared prefix the other then finds cached
+    with running_worker("--model", MODEL, "--kv-group", GROUP, *FAST, "--max-batch", "1") as w:
+        async with aiohttp.ClientSession(w.url, timeout=aiohttp.ClientTimeout(total=20)) as s:
+
+            async def send(prompt: str, priority: int) -> int:
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "priority": priority}
+                async with s.post("/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+                    usage = (await resp.json())["usage"]
+                    return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+            body = {"model": MODEL, "prompt": unique(20), "max_tokens": 100_000, "stream": True}
+            async with s.post("/v1/completions", json=body) as long:
+                await long.content.readline()  # decoding: the batch is full
+                shared = unique(4 * BS)
+                low = asyncio.create_task(send(shared + unique(20), 5))
+                high = asyncio.create_task(send(shared + unique(20), -5))
+                for _ in range(200):  # bounded: until both wait in the engine's queue
+                    async with s.get("/urc/load") as resp:
+                        if (await resp.json())["waiting"] == 2:
+                            break
+                    await asyncio.sleep(0.02)
+                else:
+                    raise AssertionError("the two requests never queued")
+            # the stream closed: `long` is aborted and frees the batch
+            assert await high == 0 and await low == 4 * BS
+
+
 def test_a_repeated_prompt_reports_cached_tokens_in_usage_and_header(
     client: openai.OpenAI, worker: Child
 ) -> None:
@@ -220,6 +271,12 @@ BAD: list[tuple[str, str, Any, int]] = [
     ("POST", CHAT, {"model": MODEL, "messages": MSGS, "max_tokens": 10**9}, 400),
     ("POST", CHAT, {"model": MODEL, "messages": MSGS, "n": 2}, 400),
     ("POST", CHAT, {"model": MODEL, "messages": MSGS, "cache_salt": ""}, 400),
+    ("POST", CHAT, {"model": MODEL, "messages": MSGS, "priority": "high"}, 400),
+    ("POST", CHAT, {"model": MODEL, "messages": MSGS, "priority": 1.5}, 400),
+    ("POST", CHAT, {"model": MODEL, "messages": MSGS, "priority": True}, 400),
+    ("POST", CHAT, {"model": MODEL, "messages": MSGS, "priority": 2**63}, 400),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "a", "priority": [1]}, 400),
+    ("POST", "/v1/responses", {"model": MODEL, "input": "a", "priority": "1"}, 400),
     ("POST", CHAT, {"model": MODEL, "messages": MSGS, "stream": "yes"}, 400),
     ("POST", CHAT, {"model": MODEL, "messages": MSGS, "stream_options": 3, "stream": True}, 400),
     ("POST", CHAT, {"model": MODEL, "messages": MSGS, "stream_options": {}}, 400),

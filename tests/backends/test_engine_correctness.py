@@ -176,6 +176,41 @@ def test_a_model_with_another_layout_gets_its_own_pool(tiny: LoadedModel) -> Non
     assert finish(engine, "bf16", list(range(60))).output
 
 
+def first_token_steps(tiny: LoadedModel, chunk: int, max_running: int, urgent: int) -> list[int]:
+    """The step of each request's first token: six 40-token prompts, then (after one step) a
+    10-token one of priority `urgent`, last in the list. Greedy outputs as when alone."""
+    scheduler = SchedulerConfig(chunk_size=chunk, max_running=max_running, prefix_cache=False)
+    engine = TorchEngine({"m": tiny}, EngineConfig(num_pages=200, scheduler=scheduler))
+    prompts = [[(7 * i + j) % 256 for j in range(40)] for i in range(6)] + [list(range(10))]
+    reqs = [engine.new_request("m", p, SamplingParams(6, ignore_eos=True)) for p in prompts]
+    reqs[-1].priority = urgent
+    first: dict[int, int] = {}
+    for step in range(200):
+        for req in reqs[:6] if step == 0 else reqs[6:] if step == 1 else []:
+            engine.submit(req)
+        for req in engine.step().emitted:
+            first.setdefault(req.rid, step)
+        engine.check()
+        if not engine.has_work():
+            break
+    for req in reqs:
+        assert req.output == finish(TorchEngine({"m": tiny}), "m", req.prompt, 6).output
+    return [first[r.rid] for r in reqs]
+
+
+def test_a_better_priority_request_is_admitted_and_prefilled_first(tiny: LoadedModel) -> None:
+    # one at a time: it takes the place the running one frees, before the five queued
+    fifo = first_token_steps(tiny, chunk=4096, max_running=1, urgent=0)
+    ranked = first_token_steps(tiny, chunk=4096, max_running=1, urgent=-1)
+    assert fifo[-1] > max(fifo[:6])
+    assert ranked[0] == fifo[0] < ranked[-1] < min(ranked[1:6])  # the running one kept on
+    # all six prefilling in 16-token chunks: its 10 tokens lead the next step's budget
+    fifo = first_token_steps(tiny, chunk=16, max_running=8, urgent=0)
+    ranked = first_token_steps(tiny, chunk=16, max_running=8, urgent=-1)
+    assert fifo[-1] > max(fifo[:6])
+    assert ranked[-1] == 1
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cache_on_and_off_agree_on_cuda() -> None:
     gpu = load_model("tiny", device=torch.device("cuda"), dtype="float32")
