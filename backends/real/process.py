@@ -190,6 +190,8 @@ def vllm_launch(spec: EngineSpec) -> EngineLaunch:
         *("--block-size", str(spec.block_size), "--enable-prefix-caching"),
         *("--enable-prompt-tokens-details", "--kv-events-config", events),
         *("--dtype", "bfloat16" if spec.cpu else "auto"),
+        # honour the `priority` the gateway forwards (else ignored): by (priority, arrival)
+        *("--scheduling-policy", "priority"),
     ]
     if spec.max_model_len is not None:
         argv += ["--max-model-len", str(spec.max_model_len)]

@@ -40,6 +40,7 @@ def test_vllm_command_line_turns_on_caching_usage_and_events() -> None:
     for needed in ("--enable-prefix-caching", "--enable-prompt-tokens-details", "--enforce-eager"):
         assert needed in argv
     assert flag(argv, "--num-gpu-blocks-override") == "64" and flag(argv, "--dtype") == "bfloat16"
+    assert flag(argv, "--scheduling-policy") == "priority"  # the forwarded `priority` counts
     events = json.loads(flag(argv, "--kv-events-config"))
     assert events == {
         "enable_kv_cache_events": True,
