@@ -346,40 +346,16 @@ class EmulatedEngine:
         cache_prompt(self.cache, req, req.computed + n, self._tokens_out)
         return budget - n
 
-    def _schedule(self, now: float, chunks: list[tuple[Request, int]], result: StepResult) -> int:
-        """Every priority 0 (or one value): chunks for the prefills already running (admission
-        order), then admissions from the queue (arrival order), each admitted request getting a
-        chunk while the budget lasts. Returns the budget left."""
-        cfg = self.config
-        budget = cfg.chunk_tokens
-        for req in self._prefilling:
-            if budget <= 0:
-                break
-            budget = self._chunk(req, budget, chunks)
-        queue = self._queue
-        running = len(self._prefilling) + len(self._decoding)
-        self._blocked = False
-        while queue and queue[0].arrival <= now + _EPS:
-            if running >= cfg.max_batch or not self._admit(queue[0], now):
-                self._blocked = True
-                break
-            req = queue.popleft()
-            self._prefilling.append(req)
-            result.admitted.append(req)
-            running += 1
-            if budget > 0:
-                budget = self._chunk(req, budget, chunks)
-        return budget
-
     def _schedule_ranked(
         self, now: float, chunks: list[tuple[Request, int]], result: StepResult
     ) -> int:
-        """`_schedule` by rank: the prefilling and the arrived waiting requests by priority, a
-        stable sort, so at equal priority prefills go first (admission order), then the queue
-        (arrival order). A waiting request that does not fit blocks those ranked after it, as
-        the FIFO head does. No preemption: a running prefill keeps its room, and loses only
-        this step's budget to better ranked ones. Sorting costs O(n log n) a step, only while a
-        non-zero priority is waiting or prefilling."""
+        """`_plan`'s chunks and admissions by rank: the prefilling and the arrived waiting
+        requests by priority, a stable sort, so at equal priority prefills go first (admission
+        order), then the queue (arrival order), as when all are 0. A waiting request that does
+        not fit blocks those ranked after it, as the FIFO head does. No preemption: a running
+        prefill keeps its room, and loses only this step's budget to better ranked ones.
+        Sorting costs O(n log n) a step, only while a non-zero priority waits or prefills.
+        Returns the budget left."""
         cfg = self.config
         budget = cfg.chunk_tokens
         queue = self._queue
@@ -409,19 +385,37 @@ class EmulatedEngine:
         return budget
 
     def _plan(self, now: float, result: StepResult) -> None:
-        """Plan the next step: its prefill chunks and admissions (`_schedule`, or by priority
-        `_schedule_ranked`). A chunk's full blocks are cached as it is scheduled, so a request
-        admitted after it matches them; they are announced when the step ends, as vLLM publishes
-        a step's BlockStored after its forward pass (docs/workers.md); evictions are announced
-        at once."""
+        """Plan the next step: chunks for the prefills already running (admission order), then
+        admissions from the queue, each admitted request getting a chunk while the budget lasts
+        (by priority while one is not 0: `_schedule_ranked`). A chunk's full blocks are cached
+        as it is scheduled, so a request admitted after it matches them; they are announced when
+        the step ends, as vLLM publishes a step's BlockStored after its forward pass
+        (docs/workers.md); evictions are announced at once."""
         cfg = self.config
+        budget = cfg.chunk_tokens
         chunks: list[tuple[Request, int]] = []
         self._planning = True  # the cache's stores until the admissions end are this step's
         try:
             if self._ranked:
                 budget = self._schedule_ranked(now, chunks, result)
-            else:
-                budget = self._schedule(now, chunks, result)
+            else:  # all priorities 0, the replay's path: inline, no call
+                for req in self._prefilling:
+                    if budget <= 0:
+                        break
+                    budget = self._chunk(req, budget, chunks)
+                queue = self._queue
+                running = len(self._prefilling) + len(self._decoding)
+                self._blocked = False
+                while queue and queue[0].arrival <= now + _EPS:
+                    if running >= cfg.max_batch or not self._admit(queue[0], now):
+                        self._blocked = True
+                        break
+                    req = queue.popleft()
+                    self._prefilling.append(req)
+                    result.admitted.append(req)
+                    running += 1
+                    if budget > 0:
+                        budget = self._chunk(req, budget, chunks)
         finally:
             self._planning = False
         decoding = len(self._decoding)
