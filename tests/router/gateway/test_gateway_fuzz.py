@@ -30,7 +30,8 @@ TIMEOUT_S = 2.0  # the gateway's header and body timeouts
 LIMITS = ("--header-timeout", "2", "--body-timeout", "2", "--max-header-bytes", "16384")
 LIMITS += ("--max-request-line-bytes", "4096", "--max-body-bytes", "1048576")
 KEYS = ("--admin-key", ADMIN, "--api-key", "acme:key-acme", "--api-key", "beta:key-beta")
-FAST = ("--decode-base-ms", "1", "--decode-per-request-ms", "0", "--prefill-tokens-per-s", "10000000")
+FAST = ("--decode-base-ms", "1", "--decode-per-request-ms", "0")
+FAST += ("--prefill-tokens-per-s", "10000000")
 FAST += ("--max-model-len", "8192", "--default-max-tokens", "4")  # no output runs long
 
 
