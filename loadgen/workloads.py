@@ -175,11 +175,44 @@ class Mixed:
             yield dataclasses.replace(next(stream), index=i)
 
 
+@dataclass(slots=True)
+class NoisyNeighbour:
+    """Two tenants on one fleet (docs/flow-control.md): `quiet` (`quiet_share` of the requests)
+    asks short questions on one shared system prompt, `flood` sends long prompts that no cache
+    holds (each distinct). Its shape is an open loop (`--rate` past the fleet's prefill
+    capacity): the flood fills every queue while the quiet tenant keeps its small rate."""
+
+    quiet_share: float = 0.15
+    system_tokens: int = 1000
+    question_tokens: int = 48
+    flood_tokens: int = 5000
+    max_tokens: int = 32
+    kind: str = "chat"
+    tenants: tuple[str, ...] = ("quiet", "flood")
+
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
+        rng = random.Random(f"noisy-neighbour/{seed}")
+        system = filler(self.system_tokens, f"noisy-neighbour/{seed}/system")
+        quiet, flood = self.tenants[0], self.tenants[-1]
+        for i in count():
+            if rng.random() < self.quiet_share:
+                question = filler(self.question_tokens, f"noisy-neighbour/{seed}/question/{i}")
+                text = request_text(self.kind, question, system)
+                tenant, group = quiet, "noisy-neighbour/system"
+            else:
+                prompt = filler(self.flood_tokens, f"noisy-neighbour/{seed}/flood/{i}")
+                text, tenant, group = request_text(self.kind, prompt), flood, None
+            yield RequestSpec(
+                i, self.kind, models[0], self.max_tokens, tenant=tenant, group_id=group, **text
+            )
+
+
 WORKLOADS: dict[str, type] = {
     "system-prompts": SystemPrompts,
     "multi-turn": MultiTurn,
     "multi-model": MultiModel,
     "two-tenants": TwoTenants,
+    "noisy-neighbour": NoisyNeighbour,
     "mixed": Mixed,
 }
 

@@ -17,10 +17,19 @@ from backends.emulated.config import EngineConfig
 from core.settings import add_setting_flags, from_flags, settings_of
 from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
+from router.admission import FlowSettings
 from router.policies import POLICY_NAMES
 from simulation.compare import compare, policy_names, split_params
+from simulation.flow import FlowConfig, parse_tenant_flow
 from simulation.replay import FleetConfig
-from simulation.report import build_report, format_table, table_rows, write_json, write_out
+from simulation.report import (
+    build_report,
+    format_table,
+    table_rows,
+    tenant_rows,
+    write_json,
+    write_out,
+)
 from simulation.requests import SimRequest
 from simulation.shadow import LIVE, fleet_names, replay_shadow, shadow_rows
 from simulation.traces import Trace, read_trace, trace_requests
@@ -96,6 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "them, or for S seconds, as `urc gateway --pending-ttl` does (0: off)",
     )
     add("--max-in-flight", type=int, default=1024, help="open loop cap")
+    add_flow_arguments(p)
     engine = p.add_argument_group(
         "emulated engine", "each worker's (a trace keys its prompts with its own block size)"
     )
@@ -109,6 +119,53 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a progress bar on stderr (default: when stderr is a terminal)",
     )
+
+
+def add_flow_arguments(p: argparse.ArgumentParser) -> None:
+    """Flow control's options, as the gateway's (docs/flow-control.md, "In the replay")."""
+    d = FlowSettings()
+    add = p.add_argument_group(
+        "flow control", "the gateway's admission in virtual time (docs/flow-control.md)"
+    ).add_argument
+    add("--flow-control", action="store_true", help="queue while a pool is saturated, budgets")
+    add(
+        "--flow-saturation-ms",
+        type=float,
+        default=d.saturation_ms,
+        metavar="MS",
+        help="a pool is saturated when every worker has this many ms of prefill queued",
+    )
+    add(
+        "--flow-queue-timeout",
+        type=float,
+        default=d.queue_timeout_s,
+        metavar="S",
+        help="seconds a request waits in the queue at most, then fails (429 queue_timeout)",
+    )
+    add("--flow-queue-max", type=int, default=d.queue_max, help="requests queued at most")
+    add(
+        "--tenant-flow",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE,...",
+        help="a tenant's [[tenants]] flow settings: weight, priority, requests_per_minute, "
+        "tokens_per_minute, max_concurrent_requests; repeatable",
+    )
+
+
+def flow_from_args(args: argparse.Namespace) -> FlowConfig | None:
+    """The flow-control settings (None: off); ValueError on a bad --tenant-flow or value."""
+    if not args.flow_control:
+        return None
+    if args.flow_saturation_ms <= 0 or args.flow_queue_timeout <= 0 or args.flow_queue_max < 0:
+        raise ValueError("--flow-saturation-ms and --flow-queue-timeout must be > 0")
+    settings = FlowSettings(
+        enabled=True,
+        saturation_ms=args.flow_saturation_ms,
+        queue_max=args.flow_queue_max,
+        queue_timeout_s=args.flow_queue_timeout,
+    )
+    return FlowConfig(settings, [parse_tenant_flow(text) for text in args.tenant_flow])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,6 +290,8 @@ def _misuse(args: argparse.Namespace) -> str | None:
         return "--rate (open loop) or --concurrency (closed loop), not both"
     if args.shadow and args.trace is None:
         return "--shadow replays a gateway recording (TRACE)"
+    if args.tenant_flow and not args.flow_control:
+        return "--tenant-flow needs --flow-control"
     return None
 
 
@@ -245,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         names = policy_names(spec) if spec else []
         requests, trace, fleet, config = load(args)
         given = split_params(args.policy_param, names)
+        flow = flow_from_args(args)
     except (TraceFormatError, ValueError, OSError) as e:
         return _fail(str(e))
     if not requests:
@@ -254,7 +314,7 @@ def run(args: argparse.Namespace) -> int:
     section = watched = None
     try:
         comparison = compare(
-            requests, names, fleet, params=given, seed=args.seed, progress=progress
+            requests, names, fleet, params=given, seed=args.seed, progress=progress, flow=flow
         )
         runs = comparison.runs
         if args.shadow and trace is not None:  # the followed live decisions: the first row
@@ -266,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.end()
     config.update(policies=names, policy_params=comparison.params)
+    if flow is not None:
+        config["flow"] = flow.describe()
     if section is not None:
         config["shadow"] = list(args.shadow)
     recorded = trace.recorded_summary() if trace is not None and trace.recorded else None
@@ -273,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
     report = build_report(config, summaries, comparison.bound, recorded, section)
     speeds = {name: run.speed for name, run in runs.items()}
     print(format_table(table_rows(report["policies"], report["bound"]["hit_rate"], speeds)))
+    if tenants := tenant_rows(report["policies"]):
+        print()
+        print(format_table(tenants))
     if section is not None:
         watched = shadow_rows(section)
         print()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.policies import POLICY_NAMES, Policy, make_policy, policy_params, told_params
+from simulation.flow import FlowConfig
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
 from simulation.summary import series, summarize
@@ -37,9 +38,11 @@ def run_policy(
     policy: Policy,
     fleet: FleetConfig,
     progress: Callable[[str, int], None] | None = None,
+    flow: FlowConfig | None = None,
 ) -> Run:
-    """Replay `requests` under `policy` on a fresh `fleet`, timed; `progress(name, sent)`."""
-    replay = Replay(requests, policy, fleet)
+    """Replay `requests` under `policy` on a fresh `fleet` (and flow control's own state),
+    timed; `progress(name, sent)`."""
+    replay = Replay(requests, policy, fleet, flow=flow)
     report = None if progress is None else (lambda sent: progress(name, sent))
     if report is not None:
         report(0)
@@ -127,15 +130,16 @@ def compare(
     params: Mapping[str, Mapping[str, Any]] | None = None,
     seed: int = 0,
     progress: Callable[[str, int], None] | None = None,
+    flow: FlowConfig | None = None,
 ) -> Comparison:
-    """Replay `requests` under each policy in `names` on `fleet`."""
+    """Replay `requests` under each policy in `names` on `fleet` (with `flow`: flow control)."""
     runs: dict[str, Run] = {}
     used: dict[str, dict[str, Any]] = {}
     for name in names:
         given = (params or {}).get(name, {})
         used[name] = build_params(name, given, fleet, seed)
         policy = make_policy(name, used[name], **given)
-        runs[name] = run_policy(name, requests, policy, fleet, progress)
+        runs[name] = run_policy(name, requests, policy, fleet, progress, flow)
     limit = fleet.context_len()
     bound = infinite_cache_hit_rate(r for r in requests if len(r.prompt) + r.max_tokens <= limit)
     return Comparison(runs, bound, used)

@@ -17,6 +17,7 @@ from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
 from router.policies import Policy, WorkerLoad
 from router.route import LoadShare, Routing
 from simulation.client import INF, Client
+from simulation.flow import GO, REFUSED, Flow, FlowConfig
 from simulation.requests import SimRequest
 from simulation.sim_worker import Change, SimWorker
 
@@ -82,6 +83,7 @@ class RunResult:
     index_residencies: int
     events_applied: int
     engine_steps: int
+    refused: dict[int, str] = field(default_factory=dict)  # flow control's 429s: request -> why
 
 
 class Replay:
@@ -94,6 +96,7 @@ class Replay:
         fleet: FleetConfig,
         *,
         per_step: bool = False,
+        flow: FlowConfig | None = None,
     ) -> None:
         self.requests = list(requests)
         self.policy = policy
@@ -139,6 +142,10 @@ class Replay:
         self._events = 0
         self._steps = 0
         self._next_expire = 0.0
+        self.flow: Flow | None = None  # flow control (simulation/flow.py), off: None
+        if flow is not None:
+            speed = fleet.engine.prefill_tokens_per_s
+            self.flow = Flow(flow, speed, self.routing, self.loads, n)
 
     def run(self, progress: Callable[[int], None] | None = None) -> RunResult:
         """Replay every request, `progress(sent)` every 1024 sends; GC off (docs/compiled.md)."""
@@ -155,9 +162,12 @@ class Replay:
     def _loop(self, progress: Callable[[int], None] | None) -> None:
         heap = self._heap
         client = self.client
+        flow = self.flow
         sent = 0
         while True:
             t_send = client.next_at
+            if flow is not None and self._time_out(flow, t_send):
+                continue
             if self._expires:
                 t_next = heap.peek().key if len(heap) and heap.peek().key < t_send else t_send
                 if self._next_expire <= t_next < INF:
@@ -169,7 +179,10 @@ class Replay:
                     self._step(w, entry.key)
             elif t_send < INF:
                 for req in client.poll(t_send):
-                    self._route(req, t_send)
+                    if flow is None:
+                        self._route(req, t_send)
+                    else:
+                        self._admit(flow, req, t_send)
                     sent += 1
                     if progress is not None and not sent & 1023:
                         progress(sent)
@@ -193,6 +206,36 @@ class Replay:
         self.routing.expire(tick)
         self._next_expire = tick + EXPIRE_EVERY_S
 
+    def _time_out(self, flow: Flow, t_send: float) -> bool:
+        """Fail the queued requests whose wait ends before the next send or step, at that
+        moment (True: some did)."""
+        deadline = flow.deadline()
+        heap = self._heap
+        if deadline == INF or deadline > t_send or (len(heap) and deadline > heap.peek().key):
+            return False
+        late = flow.expire(deadline)
+        for req in late:
+            self.client.complete(req, False, deadline)
+        return bool(late)
+
+    def _admit(self, flow: Flow, req: SimRequest, now: float) -> None:
+        """Flow control's step before routing: go now, wait for `_release`, or fail (429)."""
+        if self._kv and self._kv[0][0] <= now:
+            self._deliver(now)
+        state = flow.arrive(req, now)
+        if state == GO:
+            self._route(req, now)
+        elif state == REFUSED:
+            self.client.complete(req, False, now)
+        else:
+            self._release(flow, req.kv_group, now)
+
+    def _release(self, flow: Flow, pool: str, now: float) -> None:
+        """Route `pool`'s waiting requests while it is not saturated, against the loads of
+        `now` (each one routed moves them)."""
+        while (req := flow.next(pool, now)) is not None:
+            self._route(req, now)
+
     def _route(self, req: SimRequest, now: float) -> None:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
@@ -213,6 +256,8 @@ class Replay:
             self._reject(req, share, now)
             return
         engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
+        if self.flow is not None:  # the gateway's rank, carried into the engine
+            engine_req.priority = self.flow.priority(i)
         try:
             w.engine.submit(engine_req)
         except ValueError:
@@ -224,6 +269,8 @@ class Replay:
     def _reject(self, req: SimRequest, share: LoadShare, now: float) -> None:
         """The worker answers 400 (too long): the gateway's load comes back, the turn fails."""
         share.finish()
+        if self.flow is not None:
+            self.flow.done(req.index, 0, 0, now)
         self.client.complete(req, False, now)
 
     def _step(self, w: SimWorker, now: float) -> None:
@@ -238,6 +285,7 @@ class Replay:
         routing = self.routing
         exact = self.fleet.kv_events
         per_step = self.per_step
+        flow = self.flow
         while True:
             result = engine.step(now)
             self._steps += 1
@@ -249,7 +297,11 @@ class Replay:
                     cast(LoadShare, shares[i]).finish()
                     req = requests[i]
                     routing.done(req.route, w.name, w.kv_group, exact, sent[i], now)
+                    if flow is not None:
+                        flow.done(i, len(req.prompt), r.generated, now)
                     client.complete(req, True, now)
+            if flow is not None and (result.first_token or result.finished):
+                self._release(flow, w.kv_group, now)  # its load ledger moved
             if w.changes:
                 self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
                 w.changes = []
@@ -259,6 +311,9 @@ class Replay:
                 w.wake_seq = -1
                 return
             if t < client.next_at and (not len(heap) or t < heap.peek().key):
+                if flow is not None and flow.deadline() <= t:
+                    w.wake, w.wake_seq = t, heap.push(t, w)
+                    return
                 now = t  # it would be the next event: no heap round trip
                 continue
             w.wake, w.wake_seq = t, heap.push(t, w)
@@ -285,10 +340,11 @@ class Replay:
         ttft = [nan] * n
         latency = [nan] * n
         ok = [False] * n
+        arrived = self._sent if self.flow is None else self.flow.arrived
         for i, r in enumerate(self._engine_req):
             if r is None or r.finish_time is None:
                 continue
-            sent = self._sent[i]
+            sent = arrived[i]
             cached[i] = r.cached_tokens
             host[i] = r.host_tokens
             ttft[i] = r.first_token_time - sent  # type: ignore[operator]
@@ -297,7 +353,7 @@ class Replay:
         stats = self.index.stats()
         return RunResult(
             workers=[w.name for w in self.workers],
-            sent_s=self._sent,
+            sent_s=arrived,
             worker=self._worker,
             predicted_tokens=self._predicted,
             cached_tokens=cached,
@@ -313,4 +369,5 @@ class Replay:
             index_residencies=stats.residencies,
             events_applied=self._events,
             engine_steps=self._steps,
+            refused={} if self.flow is None else self.flow.refused,
         )

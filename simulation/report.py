@@ -109,6 +109,25 @@ def table_rows(
     return rows
 
 
+TENANT_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("requests", "requests", "int"),
+    ("completed", "completed", "int"),
+    ("refused", "refused", "int"),
+    ("TTFT p50", "ttft_p50_s", "ms"),
+    ("TTFT p99", "ttft_p99_s", "ms"),
+)
+
+
+def tenant_rows(summaries: Mapping[str, Mapping[str, Any]]) -> list[list[str]] | None:
+    """Each policy's tenants (`policy / tenant`), where the requests name tenants."""
+    named = {
+        f"{policy} / {tenant}": row
+        for policy, s in summaries.items()
+        for tenant, row in s.get("tenants", {}).items()
+    }
+    return named_rows("policy / tenant", TENANT_COLUMNS, named) if named else None
+
+
 def format_table(rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
@@ -185,6 +204,8 @@ def markdown(
             f"Recorded live under `{recorded.get('policy')}`: hit rate "
             f"{recorded['hit_rate'] * 100:.1f}% over {recorded.get('requests')} requests.",
         ]
+    if tenants := tenant_rows(report["policies"]):
+        lines += ["", "Per tenant (refused: flow control's 429s):", "", markdown_table(tenants)]
     lines += ["", "Decisions by reason:", ""]
     for name, s in report["policies"].items():
         text = ", ".join(f"{k} {v}" for k, v in s.get("reasons", {}).items())

@@ -41,6 +41,7 @@ class SimRequest:
     salt: str | None  # forwarded to the worker as cache_salt
     chat: bool = False  # a chat request (its role chunk rides on the first token)
     session: int = -1  # a session's turns share it; each waits for the previous one
+    tenant: str | None = None  # who sent it (flow control's flow; None: the shared tenant)
 
     @property
     def kv_group(self) -> str:

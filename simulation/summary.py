@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from loadgen.report import percentile
+from simulation.flow import SHARED_TENANT, refusals, tenant_names
 from simulation.replay import RunResult
 from simulation.requests import SimRequest
 
@@ -84,7 +85,35 @@ def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, An
     }
     summary.update(_stats([result.ttft_s[i] for i in done], "ttft"))
     summary.update(_stats([result.latency_s[i] for i in done], "latency"))
+    if result.refused:
+        summary["refused"] = refusals(result.refused)
+    if names := tenant_names(requests):
+        summary["tenants"] = tenants(result, requests, names)
     return summary
+
+
+def tenants(
+    result: RunResult, requests: Sequence[SimRequest], names: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Per tenant: its requests, how many completed and were refused (flow control's 429s),
+    and its TTFT p50 and p99 (from when the client sent it: a wait in the gateway's queue
+    counts)."""
+    rows: dict[str, dict[str, Any]] = {
+        name: {"requests": 0, "completed": 0, "refused": 0} for name in names
+    }
+    ttfts: dict[str, list[float]] = {name: [] for name in names}
+    for i, req in enumerate(requests):
+        row = rows[req.tenant or SHARED_TENANT]
+        row["requests"] += 1
+        if result.ok[i]:
+            row["completed"] += 1
+            ttfts[req.tenant or SHARED_TENANT].append(result.ttft_s[i])
+        elif i in result.refused:
+            row["refused"] += 1
+    for name, row in rows.items():
+        row["ttft_p50_s"] = percentile(ttfts[name], 50)
+        row["ttft_p99_s"] = percentile(ttfts[name], 99)
+    return rows
 
 
 def series(result: RunResult, requests: Sequence[SimRequest], buckets: int = 60) -> dict[str, Any]:

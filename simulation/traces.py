@@ -157,6 +157,7 @@ def trace_requests(
                 route=RouteRequest(keys, rec.input_length, bs, group, group),
                 salt=salt,
                 chat=chat,
+                tenant=rec.tenant,
             )
         )
     link_continuations(out)

@@ -69,6 +69,7 @@ def workload_requests(
                 salt=salt,
                 chat=spec.kind == "chat",
                 session=session,
+                tenant=spec.tenant,
             )
         )
     return out
