@@ -43,8 +43,9 @@ VARIANTS = {
     "aiohttp": ({}, ("-c", AIOHTTP_FRONT)),
     "python": ({"URC_PURE_PYTHON": "1"}, SHIPPED[1]),
 }
-# --variants: urc with its logs and traces on (docs/operability.md), or the code at --base
-OPERABILITY = ("access-log", "otel", "base")
+# --variants: urc with its logs and traces on (docs/operability.md), flow control on
+# (docs/flow-control.md: unsaturated, its admission path alone), or the code at --base
+OPERABILITY = ("access-log", "otel", "flow", "base")
 
 
 def launch_code(base: str | None = None, stderr_to: str | None = None) -> tuple[str, str]:
@@ -77,6 +78,8 @@ def operability_variant(
     """(env, launch, flags) of urc-NAME; the OTLP sink of `otel` starts here."""
     if name == "access-log":
         return {}, launch_code(stderr_to=f"{scratch}/access.log"), ("--access-log",)
+    if name == "flow":
+        return {}, SHIPPED[1], ("--flow-control",)
     if name == "otel":
         sink = Child("otlp sink", [sys.executable, "bench/otlp_sink.py"], "sink: ")
         return {}, SHIPPED[1], ("--otel-endpoint", sink.wait_announced().url)
@@ -204,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         default="",
         help="also measure, comma-separated: source, aiohttp, python (speed parts off); "
-        "access-log, otel (to a local sink), base (the code at --base)",
+        "access-log, otel (to a local sink), flow (flow control on), base (the code at --base)",
     )
     add("--base", metavar="REF", help="the git commit of --variants base, e.g. main")
     add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
