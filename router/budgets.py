@@ -28,8 +28,8 @@ class Budget:
     __slots__ = ("rpm", "tpm", "max_concurrent", "grants", "tokens", "in_flight")
 
     def __init__(self, rpm: int, tpm: int, max_concurrent: int, share: float = 1.0) -> None:
-        self.rpm = int(rpm * share) if rpm else 0
-        self.tpm = int(tpm * share) if tpm else 0
+        self.rpm = max(1, int(rpm * share)) if rpm else 0  # a budget split never reads "none"
+        self.tpm = max(1, int(tpm * share)) if tpm else 0
         self.max_concurrent = max(1, int(max_concurrent * share)) if max_concurrent else 0
         self.grants: deque[Grant] = deque()  # the last minute's, oldest first
         self.tokens = 0  # their tokens

@@ -11,7 +11,8 @@ from google.protobuf import struct_pb2
 
 from core.errors import APIError
 from router.epp import models, protocol
-from router.epp.picker import EndpointPicker, Pick, cached_tokens
+from router.epp.picker import EndpointPicker, Pick, Refusal
+from router.gateway.proxy import usage_of
 
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 Answers = list[ext.ProcessingResponse]
@@ -36,9 +37,11 @@ class Exchange:
         self.status = 0
         self.endpoint: str | None = None  # the endpoint that answered
         self.cached: int | None = None
+        self.output: int | None = None  # the usage's output tokens
         self.done = False
 
-    def on(self, message: ext.ProcessingRequest) -> Answers:
+    async def on(self, message: ext.ProcessingRequest) -> Answers:
+        """The answers to one message; routing may wait (flow control's queue), so async."""
         phase = message.WhichOneof("request")
         if message.HasField("protocol_config"):  # the first message says the body modes
             config = message.protocol_config
@@ -46,19 +49,19 @@ class Exchange:
             self.duplex_response = config.response_body_mode == _DUPLEX
         metadata = message.metadata_context.filter_metadata
         if phase == "request_headers":
-            return self._request_headers(message.request_headers, metadata)
+            return await self._request_headers(message.request_headers, metadata)
         if phase == "request_body":
-            return self._request_body(message.request_body)
+            return await self._request_body(message.request_body)
         if phase == "response_headers":
             return self._response_headers(message.response_headers, metadata)
         if phase == "response_body":
             return self._response_body(message.response_body)
         assert phase is not None, "an empty ProcessingRequest"
         if phase == "request_trailers" and self.pick is None and self.duplex_request:
-            return [*self._route(), protocol.proceed(phase)]  # the body ended with trailers
+            return [*await self._route(), protocol.proceed(phase)]  # the body ended with trailers
         return [protocol.proceed(phase)]
 
-    def _request_headers(
+    async def _request_headers(
         self, message: ext.HttpHeaders, metadata: Mapping[str, struct_pb2.Struct]
     ) -> Answers:
         self.headers = protocol.header_map(message.headers)
@@ -68,27 +71,29 @@ class Exchange:
         if hint is not None:
             self.subset = {e.strip() for e in hint.split(",") if e.strip()}
         if message.end_of_stream:  # no body: nothing to route (a GET, an empty POST)
-            return self._route()
+            return await self._route()
         return [] if self.duplex_request else [protocol.proceed("request_headers")]
 
-    def _request_body(self, message: ext.HttpBody) -> Answers:
+    async def _request_body(self, message: ext.HttpBody) -> Answers:
         self.body += message.body
         if len(self.body) > self.max_body_bytes:
             message_ = f"request body too large: over {self.max_body_bytes} bytes"
             return [protocol.error(APIError(413, message_, code="body_too_large"))]
         if not message.end_of_stream:
             return []  # FULL_DUPLEX_STREAMED: chunks until the last (BUFFERED sends one)
-        return self._route()
+        return await self._route()
 
-    def _route(self) -> Answers:
+    async def _route(self) -> Answers:
         h = self.headers
         method, path = h.get(":method", ""), h.get(":path", "")
         try:
             if path.partition("?")[0] == models.PATH:  # nothing to route: the EPP answers
                 return [self.listing.answer(method, h)]
-            self.pick = self.picker.pick(method, path, h, bytes(self.body), self.subset)
+            self.pick = await self.picker.pick(method, path, h, bytes(self.body), self.subset)
         except APIError as exc:
             return [protocol.error(exc)]
+        except Refusal as refused:  # flow control's 429, with Retry-After and x-ratelimit-*
+            return [protocol.immediate(429, refused.body, refused.headers)]
         return protocol.routed(self.pick.endpoints, self.pick.body, self.duplex_request)
 
     def _response_headers(
@@ -103,12 +108,14 @@ class Exchange:
         self.pick.load.first_token()
         if self.endpoint is None:  # the proxy did not say: the primary, as it was asked
             self.endpoint = self.pick.endpoints[0]
-        return [protocol.answered(self.pick.route)]
+        return [protocol.answered(self.pick.route, self.pick.headers)]
 
     def _response_body(self, message: ext.HttpBody) -> Answers:
-        found = cached_tokens(message.body)
-        if found is not None:
-            self.cached = found
+        usage = usage_of(message.body)
+        if usage.cached_tokens is not None:
+            self.cached = usage.cached_tokens
+        if usage.output_tokens is not None:
+            self.output = usage.output_tokens
         if message.end_of_stream:
             self.close()
         if self.duplex_response:
@@ -123,3 +130,4 @@ class Exchange:
         self.pick.load.finish()
         if self.status == 200 and self.endpoint is not None:
             self.picker.served(self.pick, self.endpoint, self.cached)
+        self.picker.ended(self.pick, self.output if self.status == 200 else None)

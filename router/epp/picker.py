@@ -9,11 +9,13 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from core.errors import APIError
+from router.admission import Refused, Ticket
 from router.gateway.app import Gateway
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Worker
+from router.gateway.flow import FlowControl
 from router.gateway.parsing import forwarded, parse_embeddings, parse_request, parse_responses
-from router.gateway.proxy import usage_of
+from router.gateway.reply import Headers
 from router.gateway.routing import Plan
 from router.route import LoadShare
 
@@ -25,11 +27,6 @@ def endpoint_of(worker: Worker) -> str:
     return urlsplit(worker.url).netloc
 
 
-def cached_tokens(chunk: bytes) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` in a response body or SSE chunk."""
-    return usage_of(chunk).cached_tokens
-
-
 class Pick(NamedTuple):
     """Where one request goes: `endpoints[0]`, then the fallbacks in the policy's order."""
 
@@ -39,6 +36,17 @@ class Pick(NamedTuple):
     worker: Worker  # the chosen one
     load: LoadShare  # its share of load until the response ends
     route: str  # x-urc-route, as the gateway writes it
+    ticket: Ticket | None = None  # flow control's (None: off)
+    headers: Headers = []  # for the client's answer: flow control's x-ratelimit-*
+
+
+class Refusal(Exception):
+    """Flow control refused the request: the 429 the client gets (docs/flow-control.md)."""
+
+    def __init__(self, headers: Headers, body: bytes) -> None:
+        super().__init__("refused")
+        self.headers = headers
+        self.body = body
 
 
 class EndpointPicker:
@@ -49,7 +57,7 @@ class EndpointPicker:
         self.fleet = gateway.fleet
         self.max_in_flight = max_in_flight  # per endpoint, beyond it: 429 (0: never shed)
 
-    def pick(
+    async def pick(
         self,
         method: str,
         path: str,
@@ -58,7 +66,8 @@ class EndpointPicker:
         subset: Collection[str] | None = None,
     ) -> Pick:
         """Route one request (`headers` by lowercase name). `subset`: the endpoints the proxy
-        allows (GIE's subset hint), None: any. Raises APIError with the client's answer."""
+        allows (GIE's subset hint), None: any. Raises APIError with the client's answer, or
+        Refusal (flow control's 429); with flow control, a queued request waits here."""
         g = self.gateway
         path = path.partition("?")[0]
         if path not in _PATHS:
@@ -68,9 +77,14 @@ class EndpointPicker:
         tenant = g.tenants.authenticate(headers.get("authorization"))
         salt: str | None = None
         public_tokens = 0
+        ticket = None
+        flow = g.flow
         if path == "/v1/embeddings":  # by load alone, the body as sent (docs/dispatch.md)
             body, items = parse_embeddings(raw)
             plan = g.router.plan_embeddings(body["model"], items, g.modes.fallback)
+            if flow is not None:
+                ticket = flow.embedding_ticket(tenant.name, plan.request)
+                await self._admitted(flow, ticket)
         else:
             chat = path != "/v1/completions"
             if path == "/v1/responses":  # routed as the chat its input renders as
@@ -78,8 +92,45 @@ class EndpointPicker:
             else:
                 body = routed = parse_request(raw, chat)
             scope = tenant.scope(body, headers)
-            plan = g.router.plan(routed, chat, scope.salt, g.modes.active(), scope.public)
+            if flow is None:
+                plan = g.router.plan(routed, chat, scope.salt, g.modes.active(), scope.public)
+            else:
+                keyed = g.router.keyed(routed, chat, scope.salt, scope.public)
+                ticket = flow.ticket(tenant, keyed, body, headers)
+                await self._admitted(flow, ticket)
+                plan = g.router.route(keyed, g.modes.active(), time.monotonic())
             salt, public_tokens = scope.salt, plan.public_tokens
+        if ticket is None:
+            return self._picked(plan, body, salt, public_tokens, subset)
+        assert flow is not None
+        try:
+            return self._picked(plan, body, salt, public_tokens, subset, flow, ticket)
+        except BaseException:
+            flow.done(ticket)
+            raise
+
+    async def _admitted(self, flow: FlowControl, ticket: Ticket) -> None:
+        """Flow control lets `ticket` go (it may wait in the queue); Refusal otherwise."""
+        try:
+            if not flow.enter(ticket):
+                await flow.turn(ticket)
+        except Refused as exc:
+            headers, body = flow.refusal(exc, ticket)
+            said = [(k.lower(), v) for k, v in headers if k != "Content-Type"]  # Envoy: lowercase
+            raise Refusal(said, body) from None
+
+    def _picked(
+        self,
+        plan: Plan,
+        body: dict,
+        salt: str | None,
+        public_tokens: int,
+        subset: Collection[str] | None,
+        flow: FlowControl | None = None,
+        ticket: Ticket | None = None,
+    ) -> Pick:
+        """The endpoints for a routed request, the chosen one's load share taken."""
+        g = self.gateway
         g.metrics.decision.observe(plan.decision_s)
         g.metrics.reasons[plan.decision.reason] += 1
         workers = self.fleet.workers
@@ -99,13 +150,26 @@ class EndpointPicker:
         load = plan.route.attempt(chosen.name, group, exact, chosen.load, plan.arrived)
         header = plan.header(chosen.name)
         payload = forwarded(body, salt, public_tokens)
-        return Pick([endpoint_of(w) for w in ranked], payload, plan, chosen, load, header)
+        extra: Headers = []
+        if flow is not None and ticket is not None:
+            prioritized, extra = flow.forwarded(ticket, body, salt, public_tokens)
+            if prioritized is not None and chosen.takes_priority:
+                payload = prioritized
+        endpoints = [endpoint_of(w) for w in ranked]
+        return Pick(endpoints, payload, plan, chosen, load, header, ticket, extra)
 
     def worker_at(self, endpoint: str) -> Worker | None:
         for worker in self.fleet.workers.values():
             if endpoint_of(worker) == endpoint:
                 return worker
         return None
+
+    def ended(self, pick: Pick, output_tokens: int | None) -> None:
+        """The request ended, however (flow control settles its tenant's budget)."""
+        flow, ticket = self.gateway.flow, pick.ticket
+        if flow is not None and ticket is not None:
+            flow.used(ticket, output_tokens)
+            flow.done(ticket)
 
     def served(self, pick: Pick, endpoint: str, cached: int | None) -> None:
         """After a 200: residency for workers without KV events, predicted vs actual."""

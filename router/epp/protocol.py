@@ -76,9 +76,10 @@ def routed(endpoints: Sequence[str], body: bytes, streamed: bool) -> list[ext.Pr
     ]
 
 
-def answered(route: str) -> ext.ProcessingResponse:
-    """The response's headers on their way to the client, `x-urc-route` added."""
-    common = ext.CommonResponse(header_mutation=_mutation([(ROUTE, route)]))
+def answered(route: str, extra: Headers = ()) -> ext.ProcessingResponse:
+    """The response's headers on their way to the client, `x-urc-route` (and `extra`: flow
+    control's x-ratelimit-*) added."""
+    common = ext.CommonResponse(header_mutation=_mutation([(ROUTE, route), *extra]))
     return ext.ProcessingResponse(response_headers=ext.HeadersResponse(response=common))
 
 

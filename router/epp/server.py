@@ -44,7 +44,7 @@ class ExternalProcessor(ext_grpc.ExternalProcessorServicer):
         exchange = Exchange(self.picker, self.listing, self.max_body_bytes)
         try:
             async for message in request_iterator:
-                for answer in exchange.on(message):
+                for answer in await exchange.on(message):
                     yield answer
         finally:  # the proxy closes the stream when the request ends, whatever its modes
             exchange.close()

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import secrets
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ from router.gateway.admin import admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Fleet, Worker
+from router.gateway.flow import FlowControl, Ticket
 from router.gateway.isolation import Tenants
 from router.gateway.load_feed import LoadFeed
 from router.gateway.metrics import GatewayMetrics
@@ -32,7 +32,14 @@ from router.gateway.parity import ParityProbe
 from router.gateway.parsing import forwarded, parse_embeddings, parse_request, parse_responses
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
-from router.gateway.reply import JSON_HEADERS, AiohttpReply, Reply, error_response
+from router.gateway.reply import (
+    JSON_HEADERS,
+    AiohttpReply,
+    Reply,
+    add_fallback_route,
+    error_response,
+    json_errors,
+)
 from router.gateway.routing import Plan, Router, RoutingModes
 from router.gateway.siblings import Siblings
 from router.index import UnifiedIndex
@@ -44,7 +51,6 @@ if TYPE_CHECKING:
     from router.gateway.discovery import PodDiscovery
 
 log = logging.getLogger(__name__)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _BUSY_HEADERS = [*JSON_HEADERS, ("Retry-After", "1")]
 _BUSY_BODY = APIError(
     429,
@@ -94,8 +100,16 @@ class Gateway:
             self.fleet.on_up.append(self.parity.on_up)
             self.metrics.registry.register(self.parity)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
+        self.flow: FlowControl | None = None  # flow control (docs/flow-control.md); None: off
+        if config.flow_control:
+            share = config.flow_budget_share / (siblings.count if siblings is not None else 1)
+            self.flow = FlowControl(config, self.fleet, self.routing, share)
+            self.metrics.registry.register(self.flow.metrics)
+            self.proxy.on_load = self.flow.pump_soon
         self.model_list = ModelList(self.fleet)  # GET /v1/models, here and in urc epp
         self.load_feed = LoadFeed(self.fleet, config.load_interval_s)  # the workers' own load
+        if self.flow is not None:
+            self.load_feed.on_merge = self.flow.pump_soon
         self.metrics.registry.register(self.load_feed)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self.request_ids = RequestIds()
@@ -182,6 +196,8 @@ class Gateway:
             await self.discovery.stop()
         await self.parity.close()
         await self.proxy.deadlines.close()
+        if self.flow is not None:
+            await self.flow.close()
         await self.fleet.close()
         if self.recorder is not None:
             self.recorder.close()
@@ -222,19 +238,21 @@ class Gateway:
                 body = routed = parse_request(raw, chat)
             if note is not None:
                 note.parsed(tenant.name, body)
-            modes = self.modes
             scope = tenant.scope(body, headers)
-            plan = self.router.plan(routed, chat, scope.salt, modes.active(), scope.public)
-            if note is not None:
-                note.routed(plan)
-            if modes.shadow.policies:  # they choose among the same candidates
-                modes.shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
-            self.metrics.decision.observe(plan.decision_s)
-            self.metrics.reasons[plan.decision.reason] += 1
-            payload = forwarded(body, scope.salt, plan.public_tokens)
-            on_success = partial(self._served, tenant=tenant.name)
-            stream = body.get("stream") is True
-            await self.proxy.forward(reply, path, payload, plan, stream, on_success, note)
+            flow = self.flow
+            if flow is None:
+                plan = self.router.plan(routed, chat, scope.salt, self.modes.active(), scope.public)
+                await self._forward(reply, path, body, plan, scope.salt, tenant.name, note)
+                return
+            keyed = self.router.keyed(routed, chat, scope.salt, scope.public)
+            ticket = flow.ticket(tenant, keyed, body, headers)
+            try:
+                if flow.arrive(ticket, reply, note) or await flow.wait(ticket, reply, note):
+                    plan = self.router.route(keyed, self.modes.active(), time.monotonic())
+                    salt = scope.salt
+                    await self._forward(reply, path, body, plan, salt, tenant.name, note, ticket)
+            finally:
+                flow.done(ticket)
         except APIError as exc:
             if note is not None:
                 note.failed(exc.status, exc.message)
@@ -250,23 +268,61 @@ class Gateway:
             if note is not None:
                 note.finish()
 
+    def _forward(
+        self,
+        reply: Reply,
+        path: str,
+        body: dict,
+        plan: Plan,
+        salt: str | None,
+        tenant: str,
+        note: RequestNote | None,
+        ticket: Ticket | None = None,
+    ) -> Awaitable[None]:
+        """A routed request to its worker, to await (no coroutine frame of its own); `ticket`:
+        flow control's, whose engine priority our workers get, its budgets' headers the client."""
+        if note is not None:
+            note.routed(plan)
+        shadow = self.modes.shadow
+        if shadow.policies:  # they choose among the same candidates
+            shadow.watch(plan.request, plan.decision.candidates, plan.decision.worker)
+        self.metrics.decision.observe(plan.decision_s)
+        self.metrics.reasons[plan.decision.reason] += 1
+        payload = forwarded(body, salt, plan.public_tokens)
+        prioritized = extra = None
+        if ticket is not None and self.flow is not None:
+            prioritized, extra = self.flow.forwarded(ticket, body, salt, plan.public_tokens)
+        on_success = partial(self._served, tenant=tenant, ticket=ticket)
+        stream = body.get("stream") is True
+        forward = self.proxy.forward
+        return forward(reply, path, payload, plan, stream, on_success, note, prioritized, extra)
+
     async def _embed(self, reply: Reply, raw: bytes, tenant: str, note: RequestNote | None) -> None:
         """`/v1/embeddings`: to the least loaded worker serving the model, the body as sent
-        (no prefix cache plays a part: docs/dispatch.md, "Other endpoints")."""
+        (no prefix cache plays a part: docs/dispatch.md, "Other endpoints"); with flow control,
+        its tenant's budgets apply (never queued: an embedding is no prefill to wait for)."""
         body, items = parse_embeddings(raw)
         if note is not None:
             note.parsed(tenant, body)
         plan = self.router.plan_embeddings(body["model"], items, self.modes.fallback)
-        self.metrics.decision.observe(plan.decision_s)
-        self.metrics.reasons[plan.decision.reason] += 1
-        on_success = partial(self._served, tenant=tenant)
-        payload = forwarded(body, None, 0)
-        if note is not None:
-            note.routed(plan)
-        await self.proxy.forward(reply, "/v1/embeddings", payload, plan, False, on_success, note)
+        flow = self.flow
+        if flow is None:
+            await self._forward(reply, "/v1/embeddings", body, plan, None, tenant, note)
+            return
+        ticket = flow.embedding_ticket(tenant, plan.request)
+        try:
+            if flow.arrive(ticket, reply, note):
+                await self._forward(reply, "/v1/embeddings", body, plan, None, tenant, note, ticket)
+        finally:
+            flow.done(ticket)
 
-    def _served(self, plan: Plan, worker: Worker, usage: Usage, tenant: str) -> None:
-        """After a success: the recording (embeddings: nothing cached, nothing to replay)."""
+    def _served(
+        self, plan: Plan, worker: Worker, usage: Usage, tenant: str, ticket: Ticket | None
+    ) -> None:
+        """After a success: the recording (embeddings: nothing cached, nothing to replay), and
+        flow control's settlement of the tenant's tokens."""
+        if ticket is not None and self.flow is not None:
+            self.flow.used(ticket, usage.output_tokens)
         if self.recorder is not None and plan.prefix_cache:
             self.recorder.record(plan, worker, tenant, usage)
 
@@ -325,43 +381,3 @@ class Gateway:
     def local_scrape(self) -> web.Response:
         body = generate_latest(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def json_errors(handler: Handler) -> Handler:
-    """Every error of `handler` leaves as OpenAI-style JSON with its status, never a 500 page."""
-
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except APIError as exc:
-            return error_response(exc)
-        except web.HTTPRequestEntityTooLarge as exc:
-            message = f"request body too large: {exc.text}"
-            return error_response(APIError(413, message, code="body_too_large"))
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            return error_response(APIError(exc.status, exc.reason))
-        except (ConnectionResetError, asyncio.CancelledError):
-            raise
-        except Exception:
-            log.exception("internal error on %s %s", request.method, request.path)
-            error = APIError(500, "internal error in the gateway", type="server_error")
-            return error_response(error)
-
-    return wrapped
-
-
-def add_fallback_route(app: web.Application) -> None:
-    """Unknown paths and wrong methods get JSON errors too (add it after every other route)."""
-    known = {r.canonical for r in app.router.resources()}
-
-    async def fallback(request: web.Request) -> web.Response:
-        if request.path in known:
-            message = f"{request.method} is not allowed on {request.path}"
-            return error_response(APIError(405, message, code="method_not_allowed"))
-        message = f"no such endpoint: {request.path}"
-        return error_response(APIError(404, message, code="not_found"))
-
-    app.router.add_route("*", "/{tail:.*}", fallback)

@@ -16,6 +16,7 @@ import msgspec
 
 from router.gateway.config_schema import (
     ENGINES,
+    FAIRNESS,
     ISOLATION_LEVELS,
     LOG_FORMATS,
     LOG_LEVELS,
@@ -180,9 +181,9 @@ def check(config: GatewayConfig) -> None:
             if key in keys:
                 raise ConfigError(f"API key of tenant {tenant.name!r} is used twice")
             keys.add(key)
-        _one_of(
-            f"tenants[{i}].isolation (tenant {tenant.name!r})", tenant.isolation, ISOLATION_LEVELS
-        )
+        where = f"tenants[{i}].%s (tenant {tenant.name!r})"
+        _one_of(where % "isolation", tenant.isolation, ISOLATION_LEVELS)
+        _one_of(where % "fairness", tenant.fairness, FAIRNESS)
     for i, worker in enumerate(config.workers):
         if not worker.url.startswith(("http://", "https://")):
             raise ConfigError(

@@ -15,6 +15,7 @@ from core.settings import setting
 from router.index import DEFAULT_APPROX_TTL_S
 
 ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
+FAIRNESS = ("tenant", "user", "session")  # the flows a tenant's weight is shared between
 ENGINES = ("urc", "vllm", "sglang")
 LOG_LEVELS, LOG_FORMATS = LEVELS, FORMATS  # core/logs.py
 SECRETS = ("admin_key", "metrics_key", "salt_secret")  # and tenants' api_keys: masked in print
@@ -39,6 +40,7 @@ GROUPS: dict[str, tuple[str, str | None]] = {
     "index": ("the index and KV events", "approx_ttl_s"),
     "tenants": ("tenants and isolation", "salt_secret"),
     "load": ("load, health and failover", "max_concurrent_requests"),
+    "flow": ("flow control (docs/flow-control.md)", "flow_control"),
     "http": ("HTTP limits, timeouts and shutdown", "max_body_bytes"),
     "admin": ("admin API, metrics and recording", "admin_key"),
     "logs": ("logs and traces", "log_level"),
@@ -66,6 +68,7 @@ class WorkerConfig:
     kv_topic: str = ""
     block_size: PositiveInt | None = None
     engine: str = "urc"  # "urc" (ours: /urc/load), "vllm" or "sglang" (their /metrics)
+    priority_scheduling: bool = False  # vLLM under --scheduling-policy priority: send `priority`
 
 
 @dataclass(slots=True)
@@ -73,6 +76,13 @@ class TenantConfig:
     name: str = DEFAULT_TENANT  # a bare `--api-key KEY` (sglang-router's form) is this tenant's
     api_keys: list[str] = field(default_factory=list)  # at least one (config.py checks)
     isolation: str = "tenant"  # shared | tenant | user | session
+    # flow control (docs/flow-control.md); budgets: 0 is none
+    weight: Positive = 1.0  # its share of GPU work against the others of its priority
+    priority: int = 0  # higher first; below 0: sheddable
+    fairness: str = "tenant"  # tenant | user | session: the flows its weight is shared between
+    requests_per_minute: NonNegativeInt = 0
+    tokens_per_minute: NonNegativeInt = 0  # input + output
+    max_concurrent_requests: NonNegativeInt = 0
 
 
 @dataclass(slots=True)
@@ -174,6 +184,25 @@ class GatewayConfig:
         aliases=("--health-failure-threshold",),
     )
     breaker_cooldown_s: NonNegative = setting(3.0, "seconds a worker taken out stays out at least")
+
+    # flow
+    flow_control: bool = setting(
+        False, "admission: tenants' budgets, priorities and fair queues while a pool is saturated"
+    )
+    flow_saturation_ms: Positive = setting(
+        500.0, "a pool is saturated when every worker has this many ms of prefill queued"
+    )
+    flow_queue_max: NonNegativeInt = setting(
+        1024, "requests queued per gateway process at most, all pools; beyond: 429 queue_full"
+    )
+    flow_queue_timeout_s: Positive = setting(
+        30.0, "seconds a request waits in the queue at most, then 429 queue_timeout"
+    )
+    flow_budget_share: Annotated[float, Meta(gt=0, le=1)] = setting(
+        1.0,
+        "the part of every tenant budget this replica enforces (e.g. 1/3 for 3 replicas); "
+        "--processes N divides it by N again",
+    )
 
     # http
     max_body_bytes: PositiveInt = setting(

@@ -143,6 +143,12 @@ class Worker:
         """The kv_group this worker serves `model` in (the model's own, if it did not say)."""
         return self.models.get(model.name, model.kv_group)
 
+    @property
+    def takes_priority(self) -> bool:
+        """Whether it takes vLLM's `priority` field: ours always; vLLM and SGLang only when
+        configured to schedule by it (`priority_scheduling`), as they refuse one otherwise."""
+        return self.config.engine == "urc" or self.config.priority_scheduling
+
     def exact(self, kv_group: str) -> bool:
         """Whether this worker's residency in `kv_group` comes from its KV events."""
         for stream in self.streams:  # a loop, not any(): on every request

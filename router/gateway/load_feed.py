@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -51,6 +51,7 @@ class LoadFeed(Collector):
         self.reported: dict[Worker, Reported] = {}
         self.pushed: dict[Worker, asyncio.Task[None]] = {}  # its subscription, per worker
         self._ctx = zmq.asyncio.Context.instance()
+        self.on_merge: Callable[[], None] | None = None  # flow control's pump: a load came
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -104,6 +105,8 @@ class LoadFeed(Collector):
                     log.debug("bad load from %s: %s", worker.name, exc)
                     continue
                 merge(worker.load, reported, sample, time.monotonic())
+                if self.on_merge is not None:
+                    self.on_merge()
         finally:
             sub.close(linger=0)
 
@@ -129,6 +132,8 @@ class LoadFeed(Collector):
             forget(worker.load, reported)
             return
         merge(worker.load, reported, sample, time.monotonic())
+        if self.on_merge is not None:
+            self.on_merge()
 
     async def _fetch(self, worker: Worker, reported: Reported) -> Sample | None:
         """The worker's sample; None when it has none to give (its source becomes "none")."""

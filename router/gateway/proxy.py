@@ -8,6 +8,7 @@ import contextlib
 import re
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import NamedTuple
 
 from core.errors import APIError
@@ -68,6 +69,7 @@ class Proxy:
         self.request_timeout_s = fleet.config.request_timeout_s
         self.ttfb_timeout_s = fleet.config.ttfb_timeout_s
         self.deadlines = Deadlines()
+        self.on_load: Callable[[], None] | None = None  # flow control's pump: a load moved
         fleet.on_down.append(self.abandon)
 
     def abandon(self, worker: Worker) -> None:
@@ -87,10 +89,13 @@ class Proxy:
         stream: bool,
         on_success: Callable[[Plan, Worker, Usage], None],
         note: RequestNote | None = None,
+        prioritized: bytes | None = None,
+        extra: Headers | None = None,
     ) -> None:
         """Send the request on; the answer (or the last worker's error) goes to `reply`. A
         worker's 5xx counts against no worker's health and gets one other worker tried.
-        `note`: what the access log and tracing want to know (None: both off)."""
+        `note`: the access log's and tracing's (None: both off). Flow control's `prioritized`
+        body goes to workers that take a priority, its `extra` headers to the client."""
         t0 = time.monotonic()
         request_id = request_id_line(reply.request_id)
         last_error = "no worker was up"
@@ -101,18 +106,22 @@ class Proxy:
             if worker is None or not worker.up:
                 continue
             attempt = _Attempt(self, reply, plan, worker, t0, note)
+            attempt.extra = extra
+            body = prioritized if prioritized is not None and worker.takes_priority else payload
             load = attempt.load
             timer = None if stream else self._estimated_first_token(worker, load)
             headers = request_id if note is None else request_id + note.attempt(worker.name)
             failed: _Failover | None = None
             try:
-                status, usage = await attempt.run(path, payload, stream, headers)
+                status, usage = await attempt.run(path, body, stream, headers)
             except _Failover as exc:
                 failed = exc
             finally:
                 if timer is not None:
                     timer.cancel()
                 load.finish()
+                if self.on_load is not None:
+                    self.on_load()
             if failed is not None:
                 last_error = f"{worker.name}: {failed}"
                 if note is not None:
@@ -141,7 +150,13 @@ class Proxy:
         """A non-streamed answer shows no first byte: its prefill leaves the ledger's queue
         when the gateway's estimate says it is done (docs/dispatch.md, 3)."""
         delay = worker.load.queued_prefill_tokens * self.s_per_token
-        return self.deadlines.loop().call_later(delay, load.first_token)
+        then = load.first_token if self.on_load is None else partial(self._first_token, load)
+        return self.deadlines.loop().call_later(delay, then)
+
+    def _first_token(self, load: LoadShare) -> None:
+        load.first_token()
+        if self.on_load is not None:
+            self.on_load()
 
 
 class _Attempt:
@@ -166,6 +181,7 @@ class _Attempt:
         self.load = plan.route.attempt(worker.name, group, self.exact, worker.load, t0)
         self.t0 = t0  # when the request's forwarding began
         self.note = note
+        self.extra: Headers | None = None  # flow control's headers for the client
 
     async def run(
         self, path: str, payload: bytes, stream: bool, headers: bytes
@@ -211,6 +227,8 @@ class _Attempt:
     def _first_byte(self) -> float:
         """The first byte goes to the client: the ledger and the TTFT metric; its time."""
         self.load.first_token()
+        if self.proxy.on_load is not None:
+            self.proxy.on_load()
         series = self.proxy.metrics.series[self.plan.model.name, self.worker.name]
         now = time.monotonic()
         series.ttft.observe(now - self.t0)
@@ -221,7 +239,7 @@ class _Attempt:
         plan, name = self.plan, self.worker.name
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_HEADERS]
         headers.append(("x-urc-route", plan.header(name)))
-        return headers
+        return headers if self.extra is None else headers + self.extra
 
     async def _whole(self, upstream: UpstreamResponse) -> tuple[int, Usage | None]:
         """A non-streamed answer, checked before anything reaches the client."""

@@ -6,7 +6,10 @@ has `whole`, `start`, `send` and `end` (the last two: False when the client has 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
@@ -18,8 +21,10 @@ from core.logs import REQUEST_ID_HEADER
 if TYPE_CHECKING:
     from router.gateway.connection import FrontProtocol
 
+log = logging.getLogger(__name__)
 Headers = list[tuple[str, str]]
 JSON_HEADERS = [("Content-Type", "application/json")]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class AiohttpReply:
@@ -141,3 +146,43 @@ class LeanReply:
 
 
 Reply = LeanReply | AiohttpReply
+
+
+def json_errors(handler: Handler) -> Handler:
+    """Every error of `handler` leaves as OpenAI-style JSON with its status, never a 500 page."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as exc:
+            return error_response(exc)
+        except web.HTTPRequestEntityTooLarge as exc:
+            message = f"request body too large: {exc.text}"
+            return error_response(APIError(413, message, code="body_too_large"))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(APIError(exc.status, exc.reason))
+        except (ConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception:
+            log.exception("internal error on %s %s", request.method, request.path)
+            error = APIError(500, "internal error in the gateway", type="server_error")
+            return error_response(error)
+
+    return wrapped
+
+
+def add_fallback_route(app: web.Application) -> None:
+    """Unknown paths and wrong methods get JSON errors too (add it after every other route)."""
+    known = {r.canonical for r in app.router.resources()}
+
+    async def fallback(request: web.Request) -> web.Response:
+        if request.path in known:
+            message = f"{request.method} is not allowed on {request.path}"
+            return error_response(APIError(405, message, code="method_not_allowed"))
+        message = f"no such endpoint: {request.path}"
+        return error_response(APIError(404, message, code="not_found"))
+
+    app.router.add_route("*", "/{tail:.*}", fallback)

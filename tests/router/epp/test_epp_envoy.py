@@ -297,3 +297,32 @@ def test_subset_hint_and_shedding() -> None:
                 next(chunks)
             r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
             assert r.status_code == 429 and r.json()["error"]["code"] == "overloaded", r.headers
+
+
+def test_flow_control_budgets_answer_429_with_retry_after_through_envoy(tmp_path) -> None:
+    """The endpoint picker applies the gateway's admission (docs/flow-control.md): a tenant past
+    its requests_per_minute gets 429 with Retry-After and x-ratelimit-* through Envoy; another
+    tenant is unaffected."""
+    config = tmp_path / "urc.toml"
+    config.write_text(
+        "[gateway]\nflow_control = true\n"
+        '[[tenants]]\nname = "a"\napi_keys = ["key-a0"]\nrequests_per_minute = 6\n'
+    )
+    with stack("--config", str(config), *KEYS) as s:  # the warm-up spent some of a's budget
+        body = {"model": "emulated", "prompt": "within budget?", "max_tokens": 2}
+        answers = [
+            httpx.post(f"{s.url}/v1/completions", json=body, headers=key, timeout=10)
+            for key in [{"Authorization": "Bearer key-a"}] * 7
+        ]
+        statuses = [r.status_code for r in answers]
+        assert statuses[0] == 200 and statuses[-1] == 429, statuses
+        assert answers[0].headers["x-ratelimit-limit-requests"] == "6"
+        refused = answers[-1]
+        assert int(refused.headers["retry-after"]) >= 1
+        assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+        error = refused.json()["error"]
+        assert (error["type"], error["code"]) == ("rate_limit_error", "requests_per_minute")
+        other = httpx.post(
+            f"{s.url}/v1/completions", json=body, headers={"Authorization": "Bearer key-b"}
+        )
+        assert other.status_code == 200 and "x-ratelimit-limit-requests" not in other.headers

@@ -1,0 +1,82 @@
+"""Flow control's metrics (docs/metrics.md, "Flow control"): queue depth and wait per tenant and
+priority, outcomes, tokens per tenant, and each pool's saturation (1.0: saturated; fit for an
+autoscaler such as KEDA). Plain numbers on the request path, families at scrape time."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from router.admission import Admission, FlowSettings, Ticket, saturation
+from router.gateway.fleet import Fleet
+from router.gateway.metrics import Hist
+
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+OUTCOMES = (
+    "admitted_now",
+    "admitted_after_wait",
+    "limited",
+    "shed",
+    "queue_full",
+    "queue_timeout",
+)
+
+
+class FlowMetrics(Collector):
+    def __init__(self, admission: Admission, fleet: Fleet, settings: FlowSettings) -> None:
+        self.admission = admission
+        self.fleet = fleet
+        self.settings = settings
+        self.outcomes: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self.waits: defaultdict[tuple[str, int], Hist] = defaultdict(lambda: Hist(WAIT_BUCKETS))
+        self.token_counts: defaultdict[tuple[str, str], float] = defaultdict(float)
+
+    def outcome(self, ticket: Ticket, outcome: str) -> None:
+        self.outcomes[ticket.tenant.name, outcome] += 1
+
+    def waited(self, ticket: Ticket, seconds: float, outcome: str) -> None:
+        """A queued request left the queue: let through, or timed out."""
+        self.waits[ticket.tenant.name, ticket.band].observe(seconds)
+        self.outcome(ticket, outcome)
+
+    def tokens(self, ticket: Ticket, prompt: int, output: int) -> None:
+        name = ticket.tenant.name
+        self.token_counts[name, "input"] += prompt
+        self.token_counts[name, "output"] += output
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        doc = "Requests waiting in flow control's queues"
+        depth = GaugeMetricFamily("urc_flow_queue_depth", doc, labels=["tenant", "priority"])
+        depths = self.admission.queue_depths()
+        for tenant, band in list(self.waits):  # a queue that emptied reads 0, not absent
+            depths.setdefault((tenant, band), 0)
+        for (tenant, band), count in depths.items():
+            depth.add_metric([tenant, str(band)], count)
+        yield depth
+        doc = "Seconds requests waited in flow control's queue"
+        wait = HistogramMetricFamily("urc_flow_wait_seconds", doc, labels=["tenant", "priority"])
+        for (tenant, band), hist in list(self.waits.items()):
+            wait.add_metric([tenant, str(band)], *hist.family_point())
+        yield wait
+        doc = "Requests through flow control by outcome"
+        requests = CounterMetricFamily("urc_flow_requests", doc, labels=["tenant", "outcome"])
+        for (tenant, outcome), n in list(self.outcomes.items()):
+            requests.add_metric([tenant, outcome], n)
+        yield requests
+        doc = "Tokens of admitted requests as the workers reported them (input, output)"
+        tokens = CounterMetricFamily("urc_flow_tokens", doc, labels=["tenant", "kind"])
+        for (tenant, kind), used in list(self.token_counts.items()):
+            tokens.add_metric([tenant, kind], used)
+        yield tokens
+        doc = "The pool's least queued prefill over flow_saturation_ms (1.0: saturated)"
+        gauge = GaugeMetricFamily("urc_pool_saturation", doc, labels=["kv_group"])
+        s = self.settings
+        groups = {g for w in self.fleet.workers.values() if w.up for g in w.models.values()}
+        for group in sorted(groups):
+            loads = self.fleet.loads(group)
+            level = saturation(loads, s.prefill_tokens_per_s, s.saturation_ms)
+            gauge.add_metric([group], level)
+        yield gauge
