@@ -71,7 +71,8 @@ def scrape_fleet() -> Scrapes:
     try:
         children += [start_worker() for _ in range(2)]
         workers = [w.url for w in children]
-        gateway = start_gateway(workers, "--admin-key", "admin-secret")
+        # flow control on (an unsaturated pool: it changes no answer) for its metrics too
+        gateway = start_gateway(workers, "--admin-key", "admin-secret", "--flow-control")
         children.append(gateway)
         assert wait_for(lambda: all_exact(gateway.url, 2), 20), gateway.lines[-20:]
         model = httpx.get(f"{gateway.url}/v1/models", timeout=5).json()["data"][0]["id"]
