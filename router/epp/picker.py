@@ -98,7 +98,11 @@ class EndpointPicker:
                 keyed = g.router.keyed(routed, chat, scope.salt, scope.public)
                 ticket = flow.ticket(tenant, keyed, body, headers)
                 await self._admitted(flow, ticket)
-                plan = g.router.route(keyed, g.modes.active(), time.monotonic())
+                try:
+                    plan = g.router.route(keyed, g.modes.active(), time.monotonic())
+                except BaseException:
+                    flow.done(ticket)
+                    raise
             salt, public_tokens = scope.salt, plan.public_tokens
         if ticket is None:
             return self._picked(plan, body, salt, public_tokens, subset)
@@ -118,6 +122,9 @@ class EndpointPicker:
             headers, body = flow.refusal(exc, ticket)
             said = [(k.lower(), v) for k, v in headers if k != "Content-Type"]  # Envoy: lowercase
             raise Refusal(said, body) from None
+        except BaseException:  # the stream closed (cancelled) once let go: its grant back
+            flow.done(ticket)
+            raise
 
     def _picked(
         self,
