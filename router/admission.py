@@ -167,6 +167,23 @@ class Admission:
         band = t.priority if priority is None else priority
         return Ticket(t, flow, band, pool, cost, tokens)
 
+    def busy(self, pool: str, saturated: bool) -> bool:
+        """Whether a request for `pool` would queue (saturated, or others wait): only then must
+        its price be known before it is admitted (`price`); else it may be priced after its
+        routing found the uncached tokens (`price` again, with them)."""
+        return saturated or self.waiting(pool)
+
+    def price(self, ticket: Ticket, uncached: int) -> None:
+        """Charge `ticket` for `uncached` prompt tokens: before `arrive`, its cost; after it was
+        admitted at once, its flow's finish moves by the difference."""
+        added = uncached / self.settings.prefill_tokens_per_s
+        ticket.cost += added
+        if ticket.grant is not None:
+            band = self.pools[ticket.pool][ticket.band]
+            band.finish[ticket.flow] = (
+                band.finish.get(ticket.flow, 0.0) + added / ticket.tenant.weight
+            )
+
     def arrive(self, ticket: Ticket, saturated: bool, now: float) -> bool:
         """True: go now (budget granted); False: queued until `pop` hands it out. Raises
         Refused: over budget, sheddable while saturated, or the queue full."""

@@ -159,7 +159,7 @@ class EndpointPicker:
         payload = forwarded(body, salt, public_tokens)
         extra: Headers = []
         if flow is not None and ticket is not None:
-            prioritized, extra = flow.forwarded(ticket, body, salt, public_tokens)
+            prioritized, extra = flow.forwarded(ticket, body, salt, plan)
             if prioritized is not None and chosen.takes_priority:
                 payload = prioritized
         endpoints = [endpoint_of(w) for w in ranked]

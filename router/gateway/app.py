@@ -291,7 +291,7 @@ class Gateway:
         payload = forwarded(body, salt, plan.public_tokens)
         prioritized = extra = None
         if ticket is not None and self.flow is not None:
-            prioritized, extra = self.flow.forwarded(ticket, body, salt, plan.public_tokens)
+            prioritized, extra = self.flow.forwarded(ticket, body, salt, plan)
         on_success = partial(self._served, tenant=tenant, ticket=ticket)
         stream = body.get("stream") is True
         forward = self.proxy.forward

@@ -22,7 +22,7 @@ from router.gateway.flow_metrics import FlowMetrics
 from router.gateway.isolation import SESSION_HEADERS, Tenant
 from router.gateway.parsing import forwarded
 from router.gateway.reply import JSON_HEADERS, Headers, Reply
-from router.gateway.routing import Keyed
+from router.gateway.routing import Keyed, Plan
 from router.policies import RouteRequest
 from router.route import Routing
 
@@ -34,13 +34,15 @@ LIMITED = frozenset({"requests_per_minute", "tokens_per_minute", "concurrency"})
 class Entry:
     """What flow control keeps with a ticket (`ticket.item`): its waiter and what it used."""
 
-    __slots__ = ("future", "prompt_tokens", "output_tokens", "used")
+    __slots__ = ("future", "prompt_tokens", "output_tokens", "used", "request")
 
-    def __init__(self, prompt_tokens: int) -> None:
+    def __init__(self, prompt_tokens: int, request: RouteRequest | None = None) -> None:
         self.future: asyncio.Future[None] | None = None  # set while it waits
         self.prompt_tokens = prompt_tokens
         self.output_tokens = 0
         self.used = False  # the worker reported its usage
+        # its keys until it is priced: before it queues, or once routed (Admission.price)
+        self.request = request
 
 
 def max_tokens_of(body: Mapping[str, Any]) -> int | None:
@@ -107,12 +109,11 @@ class FlowControl:
             with contextlib.suppress(ValueError):
                 band = int(said)
         request = keyed.request
-        uncached = self.routing.uncached(request, time.monotonic())
         prompt = request.prompt_tokens
         ticket = self.admission.ticket(
-            tenant.name, key, request.kv_group, uncached, prompt, max_tokens_of(body), band
+            tenant.name, key, request.kv_group, 0, prompt, max_tokens_of(body), band
         )
-        ticket.item = Entry(prompt)
+        ticket.item = Entry(prompt, request)  # priced in `enter` if it queues, else once routed
         return ticket
 
     def embedding_ticket(self, tenant: str, request: RouteRequest) -> Ticket:
@@ -146,6 +147,11 @@ class FlowControl:
         """True: go now; False: queued (then `turn`). Raises Refused (counted)."""
         pool = ticket.pool
         busy = not pool.endswith(_EMBEDDINGS) and self.saturated(pool)
+        entry: Entry = ticket.item  # type: ignore[assignment]
+        if entry.request is not None and self.admission.busy(pool, busy):  # it will queue
+            uncached = self.routing.uncached(entry.request, time.monotonic())
+            self.admission.price(ticket, uncached)
+            entry.request = None
         try:
             go = self.admission.arrive(ticket, busy, time.monotonic())
         except Refused as exc:
@@ -242,14 +248,22 @@ class FlowControl:
         self.pump_soon()
 
     def forwarded(
-        self, ticket: Ticket, body: dict[str, Any], salt: str | None, public_tokens: int
+        self, ticket: Ticket, body: dict[str, Any], salt: str | None, plan: Plan
     ) -> tuple[bytes | None, Headers]:
-        """What goes with an admitted request: the worker's body with the engine `priority` for
-        workers that take it (None: the plain body does, the priority being 0 and the client
-        having sent none), and the budgets' headers for the client's answer."""
+        """What goes with an admitted, routed request (`plan`): the worker's body with the
+        engine `priority` for workers that take it (None: the plain body does, the priority
+        being 0 and the client having sent none), and the budgets' headers for the client's
+        answer. A request admitted at once is priced here, by its routing's uncached tokens:
+        no second match of its prompt."""
         headers = self.headers(ticket.tenant.budget)
         if ticket.pool.endswith(_EMBEDDINGS):
             return None, headers
+        entry: Entry = ticket.item  # type: ignore[assignment]
+        if entry.request is not None:
+            worker = plan.decision.worker
+            self.admission.price(ticket, plan.request.prompt_tokens - plan.matched(worker))
+            entry.request = None
+        public_tokens = plan.public_tokens
         priority = self.admission.engine_priority(ticket)
         if not priority and "priority" not in body:
             return None, headers

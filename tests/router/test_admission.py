@@ -164,3 +164,17 @@ def test_engine_priority_puts_a_flow_ahead_of_its_share_one_step_later() -> None
     assert adm.engine_priority(quiet_ticket) == 0
     flood_ticket = adm.pop(POOL, 0.2)
     assert flood_ticket is not None and adm.engine_priority(flood_ticket) == 1
+
+
+def test_a_request_admitted_at_once_is_priced_after_its_routing() -> None:
+    """Unqueued, its price is known only once routed (no second match of its prompt): the
+    flow's finish moves then, as if it had been charged on arrival."""
+    now, later = admission(TenantFlow("t")), admission(TenantFlow("t"))
+    early = now.ticket("t", "t", POOL, 3_000, 3_000, 0)
+    assert now.arrive(early, False, 0.0)
+    late = later.ticket("t", "t", POOL, 0, 3_000, 0)
+    assert later.busy(POOL, False) is False
+    assert later.arrive(late, False, 0.0)
+    later.price(late, 3_000)
+    assert late.cost == pytest.approx(early.cost)
+    assert later.pools[POOL][0].finish == pytest.approx(now.pools[POOL][0].finish)

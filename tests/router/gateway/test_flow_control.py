@@ -123,12 +123,11 @@ def test_a_flood_queues_ends_200_or_429_and_a_quiet_tenant_goes_first(fleet) -> 
         assert wait_for(lambda: metric(url, "urc_flow_queue_depth", tenant="flood") >= 3, 20)
         assert metric(url, "urc_pool_saturation") >= 1.0
         for i in range(3):  # each while the flood still waits: dispatched ahead of it
-            queued_before = metric(url, "urc_flow_queue_depth", tenant="flood")
             answer = post(url, "quiet", chat(f"a short question {i}"))
             assert answer.status_code == 200, answer.text
-            queued_after = metric(url, "urc_flow_queue_depth", tenant="flood")
-            if queued_before >= 3:  # the quiet one did not wait for those queued before it
-                assert queued_after >= 1, (queued_before, queued_after)
+        # the quiet ones did not wait for the flood queued before them: 12 x 0.75 s of prefill,
+        # against about one flood request's for each quiet one
+        assert sum(f.done() for f in futures) < 12
         statuses = [f.result().status_code for f in futures]
     assert len(statuses) == 12 and set(statuses) <= {200, 429}, statuses
     assert statuses.count(200) >= 3
