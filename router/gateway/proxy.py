@@ -4,7 +4,6 @@ through as it arrives, and the load ledger of each attempt (docs/dispatch.md, 3 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from typing import NamedTuple
 from core.errors import APIError
 from core.logs import REQUEST_ID_HEADER
 from router.gateway.access import RequestNote
+from router.gateway.deadlines import Deadlines
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.reply import Headers, Reply, request_id_line
@@ -24,7 +24,6 @@ from router.route import LoadShare
 # usage as chat and completions report it, or as the Responses API does (output_tokens)
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _OUTPUT_RE = re.compile(rb'"(?:completion|output)_tokens"\s*:\s*(\d+)')
-Renew = Callable[[float], float]  # loop time now -> the next deadline
 # not passed on to the client: hop-by-hop, and the request id (the reply sends the gateway's)
 _DROPPED_HEADERS = {
     "content-length",
@@ -108,31 +107,17 @@ class Proxy:
             attempt = _Attempt(self, reply, plan, worker, t0, note)
             attempt.extra = extra
             body = prioritized if prioritized is not None and worker.takes_priority else payload
-            load = attempt.load
-            timer = None if stream else self._estimated_first_token(worker, load)
             headers = request_id if note is None else request_id + note.attempt(worker.name)
-            failed: _Failover | None = None
             try:
-                status, usage = await attempt.run(path, body, stream, headers)
-            except _Failover as exc:
-                failed = exc
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                load.finish()
-                if self.on_load is not None:
-                    self.on_load()
-            if failed is not None:
+                status, usage = await attempt.settled(path, body, stream, headers)
+            except _Failover as failed:
                 last_error = f"{worker.name}: {failed}"
-                if note is not None:
-                    note.attempt_ended(failed.status(), str(failed), None)
-                self.metrics.failovers[worker.name] += 1
+                self._failed(worker, failed, note)
                 if failed.answer is None:
-                    self.fleet.failed(worker)
-                elif answered is None:
-                    answered = failed.answer
-                else:  # a second worker answered 5xx too: the answer is the request's
+                    continue
+                if answered is not None:  # a second worker answered 5xx too: the request's
                     break
+                answered = failed.answer
                 continue
             attempt.answered(status, usage)
             if usage is not None:
@@ -145,6 +130,14 @@ class Proxy:
             return
         message = f"every worker failed for model '{plan.model.name}' (last: {last_error})"
         raise APIError(502, message, type="bad_gateway", code="worker_failed")
+
+    def _failed(self, worker: Worker, failed: _Failover, note: RequestNote | None) -> None:
+        """An attempt failed over: counted; against the worker's health unless it answered."""
+        if note is not None:
+            note.attempt_ended(failed.status(), str(failed), None)
+        self.metrics.failovers[worker.name] += 1
+        if failed.answer is None:
+            self.fleet.failed(worker)
 
     def _estimated_first_token(self, worker: Worker, load: LoadShare) -> asyncio.TimerHandle:
         """A non-streamed answer shows no first byte: its prefill leaves the ledger's queue
@@ -182,6 +175,22 @@ class _Attempt:
         self.t0 = t0  # when the request's forwarding began
         self.note = note
         self.extra: Headers | None = None  # flow control's headers for the client
+
+    async def settled(
+        self, path: str, payload: bytes, stream: bool, headers: bytes
+    ) -> tuple[int, Usage | None]:
+        """`run`, its load share settled however it ends (a non-streamed answer's first token
+        estimated meanwhile), and flow control told the load moved."""
+        proxy = self.proxy
+        timer = None if stream else proxy._estimated_first_token(self.worker, self.load)
+        try:
+            return await self.run(path, payload, stream, headers)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            self.load.finish()
+            if proxy.on_load is not None:
+                proxy.on_load()
 
     async def run(
         self, path: str, payload: bytes, stream: bool, headers: bytes
@@ -320,79 +329,6 @@ class _Attempt:
         if usage is not None and plan.prefix_cache:
             predicted, host = plan.matched(worker.name), plan.host_matched(worker.name)
             series.prediction(plan.request.prompt_tokens, predicted, usage.cached_tokens, host)
-
-
-class Deadlines:
-    """Deadlines without a timer per request (as `asyncio.timeout` has): each attempt is one dict
-    entry, and a sweep four times a second cancels the tasks past due."""
-
-    def __init__(self, period_s: float = 0.25) -> None:
-        self.period_s = period_s
-        self._due: dict[asyncio.Task[object], tuple[float, Renew | None]] = {}  # and its renewal
-        self._expired: set[asyncio.Task[object]] = set()
-        self._sweeper: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The running loop, asked once (each lookup costs a getpid() call, CPython 3.11)."""
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            loop = self._loop = asyncio.get_running_loop()
-        return loop
-
-    def enter(self, seconds: float, renew: Renew | None = None) -> asyncio.Task[object]:
-        """The current task must finish within `seconds` or be cancelled; when they pass,
-        `renew(now)` may give a later deadline."""
-        loop = self.loop()
-        task = asyncio.current_task(loop)
-        assert task is not None
-        self._due[task] = (loop.time() + seconds, renew)
-        if self._sweeper is None or self._sweeper.done():
-            self._sweeper = loop.create_task(self._sweep())
-        return task
-
-    def rearm(self, task: asyncio.Task[object], seconds: float) -> None:
-        """A new deadline `seconds` from now, with no renewal."""
-        if task in self._due:
-            self._due[task] = (self.loop().time() + seconds, None)
-
-    def expire(self, task: asyncio.Task[object]) -> None:
-        """Now: the task is cancelled as if its deadline had passed."""
-        if self._due.pop(task, None) is not None:
-            self._expired.add(task)
-            task.cancel()
-
-    def leave(self, task: asyncio.Task[object]) -> None:
-        self._due.pop(task, None)
-        self._expired.discard(task)
-
-    def expired(self, task: asyncio.Task[object]) -> bool:
-        """After a CancelledError: was it the deadline (then the cancel is taken back)?"""
-        if task not in self._expired:
-            return False
-        self._expired.discard(task)
-        task.uncancel()
-        return True
-
-    async def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._due:
-            await asyncio.sleep(self.period_s)
-            now = loop.time()
-            for task, (due, renew) in list(self._due.items()):
-                if due > now:
-                    continue
-                later = renew(now) if renew is not None else now
-                if later > now:
-                    self._due[task] = (later, renew)
-                else:
-                    self.expire(task)
-
-    async def close(self) -> None:
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
 
 
 def _header_int(upstream: UpstreamResponse) -> int | None:

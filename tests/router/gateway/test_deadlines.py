@@ -1,4 +1,4 @@
-"""Deadlines (router/gateway/proxy.py): past-due tasks are cancelled and told apart from
+"""Deadlines (router/gateway/deadlines.py): past-due tasks are cancelled and told apart from
 cancellations of any other cause."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from router.gateway.proxy import Deadlines
+from router.gateway.deadlines import Deadlines
 
 
 async def test_a_task_past_its_deadline_is_cancelled_and_told_so() -> None:
