@@ -50,3 +50,13 @@ class EngineConfig:
             raise ValueError("host_capacity_tokens must be 0 (no host tier) or >= block_size")
         if self.host_capacity_tokens < 0 or self.host_copy_tokens_per_s <= 0:
             raise ValueError("need host_capacity_tokens >= 0 and host_copy_tokens_per_s > 0")
+
+    def step_s(self, decoding: int, prefill_tokens: int, copied_tokens: int) -> float:
+        """One forward pass's time (docs/workers.md): a base, each decoding request, the
+        step's prefill chunk, and the host-tier blocks copied in for it."""
+        return (
+            self.decode_base_s
+            + self.decode_per_request_s * decoding
+            + prefill_tokens / self.prefill_tokens_per_s
+            + copied_tokens / self.host_copy_tokens_per_s
+        )

@@ -6,18 +6,19 @@ from __future__ import annotations
 import math
 from collections import deque
 from functools import partial
-from typing import Any, Final, NamedTuple, cast
+from typing import Any, Final
 
 from backends.cache.check import check, check_locks
 from backends.cache.host import HostTier
 from backends.cache.radix import RadixCache
 from backends.cache.scopes import Invalidated, SaltTest, invalidate
 from backends.emulated.config import EngineConfig
+from backends.emulated.events import EventLog
 from backends.emulated.paging import admit, cache_output, cache_prompt, release
-from backends.emulated.request import Request, State
+from backends.emulated.request import EngineLoad, Request, State, StepResult, by_priority
 from core.blocks import block_keys
 from core.heap import Heap
-from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockHash, BlockRemoved, KVEvent, block_stored
+from core.kv_events import MEDIUM_CPU, KVEvent
 
 _EPS: Final = 1e-9  # float slack when counting steps between two times
 
@@ -30,45 +31,21 @@ _FINISHED: Final = State.FINISHED
 _ABORTED: Final = State.ABORTED
 
 
-def _priority(req: Request) -> int:
-    return req.priority
-
-
-class StepResult:
-    """What one `step` call did (a plain class: compiled, it is built natively)."""
-
-    __slots__ = ("admitted", "first_token", "finished", "emitted", "events")
-
-    def __init__(self) -> None:
-        self.admitted: list[Request] = []  # left the queue this call: cached_tokens is known
-        self.first_token: list[Request] = []  # prefill done: first token at first_token_time
-        self.finished: list[Request] = []  # every token emitted (finish_time set)
-        self.emitted: dict[Any, int] = {}  # rid -> tokens emitted this call, first included
-        self.events: list[KVEvent] = []  # the cache's changes, in order
-
-
-class EngineLoad(NamedTuple):
-    running: int
-    waiting: int
-    queued_prefill_tokens: int  # prompt tokens not yet computed (cached ones of waiting included)
-    decoding: int  # running requests past their prefill
-
-
 class EmulatedEngine:
     """Continuous batching over a RadixCache; see the module doc. Drive it with `submit`,
     `step(now)` at `next_time()` (or every `next_step_time()`), and `abort`."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = cfg = config or EngineConfig()
-        self._events: list[KVEvent] = []
         self._tokens_out = cfg.emit_events and cfg.event_tokens  # events carry token ids
+        self.log = log = EventLog(cfg.block_size, cfg.event_tokens)
         tiered = cfg.host_capacity_tokens > 0
         self.cache = RadixCache(
             cfg.capacity_tokens,
             cfg.block_size,
             keep_tokens=tiered and self._tokens_out,  # a demotion's event carries them
-            on_stored=self._on_stored if cfg.emit_events else None,
-            on_removed=self._on_removed if cfg.emit_events else None,
+            on_stored=log.stored if cfg.emit_events else None,
+            on_removed=log.removed if cfg.emit_events else None,
         )
         # the host tier under it (docs/tiers.md): unpaged, this engine keeps no KV
         self.host: HostTier | None = None
@@ -77,8 +54,8 @@ class EmulatedEngine:
             self.host = HostTier(
                 cfg.host_capacity_tokens,
                 cfg.block_size,
-                on_stored=partial(self._on_stored, medium=MEDIUM_CPU) if events else None,
-                on_removed=partial(self._on_removed, medium=MEDIUM_CPU) if events else None,
+                on_stored=partial(log.stored, medium=MEDIUM_CPU) if events else None,
+                on_removed=partial(log.removed, medium=MEDIUM_CPU) if events else None,
             )
             self.host.attach(self.cache)
         self._queue: deque[Request] = deque()  # arrival order
@@ -98,9 +75,6 @@ class EmulatedEngine:
         # the head that last did not fit: it, the room it needed, the blocks it matched
         self._stuck: tuple[Request, int, int] | None = None
         self._queued_prefill = 0
-        # the BlockStored of the blocks the step in flight caches: announced when it ends
-        self._held: list[KVEvent] = []
-        self._planning = False  # the cache's stores now are a step's: held
         self.finished_requests = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0  # both tiers
@@ -109,47 +83,18 @@ class EmulatedEngine:
 
     # -- KV events ---------------------------------------------------------------------------
 
-    def _on_stored(
-        self,
-        kv_group: str,
-        parent: int | None,
-        keys: list[int],
-        tokens: list[int] | None,
-        salt: str | None,
-        medium: str = MEDIUM_GPU,
-    ) -> None:
-        """A GPU store of the step being planned is held to its end; a demotion to the host tier
-        (MEDIUM_CPU) is announced at once, before the GPU's BlockRemoved of the same blocks."""
-        if tokens is None:
-            assert not self.config.event_tokens, "events need the blocks' tokens"
-            tokens = []
-        bs = self.config.block_size
-        hashes = cast(list[BlockHash], keys)
-        event = block_stored(hashes, parent, tokens, bs, medium=medium, salt=salt)
-        held = self._planning and medium == MEDIUM_GPU
-        (self._held if held else self._events).append(event)
-
-    def _on_removed(self, kv_group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:
-        self._events.append(BlockRemoved(cast(list[BlockHash], keys), medium))
-
-    def _release(self) -> None:
-        """Announce the blocks the step now ending cached, in the order they were cached."""
-        self._events.extend(self._held)
-        self._held = []
-
     def invalidate(self, scope: SaltTest | None) -> Invalidated:
         """Scoped invalidation of both tiers (backends/cache/scopes.py); `freed_blocks` counts
         the host tier's too. What the step in flight cached is announced first, so its
         BlockStored comes before the BlockRemoved."""
-        self._release()
+        self.log.release()
         done = invalidate(self.cache, scope)
         host = 0 if self.host is None else self.host.invalidate(scope)
         return Invalidated(done.freed_blocks + host, done.locked_blocks)
 
     def drain_events(self) -> list[KVEvent]:
         """Events not yet handed out by a step (an invalidation's, and any before it), in order."""
-        events, self._events = self._events, []
-        return events
+        return self.log.drain()
 
     # -- the driver's API --------------------------------------------------------------------
 
@@ -177,13 +122,10 @@ class EmulatedEngine:
         if req.priority:
             self._ranked += 1
         running = len(self._prefilling) + len(self._decoding)
-        if self._active and running < cfg.max_batch and (not self._blocked or self._outranks(req)):
+        stuck = self._stuck  # ranked before the request that last did not fit: it goes first
+        outranks = stuck is not None and req.priority < stuck[0].priority
+        if self._active and running < cfg.max_batch and (not self._blocked or outranks):
             self._cut(req.arrival)
-
-    def _outranks(self, req: Request) -> bool:
-        """`req` ranks before the request that last did not fit: it may fit, and goes first."""
-        stuck = self._stuck
-        return stuck is not None and req.priority < stuck[0].priority
 
     def abort(self, req: Request, now: float) -> bool:
         """Drop a request (its client went away). Its room and locks are released now; blocks
@@ -255,12 +197,12 @@ class EmulatedEngine:
             if self._seg_done < self._seg_k:
                 return result
             self._active = False
-            if self._held:
-                self._release()
+            if self.log.held:
+                self.log.release()
             self._end_segment(self._seg_start + self._seg_k * self._seg_d, result)
         self._plan(now, result)
-        if self._events:
-            result.events, self._events = self._events, []
+        if self.log.events:
+            result.events = self.log.drain()
         return result
 
     # -- the segment's end -------------------------------------------------------------------
@@ -364,7 +306,7 @@ class EmulatedEngine:
             if req.arrival > now + _EPS:
                 break
             ranked.append(req)
-        ranked.sort(key=_priority)
+        ranked.sort(key=by_priority)
         running = len(self._prefilling) + len(self._decoding)
         admitted = self._blocked = False
         for req in ranked:
@@ -394,7 +336,7 @@ class EmulatedEngine:
         cfg = self.config
         budget = cfg.chunk_tokens
         chunks: list[tuple[Request, int]] = []
-        self._planning = True  # the cache's stores until the admissions end are this step's
+        self.log.planning = True  # the cache's stores until the admissions end are this step's
         try:
             if self._ranked:
                 budget = self._schedule_ranked(now, chunks, result)
@@ -417,7 +359,7 @@ class EmulatedEngine:
                     if budget > 0:
                         budget = self._chunk(req, budget, chunks)
         finally:
-            self._planning = False
+            self.log.planning = False
         decoding = len(self._decoding)
         if not chunks and not decoding:
             return
@@ -425,12 +367,7 @@ class EmulatedEngine:
         for req, _ in chunks:
             if req.host_tokens and req.computed == req.cached_tokens:
                 copied += req.host_tokens
-        d = (  # the step's time (docs/workers.md)
-            cfg.decode_base_s
-            + cfg.decode_per_request_s * decoding
-            + (cfg.chunk_tokens - budget) / cfg.prefill_tokens_per_s
-            + copied / cfg.host_copy_tokens_per_s
-        )
+        d = cfg.step_s(decoding, cfg.chunk_tokens - budget, copied)
         if chunks:
             k = 1
         else:
@@ -459,4 +396,4 @@ class EmulatedEngine:
         assert len(running) <= self.config.max_batch, "batch over max_batch"
         ranked = sum(1 for r in [*self._queue, *self._prefilling] if r.priority)
         assert ranked == self._ranked, "requests ranked by priority"
-        assert self._active or not self._held, "events held past their step"
+        assert self._active or not self.log.held, "events held past their step"

@@ -7,10 +7,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from backends.cache.nodes import Run
 from core.blocks import chain_keys, namespace, parent_prefix
+from core.kv_events import KVEvent
 
 OUTPUT_TEXT = b"The quick brown fox jumps over the lazy dog. "
 
@@ -115,3 +116,28 @@ class Request:
         self.admitted_time = self.first_token_time = self.finish_time = None
         self.node = None
         self.prompt_len = self.node_blocks = self.reserved = self.decode_from = 0
+
+
+def by_priority(req: Request) -> int:
+    """The sort key of ranked scheduling: vLLM's sense, lower first."""
+    return req.priority
+
+
+class StepResult:
+    """What one `step` call did (a plain class: compiled, it is built natively)."""
+
+    __slots__ = ("admitted", "first_token", "finished", "emitted", "events")
+
+    def __init__(self) -> None:
+        self.admitted: list[Request] = []  # left the queue this call: cached_tokens is known
+        self.first_token: list[Request] = []  # prefill done: first token at first_token_time
+        self.finished: list[Request] = []  # every token emitted (finish_time set)
+        self.emitted: dict[Any, int] = {}  # rid -> tokens emitted this call, first included
+        self.events: list[KVEvent] = []  # the cache's changes, in order
+
+
+class EngineLoad(NamedTuple):
+    running: int
+    waiting: int
+    queued_prefill_tokens: int  # prompt tokens not yet computed (cached ones of waiting included)
+    decoding: int  # running requests past their prefill

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 
 from backends.emulated.config import EngineConfig
-from backends.emulated.engine import EmulatedEngine, StepResult
-from backends.emulated.request import Request, State, output_tokens
+from backends.emulated.engine import EmulatedEngine
+from backends.emulated.request import Request, State, StepResult, output_tokens
 from core.blocks import block_keys
 from core.kv_events import BlockRemoved, BlockStored, EventBatch
 from router.index import UnifiedIndex
@@ -324,7 +324,7 @@ def test_kv_events_rebuild_exactly_the_cache_in_the_mirror() -> None:
             mirror.apply(seq, EventBatch(t, result.events), t)
             seq += 1
         # the blocks the step in flight caches are announced when it ends
-        in_flight = {k for e in engine._held if isinstance(e, BlockStored) for k in e.block_hashes}
+        in_flight = {k for e in engine.log.held if isinstance(e, BlockStored) for k in e.block_hashes}
         assert index.residency("w", "g") == engine.cache.keys() - in_flight
 
     drive(engine, reqs, on_step=apply)

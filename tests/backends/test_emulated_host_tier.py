@@ -10,8 +10,8 @@ import random
 import pytest
 
 from backends.emulated.config import EngineConfig
-from backends.emulated.engine import EmulatedEngine, StepResult
-from backends.emulated.request import Request
+from backends.emulated.engine import EmulatedEngine
+from backends.emulated.request import Request, StepResult
 from core.blocks import salt_scope
 from core.kv_events import MEDIUM_CPU, BlockRemoved, BlockStored, EventBatch
 from router.index import UnifiedIndex, host_group
@@ -113,7 +113,7 @@ def test_kv_events_keep_the_mirror_equal_to_both_tiers_after_every_step() -> Non
         if result.events:
             mirror.apply(seq, EventBatch(t, result.events), t)
             seq += 1
-        in_flight = {k for e in engine._held if isinstance(e, BlockStored) for k in e.block_hashes}
+        in_flight = {k for e in engine.log.held if isinstance(e, BlockStored) for k in e.block_hashes}
         assert index.residency("w", "g") == engine.cache.keys() - in_flight, "GPU tier"
         assert index.residency("w", host_group("g")) == host.keys(), "host tier"
 

@@ -14,8 +14,8 @@ import pytest
 from backends.cache.check import check
 from backends.cache.scopes import invalidate as invalidate_cache
 from backends.emulated.config import EngineConfig
-from backends.emulated.engine import EmulatedEngine, StepResult
-from backends.emulated.request import Request, State
+from backends.emulated.engine import EmulatedEngine
+from backends.emulated.request import Request, State, StepResult
 from core.blocks import block_keys, chain_keys, continue_after, salt_scope
 from core.kv_events import BlockRemoved, EventBatch
 from core.tokenizer import ByteTokenizer
