@@ -28,17 +28,14 @@ def _stats(values: list[float], prefix: str) -> dict[str, float | None]:
     return {f"{prefix}_{k}_s": v for k, v in stats.items()}
 
 
-def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, Any]:
-    done = [i for i, ok in enumerate(result.ok) if ok]
-    sent = [i for i, w in enumerate(result.worker) if w >= 0]
-    prompt = sum(len(requests[i].prompt) for i in done)
-    output = sum(requests[i].max_tokens for i in done)
-    cached = sum(result.cached_tokens[i] for i in done)
-    host = sum(result.host_tokens[i] for i in done)
-    predicted = sum(result.predicted_tokens[i] for i in done)
-    start = min((result.sent_s[i] for i in sent), default=0.0)
-    end = max((result.sent_s[i] + result.latency_s[i] for i in done), default=start)
-    duration = end - start
+def _workers(
+    result: RunResult,
+    requests: Sequence[SimRequest],
+    sent: list[int],
+    done: list[int],
+    duration: float,
+) -> tuple[dict[str, dict[str, Any]], list[float]]:
+    """Each worker's requests, tokens, hit rate and mean in flight; the seconds it was busy."""
     rows: list[dict[str, Any]] = [
         {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0} for _ in result.workers
     ]
@@ -55,7 +52,21 @@ def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, An
             row["cached_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else None
         )
         row["mean_in_flight"] = busy[w] / duration if duration > 0 else 0.0
-    workers = dict(zip(result.workers, rows, strict=True))
+    return dict(zip(result.workers, rows, strict=True)), busy
+
+
+def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, Any]:
+    done = [i for i, ok in enumerate(result.ok) if ok]
+    sent = [i for i, w in enumerate(result.worker) if w >= 0]
+    prompt = sum(len(requests[i].prompt) for i in done)
+    output = sum(requests[i].max_tokens for i in done)
+    cached = sum(result.cached_tokens[i] for i in done)
+    host = sum(result.host_tokens[i] for i in done)
+    predicted = sum(result.predicted_tokens[i] for i in done)
+    start = min((result.sent_s[i] for i in sent), default=0.0)
+    end = max((result.sent_s[i] + result.latency_s[i] for i in done), default=start)
+    duration = end - start
+    workers, busy = _workers(result, requests, sent, done, duration)
     mean_busy = math.fsum(busy) / len(busy) if busy else 0.0
     summary: dict[str, Any] = {
         "requests": len(requests),
