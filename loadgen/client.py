@@ -82,6 +82,7 @@ class RequestResult:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     header_cached_tokens: int | None = None  # x-urc-cached-tokens (the worker's, passed on)
     route: Route | None = None  # x-urc-route
+    retry_after: int | None = None  # a refusal's Retry-After (seconds)
 
     @classmethod
     def for_spec(cls, spec: RequestSpec, start_s: float) -> RequestResult:
@@ -205,6 +206,7 @@ async def stream_request(
             result.route = parse_route(resp.headers.get("x-urc-route"))
             result.header_cached_tokens = parse_int(resp.headers.get("x-urc-cached-tokens"))
             if resp.status != 200:
+                result.retry_after = parse_int(resp.headers.get("Retry-After"))
                 body = await resp.text(errors="replace")
                 raise _BadResponse(f"http_{resp.status}", body[:200])
             if resp.content_type == "application/json":  # the endpoint ignored `stream`
