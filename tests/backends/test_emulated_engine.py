@@ -324,7 +324,8 @@ def test_kv_events_rebuild_exactly_the_cache_in_the_mirror() -> None:
             mirror.apply(seq, EventBatch(t, result.events), t)
             seq += 1
         # the blocks the step in flight caches are announced when it ends
-        in_flight = {k for e in engine.log.held if isinstance(e, BlockStored) for k in e.block_hashes}
+        held = engine.log.held
+        in_flight = {k for e in held if isinstance(e, BlockStored) for k in e.block_hashes}
         assert index.residency("w", "g") == engine.cache.keys() - in_flight
 
     drive(engine, reqs, on_step=apply)

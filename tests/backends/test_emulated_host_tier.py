@@ -113,7 +113,8 @@ def test_kv_events_keep_the_mirror_equal_to_both_tiers_after_every_step() -> Non
         if result.events:
             mirror.apply(seq, EventBatch(t, result.events), t)
             seq += 1
-        in_flight = {k for e in engine.log.held if isinstance(e, BlockStored) for k in e.block_hashes}
+        held = engine.log.held
+        in_flight = {k for e in held if isinstance(e, BlockStored) for k in e.block_hashes}
         assert index.residency("w", "g") == engine.cache.keys() - in_flight, "GPU tier"
         assert index.residency("w", host_group("g")) == host.keys(), "host tier"
 
