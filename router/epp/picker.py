@@ -14,7 +14,7 @@ from router.gateway.app import Gateway
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Worker
 from router.gateway.flow import FlowControl
-from router.gateway.parsing import forwarded, parse_embeddings, parse_request, parse_responses
+from router.gateway.parsing import forwarded, parse_embeddings, parse_inference
 from router.gateway.reply import Headers
 from router.gateway.routing import Plan
 from router.route import LoadShare
@@ -86,11 +86,7 @@ class EndpointPicker:
                 ticket = flow.embedding_ticket(tenant.name, plan.request)
                 await self._admitted(flow, ticket)
         else:
-            chat = path != "/v1/completions"
-            if path == "/v1/responses":  # routed as the chat its input renders as
-                body, routed = parse_responses(raw)
-            else:
-                body = routed = parse_request(raw, chat)
+            body, routed, chat = parse_inference(path, raw)
             scope = tenant.scope(body, headers)
             if flow is None:
                 plan = g.router.plan(routed, chat, scope.salt, g.modes.active(), scope.public)

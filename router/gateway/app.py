@@ -29,7 +29,7 @@ from router.gateway.load_feed import LoadFeed
 from router.gateway.metrics import GatewayMetrics
 from router.gateway.model_list import ModelList
 from router.gateway.parity import ParityProbe
-from router.gateway.parsing import forwarded, parse_embeddings, parse_request, parse_responses
+from router.gateway.parsing import forwarded, parse_embeddings, parse_inference
 from router.gateway.proxy import Proxy, Usage
 from router.gateway.recorder import Recorder
 from router.gateway.reply import (
@@ -231,11 +231,7 @@ class Gateway:
             if path == "/v1/embeddings":
                 await self._embed(reply, raw, tenant.name, note)
                 return
-            chat = path != "/v1/completions"
-            if path == "/v1/responses":  # routed as the chat its input renders as
-                body, routed = parse_responses(raw)
-            else:
-                body = routed = parse_request(raw, chat)
+            body, routed, chat = parse_inference(path, raw)
             if note is not None:
                 note.parsed(tenant.name, body)
             scope = tenant.scope(body, headers)

@@ -101,6 +101,17 @@ def parse_responses(raw: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
     return body, routed
 
 
+def parse_inference(path: str, raw: bytes) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """A chat, completions or Responses body (by `path`): the body as sent, the request it is
+    routed as (a Responses request: the chat its input renders as), and whether that is a chat."""
+    if path == "/v1/responses":
+        body, routed = parse_responses(raw)
+        return body, routed, True
+    chat = path != "/v1/completions"
+    body = parse_request(raw, chat)
+    return body, body, chat
+
+
 def parse_embeddings(raw: bytes) -> tuple[dict[str, Any], list[Any]]:
     """An embeddings request's body and its inputs, each a string or a list of token ids
     (OpenAI's four shapes of `input`, checked here: the strict parse skips it)."""

@@ -51,6 +51,7 @@ class Plan:
         route: Route,
         decision_s: float,
         policy: str,
+        arrived: float,
         public_tokens: int = 0,
         prefix_cache: bool = True,
     ) -> None:
@@ -60,7 +61,7 @@ class Plan:
         self.policy = policy  # the policy that decided
         self.public_tokens = public_tokens  # shared isolation: leading tokens keyed shared
         self.prefix_cache = prefix_cache  # False: embeddings (no prefix to predict or record)
-        self.arrived = route.arrived  # time.monotonic() when the request was keyed
+        self.arrived = arrived  # time.monotonic() when the request was keyed
 
     @property
     def decision(self) -> Decision:
@@ -162,9 +163,7 @@ class Router:
         at = keyed.arrived if now is None else now
         route = self.routing.route(keyed.request, loads, policy, at, keyed.salt, public_blocks)
         decision_s = keyed.keyed_s + time.perf_counter() - t0
-        plan = Plan(model, route, decision_s, policy.name, keyed.public_tokens)
-        plan.arrived = keyed.arrived
-        return plan
+        return Plan(model, route, decision_s, policy.name, keyed.arrived, keyed.public_tokens)
 
     def plan_embeddings(self, name: str, items: list[Any], policy: Policy) -> Plan:
         """An embeddings request: no prefix cache plays a part, so no block keys; its prompt
@@ -182,7 +181,7 @@ class Router:
         request = RouteRequest([], tokens, model.block_size, model.kv_group, name)
         route = self.routing.route(request, self.fleet.loads(model.kv_group), policy, arrived)
         decision_s = time.perf_counter() - t0
-        return Plan(model, route, decision_s, policy.name, 0, False)
+        return Plan(model, route, decision_s, policy.name, arrived, 0, False)
 
     def _serving(self, name: str) -> Model:
         """The model `name` names (404: no such model, 503: no worker up serves it)."""
