@@ -8,12 +8,15 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import Final
 
+import msgspec
 import xxhash
 
 try:  # the C twin (core/_blockkeys.c): same keys, ~20x faster
     from core._blockkeys import chain_keys as _native_chain_keys
+    from core._blockkeys import chain_keys_msgpack as _native_chain_keys_msgpack
+    from core._blockkeys import msgpack_len as _native_msgpack_len
 except ImportError:  # pragma: no cover - only without a compiler
-    _native_chain_keys = None
+    _native_chain_keys = _native_chain_keys_msgpack = _native_msgpack_len = None
 
 SHARED_NAMESPACE = b"\x00\x00\x00\x00"
 # tokens per KV block where nothing says otherwise: vLLM's default (urc sets SGLang's page size)
@@ -54,6 +57,37 @@ def chain_keys(
     if _native_chain_keys is not None:
         return _native_chain_keys(tokens, block_size, first)
     return _python_chain_keys(tokens, block_size, first)
+
+
+def msgpack_len(raw: bytes | memoryview) -> int:
+    """The length of the msgpack array `raw` (a KV event's token ids as they came); -1 when it is
+    not an array."""
+    if _native_msgpack_len is not None:
+        return int(_native_msgpack_len(raw))
+    value = msgspec.msgpack.decode(raw)
+    return len(value) if isinstance(value, list) else -1
+
+
+def _python_chain_keys_msgpack(
+    raw: bytes | memoryview, block_size: int, first: bytes, limit: int = -1
+) -> list[int]:
+    try:
+        tokens = msgspec.msgpack.decode(raw, type=list[int])
+        return chain_keys(tokens[: limit * block_size] if limit >= 0 else tokens, block_size, first)
+    except (msgspec.DecodeError, OverflowError) as exc:  # ValidationError included
+        raise ValueError(str(exc)) from exc
+
+
+def chain_keys_msgpack(
+    raw: bytes | memoryview, block_size: int, first: bytes, limit: int = -1
+) -> list[int]:
+    """`chain_keys` of the first `limit` (-1: all) full blocks of the msgpack array of token
+    ids `raw`, read where it lies (no int per token). ValueError: not an array of int32s."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    if _native_chain_keys_msgpack is not None:
+        return _native_chain_keys_msgpack(raw, block_size, first, limit)  # type: ignore[no-any-return]
+    return _python_chain_keys_msgpack(raw, block_size, first, limit)
 
 
 def block_keys(

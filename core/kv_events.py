@@ -10,6 +10,8 @@ from typing import Any, Final, Union
 
 import msgspec
 
+from core.blocks import chain_keys, chain_keys_msgpack, msgpack_len
+
 BlockHash = int | bytes
 MEDIUM_GPU: Final = "GPU"  # Final: compiled modules inline it
 MEDIUM_CPU: Final = "CPU"  # a host-memory tier (vLLM's offloading connector, our host tier)
@@ -36,6 +38,13 @@ class BlockStored(msgspec.Struct, tag=True, gc=False):
     extra_keys: list[Any] | None = None  # per block: what else the engine hashed (mm, salt)
     group_idx: int | None = None  # the engine's KV cache group (hybrid models)
 
+    def token_count(self) -> int:
+        return len(self.token_ids)
+
+    def chain_keys(self, blocks: int, first: bytes) -> list[int]:
+        """Our keys of the first `blocks` blocks, chained after `first` (core/blocks.py)."""
+        return chain_keys(self.token_ids[: blocks * self.block_size], self.block_size, first)
+
 
 class BlockRemoved(msgspec.Struct, tag=True, gc=False):
     block_hashes: list[BlockHash]
@@ -47,7 +56,31 @@ class AllBlocksCleared(msgspec.Struct, tag=True, gc=False):
     pass
 
 
+class BlockStoredRaw(msgspec.Struct, tag="BlockStored", gc=False):
+    """A BlockStored as the gateway ingests it (`decode_for_ingest`): its token ids left as the
+    msgpack array they came as, keyed where they lie (core/blocks.py `chain_keys_msgpack`), so
+    that decoding makes no int object per token. Never encoded."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+    def token_count(self) -> int:
+        return msgpack_len(self.token_ids)  # -1: not an array (never a whole block's count)
+
+    def chain_keys(self, blocks: int, first: bytes) -> list[int]:
+        """BlockStored.chain_keys; ValueError where a token id is not an int32."""
+        return chain_keys_msgpack(self.token_ids, self.block_size, first, blocks)
+
+
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+IngestEvent = BlockStoredRaw | BlockRemoved | AllBlocksCleared
 
 
 def block_stored(
@@ -67,7 +100,7 @@ def block_stored(
     )
 
 
-def first_block_salt(ev: BlockStored) -> str | None:
+def first_block_salt(ev: BlockStored | BlockStoredRaw) -> str | None:
     """The salt the event's first block was hashed with: the one bare string among its extra
     keys that is not the LoRA name (vLLM's multimodal keys are pairs, its embedding keys
     bytes); None without one."""
@@ -83,7 +116,7 @@ def first_block_salt(ev: BlockStored) -> str | None:
 @dataclass(slots=True)
 class EventBatch:
     ts: float
-    events: list[KVEvent]
+    events: list[KVEvent] | list[IngestEvent]  # the latter from decode_for_ingest
     dp_rank: int | None = None
     unknown_events: int = field(default=0, compare=False)  # skipped on decode, never encoded
 
@@ -133,6 +166,12 @@ class _VllmBatch(msgspec.Struct, array_like=True, gc=False):  # vLLM today, in o
     data_parallel_rank: int | None = None
 
 
+class _IngestBatch(msgspec.Struct, array_like=True, gc=False):  # _VllmBatch, tokens raw
+    ts: float
+    events: list[IngestEvent]
+    data_parallel_rank: int | None = None
+
+
 class _MapBatch(msgspec.Struct, gc=False):
     ts: float
     events: list[msgspec.Raw]
@@ -143,6 +182,7 @@ _KNOWN = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 _vllm_batch = msgspec.msgpack.Decoder(_VllmBatch)
 _pos_batch = msgspec.msgpack.Decoder(_PosBatch)
 _map_batch = msgspec.msgpack.Decoder(_MapBatch)
+_ingest_batch = msgspec.msgpack.Decoder(_IngestBatch)
 _pos_event = msgspec.msgpack.Decoder(Union[tuple(_TWINS.values())])  # noqa: UP007
 _map_event = msgspec.msgpack.Decoder(KVEvent)
 _any = msgspec.msgpack.Decoder()
@@ -199,6 +239,20 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
         raise KVEventDecodeError(str(exc)) from exc
     events = [ev for ev in decoded if ev is not None]
     return EventBatch(wire.ts, events, wire.data_parallel_rank, len(decoded) - len(events))
+
+
+def decode_for_ingest(payload: bytes | memoryview) -> EventBatch:
+    """`decode_batch` for the mirror: a batch as vLLM sends it today (positional, its events
+    tagged maps) decodes in one call, each BlockStored a BlockStoredRaw; any other payload as
+    `decode_batch` decodes it. Token ids that are not int32s surface when keyed, as they do
+    from a BlockStored's list, not here."""
+    if payload and payload[0] in _ARRAY_FIRST:
+        try:  # not contextlib.suppress: a context manager costs about a decode of a block
+            fast = _ingest_batch.decode(payload)
+            return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)
+        except msgspec.DecodeError:
+            pass  # decode_batch says what is wrong
+    return decode_batch(payload)
 
 
 def encode_batch(batch: EventBatch, *, array_like: bool = True) -> bytes:

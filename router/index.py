@@ -103,7 +103,7 @@ class UnifiedIndex(ResidencyTree):
             if run is None:  # new blocks up to the next known key
                 run = self._leaf_for(prev, flag, now)
                 j = self._claim(chain, i, run)
-                fresh = chain[i:j]
+                fresh = chain if i == 0 and j == n else chain[i:j]  # a new chain: no copy
                 run.keys.extend(fresh)
                 if approximate:
                     self._hold_approx(fresh, bit, expiry, pending, True)

@@ -7,13 +7,14 @@ import enum
 from collections.abc import Callable, Collection, Hashable
 from typing import NamedTuple, cast
 
-from core.blocks import chain_keys, namespace, parent_prefix, salted_after
+from core.blocks import namespace, parent_prefix, salted_after
 from core.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
+    BlockStoredRaw,
     EventBatch,
     first_block_salt,
 )
@@ -51,6 +52,7 @@ class MirrorStats(NamedTuple):
 
 
 _UNDECODABLE = -1  # the fingerprint of a batch that did not decode (hash() never returns -1)
+_APPLIED = Apply(Outcome.OK)  # made once: a NamedTuple costs a Python call per batch
 
 
 def _fingerprint(batch: EventBatch) -> int:
@@ -132,7 +134,7 @@ class WorkerMirror:
             self.gaps += 1
             return Apply(Outcome.GAP, last + 1)
         self._apply(seq, batch, now)
-        return Apply(Outcome.OK)
+        return _APPLIED
 
     def undecodable(self, seq: int) -> None:
         """Batch `seq` could not be decoded: its effect is unknown, so start over after it."""
@@ -177,7 +179,7 @@ class WorkerMirror:
 
     def _apply(self, seq: int, batch: EventBatch, now: float) -> None:
         for ev in batch.events:
-            if type(ev) is BlockStored:
+            if type(ev) is BlockStoredRaw or type(ev) is BlockStored:  # tokens raw, or a list
                 self._stored(ev, now)
             elif type(ev) is BlockRemoved:
                 self._removed(ev)
@@ -204,7 +206,7 @@ class WorkerMirror:
             return engine_hash, self.base_group  # ours, in the host tier
         return None
 
-    def _stored(self, ev: BlockStored, now: float) -> None:
+    def _stored(self, ev: BlockStored | BlockStoredRaw, now: float) -> None:
         if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
             return
         if self.own_keys:
@@ -214,11 +216,8 @@ class WorkerMirror:
             return
         bs = ev.block_size
         hashes = ev.block_hashes
-        if (
-            bs <= 0
-            or (self.block_size is not None and bs != self.block_size)
-            or len(ev.token_ids) != len(hashes) * bs
-        ):
+        expected = bs if self.block_size is None else self.block_size  # None: trust the event
+        if bs <= 0 or bs != expected or ev.token_count() != len(hashes) * bs:
             self.skipped_unkeyable += len(hashes)
             return
         lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
@@ -240,7 +239,7 @@ class WorkerMirror:
             self.skipped_unkeyable += len(hashes) - n
             if n == 0:
                 return
-        keys = chain_keys(ev.token_ids[: n * bs], bs, first)
+        keys = ev.chain_keys(n, first)
         resident = group
         if ev.medium == MEDIUM_CPU:
             resident = host_group(group)
@@ -280,7 +279,7 @@ class WorkerMirror:
             self.index.tag_namespace(keys[0], salt)
         self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
 
-    def _plain_prefix(self, ev: BlockStored, salt: str | None) -> int:
+    def _plain_prefix(self, ev: BlockStored | BlockStoredRaw, salt: str | None) -> int:
         """How many leading blocks were hashed from their tokens alone (plus LoRA and salt,
         which we key by kv_group and namespace): the rest carry multimodal or other keys."""
         extra = ev.extra_keys

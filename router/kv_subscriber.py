@@ -14,7 +14,7 @@ import zmq.asyncio
 import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
-from core.kv_events import KVEventDecodeError, decode_batch
+from core.kv_events import KVEventDecodeError, decode_for_ingest
 from router.kv_mirror import Apply, Outcome, WorkerMirror
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ class KVEventSubscriber:
         """Decode and apply one batch (None: undecodable); `baseline` gives up missing history:
         the mirror is reset and this batch starts it afresh."""
         try:
-            batch = decode_batch(payload)
+            batch = decode_for_ingest(payload)
         except KVEventDecodeError as exc:
             log.warning("kv events from %s: seq %d undecodable: %s", self.mirror.worker, seq, exc)
             self.mirror.undecodable(seq)

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import struct
 
+import msgspec
 import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import blocks
-from core.blocks import _python_chain_keys, block_keys, chain_keys, namespace, parent_prefix
+from core.blocks import (
+    _python_chain_keys,
+    _python_chain_keys_msgpack,
+    block_keys,
+    chain_keys,
+    chain_keys_msgpack,
+    msgpack_len,
+    namespace,
+    parent_prefix,
+)
 
 
 def reference_keys(tokens: list[int], block_size: int, salt: str | None) -> list[int]:
@@ -57,6 +67,36 @@ def test_bytes_are_keyed_as_their_byte_values(raw, block_size, salt):
     assert block_keys(raw, block_size, salt, public_blocks=1) == block_keys(
         list(raw), block_size, salt, public_blocks=1
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(tokens_st, st.sampled_from([1, 3, 16]), st.integers(-1, 8))
+def test_msgpack_token_ids_are_keyed_where_they_lie(tokens, block_size, limit):
+    """A KV event's token ids as msgpack (every int format) give the keys of the list."""
+    raw = msgspec.msgpack.encode(tokens)
+    expected = chain_keys(tokens, block_size, namespace("s"))
+    if limit >= 0:
+        expected = expected[:limit]
+    assert chain_keys_msgpack(raw, block_size, namespace("s"), limit) == expected
+    assert _python_chain_keys_msgpack(raw, block_size, namespace("s"), limit) == expected
+    assert msgpack_len(raw) == len(tokens)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        msgspec.msgpack.encode([2**31] * 16),
+        msgspec.msgpack.encode([-(2**31) - 1] * 16),
+        msgspec.msgpack.encode(["a"] * 16),
+        msgspec.msgpack.encode([1] * 16)[:-1],  # cut short
+        msgspec.msgpack.encode({"a": 1}),
+    ],
+)
+def test_msgpack_token_ids_that_are_not_int32s_are_rejected(raw):
+    for keys in (chain_keys_msgpack, _python_chain_keys_msgpack):
+        with pytest.raises(ValueError):
+            keys(raw, 16, namespace(None))
+    assert msgpack_len(msgspec.msgpack.encode(None)) == -1
 
 
 def test_only_full_blocks_get_keys_and_namespaces_are_length_prefixed():

@@ -12,10 +12,12 @@ from core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    BlockStoredRaw,
     EventBatch,
     KVEventDecodeError,
     block_stored,
     decode_batch,
+    decode_for_ingest,
     encode_batch,
     first_block_salt,
 )
@@ -141,6 +143,8 @@ def test_unknown_event_types_are_skipped_and_counted() -> None:
 def test_garbage_raises_decode_error(payload: bytes) -> None:
     with pytest.raises(KVEventDecodeError):
         decode_batch(payload)
+    with pytest.raises(KVEventDecodeError):
+        decode_for_ingest(payload)
 
 
 def test_our_events_are_vllms_maps_with_the_salt_in_extra_keys() -> None:
@@ -221,3 +225,35 @@ batch_st = st.builds(
 @given(batch=batch_st, array_like=st.booleans())
 def test_round_trip(batch: EventBatch, array_like: bool) -> None:
     assert decode_batch(encode_batch(batch, array_like=array_like)) == batch
+
+
+@settings(max_examples=300, deadline=None)
+@given(batch=batch_st, array_like=st.booleans())
+def test_ingest_decoding_keeps_token_ids_raw_and_keys_them_alike(
+    batch: EventBatch, array_like: bool
+) -> None:
+    """decode_for_ingest: vLLM's shape (map events) with each BlockStored's token ids left as
+    msgpack, the rest as decode_batch has it; either kind of record gives the same keys."""
+    payload = encode_batch(batch, array_like=array_like)
+    plain, raw = decode_batch(payload), decode_for_ingest(payload)
+    assert (raw.ts, raw.dp_rank, len(raw.events)) == (plain.ts, plain.dp_rank, len(plain.events))
+    for ev, got in zip(plain.events, raw.events, strict=True):
+        if not isinstance(ev, BlockStored) or array_like:
+            assert got == ev
+            continue
+        assert isinstance(got, BlockStoredRaw)
+        assert msgspec.structs.astuple(got)[3:] == msgspec.structs.astuple(ev)[3:]
+        assert (got.block_hashes, got.parent_block_hash) == (ev.block_hashes, ev.parent_block_hash)
+        assert got.token_count() == ev.token_count() == len(ev.token_ids)
+        blocks = len(ev.token_ids) // ev.block_size
+        for n in {0, blocks // 2, blocks}:
+            assert got.chain_keys(n, b"\0\0\0\0") == ev.chain_keys(n, b"\0\0\0\0")
+
+
+def test_raw_token_ids_that_are_not_int32s_fail_when_keyed() -> None:
+    for tokens in ([2**31] * 16, ["a"] * 16, [1.5] * 16):
+        (stored,) = decode_for_ingest(pack([1.0, [{**VLLM_STORED, "token_ids": tokens}]])).events
+        with pytest.raises(ValueError):
+            stored.chain_keys(1, b"\0\0\0\0")  # type: ignore[union-attr]
+    (stored,) = decode_for_ingest(pack([1.0, [{**VLLM_STORED, "token_ids": None}]])).events
+    assert stored.token_count() == -1  # type: ignore[union-attr]

@@ -20,6 +20,7 @@ from core.kv_events import (
     KVEvent,
     block_stored,
     decode_batch,
+    decode_for_ingest,
     encode_batch,
 )
 from core.kv_publisher import KVEventPublisher
@@ -134,10 +135,16 @@ def residency(index: UnifiedIndex) -> set[int]:
     return index.residency(W, G)
 
 
-def feed(mirror: WorkerMirror, seq: int, payload: bytes, replay: Stream | None = None) -> Outcome:
+def feed(
+    mirror: WorkerMirror,
+    seq: int,
+    payload: bytes,
+    replay: Stream | None = None,
+    decode: Callable[[bytes], EventBatch] = decode_batch,
+) -> Outcome:
     """What the subscriber does, without sockets: on a gap, replay from our last seq (one
     batch of overlap) out of `replay`; without one, reset and start afresh from this batch."""
-    result = mirror.apply(seq, decode_batch(payload), now=float(seq))
+    result = mirror.apply(seq, decode(payload), now=float(seq))
     if result.resume_from is None:
         return result.outcome
     if replay is not None:
@@ -151,17 +158,21 @@ def feed(mirror: WorkerMirror, seq: int, payload: bytes, replay: Stream | None =
     return result.outcome
 
 
-# salted roots (our workers) in both encodings, as vLLM's hashes
+# salted roots (our workers) in both encodings, as vLLM's hashes; decoded as the subscriber
+# does (token ids raw) and into plain records
+@pytest.mark.parametrize("decode", [decode_for_ingest, decode_batch])
 @pytest.mark.parametrize(
     ("hashing", "array_like"),
     [("ours", False), ("ours", True), ("int", False), ("int", True), ("bytes", True)],
 )
-def test_mirror_reproduces_the_engine_exactly(hashing: str, array_like: bool) -> None:
+def test_mirror_reproduces_the_engine_exactly(
+    hashing: str, array_like: bool, decode: Callable[[bytes], EventBatch]
+) -> None:
     engine = RefEngine(hashing, seed=1)
     index = UnifiedIndex()
     mirror = WorkerMirror(index, W, G, BS)
     for seq, payload, truth in record(engine, 80, seed=2, array_like=array_like):
-        assert feed(mirror, seq, payload) is Outcome.OK
+        assert feed(mirror, seq, payload, decode=decode) is Outcome.OK
         assert residency(index) == truth
     index.check()
     assert mirror.blocks_stored - mirror.blocks_removed == len(engine.blocks) > 0
