@@ -22,15 +22,21 @@ def host_group(kv_group: str) -> str:
 
 
 def _followed(chain: Sequence[int], boxed: Sequence[object], i: int, run: list[object]) -> int:
-    """How many keys of `run` the chain follows from chain[i] (== run[0]): the whole run by one
-    slice compare where it can, else key by key (`boxed`: the chain, its keys as objects)."""
-    size = len(run)
-    if chain[i : i + size] == run:
-        return size
-    n, m = len(chain), 1
-    while m < size and i + m < n and boxed[i + m] == run[m]:
-        m += 1
-    return m
+    """How many keys of `run` the chain follows from chain[i] (== run[0]). A key names its whole
+    prefix (keys are chained, docs/block-keys.md): where the chain holds the run's key at an
+    offset it holds every key before it, so one comparison finds a run followed to its end and a
+    binary search where the chain leaves it (`boxed`: the chain, its keys as objects)."""
+    last = min(len(run), len(chain) - i)  # keys of the run the chain could follow
+    if boxed[i + last - 1] == run[last - 1]:
+        return last
+    lo, hi = 0, last - 1  # followed at offset lo, not at offset hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if boxed[i + mid] == run[mid]:
+            lo = mid
+        else:
+            hi = mid
+    return hi
 
 
 class IndexStats(NamedTuple):
