@@ -166,6 +166,7 @@ class Connection(asyncio.Protocol):
         self.window = 65535  # what we may send on the connection
         self.received = 0  # bytes of DATA since the last top-up of the peer's window
         self.block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragment)
+        self.out: list[bytes] = []  # frames written this loop iteration, sent together
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -182,8 +183,16 @@ class Connection(asyncio.Protocol):
         self.transport = None
 
     def write(self, data: bytes) -> None:
-        if self.transport is not None:
-            self.transport.write(data)
+        """Sent once the calls this iteration woke have run: one system call for all their
+        frames (a send per frame was a third of urc epp's CPU at concurrency 32)."""
+        if not self.out:
+            self.loop.call_soon(self._send)
+        self.out.append(data)
+
+    def _send(self) -> None:
+        if self.out and self.transport is not None:
+            self.transport.write(b"".join(self.out))
+        self.out.clear()
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -333,6 +342,7 @@ class Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
+            self._send()
             self.transport.close()
 
     def _fail(self, why: str) -> None:
