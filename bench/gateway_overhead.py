@@ -234,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--base", metavar="REF", help="the code of --variants base (with --envoy: of urc epp too)")
     add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
     add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
+    add("--epp-duplex", action="store_true", help="with --envoy: also FULL_DUPLEX_STREAMED bodies")
     add("--api", choices=["completions", "chat"], default="completions")
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
@@ -289,14 +290,19 @@ def start_fleet(
         rr.wait_healthy(len(ports))
         rr.child.url = rr.url
         front("envoy-rr", rr.child, 30)
-        epps = [("envoy-epp", SHIPPED[1])]
+        epps = [("envoy-epp", SHIPPED[1], "BUFFERED")]
+        if args.epp_duplex:  # both bodies FULL_DUPLEX_STREAMED: fewer waits on the picker
+            epps.append(("envoy-epp-duplex", SHIPPED[1], "FULL_DUPLEX_STREAMED"))
         if args.base is not None:  # the picker of the code at --base beside it
-            epps.append(("envoy-epp-base", launch_code(base_checkout(args.base, f"{scratch}/eb"))))
-        for name, launch in epps:
+            base = launch_code(base_checkout(args.base, f"{scratch}/eb"))
+            epps.append(("envoy-epp-base", base, "BUFFERED"))
+        for name, launch, mode in epps:
             argv = [sys.executable, *launch, "epp", "--grpc-port", "0"]
             argv += [a for url in workers for a in ("--worker", url)]
             epp = Child("urc epp", argv, "epp: ").wait_announced()
-            config = partial(epp_envoy_config, epp_port=port_of(epp.url), workers=ports)
+            config = partial(
+                epp_envoy_config, epp_port=port_of(epp.url), workers=ports, body_mode=mode
+            )
             picked = Envoy([], config_for=config)
             picked.child.url = picked.url
             front(name, picked.child, 30)
