@@ -159,6 +159,7 @@ class Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.preface = False
         self.decoder = Decoder()
+        self.paths: dict[bytes, str] = {}  # header blocks that leave the table as it is
         self.calls: dict[int, Call] = {}
         self.last_stream = 0
         self.peer_window = 65535  # SETTINGS_INITIAL_WINDOW_SIZE of new streams, the peer's
@@ -266,14 +267,30 @@ class Connection(asyncio.Protocol):
             return
         stream, first_flags, fragment = self.block  # type: ignore[misc]
         self.block = None
-        headers = self.decoder.decode(bytes(fragment))  # every block: the table must follow
+        path = self._path(bytes(fragment))  # every block: the HPACK table must follow
         if (call := self.calls.get(stream)) is not None:  # the client's trailers
             call.arrived(b"", True)
             self._forget(call)
         elif stream > self.last_stream:
             self.last_stream = stream
-            path = next((v for k, v in headers if k == ":path"), "")
             self._start(stream, path, bool(first_flags & END_STREAM))
+
+    def _path(self, block: bytes) -> str:
+        """The block's `:path`. Envoy sends the same block for every call, its path a Huffman
+        literal: a block that left the HPACK table as it was decodes the same while the table
+        stays so, and is decoded once (HPACK decoding was ~12 % of urc epp's CPU)."""
+        if (path := self.paths.get(block)) is not None:
+            return path
+        entries = self.decoder.header_table.dynamic_entries
+        newest, size = entries[0] if entries else None, len(entries)
+        headers = self.decoder.decode(block)
+        path = next((v for k, v in headers if k == ":path"), "")
+        changed = (entries[0] if entries else None) is not newest or len(entries) != size
+        if changed or len(self.paths) >= 64:  # an insertion (or eviction) moves every index
+            self.paths.clear()
+        if not changed:
+            self.paths[block] = path
+        return path
 
     def _start(self, stream: int, path: str, ended: bool) -> None:
         call = Call(self, stream, path)
