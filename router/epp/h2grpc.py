@@ -15,64 +15,39 @@ import logging
 import struct
 from collections import deque
 from collections.abc import Awaitable, Callable
-from urllib.parse import quote
 
 from hpack import Decoder, HPACKError
 
+from router.epp.h2_frames import (
+    ACK,
+    BIG_WINDOW,
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    INITIAL_WINDOW,
+    MAX_FRAME,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PROTOCOL_ERROR,
+    RESPONSE_HEADERS,
+    RST_STREAM,
+    SETTINGS,
+    UINT32,
+    WINDOW_UPDATE,
+    frame,
+    trailers,
+)
+
 log = logging.getLogger(__name__)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = (
-    0x0,
-    0x1,
-    0x3,
-    0x4,
-    0x6,
-    0x7,
-    0x8,
-    0x9,
-)
-END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY = 0x1, 0x1, 0x4, 0x8, 0x20
-_INITIAL_WINDOW, _MAX_FRAME = 0x4, 0x5  # SETTINGS ids
-_BIG_WINDOW = 2**31 - 1
 _TOP_UP = 2**30  # the connection's receive window is topped up after this many bytes
-_NO_ERROR, _PROTOCOL_ERROR = 0x0, 0x1
 _CANCEL_STATUS, UNIMPLEMENTED, INTERNAL = 1, 12, 13  # gRPC status codes
-_FRAME = struct.Struct(">I")  # a frame head is 3 bytes of length, type, flags, stream id
-
-
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-    return len(payload).to_bytes(3, "big") + bytes((kind, flags)) + _FRAME.pack(stream) + payload
-
-
-def _integer(value: int, prefix_bits: int, first: int) -> bytes:
-    """An HPACK integer (RFC 7541, 5.1) whose first byte carries `first`'s high bits."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes((first | value,))
-    out, value = [first | limit], value - limit
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    return bytes((*out, value))
-
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """A header as a literal never added to the peer's HPACK table (RFC 7541, 6.2.2)."""
-    return b"\x00" + _integer(len(name), 7, 0) + name + _integer(len(value), 7, 0) + value
-
-
-_RESPONSE_HEADERS = b"\x88" + _literal(b"content-type", b"application/grpc")  # :status 200
-_OK_TRAILERS = _literal(b"grpc-status", b"0")
-
-
-def _trailers(status: int, message: str | None) -> bytes:
-    if status == 0 and message is None:
-        return _OK_TRAILERS
-    block = _literal(b"grpc-status", str(status).encode())
-    if message:
-        block += _literal(b"grpc-message", quote(message, safe=" ").encode())
-    return block
 
 
 class Call:
@@ -108,8 +83,8 @@ class Call:
             return
         if not self.headers_sent:
             self.headers_sent = True
-            self.conn.write(_frame(HEADERS, END_HEADERS, self.stream, _RESPONSE_HEADERS))
-        self.pending += b"\x00" + _FRAME.pack(len(message)) + message
+            self.conn.write(frame(HEADERS, END_HEADERS, self.stream, RESPONSE_HEADERS))
+        self.pending += b"\x00" + UINT32.pack(len(message)) + message
         self.conn.flush(self)
 
     def finish(self, status: int = 0, message: str | None = None) -> None:
@@ -117,9 +92,9 @@ class Call:
         if self.finished:
             return
         self.finished = True
-        block = _trailers(status, message)
+        block = trailers(status, message)
         if not self.headers_sent:  # trailers-only: the status line rides with them
-            block = _RESPONSE_HEADERS + block
+            block = RESPONSE_HEADERS + block
         self.trailers = block
         self.conn.flush(self)
 
@@ -127,7 +102,7 @@ class Call:
         if data:
             self.partial += data
             while len(self.partial) >= 5:
-                size = _FRAME.unpack_from(self.partial, 1)[0]
+                size = UINT32.unpack_from(self.partial, 1)[0]
                 if len(self.partial) < 5 + size:
                     break
                 self.received.append(bytes(self.partial[5 : 5 + size]))
@@ -172,9 +147,9 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         self.server.connections.add(self)
-        settings = struct.pack(">HIHI", _INITIAL_WINDOW, _BIG_WINDOW, _MAX_FRAME, 16384)
-        update = _FRAME.pack(_BIG_WINDOW - 65535)
-        self.write(_frame(SETTINGS, 0, 0, settings) + _frame(WINDOW_UPDATE, 0, 0, update))
+        settings = struct.pack(">HIHI", INITIAL_WINDOW, BIG_WINDOW, MAX_FRAME, 16384)
+        update = UINT32.pack(BIG_WINDOW - 65535)
+        self.write(frame(SETTINGS, 0, 0, settings) + frame(WINDOW_UPDATE, 0, 0, update))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -210,30 +185,30 @@ class Connection(asyncio.Protocol):
             if len(buffer) - at < 9 + size:
                 break
             kind, flags = buffer[at + 3], buffer[at + 4]
-            stream = _FRAME.unpack_from(buffer, at + 5)[0] & 0x7FFFFFFF
+            stream = UINT32.unpack_from(buffer, at + 5)[0] & 0x7FFFFFFF
             payload = bytes(buffer[at + 9 : at + 9 + size])
             at += 9 + size
             try:
-                self._frame(kind, flags, stream, payload)
+                self._on_frame(kind, flags, stream, payload)
             except (HPACKError, ValueError, IndexError, struct.error) as exc:
                 return self._fail(f"bad frame: {exc!r}")
             if self.transport is None:
                 return
         del buffer[:at]
 
-    def _frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
+    def _on_frame(self, kind: int, flags: int, stream: int, payload: bytes) -> None:
         if kind == DATA:
             self._data(flags, stream, payload)
         elif kind in (HEADERS, CONTINUATION):
             self._headers(kind, flags, stream, payload)
         elif kind == WINDOW_UPDATE:
-            self._window_update(stream, _FRAME.unpack(payload)[0] & 0x7FFFFFFF)
+            self._window_update(stream, UINT32.unpack(payload)[0] & 0x7FFFFFFF)
         elif kind == SETTINGS:
             if not flags & ACK:
                 self._settings(payload)
         elif kind == PING:
             if not flags & ACK:
-                self.write(_frame(PING, ACK, 0, payload))
+                self.write(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             if (call := self.calls.pop(stream, None)) is not None:
                 call.reset()
@@ -244,7 +219,7 @@ class Connection(asyncio.Protocol):
     def _data(self, flags: int, stream: int, payload: bytes) -> None:
         self.received += len(payload)
         if self.received >= _TOP_UP:  # the connection's window; each stream's is 2 GiB
-            self.write(_frame(WINDOW_UPDATE, 0, 0, _FRAME.pack(self.received)))
+            self.write(frame(WINDOW_UPDATE, 0, 0, UINT32.pack(self.received)))
             self.received = 0
         if flags & PADDED:
             payload = payload[1 : len(payload) - payload[0]]
@@ -305,13 +280,13 @@ class Connection(asyncio.Protocol):
     def _settings(self, payload: bytes) -> None:
         for at in range(0, len(payload) - 5, 6):
             key, value = struct.unpack_from(">HI", payload, at)
-            if key == _INITIAL_WINDOW:  # applies to the open streams too (RFC 9113, 6.9.2)
+            if key == INITIAL_WINDOW:  # applies to the open streams too (RFC 9113, 6.9.2)
                 for call in self.calls.values():
                     call.window += value - self.peer_window
                 self.peer_window = value
-            elif key == _MAX_FRAME:
+            elif key == MAX_FRAME:
                 self.max_frame = value
-        self.write(_frame(SETTINGS, ACK, 0))
+        self.write(frame(SETTINGS, ACK, 0))
         self._flush_all()
 
     def _window_update(self, stream: int, increment: int) -> None:
@@ -335,12 +310,12 @@ class Connection(asyncio.Protocol):
             size = min(len(pending), self.window, call.window, self.max_frame)
             if size <= 0:
                 break
-            out.append(_frame(DATA, 0, call.stream, bytes(pending[:size])))
+            out.append(frame(DATA, 0, call.stream, bytes(pending[:size])))
             del pending[:size]
             self.window -= size
             call.window -= size
         if not pending and call.trailers is not None:
-            out.append(_frame(HEADERS, END_HEADERS | END_STREAM, call.stream, call.trailers))
+            out.append(frame(HEADERS, END_HEADERS | END_STREAM, call.stream, call.trailers))
             call.trailers = None
         if out:
             self.write(b"".join(out))
@@ -355,7 +330,7 @@ class Connection(asyncio.Protocol):
 
     def goaway(self) -> None:
         """No new streams: the ones under way finish (RFC 9113, 6.8)."""
-        self.write(_frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream, _NO_ERROR)))
+        self.write(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream, NO_ERROR)))
 
     def close(self) -> None:
         if self.transport is not None:
@@ -364,7 +339,7 @@ class Connection(asyncio.Protocol):
 
     def _fail(self, why: str) -> None:
         log.warning("ext_proc connection closed: %s", why)
-        self.write(_frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream, _PROTOCOL_ERROR)))
+        self.write(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream, PROTOCOL_ERROR)))
         self.close()
 
 
