@@ -12,12 +12,15 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import tomllib
 from argparse import BooleanOptionalAction
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 import overhead_load as load
@@ -61,14 +64,22 @@ def launch_code(base: str | None = None, stderr_to: str | None = None) -> tuple[
 
 
 def base_checkout(ref: str, directory: str) -> str:
-    """The tree of the commit `ref`, as files in `directory` (git archive)."""
+    """The tree of the commit `ref`, as files in `directory` (git archive); with this
+    checkout's compiled modules when `ref` has the same source for every one of them (else it
+    runs from source: the comparison says so)."""
     Path(directory).mkdir()
-    archive = subprocess.run(
-        ["git", "-C", str(Path(__file__).resolve().parents[1]), "archive", ref],
-        capture_output=True,
-        check=True,
-    )
+    root = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "-C", str(root), "archive", ref], capture_output=True)
+    archive.check_returncode()
     subprocess.run(["tar", "-x", "-C", directory], input=archive.stdout, check=True)
+    compiled = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["urc"]["compiled"]
+    built = [p for p in root.glob("*/**/*.so") if ".venv" not in p.parts]
+    sources = [*compiled, "core/_blockkeys.c"]
+    same = all((root / m).read_bytes() == (Path(directory) / m).read_bytes() for m in sources)
+    if same and built:
+        for path in built:
+            shutil.copy2(path, Path(directory) / path.relative_to(root))
+    log(f"--base {ref}: " + ("compiled as here" if same and built else "runs from source"))
     return directory
 
 
@@ -163,15 +174,26 @@ def throughput_lines(row: load.ThroughputRow, names: list[str], sgl: bool) -> li
     return out
 
 
-def envoy_lines(rows: list[load.LatencyRow]) -> list[str]:
-    """Envoy + urc epp against Envoy round robin and against urc gateway: added p50, ratios."""
+def envoy_lines(result: load.Result, routers: list[str]) -> list[str]:
+    """Envoy + urc epp against Envoy round robin and against urc gateway: added p50, ratios;
+    the picker's CPU per request against the gateway's (with --base: the base's too)."""
     out = ["", "Envoy + urc epp, added p50 (ms): against Envoy round robin and urc gateway"]
-    for row in rows:
-        epp, rr, urc = (row.added_p50_ms[n] for n in ("envoy-epp", "envoy-rr", "urc"))
-        out.append(
-            f"  {row.metric:<20} c={row.concurrency:<3} envoy-epp {epp:.2f}  envoy-rr {rr:.2f}"
-            f"  urc {urc:.2f}   epp-rr {epp - rr:+.2f}   envoy-epp/urc {ratio(epp, urc)}"
-        )
+    epps = [n for n in routers if n.startswith("envoy-epp")]
+    for row in result.latency:
+        rr, urc = row.added_p50_ms["envoy-rr"], row.added_p50_ms["urc"]
+        line = f"  {row.metric:<20} c={row.concurrency:<3} envoy-rr {rr:.2f}  urc {urc:.2f}"
+        for name in epps:
+            epp = row.added_p50_ms[name]
+            line += f"   {name} {epp:.2f} (-rr {epp - rr:+.2f}, /urc {ratio(epp, urc)})"
+        out.append(line)
+    for row in result.throughput:
+        cpu = row.cpu_us_per_request
+        line = f"  CPU per request, {row.metric}: urc gateway {cpu['urc']['urc']:.0f} us"
+        for name in epps:
+            picker = cpu[name][name.replace("envoy", "picker")]
+            line += f"   {name}: urc epp {picker:.0f} us ({ratio(picker, cpu['urc']['urc'])}x)"
+            line += f" + Envoy {cpu[name][name]:.0f} us"
+        out.append(line)
     return out
 
 
@@ -180,7 +202,7 @@ def report(result: load.Result, names: list[str], header: str) -> str:
     sgl = "sglang-router" in routers
     out = [header, "", *latency_table(result.latency, routers, sgl)]
     if "envoy-epp" in routers:
-        out += envoy_lines(result.latency)
+        out += envoy_lines(result, routers)
     for row in result.throughput:
         out += throughput_lines(row, names, sgl)
     streamed = [row for row in result.latency if row.metric.startswith("streamed")]
@@ -209,9 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure, comma-separated: source, aiohttp, python (speed parts off); "
         "access-log, otel (to a local sink), flow (flow control on), base (the code at --base)",
     )
-    add("--base", metavar="REF", help="the git commit of --variants base, e.g. main")
+    add("--base", metavar="REF", help="the code of --variants base (with --envoy: of urc epp too)")
     add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
     add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
+    add("--epp-duplex", action="store_true", help="with --envoy: also FULL_DUPLEX_STREAMED bodies")
     add("--api", choices=["completions", "chat"], default="completions")
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
@@ -267,19 +290,30 @@ def start_fleet(
         rr.wait_healthy(len(ports))
         rr.child.url = rr.url
         front("envoy-rr", rr.child, 30)
-        argv = [sys.executable, "-m", "urc.cli", "epp", "--grpc-port", "0"]
-        argv += [a for url in workers for a in ("--worker", url)]
-        epp = Child("urc epp", argv, "epp: ").wait_announced()
-        epp_port = int(epp.url.rsplit(":", 1)[1])
-        picked = Envoy(
-            [], config_for=lambda port, admin: epp_envoy_config(port, admin, epp_port, ports)
-        )
-        picked.child.url = picked.url
-        front("envoy-epp", picked.child, 30)
-        extra_pids["envoy-epp"] = [picked.child.pid, epp.pid]
+        epps = [("envoy-epp", SHIPPED[1], "BUFFERED")]
+        if args.epp_duplex:  # both bodies FULL_DUPLEX_STREAMED: fewer waits on the picker
+            epps.append(("envoy-epp-duplex", SHIPPED[1], "FULL_DUPLEX_STREAMED"))
+        if args.base is not None:  # the picker of the code at --base beside it
+            base = launch_code(base_checkout(args.base, f"{scratch}/eb"))
+            epps.append(("envoy-epp-base", base, "BUFFERED"))
+        for name, launch, mode in epps:
+            argv = [sys.executable, *launch, "epp", "--grpc-port", "0"]
+            argv += [a for url in workers for a in ("--worker", url)]
+            epp = Child("urc epp", argv, "epp: ").wait_announced()
+            config = partial(
+                epp_envoy_config, epp_port=port_of(epp.url), workers=ports, body_mode=mode
+            )
+            picked = Envoy([], config_for=config)
+            picked.child.url = picked.url
+            front(name, picked.child, 30)
+            extra_pids[name.replace("envoy", "picker")] = [epp.pid]  # its Envoy: `name`
     routers = {t.name: [t.pid] for t in targets if t.pid}
     routers.update(extra_pids)
     return targets, {"workers": [child.pid for child in fleet], **routers}
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
 
 
 def variants(args: argparse.Namespace) -> list[str]:

@@ -107,7 +107,7 @@ def _epp(args: argparse.Namespace) -> int:
         return 0
     try:
         run_epp(config, args.grpc_port, args.max_in_flight)
-    except RuntimeError as exc:  # grpc: the port is taken, or the host is not ours
+    except OSError as exc:  # at start: the port is taken, or the host is not ours
         print(f"urc epp: cannot listen: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -42,6 +42,7 @@ from router.gateway.reply import (
 )
 from router.gateway.routing import Plan, Router, RoutingModes
 from router.gateway.siblings import Siblings
+from router.gateway.stalls import Stalls
 from router.index import UnifiedIndex
 from router.policies import make_policy
 from router.policies.cache_aware import CacheAwarePolicy
@@ -111,6 +112,8 @@ class Gateway:
         if self.flow is not None:
             self.load_feed.on_merge = self.flow.pump_soon
         self.metrics.registry.register(self.load_feed)
+        self.stalls = Stalls()  # GC pauses and the loop's lag (docs/metrics.md)
+        self.metrics.registry.register(self.stalls)
         self.recorder = Recorder(config.record, config.policy) if config.record else None
         self.request_ids = RequestIds()
         # the access log and tracing (docs/operability.md); None: both off, nothing is noted
@@ -141,6 +144,7 @@ class Gateway:
         return app
 
     async def _start(self, _app: web.Application) -> None:
+        self.stalls.start()
         await self.fleet.start()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.fleet.health_loop()))
@@ -187,6 +191,7 @@ class Gateway:
         log.warning("config reloaded: routing %s", "degraded" if fresh.degraded else "live")
 
     async def _stop(self, _app: web.Application) -> None:
+        self.stalls.stop()
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

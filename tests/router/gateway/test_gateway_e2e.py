@@ -225,6 +225,8 @@ def test_metrics_and_dry_run(two_workers):
         "urc_index_blocks",
         "urc_worker_healthy",
         "urc_kv_event_gaps",
+        "urc_gc_pause_seconds",
+        "urc_event_loop_lag_seconds",
     ):
         assert name in text, name
 
