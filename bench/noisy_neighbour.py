@@ -6,7 +6,7 @@ each tenant's clients streaming the noisy-neighbour workload's requests.
 
 1. Noisy neighbour: tenant quiet (2 clients) alone, then while tenant flood (48 clients,
    5k-token uncached prompts) floods; flow control off, on, and on with the workers'
-   --chunk-tokens 2048 (the engine's step: the floor).
+   --protect-step-ms 0 (no step budget: the engine's full chunks beside the quiet tenant).
 2. Priority: a critical tenant (priority 1) alone, then under a sheddable flood (priority -1).
 3. Budget: a tenant sending twice its tokens_per_minute for a minute, a quiet one beside it.
 4. The replay: part 1's flow-control run through `urc replay`'s engine (simulation.compare),
@@ -324,7 +324,7 @@ NOISY: Tenants = {QUIET: {}, FLOOD: {}}
 SETTINGS = {  # part 1's columns: flow control, the workers' flags past their defaults
     "off": (False, ()),
     "on": (True, ()),
-    "on, chunk 2048": (True, ("--chunk-tokens", "2048")),
+    "on, no step budget": (True, ("--protect-step-ms", "0")),
 }
 PRIORITY: Tenants = {"critical": {"priority": 1}, "sheddable": {"priority": -1}}
 BUDGET_S = 60.0  # part 3: one minute of the sliding window
