@@ -374,7 +374,9 @@ def test_the_chunk_budget_goes_to_the_best_priority_prefill_first() -> None:
     assert all(urgent.first_token_time < r.first_token_time for r in backlog)  # type: ignore[operator]
 
 
-def backlog_prefill(engine: EmulatedEngine, reqs: list[Request], backlog: list[Request]) -> list:
+def backlog_prefill(
+    engine: EmulatedEngine, reqs: list[Request], backlog: list[Request]
+) -> list[tuple[float, int]]:
     """(the time of each step boundary, the backlog's prefill tokens computed in the step that
     ended there), driving `reqs` step by step."""
     steps: list[tuple[float, int]] = []
