@@ -56,7 +56,8 @@ class StepBudget:
             return budget
         return min(budget, self.left)
 
-    def spend(self, priority: int, n: int) -> None:
-        """A request of `priority` was given `n` tokens in this step."""
+    def spend(self, priority: int, n: int) -> int:
+        """A request of `priority` was given `n` tokens in this step; returns `n`."""
         if self.left >= 0 and priority > self.level:
             self.left -= n
+        return n
