@@ -7,8 +7,10 @@
 
 import argparse
 import json
+import re
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import harness  # noqa: F401  (puts the repository root on sys.path)
@@ -35,6 +37,8 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
     capacity = f"--worker-arg=--capacity-tokens={args.capacity_tokens}"
     cluster = [sys.executable, "-m", "urc.cli", "cluster", "--workers", str(args.workers), capacity]
     cluster += ["--policy", policy, "--port", str(free_port())]
+    if args.flow_control == "on":
+        cluster += ["--flow-control", f"--flow-saturation-ms={args.flow_saturation_ms}"]
     child = Child(f"the {policy} cluster", cluster, "gateway: ").wait_announced(120)
     report = out / f"{policy}.json"
     bench = [sys.executable, "-m", "urc.cli", "bench", "--target", child.url]
@@ -44,9 +48,24 @@ def run_policy(policy: str, args: argparse.Namespace, out: Path) -> dict:
     bench += ["--no-progress"]
     try:
         subprocess.run(bench, check=True, stdout=subprocess.DEVNULL)
+        flow = flow_outcomes(child.url) if args.flow_control == "on" else {}
     finally:
         child.stop()
-    return json.loads(report.read_text())
+    summary = json.loads(report.read_text())
+    summary["flow"] = flow
+    return summary
+
+
+def flow_outcomes(url: str) -> dict[str, int]:
+    """The gateway's flow-control outcomes (`urc_flow_requests_total`), all tenants together."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    counts: dict[str, int] = {}
+    for labels, value in re.findall(r"^urc_flow_requests_total\{([^}]*)\} (\S+)$", text, re.M):
+        outcome = re.search(r'outcome="(\w+)"', labels)
+        if outcome:
+            counts[outcome.group(1)] = counts.get(outcome.group(1), 0) + int(float(value))
+    return counts
 
 
 def rows(results: dict[str, dict]) -> list[list[str]]:
@@ -81,6 +100,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    flow_help = "the gateway's flow control (docs/flow-control.md): its line in the report"
+    parser.add_argument("--flow-control", choices=("on", "off"), default="off", help=flow_help)
+    parser.add_argument("--flow-saturation-ms", type=float, default=500.0, help="with it on")
     parser.add_argument("--out", default="out/run")
     args = parser.parse_args()
     out = Path(args.out)
@@ -97,9 +119,11 @@ def main() -> int:
     plots = run_report.write_plots(out, results)
     line = run_report.verdict(results, "cache_aware", "round_robin")
     page = out / "report.md"
-    page.write_text(run_report.markdown(args, grid, plots, line), encoding="utf-8")
-    if line:
-        print("\n" + line.replace("`", ""))
+    flow = run_report.flow_line(args.flow_control, results)
+    page.write_text(run_report.markdown(args, grid, plots, [line, flow]), encoding="utf-8")
+    for text_line in (line, flow):
+        if text_line:
+            print("\n" + text_line.replace("`", ""))
     print(f"\nreports: {out}/ (report.txt, report.md, one JSON per policy)")
     if plots:
         print("plots: " + ", ".join(str(p) for p in plots))

@@ -6,7 +6,8 @@ each tenant's clients streaming the noisy-neighbour workload's requests.
 
 1. Noisy neighbour: tenant quiet (2 clients) alone, then while tenant flood (48 clients,
    5k-token uncached prompts) floods; flow control off, on, and on with the workers'
-   --chunk-tokens 2048 (the engine's step: the floor).
+   --protect-step-ms 5 (half the default step budget), --protect-window-ms 250 (a quarter of
+   its window) and --protect-step-ms 0 (no step budget: full chunks beside the quiet tenant).
 2. Priority: a critical tenant (priority 1) alone, then under a sheddable flood (priority -1).
 3. Budget: a tenant sending twice its tokens_per_minute for a minute, a quiet one beside it.
 4. The replay: part 1's flow-control run through `urc replay`'s engine (simulation.compare),
@@ -324,7 +325,9 @@ NOISY: Tenants = {QUIET: {}, FLOOD: {}}
 SETTINGS = {  # part 1's columns: flow control, the workers' flags past their defaults
     "off": (False, ()),
     "on": (True, ()),
-    "on, chunk 2048": (True, ("--chunk-tokens", "2048")),
+    "on, step 5 ms": (True, ("--protect-step-ms", "5")),
+    "on, window 250 ms": (True, ("--protect-window-ms", "250")),
+    "on, no step budget": (True, ("--protect-step-ms", "0")),
 }
 PRIORITY: Tenants = {"critical": {"priority": 1}, "sheddable": {"priority": -1}}
 BUDGET_S = 60.0  # part 3: one minute of the sliding window
@@ -417,9 +420,10 @@ class Replayed(NamedTuple):
     ttft_ms: float  # nan: not answered
 
 
-def replay_live(args: argparse.Namespace, live: Run) -> list[Replayed]:
+def replay_live(args: argparse.Namespace, live: Run, hop_s: float = 0.0) -> list[Replayed]:
     """The live run's requests through `urc replay`'s engine and admission, each at its live
-    send time after its phase's start; a phase starts GAP_S after the one before ends."""
+    send time after its phase's start; a phase starts GAP_S after the one before ends.
+    `hop_s`: the replay's `--hop-ms` (HTTP, gateway and event loops)."""
     sent: list[tuple[float, int, RequestResult]] = []
     start = 0.0
     for phase, p in enumerate(live):
@@ -433,7 +437,7 @@ def replay_live(args: argparse.Namespace, live: Run) -> list[Replayed]:
         for i, (t, _, r) in enumerate(sent)
     ]
     flow = FlowConfig(FlowSettings(enabled=True))
-    run = compare(requests, ["cache_aware"], FleetConfig(workers=WORKERS), flow=flow)
+    run = compare(requests, ["cache_aware"], FleetConfig(workers=WORKERS, hop_s=hop_s), flow=flow)
     result = run.runs["cache_aware"].result
     return [
         Replayed(req.tenant, phase, result.ttft_s[i] * 1e3 if result.ok[i] else math.nan)
@@ -441,20 +445,26 @@ def replay_live(args: argparse.Namespace, live: Run) -> list[Replayed]:
     ]
 
 
+def quiet_ttfts(replayed: Sequence[Replayed], phase: int) -> list[float]:
+    return [r.ttft_ms for r in replayed if r.tenant == QUIET and r.phase == phase and r.ttft_ms > 0]
+
+
 def part_replay(args: argparse.Namespace, live: Run) -> None:
+    """The replay's hop (`--hop-ms`) is calibrated on the warm-up phase, which neither side of
+    the comparison uses: the live TTFT p50 there less the replay's without a hop."""
     log("part 4: the live flow-control run through the replay ...")
-    replayed = replay_live(args, live)
-    off0, off1 = (
-        [r.ttft_ms for r in replayed if r.tenant == QUIET and r.phase == phase and r.ttft_ms > 0]
-        for phase in (1, 2)
-    )
+    bare = percentile(quiet_ttfts(replay_live(args, live), 0), 0.5)
+    hop_ms = max(0.0, stats(live.warm, QUIET).ttft_p50_ms - bare)
+    replayed = replay_live(args, live, hop_ms / 1e3)
+    off0, off1 = (quiet_ttfts(replayed, phase) for phase in (1, 2))
     on0, on1 = stats(live.alone, QUIET), stats(live.flood, QUIET)
     p = [percentile(v, q) for v in (off0, off1) for q in (0.5, 0.99)]
     live_ratio = on1.ttft_p99_ms / on0.ttft_p99_ms
     offline_ratio = p[3] / p[1]
     print(
         "4. the replay: part 1's flow-control run (every request at its live send time) "
-        "through simulation.compare, cache_aware, flow control on"
+        f"through simulation.compare, cache_aware, flow control on, --hop-ms {hop_ms:.1f} (the "
+        "warm-up's live TTFT p50 less the replay's)"
     )
     rows: list[tuple[str, Sequence[object]]] = [
         (

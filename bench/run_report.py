@@ -83,6 +83,24 @@ def verdict(results: Mapping[str, Mapping[str, Any]], ours: str, other: str) -> 
     )
 
 
+def flow_line(setting: str, results: Mapping[str, Mapping[str, Any]]) -> str:
+    """One line: flow control on or off, and with it on what it did per policy (its outcomes:
+    admitted at once, after a wait in its queue, refused)."""
+    if setting != "on":
+        return (
+            "Flow control: off. On this workload it helps neither policy: at its default "
+            "threshold the pool never saturates (every request admitted at once, the same "
+            "TTFT), and a lower one held requests and raised TTFT p99 (docs/benchmarks.md); "
+            "`--flow-control on` shows what it does."
+        )
+    parts = []
+    for name, summary in results.items():
+        counts = summary.get("flow") or {}
+        done = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()) if v) or "no requests"
+        parts.append(f"`{name}` {done}")
+    return "Flow control: on (docs/flow-control.md): " + "; ".join(parts) + "."
+
+
 def slowest(n: int) -> str:
     """The request p99 of `n` falls on (linear interpolation: next to the one slower)."""
     rank = n - math.floor((n - 1) * 0.99)
@@ -92,8 +110,11 @@ def slowest(n: int) -> str:
     return f"the {rank}{suffix} slowest"
 
 
-def markdown(args: Any, rows: Sequence[Sequence[str]], plots: Sequence[Path], line: str) -> str:
-    """The page: the workload, the cluster, the table, the plots (or why none), the verdict."""
+def markdown(
+    args: Any, rows: Sequence[Sequence[str]], plots: Sequence[Path], lines_after: Sequence[str]
+) -> str:
+    """The page: the workload, the cluster, the table, the plots (or why none), the verdict
+    and flow control's line (`lines_after`, each skipped when empty)."""
     lines = [
         "# make run: policies side by side",
         "",
@@ -113,6 +134,7 @@ def markdown(args: Any, rows: Sequence[Sequence[str]], plots: Sequence[Path], li
         "",
     ]
     lines += [f"![{p.stem}]({p.name})" for p in plots] if plots else [MISSING]
-    if line:
-        lines += ["", line]
+    for line in lines_after:
+        if line:
+            lines += ["", line]
     return "\n".join(lines) + "\n"

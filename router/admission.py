@@ -95,12 +95,13 @@ class Refused(Exception):
 class Band:
     """One priority band of one pool: its queue by virtual start time, and its clock."""
 
-    __slots__ = ("heap", "vtime", "finish")
+    __slots__ = ("heap", "vtime", "finish", "peak")
 
     def __init__(self) -> None:
         self.heap: list[tuple[float, int, Ticket]] = []
         self.vtime = 0.0  # the start time of the last ticket let through
         self.finish: dict[str, float] = {}  # flow -> the virtual finish of its last ticket
+        self.peak = 0.0  # the latest finish of any flow
 
     def charge(self, ticket: Ticket) -> None:
         """Stamp `ticket` with its start time and advance its flow's finish by its cost."""
@@ -108,7 +109,9 @@ class Band:
         if start < self.vtime:
             start = self.vtime  # an idle flow does not bank credit
         ticket.start = start
-        self.finish[ticket.flow] = start + ticket.cost / ticket.tenant.weight
+        finish = self.finish[ticket.flow] = start + ticket.cost / ticket.tenant.weight
+        if finish > self.peak:
+            self.peak = finish
         if len(self.finish) > 4096:  # idle flows start at vtime anyway: forget them
             vtime = self.vtime
             self.finish = {f: t for f, t in self.finish.items() if t > vtime}
@@ -203,16 +206,39 @@ class Admission:
             band.vtime = ticket.start
             ticket.grant = budget.grant(ticket.tokens, now)
             return True
+        band.charge(ticket)
+        if self._overtakes(ticket, band):
+            ticket.grant = budget.grant(ticket.tokens, now)
+            return True
         if self.queued >= self.settings.queue_max:
             message = f"the gateway's queue is full ({self.settings.queue_max} requests)"
             raise Refused("queue_full", 1.0, message)
-        band.charge(ticket)
         self._seq += 1
         ticket.seq = self._seq
         ticket.queued = True
         heapq.heappush(band.heap, (ticket.start, ticket.seq, ticket))
         self.queued += 1
         return False
+
+    def _overtakes(self, ticket: Ticket, band: Band) -> bool:
+        """Whether `ticket` (charged) goes at once although its pool is saturated: a request the
+        engines rank ahead of the work that saturates the pool does not lengthen its queue. So
+        when it is first in line (no higher band waits, none of its band starts before it), its
+        flow is not ahead of its share (its engine priority is its band's best), and the work
+        in flight ranks after it: another flow of its band is ahead of its share, or a lower
+        band is in use."""
+        bands = self.pools[ticket.pool]
+        if band.heap and band.heap[0][0] < ticket.start:
+            return False
+        slack = self.settings.saturation_ms / 1e3
+        if band.finish[ticket.flow] - band.vtime > slack:
+            return False
+        lower = False
+        for priority, other in bands.items():
+            if priority > ticket.band and other.heap:
+                return False
+            lower = lower or priority < ticket.band
+        return lower or band.peak - band.vtime > slack
 
     def pop(self, pool: str, now: float) -> Ticket | None:
         """The next ticket of `pool` (its highest band, the earliest start there), granted its

@@ -92,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add("--max-model-len", type=int, default=0, help="0: min(capacity, 131072)")
     add("--event-delay-ms", type=float, default=2.0, help="KV events reach the index after this")
     add(
+        "--hop-ms",
+        type=float,
+        default=0.0,
+        help="added to each request's TTFT and latency: a live request's HTTP, gateway and "
+        "event loop time",
+    )
+    add(
         "--no-kv-events",
         action="store_true",
         help="workers publish no KV events: approximate residency from routing history",
@@ -238,6 +245,7 @@ def fleet_from_args(args: argparse.Namespace, block_size: int) -> FleetConfig:
         engine=from_flags(EngineConfig, args, block_size=block_size),
         max_model_len=args.max_model_len,
         event_delay_s=args.event_delay_ms / 1e3,
+        hop_s=args.hop_ms / 1e3,
         kv_events=not args.no_kv_events,
         pending_ttl_s=args.pending_ttl,
         concurrency=None if open_loop else (args.concurrency or 8),

@@ -34,6 +34,9 @@ class FleetConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # every worker's
     max_model_len: int = 0  # 0: the worker's default (context_len)
     event_delay_s: float = 0.002
+    # what a live request's HTTP, gateway and event loops add to its TTFT and latency (both
+    # ways together); the engines' timing is unchanged by it
+    hop_s: float = 0.0
     kv_events: bool = True  # False: approximate residency from routing history
     approx_ttl_s: float = DEFAULT_APPROX_TTL_S
     pending_ttl_s: float = 0.0  # dispatched keys held until confirmed, e.g. 10 (0: off)
@@ -341,10 +344,11 @@ class Replay:
         latency = [nan] * n
         ok = [False] * n
         arrived = self._sent if self.flow is None else self.flow.arrived
+        hop = self.fleet.hop_s
         for i, r in enumerate(self._engine_req):
             if r is None or r.finish_time is None:
                 continue
-            sent = arrived[i]
+            sent = arrived[i] - hop
             cached[i] = r.cached_tokens
             host[i] = r.host_tokens
             ttft[i] = r.first_token_time - sent  # type: ignore[operator]

@@ -27,6 +27,19 @@ class EngineConfig:
     )
     max_batch: int = setting(256, "running requests")
     chunk_tokens: int = setting(8192, "prefill tokens per step")
+    protect_step_s: float = setting(
+        0.01,
+        "while a better-ranked request is in the engine, worse-ranked ones prefill at most "
+        "this much a step, ms of prefill (0: no cap)",
+        "--protect-step-ms",
+        flag_scale=1e3,
+    )
+    protect_window_s: float = setting(
+        1.0,
+        "the cap holds this long after the last better-ranked request left, ms",
+        "--protect-window-ms",
+        flag_scale=1e3,
+    )
     host_capacity_tokens: int = setting(0, "host-memory KV tier in tokens (0: none; docs/tiers.md)")
     host_copy_tokens_per_s: float = setting(
         DEFAULT_HOST_COPY_TOKENS_PER_S, "host -> GPU copy rate of the host tier, tokens/s"
@@ -50,6 +63,15 @@ class EngineConfig:
             raise ValueError("host_capacity_tokens must be 0 (no host tier) or >= block_size")
         if self.host_capacity_tokens < 0 or self.host_copy_tokens_per_s <= 0:
             raise ValueError("need host_capacity_tokens >= 0 and host_copy_tokens_per_s > 0")
+        if self.protect_step_s < 0 or self.protect_window_s < 0:
+            raise ValueError("need protect_step_s >= 0 and protect_window_s >= 0")
+
+    def protect_tokens(self) -> int:
+        """Worse-ranked prefill tokens a step while a better rank is protected (0: no cap; at
+        least one block when on, so a capped request still advances)."""
+        if not self.protect_step_s:
+            return 0
+        return max(self.block_size, round(self.protect_step_s * self.prefill_tokens_per_s))
 
     def step_s(self, decoding: int, prefill_tokens: int, copied_tokens: int) -> float:
         """One forward pass's time (docs/workers.md): a base, each decoding request, the

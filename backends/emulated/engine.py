@@ -16,6 +16,7 @@ from backends.emulated.config import EngineConfig
 from backends.emulated.events import EventLog
 from backends.emulated.paging import admit, cache_output, cache_prompt, release
 from backends.emulated.request import EngineLoad, Request, State, StepResult, by_priority
+from backends.emulated.step_budget import StepBudget
 from core.blocks import block_keys
 from core.heap import Heap
 from core.kv_events import MEDIUM_CPU, KVEvent
@@ -61,6 +62,7 @@ class EmulatedEngine:
         self._queue: deque[Request] = deque()  # arrival order
         # waiting or prefilling requests with a non-zero priority: while any, planning ranks
         self._ranked = 0
+        self._guard = StepBudget(cfg.protect_tokens(), cfg.protect_window_s)  # caps worse ranks
         self._prefilling: list[Request] = []  # admission order
         self._decoding: dict[Any, Request] = {}
         self._finishing: Heap[Request] = Heap()  # decoding requests by their last step
@@ -291,13 +293,10 @@ class EmulatedEngine:
     def _schedule_ranked(
         self, now: float, chunks: list[tuple[Request, int]], result: StepResult
     ) -> int:
-        """`_plan`'s chunks and admissions by rank: the prefilling and the arrived waiting
-        requests by priority, a stable sort, so at equal priority prefills go first (admission
-        order), then the queue (arrival order), as when all are 0. A waiting request that does
-        not fit blocks those ranked after it, as the FIFO head does. No preemption: a running
-        prefill keeps its room, and loses only this step's budget to better ranked ones.
-        Sorting costs O(n log n) a step, only while a non-zero priority waits or prefills.
-        Returns the budget left."""
+        """`_plan` by rank: prefilling and arrived waiting requests stably sorted by priority
+        (ties: prefills, then arrival); one that does not fit blocks those after it; a prefill
+        loses only budget, to better ranks and to the step budget (`StepBudget`). O(n log n) a
+        step, while a non-zero priority is here (or was, in the window). The budget left."""
         cfg = self.config
         budget = cfg.chunk_tokens
         queue = self._queue
@@ -307,6 +306,7 @@ class EmulatedEngine:
                 break
             ranked.append(req)
         ranked.sort(key=by_priority)
+        (guard := self._guard).plan(ranked, self._decoding.values(), now)
         running = len(self._prefilling) + len(self._decoding)
         admitted = self._blocked = False
         for req in ranked:
@@ -320,8 +320,9 @@ class EmulatedEngine:
                 result.admitted.append(req)
                 running += 1
                 admitted = True
-            if budget > 0:
-                budget = self._chunk(req, budget, chunks)
+            n = guard.limit(req.priority, budget)
+            if n > 0:
+                budget -= guard.spend(req.priority, n - self._chunk(req, n, chunks))
         if admitted:
             self._queue = deque([r for r in queue if r.state is _WAITING])
         return budget
@@ -338,7 +339,7 @@ class EmulatedEngine:
         chunks: list[tuple[Request, int]] = []
         self.log.planning = True  # the cache's stores until the admissions end are this step's
         try:
-            if self._ranked:
+            if self._ranked or self._guard.protecting(now):
                 budget = self._schedule_ranked(now, chunks, result)
             else:  # all priorities 0, the replay's path: inline, no call
                 for req in self._prefilling:

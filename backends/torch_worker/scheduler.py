@@ -57,12 +57,15 @@ class ModelState:
 class SchedulerConfig:
     chunk_size: int = setting(512, "prefill tokens per forward pass")  # of a model
     max_running: int = setting(64, "requests in a model's batch")
+    protect_tokens: int = setting(
+        64, "prefill tokens a pass for worse-ranked requests while a better one is here (0: off)"
+    )
     prefix_cache: bool = True
     lpf_limit: int = 128
 
     def __post_init__(self) -> None:
-        if self.chunk_size < 1 or self.max_running < 1:
-            raise ValueError("chunk_size and max_running must be positive")
+        if self.chunk_size < 1 or self.max_running < 1 or self.protect_tokens < 0:
+            raise ValueError("need chunk_size, max_running >= 1 and protect_tokens >= 0")
 
 
 class Scheduler:
@@ -75,16 +78,23 @@ class Scheduler:
         """The model's batch for this step (empty: nothing to run). Newly admitted requests
         are appended to `admitted`. The chunk budget goes by priority band, best first: in a
         band, the running requests (admission order), then admissions from its waiting ones
-        (`_admission_order`). A request that cannot be admitted stops all admissions."""
+        (`_admission_order`). A request that cannot be admitted stops all admissions. The
+        bands after the best one share at most `protect_tokens` of prefill (the step budget:
+        the best band's steps stay short)."""
         bs = ms.pool.cache.block_size
         items: list[WorkItem] = []
         budget = self.config.chunk_size
+        bands = sorted({r.priority for r in ms.running} | {r.priority for r in ms.waiting})
+        protect = self.config.protect_tokens
+        left = protect if protect and len(bands) > 1 else budget  # of the worse bands
         admitting = True
-        for band in sorted({r.priority for r in ms.running} | {r.priority for r in ms.waiting}):
+        for band in bands:
+            capped = band != bands[0]
             for req in [r for r in ms.running if r.priority == band]:
                 if req.status is not Status.RUNNING:
                     continue  # preempted while this batch was being built
-                n = 1 if req.pending == 1 else min(req.pending, budget)
+                room = min(budget, left) if capped else budget
+                n = 1 if req.pending == 1 else min(req.pending, room)
                 if n == 0:
                     continue
                 if not self._reserve(req, pages_needed(req, n, bs), items):
@@ -92,13 +102,15 @@ class Scheduler:
                 items.append(WorkItem(req, n))
                 if req.pending > 1:
                     budget -= n
+                    left -= n if capped else 0
             for req in self._admission_order(ms, band) if admitting else []:
-                n = self._admit(ms, req, budget, admitted)
+                n = self._admit(ms, req, min(budget, left) if capped else budget, admitted)
                 admitting = n > 0
                 if not admitting:
                     break
                 items.append(WorkItem(req, n))
                 budget -= n
+                left -= n if capped else 0
         return items
 
     def _admit(self, ms: ModelState, req: Request, budget: int, admitted: list[Request]) -> int:

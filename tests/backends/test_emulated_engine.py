@@ -362,7 +362,7 @@ def test_a_later_better_priority_request_goes_before_the_queued_backlog(
 
 
 def test_the_chunk_budget_goes_to_the_best_priority_prefill_first() -> None:
-    engine = EmulatedEngine(config(chunk_tokens=1024))
+    engine = EmulatedEngine(config(chunk_tokens=1024, protect_step_s=0.0))  # no step budget
     backlog = [Request(i, prompt(3000, 70 + i), 4, arrival=0.0) for i in range(4)]
     urgent = Request("urgent", prompt(500, 80), 4, arrival=0.05, priority=-1)
     drive(engine, [*backlog, urgent])
@@ -372,6 +372,67 @@ def test_the_chunk_budget_goes_to_the_best_priority_prefill_first() -> None:
     # its 500 tokens lead the second step, the backlog's prefill fills the rest
     assert urgent.first_token_time == pytest.approx(2 * step, abs=1e-12)
     assert all(urgent.first_token_time < r.first_token_time for r in backlog)  # type: ignore[operator]
+
+
+def backlog_prefill(
+    engine: EmulatedEngine, reqs: list[Request], backlog: list[Request]
+) -> list[tuple[float, int]]:
+    """(the time of each step boundary, the backlog's prefill tokens computed in the step that
+    ended there), driving `reqs` step by step."""
+    steps: list[tuple[float, int]] = []
+    done = [0]
+
+    def on_step(t: float, _: StepResult) -> None:
+        computed = sum(r.computed - r.cached_tokens for r in backlog)
+        steps.append((t, computed - done[0]))
+        done[0] = computed
+
+    drive(engine, reqs, fine=True, on_step=on_step)
+    return steps
+
+
+def test_the_step_budget_caps_worse_ranked_prefill_while_a_better_one_is_here() -> None:
+    # 5 ms of prefill at 10k tokens/s: 50 tokens a step for the backlog while protected
+    cfg = config(chunk_tokens=1024, protect_step_s=0.005, protect_window_s=0.1)
+    assert cfg.protect_tokens() == 50
+    engine = EmulatedEngine(cfg)
+    backlog = [Request(i, prompt(4000, 100 + i), 4, arrival=0.0, priority=1) for i in range(3)]
+    urgent = Request("urgent", prompt(300, 110), 20, arrival=0.05, priority=0)
+    steps = backlog_prefill(engine, [*backlog, urgent], backlog)
+    assert steps[1][1] == 1024  # alone, the backlog runs full chunks
+    first, finish = urgent.first_token_time, urgent.finish_time
+    assert first is not None and finish is not None
+    admitted = urgent.admitted_time
+    protected = [n for t, n in steps if admitted is not None and admitted < t <= finish + 0.1]
+    # its own prefill is not capped: it leads the step after its arrival, 50 of backlog beside
+    assert first == pytest.approx(admitted + BASE + (300 + 50) / TPS, abs=1e-9)
+    # each step while it decodes, and in the window after it, carries 50 backlog tokens
+    assert len(protected) >= 20 and set(protected) == {50}
+    after = [n for t, n in steps if t > finish + 0.1 + BASE + 0.2]
+    assert after and max(after) == 1024  # then full chunks again
+    assert all(r.state is State.FINISHED for r in backlog)
+
+
+def test_the_step_budget_protects_a_decoding_request_from_later_priority_0_prefill() -> None:
+    # a critical request (-1) decodes alone; priority-0 prompts arrive later: the plain path
+    # of every-0 scheduling would not see it, the window does
+    engine = EmulatedEngine(config(chunk_tokens=1024, protect_step_s=0.005))
+    critical = Request("critical", prompt(100, 120), 60, arrival=0.0, priority=-1)
+    backlog = [Request(i, prompt(3000, 121 + i), 4, arrival=0.1) for i in range(2)]
+    steps = backlog_prefill(engine, [critical, *backlog], backlog)
+    finish = critical.finish_time
+    assert finish is not None
+    protected = [n for t, n in steps if 0.1 < t <= finish]
+    assert protected[0] == 0 and set(protected[1:]) == {50}  # after the step in flight
+
+
+def test_every_priority_equal_or_no_step_budget_runs_full_chunks() -> None:
+    for protect_s, priorities in ((0.005, (3, 3)), (0.0, (1, 0))):
+        engine = EmulatedEngine(config(chunk_tokens=1024, protect_step_s=protect_s))
+        backlog = [Request(0, prompt(4000, 130), 4, arrival=0.0, priority=priorities[0])]
+        other = Request("o", prompt(300, 131), 40, arrival=0.05, priority=priorities[1])
+        steps = backlog_prefill(engine, [*backlog, other], backlog)
+        assert max(n for _, n in steps) == 1024 and sum(n for _, n in steps) == 4000
 
 
 def test_a_better_priority_arrival_passes_a_queue_head_that_does_not_fit() -> None:

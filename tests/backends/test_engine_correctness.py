@@ -211,6 +211,30 @@ def test_a_better_priority_request_is_admitted_and_prefilled_first(tiny: LoadedM
     assert ranked[-1] == 1
 
 
+def test_the_step_budget_caps_worse_ranked_prefill_while_a_better_one_runs(
+    tiny: LoadedModel,
+) -> None:
+    scheduler = SchedulerConfig(chunk_size=512, protect_tokens=8, prefix_cache=False)
+    engine = TorchEngine({"m": tiny}, EngineConfig(num_pages=200, scheduler=scheduler))
+    urgent = engine.new_request("m", list(range(10)), SamplingParams(6, ignore_eos=True))
+    urgent.priority = -1
+    backlog = engine.new_request(
+        "m", [3 * j % 256 for j in range(100)], SamplingParams(2, ignore_eos=True)
+    )
+    engine.submit(urgent)
+    engine.submit(backlog)
+    steps: list[tuple[int, bool]] = []  # the backlog's prefill in each step, urgent running
+    while engine.has_work():
+        before, running = backlog.computed, not urgent.done
+        engine.step()
+        engine.check()
+        steps.append((backlog.computed - before, running))
+    # 8 tokens a step while the urgent one prefills and decodes, then the rest at once
+    assert [n for n, running in steps if running] == [8] * 6
+    assert steps[6][0] == 100 - 6 * 8 and urgent.output and backlog.output
+    assert backlog.output == finish(TorchEngine({"m": tiny}), "m", backlog.prompt, 2).output
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cache_on_and_off_agree_on_cuda() -> None:
     gpu = load_model("tiny", device=torch.device("cuda"), dtype="float32")

@@ -34,17 +34,39 @@ def test_saturated_when_every_worker_has_the_threshold_queued() -> None:
 
 
 def test_unsaturated_requests_go_at_once_and_saturated_ones_queue_in_fair_order() -> None:
+    a, b, c = TenantFlow("a"), TenantFlow("b"), TenantFlow("c")
+    adm = admission(a, b, c, saturation_ms=2_000.0)  # no flow gets ahead of its share here
+    first = adm.ticket("a", "a", POOL, 5_000, 5_000, 16)
+    assert adm.arrive(first, False, 0.0)
+    floods = [adm.ticket("a", "a", POOL, 5_000, 5_000, 16) for _ in range(3)]
+    assert not any(adm.arrive(t, True, 0.1) for t in floods)
+    late = adm.ticket("b", "b", POOL, 100, 1_100, 16)
+    assert not adm.arrive(late, True, 0.2)  # a is not ahead by 2 s: b waits its turn
+    assert adm.pop(POOL, 0.3) is late  # it arrived last, but its flow is behind
+    assert [adm.pop(POOL, 0.3) for _ in range(3)] == floods
+    assert adm.pop(POOL, 0.3) is None and adm.queued == 0
+
+
+def test_a_request_ranked_ahead_of_the_saturating_work_goes_at_once() -> None:
+    """Saturated by a flow ahead of its share (its requests rank after on the workers), a
+    request of a flow at its share, first in line, does not lengthen a queue: it goes."""
     flood, quiet = TenantFlow("flood"), TenantFlow("quiet")
     adm = admission(flood, quiet)
-    first = adm.ticket("flood", "flood", POOL, 5_000, 5_000, 16)
-    assert adm.arrive(first, False, 0.0)
+    assert adm.arrive(adm.ticket("flood", "flood", POOL, 5_000, 5_000, 16), False, 0.0)
     floods = [adm.ticket("flood", "flood", POOL, 5_000, 5_000, 16) for _ in range(5)]
     assert not any(adm.arrive(t, True, 0.1) for t in floods)
-    late_quiet = adm.ticket("quiet", "quiet", POOL, 100, 1_100, 16)
-    assert not adm.arrive(late_quiet, True, 0.2)
-    assert adm.pop(POOL, 0.3) is late_quiet  # it arrived last, but its flow is far behind
-    assert [adm.pop(POOL, 0.3) for _ in range(5)] == floods
-    assert adm.pop(POOL, 0.3) is None and adm.queued == 0
+    quiet_ticket = adm.ticket("quiet", "quiet", POOL, 100, 1_100, 16)
+    assert adm.arrive(quiet_ticket, True, 0.2) and adm.queued == 5
+    assert adm.engine_priority(quiet_ticket) == 0  # ranked before the flood's 1
+    # a flow ahead of its share, or behind a queued request of a higher band, waits
+    assert not adm.arrive(adm.ticket("flood", "flood", POOL, 5_000, 5_000, 16), True, 0.2)
+    high = adm.ticket("quiet", "quiet", POOL, 20_000, 20_000, 16, priority=1)
+    assert not adm.arrive(high, True, 0.2)  # ahead of its share by itself: it queues
+    assert not adm.arrive(adm.ticket("quiet", "quiet", POOL, 100, 1_100, 16), True, 0.2)
+    # a band above the sheddable one's work in flight goes too
+    shed = admission(TenantFlow("batch", priority=-1), TenantFlow("critical", priority=1))
+    assert shed.arrive(shed.ticket("batch", "batch", POOL, 5_000, 5_000, 16), False, 0.0)
+    assert shed.arrive(shed.ticket("critical", "critical", POOL, 100, 100, 16), True, 0.1)
 
 
 def test_shares_follow_gpu_cost_not_requests() -> None:
@@ -157,12 +179,9 @@ def test_engine_priority_puts_a_flow_ahead_of_its_share_one_step_later() -> None
     for _ in range(10):
         adm.arrive(adm.ticket("flood", "flood", POOL, 5_000, 5_000, 0), True, 0.0)
     quiet_ticket = adm.ticket("quiet", "quiet", POOL, 100, 100, 0)
-    adm.arrive(quiet_ticket, True, 0.0)
-    first = adm.pop(POOL, 0.1)  # both flows start at 0: the one that came first
-    assert first is not None and first.tenant is flood
-    assert adm.pop(POOL, 0.1) is quiet_ticket  # then the quiet one, ahead of the backlog
+    assert adm.arrive(quiet_ticket, True, 0.0)  # at its share: it goes past the backlog
     assert adm.engine_priority(quiet_ticket) == 0
-    flood_ticket = adm.pop(POOL, 0.2)
+    flood_ticket = adm.pop(POOL, 0.1)
     assert flood_ticket is not None and adm.engine_priority(flood_ticket) == 1
 
 

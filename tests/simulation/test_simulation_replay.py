@@ -103,6 +103,15 @@ def test_the_first_byte_is_the_first_token_for_chats_and_completions(chat: bool)
     assert (only.queued_prefill_tokens, only.running_decode) == (500, 0)
 
 
+def test_the_hop_adds_to_what_the_client_sees_not_to_the_engines() -> None:
+    reqs = [keyed(i, i * 0.03, 200 + 37 * (i % 5), chat=False) for i in range(20)]
+    bare = Replay(reqs, make_policy("round_robin"), FleetConfig(workers=2)).run()
+    hop = Replay(reqs, make_policy("round_robin"), FleetConfig(workers=2, hop_s=0.005)).run()
+    assert hop.ttft_s == pytest.approx([t + 0.005 for t in bare.ttft_s], abs=1e-12)
+    assert hop.latency_s == pytest.approx([t + 0.005 for t in bare.latency_s], abs=1e-12)
+    assert hop.engine_steps == bare.engine_steps
+
+
 def test_one_worker_is_driven_exactly_as_the_engine_alone() -> None:
     reqs = [keyed(i, i * 0.03, 200 + 37 * (i % 5), chat=False) for i in range(40)]
     fleet = FleetConfig(workers=1, engine=EngineConfig(capacity_tokens=3000), event_delay_s=0.0)
