@@ -13,6 +13,7 @@ from typing import Final, cast
 from backends.emulated.config import EngineConfig
 from backends.emulated.request import Request
 from core.heap import Heap
+from router.adapters import DEFAULT_LOAD_MB_PER_S, DEFAULT_LOAD_S, DEFAULT_MAX_LORAS, Adapters
 from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
 from router.policies import Policy, WorkerLoad
 from router.route import LoadShare, Routing
@@ -40,6 +41,10 @@ class FleetConfig:
     index_max_blocks: int = 20_000_000
     concurrency: int | None = None  # closed loop with this many in flight; None: open loop
     max_in_flight: int = 1024  # the open loop's cap (the bench's --max-in-flight)
+    max_loras: int = DEFAULT_MAX_LORAS  # LoRA adapter slots per worker (docs/adapters.md)
+    adapter_size_mb: float = 64.0  # every adapter's size
+    adapter_load_mb_per_s: float = DEFAULT_LOAD_MB_PER_S
+    adapter_load_s: float = DEFAULT_LOAD_S  # a load's fixed part
 
     def worker_names(self) -> list[str]:
         names = self.names or [f"w{i}" for i in range(self.workers)]
@@ -84,6 +89,8 @@ class RunResult:
     events_applied: int
     engine_steps: int
     refused: dict[int, str] = field(default_factory=dict)  # flow control's 429s: request -> why
+    adapter_loads: int = 0  # requests that had their adapter loaded (or activated) first
+    adapter_unloads: int = 0  # adapters unloaded to make room (a worker's slot limit)
 
 
 class Replay:
@@ -116,10 +123,16 @@ class Replay:
             approx_ttl_s=fleet.approx_ttl_s,
             pending_ttl_s=fleet.pending_ttl_s,
         )
-        self.routing = Routing(self.index)  # the gateway's request lifecycle (router/route.py)
+        salts = {r.salt or "": r.route.adapter for r in self.requests if r.route.adapter}
+        sizes = dict.fromkeys(salts.values(), fleet.adapter_size_mb)
+        lora = (fleet.adapter_load_mb_per_s, fleet.adapter_load_s, fleet.max_loras, sizes)
+        self.adapters = Adapters(*lora) if salts else None  # LoRA: slots, loads in TTFT
+        self.routing = Routing(self.index, self.adapters)  # the gateway's request lifecycle
         # one kv_group per worker (its event stream carries no model): groups take turns
         self.workers = [
-            SimWorker(name, groups[i % len(groups)], config, limit, self.index, fleet.kv_events)
+            SimWorker(
+                name, groups[i % len(groups)], config, limit, self.index, fleet.kv_events, salts
+            )
             for i, name in enumerate(names)
         ]
         self.loads: dict[str, list[WorkerLoad]] = {}  # kv_group -> its workers' loads
@@ -191,7 +204,7 @@ class Replay:
 
     def _schedule(self, w: SimWorker) -> None:
         """Queue the worker's next step call (at most one valid heap entry per worker)."""
-        t = w.engine.next_step_time() if self.per_step else w.engine.next_time()
+        t = w.next_time(self.per_step)
         if t is None:
             w.wake_seq = -1
         elif t != w.wake or w.wake_seq < 0:
@@ -240,7 +253,7 @@ class Replay:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
         request = req.route
-        route = self.routing.route(request, self.loads[request.kv_group], self.policy, now)
+        route = self.routing.route(request, self.loads[req.kv_group], self.policy, now)
         decision = route.decision
         w = self.by_name[decision.worker]
         reasons = self._reasons
@@ -250,7 +263,7 @@ class Replay:
         self._worker[i] = self._worker_index[w.name]
         self._predicted[i] = route.matched(w.name)
         share = self._shares[i] = route.attempt(
-            w.name, w.kv_group, self.fleet.kv_events, w.load, now
+            w.name, request.kv_group, self.fleet.kv_events, w.load, now
         )
         if request.prompt_tokens + req.max_tokens > w.max_model_len:
             self._reject(req, share, now)
@@ -258,6 +271,12 @@ class Replay:
         engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
         if self.flow is not None:  # the gateway's rank, carried into the engine
             engine_req.priority = self.flow.priority(i)
+        if request.adapter:  # loaded there first: it reaches the engine when usable
+            use = w.take_adapter(cast(Adapters, self.adapters), request.adapter, engine_req, now)
+            if use.ready_at > now:
+                self._engine_req[i] = engine_req
+                self._schedule(w)
+                return
         try:
             w.engine.submit(engine_req)
         except ValueError:
@@ -287,6 +306,8 @@ class Replay:
         per_step = self.per_step
         flow = self.flow
         while True:
+            if w.pending:
+                w.submit_ready(now)
             result = engine.step(now)
             self._steps += 1
             for r in result.first_token:  # the gateway's first byte
@@ -296,7 +317,10 @@ class Replay:
                     i = r.rid
                     cast(LoadShare, shares[i]).finish()
                     req = requests[i]
-                    routing.done(req.route, w.name, w.kv_group, exact, sent[i], now)
+                    route = req.route
+                    routing.done(route, w.name, route.kv_group, exact, sent[i], now)
+                    if route.adapter:
+                        cast(Adapters, self.adapters).finish(w.name, route.adapter)
                     if flow is not None:
                         flow.done(i, len(req.prompt), r.generated, now)
                     client.complete(req, True, now)
@@ -306,7 +330,7 @@ class Replay:
                 self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
                 w.changes = []
             # this call consumed the worker's heap entry
-            t = engine.next_step_time() if per_step else engine.next_time()
+            t = w.next_time(per_step)
             if t is None:
                 w.wake_seq = -1
                 return
@@ -351,6 +375,7 @@ class Replay:
             latency[i] = r.finish_time - sent
             ok[i] = True
         stats = self.index.stats()
+        loads, unloads = self.adapters.totals() if self.adapters is not None else (0, 0)
         return RunResult(
             workers=[w.name for w in self.workers],
             sent_s=arrived,
@@ -370,4 +395,6 @@ class Replay:
             events_applied=self._events,
             engine_steps=self._steps,
             refused={} if self.flow is None else self.flow.refused,
+            adapter_loads=loads,
+            adapter_unloads=unloads,
         )

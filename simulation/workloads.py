@@ -11,6 +11,7 @@ from core.blocks import DEFAULT_BLOCK_SIZE, block_keys
 from core.tokenizer import ByteTokenizer
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import iter_requests, with_poisson_arrivals
+from router.adapters import adapter_group
 from router.policies import RouteRequest
 from simulation.requests import SimRequest, cache_salt
 
@@ -52,7 +53,10 @@ def workload_requests(
             assert sent.prompt is not None
             tokens = tokenizer.encode(sent.prompt)
         tenant = spec.tenant if isolate_tenants else None
-        salt = cache_salt(tenant, spec.model, one_group)
+        group, adapter = spec.model, ""
+        if spec.base is not None:  # a LoRA adapter: its own kv_group over its base's
+            group, adapter = adapter_group(spec.base, spec.model), spec.model
+        salt = cache_salt(tenant, group, one_group)
         keys = block_keys(tokens, block_size, salt)
         session = -1
         if spec.session_id is not None:
@@ -65,7 +69,7 @@ def workload_requests(
                 max_tokens=spec.max_tokens,
                 keys=keys,
                 tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt),
-                route=RouteRequest(keys, len(tokens), block_size, spec.model, spec.model),
+                route=RouteRequest(keys, len(tokens), block_size, group, spec.model, adapter),
                 salt=salt,
                 chat=spec.kind == "chat",
                 session=session,
