@@ -163,6 +163,10 @@ class Adapters:
         else:
             in_flight.pop(adapter, None)
 
+    def registered(self, worker: str, adapter: str, now: float) -> None:
+        """`adapter` was loaded on `worker` (the gateway's load call succeeded): not yet active."""
+        self.worker(worker).loaded[adapter] = now
+
     def unloaded(self, worker: str, adapter: str) -> None:
         state = self.worker(worker)
         for table in (state.loaded, state.active, state.ready_at):
