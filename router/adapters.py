@@ -197,6 +197,18 @@ class Adapters:
         states = self.workers.values()
         return sum(s.loads for s in states), sum(s.unloads for s in states)
 
+    def observe_active(self, worker: str, active: list[str], max_loras: int) -> None:
+        """What `worker`'s load report says: the adapters active (running or waiting there,
+        so loaded) and its slots (0: unsaid)."""
+        state = self.worker(worker)
+        if max_loras > 0:
+            state.max_loras = max_loras
+        for name in [n for n in state.active if n not in active]:
+            del state.active[name]
+        for name in active:
+            state.loaded.setdefault(name, 0.0)
+            state.active.setdefault(name, 0.0)
+
     def forget(self, worker: str) -> None:
         """`worker` left the fleet (or restarted): it holds nothing now."""
         self.workers.pop(worker, None)

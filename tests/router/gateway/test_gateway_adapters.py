@@ -19,7 +19,9 @@ import httpx
 import pytest
 from aiohttp import web
 
+from router.adapters import Adapters
 from router.gateway.config import ConfigError, check, parse_config
+from router.gateway.load_report import parse_prometheus, parse_urc
 from tests.processes import wait_for
 from urc.processes import start_gateway
 
@@ -214,3 +216,25 @@ def test_adapter_config_errors_are_caught_at_start(table: str, message: str):
     text = f'[[models]]\nname = "tiny"\n[[models]]\n{table}\n'
     with pytest.raises(ConfigError, match=re.escape(message)):
         check(parse_config(tomllib.loads(text)))
+
+
+def test_vllm_lora_metric_and_our_load_say_the_active_adapters_and_slots():
+    text = (
+        b'vllm:num_requests_running{model_name="tiny"} 1.0\n'
+        b'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",'
+        b'waiting_lora_adapters=""} 1.7e9\n'
+        b'vllm:lora_requests_info{max_lora="2",running_lora_adapters="b,a",'
+        b'waiting_lora_adapters="c"} 1.8e9\n'
+    )
+    sample = parse_prometheus(text)
+    assert sample is not None and sample.lora == (["b", "a", "c"], 2)  # the latest series
+    ours = b'{"waiting":0,"running":1,"queued_prefill_tokens":0,"running_decode":1,'
+    assert parse_urc(ours + b'"free_kv_pages":1,"total_kv_pages":2}').lora is None
+    ours += b'"free_kv_pages":1,"total_kv_pages":2,"lora_active":["x"],"max_loras":3}'
+    assert parse_urc(ours).lora == (["x"], 3)
+    adapters = Adapters()
+    adapters.observe_active("w", ["x", "y"], 3)
+    adapters.observe_active("w", ["y"], 0)
+    state = adapters.worker("w")
+    assert set(state.loaded) == {"x", "y"} and set(state.active) == {"y"}
+    assert state.max_loras == 3
