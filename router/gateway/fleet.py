@@ -88,6 +88,11 @@ class Worker:
                 return True
         return False
 
+    def exact_for(self, model: Model, kv_group: str) -> bool:
+        """`exact` for `model` served in `kv_group`: an adapter's blocks come on its base's
+        stream (docs/adapters.md)."""
+        return self.exact(model.base_group if model.adapter else kv_group)
+
     @property
     def mode(self) -> str:
         groups = set(self.models.values())

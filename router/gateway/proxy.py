@@ -180,8 +180,7 @@ class _Attempt:
         self.plan = plan
         self.worker = worker
         self.kv_group = group = worker.kv_group_of(plan.model)
-        # an adapter's blocks come on its base's stream (docs/adapters.md)
-        self.exact = worker.exact(plan.model.base_group if plan.model.adapter else group)
+        self.exact = worker.exact_for(plan.model, group)
         # the lifecycle's attempt (router/route.py): this try's share of the worker's load
         self.load = plan.route.attempt(worker.name, group, self.exact, worker.load, t0)
         if plan.model.adapter:  # its slot's last use, and a request in flight on it

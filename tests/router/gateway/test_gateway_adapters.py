@@ -19,8 +19,18 @@ import httpx
 import pytest
 from aiohttp import web
 
+from core.errors import APIError
 from router.adapters import Adapters
-from router.gateway.config import ConfigError, check, parse_config
+from router.epp.picker import EndpointPicker
+from router.gateway.app import Gateway
+from router.gateway.config import (
+    ConfigError,
+    GatewayConfig,
+    ModelConfig,
+    WorkerConfig,
+    check,
+    parse_config,
+)
 from router.gateway.load_report import parse_prometheus, parse_urc
 from tests.processes import wait_for
 from urc.processes import start_gateway
@@ -238,3 +248,39 @@ def test_vllm_lora_metric_and_our_load_say_the_active_adapters_and_slots():
     state = adapters.worker("w")
     assert set(state.loaded) == {"x", "y"} and set(state.active) == {"y"}
     assert state.max_loras == 3
+
+
+async def test_urc_epp_loads_an_adapter_and_offers_only_the_endpoints_that_have_it():
+    """urc epp's picker (no Envoy here): it loads the adapter as the gateway does and names
+    only endpoints holding it; a failing load is the same 503."""
+    workers = [StandIn(), StandIn()]
+    config = GatewayConfig(
+        workers=[WorkerConfig(w.url, models=[BASE], engine="vllm") for w in workers],
+        models=[
+            ModelConfig(BASE, block_size=16),
+            ModelConfig("a0", base=BASE, lora_path="/lora/a0"),
+            ModelConfig("broken", base=BASE, lora_path="/lora/missing"),
+        ],
+        parity_interval_s=0,
+        load_interval_s=0,
+    )
+    gateway = Gateway(config)
+    await gateway.fleet.start()
+    picker = EndpointPicker(gateway)
+    try:
+        body = {"model": "a0", "messages": [{"role": "user", "content": "hi " * 40}]}
+        raw = json.dumps(body).encode()
+        pick = await picker.pick("POST", "/v1/chat/completions", {}, raw)
+        holders = [w for w in workers if "a0" in w.loaded]
+        assert len(holders) == 1 and pick.endpoints == [holders[0].url[len("http://") :]]
+        assert gateway.fleet.adapters.worker(pick.worker.name).in_flight == {"a0": 1}
+        picker.ended(pick, 1)
+        assert gateway.fleet.adapters.worker(pick.worker.name).in_flight == {}
+        raw = json.dumps({**body, "model": "broken"}).encode()
+        with pytest.raises(APIError) as refused:
+            await picker.pick("POST", "/v1/chat/completions", {}, raw)
+        assert (refused.value.status, refused.value.code) == (503, "adapter_load_failed")
+    finally:
+        await gateway.fleet.close()
+        for w in workers:
+            w.stop()
