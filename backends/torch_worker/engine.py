@@ -13,7 +13,7 @@ import torch
 
 from backends.cache.check import check, check_locks
 from backends.cache.radix import RadixCache
-from backends.cache.scopes import Invalidated, invalidate
+from backends.cache.scopes import Invalidated, invalidate_tiers
 from backends.torch_worker.attention import make_attention
 from backends.torch_worker.host_pool import make_host_tier
 from backends.torch_worker.loader import LoadedModel
@@ -227,11 +227,9 @@ class TorchEngine:
         events no step handed out yet."""
         freed = locked = 0
         for pool in self.pools.values():
-            done = invalidate(pool.cache, scope, kv_group)
+            done = invalidate_tiers(pool.cache, pool.host, scope, kv_group)
             freed += done.freed_blocks
             locked += done.locked_blocks
-            if pool.host is not None:
-                freed += pool.host.invalidate(scope, kv_group)
         events = {g: e for g, e in self._events.items() if e}
         self._events = {g: [] for g in self._events}
         return Invalidated(freed, locked), events

@@ -279,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def build_engine(args: argparse.Namespace) -> TorchSide:
     """ValueError on settings that cannot work."""
+    if args.enable_lora:
+        raise ValueError("--enable-lora: the torch engine serves no LoRA adapters yet")
     scheduler = from_flags(SchedulerConfig, args, prefix_cache=not args.disable_prefix_cache)
     config = from_flags(EngineConfig, args, attention=args.attention, scheduler=scheduler)
     if args.threads > 0:
