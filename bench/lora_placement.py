@@ -16,6 +16,7 @@ import json
 import math
 from typing import Any
 
+from backends.emulated.config import EngineConfig
 from loadgen.report import percentile
 from router.policies import make_policy
 from simulation.compare import build_params, run_policy
@@ -32,8 +33,9 @@ def numbers(result: RunResult, requests: list[SimRequest]) -> dict[str, Any]:
     prompt = sum(len(r.prompt) for r in requests)
     pairs = zip(result.predicted_tokens, result.cached_tokens, strict=True)
     return {
-        "adapter_loads": result.adapter_loads,
-        "adapter_unloads": result.adapter_unloads,
+        "adapter_loads": result.adapters["loads"],
+        "adapter_evictions": result.adapters["evictions"],
+        "adapter_unloads": result.adapters["unloads"],
         "hit_rate": sum(result.cached_tokens) / prompt,
         "exact_predictions": sum(p == c for p, c in pairs) / len(requests),
         "ttft_p50_s": percentile(ttft, 50),
@@ -67,9 +69,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--zipf-s", type=float, default=1.0)
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--max-loras", type=int, default=4, help="adapter slots per worker")
-    p.add_argument("--size-mb", type=float, default=64.0, help="each adapter's size")
-    p.add_argument("--load-mb-per-s", type=float, default=1000.0)
-    p.add_argument("--load-s", type=float, default=0.05, help="a load's fixed part")
+    p.add_argument("--size-mb", type=float, default=84.0, help="each adapter's size")
+    p.add_argument("--load-gbps", type=float, default=1.0, help="an activation's copy rate")
+    p.add_argument("--load-s", type=float, default=0.05, help="the gateway's load call")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write the numbers here")
     return p.parse_args()
@@ -81,20 +83,29 @@ def main() -> None:
     requests = workload_requests(
         "lora", args.requests, seed=args.seed, models=["emulated"], rate=args.rate, params=params
     )
-    fleet = FleetConfig(
-        workers=args.workers,
-        max_loras=args.max_loras,
-        adapter_size_mb=args.size_mb,
-        adapter_load_mb_per_s=args.load_mb_per_s,
-        adapter_load_s=args.load_s,
+    engine = EngineConfig(
+        max_loras=args.max_loras, lora_load_gbps=args.load_gbps, lora_default_mb=args.size_mb
     )
+    fleet = FleetConfig(workers=args.workers, engine=engine, adapter_load_s=args.load_s)
     print(
         f"lora: {len(requests)} requests at {args.rate}/s over {args.adapters} adapters "
         f"(Zipf s={args.zipf_s}); {args.workers} workers x {args.max_loras} slots; a load "
-        f"{args.load_s * 1e3:.0f} ms + {args.size_mb:.0f} MB at {args.load_mb_per_s:.0f} MB/s"
+        f"{args.load_s * 1e3:.0f} ms, an activation {args.size_mb:.0f} MB at {args.load_gbps} GB/s"
     )
     out: dict[str, Any] = {"config": vars(args), "runs": {}}
-    rows = [["cache_aware", "loads", "unloads", "hit", "exact", "p50 ms", "p99 ms", "mean ms"]]
+    rows = [
+        [
+            "cache_aware",
+            "loads",
+            "evictions",
+            "unloads",
+            "hit",
+            "exact",
+            "p50 ms",
+            "p99 ms",
+            "mean ms",
+        ]
+    ]
     rows[0] += ["workers: hottest", "next 9", "rest"]
     for name, aware in RUNS.items():
         policy = make_policy(
@@ -104,8 +115,7 @@ def main() -> None:
         rows.append(
             [
                 name,
-                f"{n['adapter_loads']:,}",
-                f"{n['adapter_unloads']:,}",
+                *(f"{n[k]:,}" for k in ("adapter_loads", "adapter_evictions", "adapter_unloads")),
                 f"{n['hit_rate'] * 100:.1f}%",
                 f"{n['exact_predictions'] * 100:.2f}%",
                 *(f"{n[k] * 1e3:,.0f}" for k in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s")),

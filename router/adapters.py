@@ -41,9 +41,9 @@ class WorkerAdapters:
     loads: int = 0  # loads (and activations) begun here
     unloads: int = 0  # adapters unloaded here to make room (its slot limit)
 
-    def lru(self, among: dict[str, float], keep: str = "") -> str | None:
-        """The least recently used of `among` with no request in flight (else the least
-        recently used), never `keep`."""
+    def lru(self, among: dict[str, float], keep: str = "", idle: bool = False) -> str | None:
+        """The least recently used of `among` with no request in flight (else, unless `idle`,
+        the least recently used), never `keep`."""
         fallback = None
         for name in sorted(among, key=among.__getitem__):
             if name == keep:
@@ -52,7 +52,7 @@ class WorkerAdapters:
                 return name
             if fallback is None:
                 fallback = name
-        return fallback
+        return None if idle else fallback
 
 
 class AdapterPrice(NamedTuple):
@@ -130,8 +130,8 @@ class Adapters:
     def use(self, worker: str, adapter: str, now: float) -> Use:
         """A request for `adapter` goes to `worker`: loaded and activated there if it is not
         (after the loads under way there), the least recently used pushed out of a full slot
-        set (and unloaded beyond the slot limit); its popularity counted, its request in
-        flight until `finish`."""
+        set (and, beyond the slot limit, the least recently used with no request in flight
+        unloaded); its popularity counted, its request in flight until `finish`."""
         self._count(adapter)
         state = self.worker(worker)
         state.in_flight[adapter] = state.in_flight.get(adapter, 0) + 1
@@ -147,7 +147,7 @@ class Adapters:
                 if victim is not None:
                     del state.active[victim]
             if loaded and len(state.loaded) >= state.max_loras:
-                unloaded = state.lru(state.loaded, adapter)
+                unloaded = state.lru(state.loaded, adapter, idle=True)
                 if unloaded is not None:
                     state.unloads += 1
                     self.unloaded(worker, unloaded)
@@ -203,7 +203,8 @@ class Adapters:
         state = self.worker(worker)
         if max_loras > 0:
             state.max_loras = max_loras
-        for name in [n for n in state.active if n not in active]:
+        in_flight = state.in_flight  # sent there since: it says them in its next report
+        for name in [n for n in state.active if n not in active and not in_flight.get(n)]:
             del state.active[name]
         for name in active:
             state.loaded.setdefault(name, 0.0)

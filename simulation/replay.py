@@ -13,14 +13,14 @@ from typing import Final, cast
 from backends.emulated.config import EngineConfig
 from backends.emulated.request import Request
 from core.heap import Heap
-from router.adapters import DEFAULT_LOAD_MB_PER_S, DEFAULT_LOAD_S, DEFAULT_MAX_LORAS, Adapters
+from router.adapters import DEFAULT_LOAD_S, Adapters
 from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
 from router.policies import Policy, WorkerLoad
 from router.route import LoadShare, Routing
 from simulation.client import INF, Client
 from simulation.flow import GO, REFUSED, Flow, FlowConfig
 from simulation.requests import SimRequest
-from simulation.sim_worker import Change, SimWorker
+from simulation.sim_worker import Change, SimWorker, adapter_counts, sim_adapters
 
 EXPIRE_EVERY_S: Final = 0.5  # residency expires as often as the gateway checks health (0.5 s)
 
@@ -41,10 +41,9 @@ class FleetConfig:
     index_max_blocks: int = 20_000_000
     concurrency: int | None = None  # closed loop with this many in flight; None: open loop
     max_in_flight: int = 1024  # the open loop's cap (the bench's --max-in-flight)
-    max_loras: int = DEFAULT_MAX_LORAS  # LoRA adapter slots per worker (docs/adapters.md)
-    adapter_size_mb: float = 64.0  # every adapter's size
-    adapter_load_mb_per_s: float = DEFAULT_LOAD_MB_PER_S
-    adapter_load_s: float = DEFAULT_LOAD_S  # a load's fixed part
+    # LoRA adapters (docs/adapters.md): the gateway's load call before a worker has one (its
+    # slots, sizes and activation time are the engine's: max_loras, lora_default_mb, ...)
+    adapter_load_s: float = DEFAULT_LOAD_S
 
     def worker_names(self) -> list[str]:
         names = self.names or [f"w{i}" for i in range(self.workers)]
@@ -89,8 +88,7 @@ class RunResult:
     events_applied: int
     engine_steps: int
     refused: dict[int, str] = field(default_factory=dict)  # flow control's 429s: request -> why
-    adapter_loads: int = 0  # requests that had their adapter loaded (or activated) first
-    adapter_unloads: int = 0  # adapters unloaded to make room (a worker's slot limit)
+    adapters: dict[str, int] = field(default_factory=dict)  # LoRA: loads, evictions, unloads
 
 
 class Replay:
@@ -123,16 +121,12 @@ class Replay:
             approx_ttl_s=fleet.approx_ttl_s,
             pending_ttl_s=fleet.pending_ttl_s,
         )
-        salts = {r.salt or "": r.route.adapter for r in self.requests if r.route.adapter}
-        sizes = dict.fromkeys(salts.values(), fleet.adapter_size_mb)
-        lora = (fleet.adapter_load_mb_per_s, fleet.adapter_load_s, fleet.max_loras, sizes)
-        self.adapters = Adapters(*lora) if salts else None  # LoRA: slots, loads in TTFT
+        adapters = {r.route.adapter for r in self.requests if r.route.adapter}
+        self.adapters = sim_adapters(adapters, fleet) if adapters else None  # LoRA: priced
         self.routing = Routing(self.index, self.adapters)  # the gateway's request lifecycle
         # one kv_group per worker (its event stream carries no model): groups take turns
         self.workers = [
-            SimWorker(
-                name, groups[i % len(groups)], config, limit, self.index, fleet.kv_events, salts
-            )
+            SimWorker(name, groups[i % len(groups)], config, limit, self.index, fleet.kv_events)
             for i, name in enumerate(names)
         ]
         self.loads: dict[str, list[WorkerLoad]] = {}  # kv_group -> its workers' loads
@@ -271,9 +265,10 @@ class Replay:
         engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
         if self.flow is not None:  # the gateway's rank, carried into the engine
             engine_req.priority = self.flow.priority(i)
-        if request.adapter:  # loaded there first: it reaches the engine when usable
-            use = w.take_adapter(cast(Adapters, self.adapters), request.adapter, engine_req, now)
-            if use.ready_at > now:
+        if request.adapter:  # loaded there first: it reaches the engine when registered
+            engine_req.lora_name = request.adapter
+            load_s = self.fleet.adapter_load_s
+            if w.take_adapter(cast(Adapters, self.adapters), engine_req, now, load_s) > now:
                 self._engine_req[i] = engine_req
                 self._schedule(w)
                 return
@@ -310,6 +305,8 @@ class Replay:
                 w.submit_ready(now)
             result = engine.step(now)
             self._steps += 1
+            if self.adapters is not None:  # its load report: the adapters in its slots
+                self.adapters.observe_active(w.name, engine.adapters.slots.active_names(), 0)
             for r in result.first_token:  # the gateway's first byte
                 cast(LoadShare, shares[r.rid]).first_token()
             if result.finished:
@@ -375,7 +372,7 @@ class Replay:
             latency[i] = r.finish_time - sent
             ok[i] = True
         stats = self.index.stats()
-        loads, unloads = self.adapters.totals() if self.adapters is not None else (0, 0)
+        lora = {} if self.adapters is None else adapter_counts(self.workers, self.adapters)
         return RunResult(
             workers=[w.name for w in self.workers],
             sent_s=arrived,
@@ -395,6 +392,5 @@ class Replay:
             events_applied=self._events,
             engine_steps=self._steps,
             refused={} if self.flow is None else self.flow.refused,
-            adapter_loads=loads,
-            adapter_unloads=unloads,
+            adapters=lora,
         )

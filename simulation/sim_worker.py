@@ -5,16 +5,19 @@ view of its load, and its cache's changes for the gateway's own mirror of it (do
 from __future__ import annotations
 
 from bisect import insort
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.engine import EmulatedEngine
 from backends.emulated.request import Request
 from core.kv_events import MEDIUM_CPU, MEDIUM_GPU, BlockHash
-from router.adapters import Adapters, Use
+from router.adapters import Adapters
 from router.index import UnifiedIndex
 from router.kv_mirror import WorkerMirror
 from router.policies import WorkerLoad
+
+if TYPE_CHECKING:
+    from simulation.replay import FleetConfig
 
 
 class Change:
@@ -57,21 +60,12 @@ class Tier:
         tokens: list[int] | None,
         salt: str | None,
     ) -> None:
-        worker = self.worker
-        lora = None
-        if worker.adapter_salts:  # an adapter's blocks: its namespace's, or its parent's
-            lora = worker.adapter_salts.get(salt) if salt else worker.lora_of.get(parent or 0)
-            if lora is not None:
-                for key in keys:
-                    worker.lora_of[key] = lora
-        worker.changes.append(Change(keys, parent, self.medium, salt, True, lora))
+        # an adapter's blocks are in its tree (named by it), reported under its kv_group
+        change = Change(keys, parent, self.medium, salt, True, kv_group or None)
+        self.worker.changes.append(change)
 
     def removed(self, kv_group: str, keys: list[int]) -> None:
-        worker = self.worker
-        if worker.lora_of:
-            for key in keys:
-                worker.lora_of.pop(key, None)
-        worker.changes.append(Change(keys, None, self.medium, None, False))
+        self.worker.changes.append(Change(keys, None, self.medium, None, False))
 
 
 class SimWorker:
@@ -89,9 +83,8 @@ class SimWorker:
         "wake_seq",
         "changes",
         "mirror",
-        "adapter_salts",
-        "lora_of",
         "pending",
+        "registering",
     )
 
     def __init__(
@@ -102,18 +95,14 @@ class SimWorker:
         max_model_len: int,
         index: UnifiedIndex,
         kv_events: bool = True,
-        adapter_salts: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.kv_group = kv_group
         self.engine = EmulatedEngine(config)
         self.changes: list[Change] = []  # since the last delivery
-        # LoRA adapters: the namespace (salt) of each adapter's requests -> the adapter, and
-        # the adapter of each block it caches (its changes name it, as vLLM's events do)
-        self.adapter_salts = adapter_salts or {}
-        self.lora_of: dict[int, str] = {}
-        # requests waiting for their adapter to load here: (usable at, request id, request)
+        # requests waiting for the gateway's load of their adapter here: (at, id, request)
         self.pending: list[tuple[float, int, Request]] = []
+        self.registering: dict[str, float] = {}  # adapter -> when the gateway's load ends
         self.mirror = WorkerMirror(index, name, kv_group, config.block_size, own_keys=True)
         if kv_events:  # one recorder per tier, the tier's medium its parameter
             gpu, cache = Tier(self, MEDIUM_GPU), self.engine.cache
@@ -127,13 +116,23 @@ class SimWorker:
         self.wake: float | None = None  # when the engine wants its next step call
         self.wake_seq = -1  # the one valid heap entry of this worker
 
-    def take_adapter(self, adapters: Adapters, adapter: str, req: Request, now: float) -> Use:
-        """`req` for `adapter` comes: the adapter is loaded here first when it is not active,
-        and `req` reaches the engine when it is usable (its load counts in its TTFT)."""
-        use = adapters.use(self.name, adapter, now)
-        if use.ready_at > now:
-            insort(self.pending, (use.ready_at, req.rid, req))
-        return use
+    def take_adapter(self, adapters: Adapters, req: Request, now: float, load_s: float) -> float:
+        """`req` for adapter `req.lora_name` comes (the gateway's view: `adapters.use`). When
+        the engine has not registered the adapter, the gateway loads it (`load_s`, one load at
+        a time per adapter), unloading what it unloads to make room; the engine models the
+        activation into a slot (and the wait for one). When `req` reaches the engine."""
+        name = cast(str, req.lora_name)
+        use = adapters.use(self.name, name, now)
+        engine = self.engine.adapters
+        if use.unloaded is not None and use.unloaded in engine.slots.loaded:
+            engine.unload(use.unloaded)  # idle: no request for it is queued or running here
+        if name not in engine.slots.loaded:
+            engine.load(name)
+            self.registering[name] = now + load_s
+        ready = self.registering.get(name, now)
+        if ready > now:
+            insort(self.pending, (ready, req.rid, req))
+        return ready
 
     def submit_ready(self, now: float) -> None:
         """Submit the requests whose adapter is usable by `now`."""
@@ -159,3 +158,22 @@ class SimWorker:
                 mirror.stored(c.keys, c.parent, c.medium, c.salt, now, c.lora)
             else:
                 mirror.removed(cast(list[BlockHash], c.keys), c.medium)
+
+
+def sim_adapters(names: set[str], fleet: FleetConfig) -> Adapters:
+    """The gateway's view of adapters `names` on `fleet`, priced as its engines run them."""
+    engine = fleet.engine
+    sizes = dict.fromkeys(names, engine.lora_default_mb)
+    rate = engine.lora_load_gbps * 1e3  # MB/s
+    return Adapters(rate, fleet.adapter_load_s, engine.max_loras, sizes)
+
+
+def adapter_counts(workers: list[SimWorker], adapters: Adapters) -> dict[str, int]:
+    """Activations into slots and evictions from them (the engines'), and the gateway's
+    unloads (its slot limit)."""
+    slots = [w.engine.adapters.slots for w in workers]
+    return {
+        "loads": sum(s.loads for s in slots),
+        "evictions": sum(s.evictions for s in slots),
+        "unloads": sum(s.unloads for s in adapters.workers.values()),
+    }

@@ -36,7 +36,7 @@ def workload_requests(
         specs = with_poisson_arrivals(specs, rate, seed)
     specs = list(specs)
     tokenizer = ByteTokenizer()
-    one_group = len({s.model for s in specs}) <= 1
+    one_group = len({s.base or s.model for s in specs}) <= 1  # adapters: their base's
     sessions: dict[str, int] = {}
     queue = SessionQueue()
     out: list[SimRequest] = []
@@ -53,11 +53,11 @@ def workload_requests(
             assert sent.prompt is not None
             tokens = tokenizer.encode(sent.prompt)
         tenant = spec.tenant if isolate_tenants else None
-        group, adapter = spec.model, ""
-        if spec.base is not None:  # a LoRA adapter: its own kv_group over its base's
-            group, adapter = adapter_group(spec.base, spec.model), spec.model
-        salt = cache_salt(tenant, group, one_group)
-        keys = block_keys(tokens, block_size, salt)
+        group, lora = spec.model, None
+        if spec.base is not None:  # a LoRA adapter: keyed in its namespace, its own kv_group
+            group, lora = adapter_group(spec.base, spec.model), spec.model
+        salt = cache_salt(tenant, spec.base or spec.model, one_group)
+        keys = block_keys(tokens, block_size, salt, lora=lora)
         session = -1
         if spec.session_id is not None:
             session = sessions.setdefault(spec.session_id, len(sessions))
@@ -68,8 +68,8 @@ def workload_requests(
                 prompt=tokens,
                 max_tokens=spec.max_tokens,
                 keys=keys,
-                tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt),
-                route=RouteRequest(keys, len(tokens), block_size, group, spec.model, adapter),
+                tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt, lora),
+                route=RouteRequest(keys, len(tokens), block_size, group, spec.model, lora or ""),
                 salt=salt,
                 chat=spec.kind == "chat",
                 session=session,
