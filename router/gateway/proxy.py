@@ -180,7 +180,8 @@ class _Attempt:
         self.plan = plan
         self.worker = worker
         self.kv_group = group = worker.kv_group_of(plan.model)
-        self.exact = worker.exact_for(plan.model, group)
+        model = plan.model  # an adapter's blocks come on its base's stream (Worker.exact_for)
+        self.exact = worker.exact(model.base_group if model.adapter else group)
         # the lifecycle's attempt (router/route.py): this try's share of the worker's load
         self.load = plan.route.attempt(worker.name, group, self.exact, worker.load, t0)
         if plan.model.adapter:  # its slot's last use, and a request in flight on it
