@@ -75,8 +75,7 @@ class EmulatedEngine:
         # the head that last did not fit: it, the room it needed, the blocks it matched
         self._stuck: tuple[Request, int, int] | None = None
         self._queued_prefill = self.finished_requests = self.generated_tokens = 0
-        # cached_tokens counts both tiers, host_hit_tokens those of it promoted from the host
-        self.prompt_tokens = self.cached_tokens = self.host_hit_tokens = 0
+        self.prompt_tokens = self.cached_tokens = self.host_hit_tokens = 0  # cached: both tiers
 
     # -- KV events ---------------------------------------------------------------------------
 
@@ -108,7 +107,8 @@ class EmulatedEngine:
         if req.public_blocks:  # only a salted prompt has a public part, of its full blocks
             full = prompt_len // cfg.block_size
             req.public_blocks = min(req.public_blocks, full) if req.cache_salt else 0
-        req.lora = self.adapters.resolve(req.lora_name)  # ValueError when not loaded
+        if req.lora_name is not None:  # ValueError when not loaded
+            req.lora = self.adapters.resolve(req.lora_name)
         if req.keys is None:
             salt, public, lora = req.cache_salt, req.public_blocks, req.lora_name
             req.keys = block_keys(req.prompt, cfg.block_size, salt, public, lora)
@@ -194,8 +194,7 @@ class EmulatedEngine:
             if self._seg_done < self._seg_k:
                 return result
             self._active = False
-            if self.log.held:
-                self.log.release()
+            self.log.release()
             self._end_segment(self._seg_start + self._seg_k * self._seg_d, result)
         self._plan(now, result)
         if self.log.events:
@@ -263,13 +262,14 @@ class EmulatedEngine:
             and (stuck[2] >= cap or not cache.starts_run(keys[stuck[2]], req.lora_name or ""))
         ):
             return False  # still no room, and its cached prefix cannot have grown
-        if not self.adapters.can_start(req.lora):
+        if req.lora is not None and not self.adapters.can_start(req.lora):
             return False  # its adapter waits for a slot
         need, blocks = admit(cache, req, bs, self.host, self._tokens_out)
         if req.node is None:
             self._stuck = (req, need, blocks)
             return False
-        self.adapters.start(req.lora)
+        if req.lora is not None:
+            self.adapters.start(req.lora)
         cached = req.cached_tokens
         req.state = _PREFILL
         req.admitted_time = now

@@ -50,12 +50,6 @@ class ServedModel:
         """The LoRA adapter a request for this model runs (None: the base model)."""
         return None if self.base is None else self.name
 
-    @property
-    def events_group(self) -> str:
-        """The kv_group whose KV-event stream carries this model's blocks: an adapter's go on
-        its base's, named by `lora_name` in each BlockStored (as vLLM publishes them)."""
-        return self.kv_group if self.base is None else self.base.kv_group
-
     def info(self) -> dict[str, Any]:
         """This model's entry in /urc/info (an adapter's with its "base" and "lora_path")."""
         doc: dict[str, Any] = {

@@ -53,8 +53,9 @@ class Worker:
         self.engine = engine
         self.flags = flags
         self.incarnation = uuid.uuid4().hex
-        # a LoRA adapter's blocks go on its base model's stream
-        self.groups = list(dict.fromkeys(m.events_group for m in engine.models.values()))
+        # a stream per model's kv_group; a LoRA adapter's blocks go on its base model's
+        models = engine.models.values()
+        self.groups = list(dict.fromkeys(m.kv_group for m in models if m.base is None))
         self.publishers: dict[str, KVEventPublisher] = {}
         self.load_publisher: LoadPublisher | None = None
         self.runner = EngineRunner(engine, self.publish)
@@ -131,8 +132,9 @@ class Worker:
         doc: dict[str, Any] = {
             "engine": self.engine.name,
             "incarnation": self.incarnation,
+            # an adapter's entry names no stream: its blocks ride its base's, by lora_name
             "models": [
-                {**m.info(), "kv_events": streams[m.events_group]}
+                m.info() if m.base else {**m.info(), "kv_events": streams[m.kv_group]}
                 for m in self.engine.models.values()
             ],
             "block_size": self.engine.block_size,

@@ -59,7 +59,8 @@ def test_endpoints_models_info_load_and_metrics() -> None:
         models = {m["name"]: m for m in info["models"]}
         assert models["a1"]["kv_group"] == f"{GROUP}+lora:a1"
         assert models["a1"]["base"] == MODEL and models["a1"]["lora_path"] == "/m/a1"
-        assert models["a1"]["kv_events"] == info["kv_events"]  # the base's stream
+        assert "kv_events" not in models["a1"]  # its blocks ride the base's stream
+        assert models[MODEL]["kv_events"] == info["kv_events"]
         assert info["lora"] == {"max_loras": 2, "active": ["a1", "a2"]}
         load = http.get("/urc/load").json()
         assert load["lora_active"] == ["a1", "a2"] and load["max_loras"] == 2
