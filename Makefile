@@ -58,7 +58,7 @@ test: $(STAMP)
 
 # The gateway (from .venv) in front of two real vLLM CPU engines (from .venv-vllm).
 test-vllm: $(STAMP) $(VLLM_STAMP)
-	URC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests/backends/test_vllm_engines.py tests/backends/test_vllm_epp.py tests/backends/test_vllm_wire.py tests/backends/test_vllm_tokenize.py
+	URC_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(PY) -m pytest -q tests/backends/test_vllm_engines.py tests/backends/test_vllm_epp.py tests/backends/test_vllm_wire.py tests/backends/test_vllm_tokenize.py tests/backends/test_vllm_lora.py
 
 # On a machine with an NVIDIA GPU, as it comes: its own venvs (CUDA torch, FlashInfer, vLLM),
 # cache on = off on CUDA, TTFTs per KV tier, tokens/s against vLLM; one table (bench/gpu_check.sh)

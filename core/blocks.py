@@ -1,5 +1,6 @@
 """Block keys (docs/block-keys.md): token ids -> full blocks -> chained xxh3_64 keys, in the
-namespace of a cache salt, after a parent key, or salted after a shared public prefix."""
+namespace of a cache salt (and of a LoRA adapter), after a parent key, or salted after a shared
+public prefix."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ except ImportError:  # pragma: no cover - only without a compiler
     _native_chain_keys = _native_chain_keys_msgpack = _native_msgpack_len = None
 
 SHARED_NAMESPACE = b"\x00\x00\x00\x00"
+# before an adapter's name: never a salt's length, so no salt namespace starts like an adapter's
+_ADAPTER_MARK = b"\xff\xff\xff\xff"
 # tokens per KV block where nothing says otherwise: vLLM's default (urc sets SGLang's page size)
 DEFAULT_BLOCK_SIZE: Final = 16
 _LE64 = struct.Struct("<Q")
@@ -26,12 +29,19 @@ _xxh3 = xxhash.xxh3_64_intdigest
 
 
 @lru_cache(maxsize=4096)
-def namespace(salt: str | bytes | None) -> bytes:
-    """The length-prefixed namespace bytes of a cache salt (None or empty: shared)."""
+def namespace(salt: str | bytes | None, lora: str | None = None) -> bytes:
+    """The length-prefixed namespace bytes of a cache salt (None or empty: shared); with `lora`,
+    a LoRA adapter's name before them, so an adapter's blocks never share a key with the base
+    model's or another adapter's (vLLM hashes the LoRA name into every block)."""
     if not salt:
-        return SHARED_NAMESPACE
-    raw = salt.encode() if isinstance(salt, str) else bytes(salt)
-    return struct.pack("<I", len(raw)) + raw
+        ns = SHARED_NAMESPACE
+    else:
+        raw = salt.encode() if isinstance(salt, str) else bytes(salt)
+        ns = struct.pack("<I", len(raw)) + raw
+    if not lora:
+        return ns
+    name = lora.encode()
+    return _ADAPTER_MARK + struct.pack("<I", len(name)) + name + ns
 
 
 def parent_prefix(parent_key: int) -> bytes:
@@ -95,12 +105,14 @@ def block_keys(
     block_size: int,
     salt: str | bytes | None = None,
     public_blocks: int = 0,
+    lora: str | None = None,
 ) -> list[int]:
     """Keys of a prompt's full blocks in the namespace of `salt` (None: shared); the first
-    `public_blocks` blocks in the shared namespace, the salt mixed in after them."""
+    `public_blocks` blocks in the shared namespace, the salt mixed in after them. `lora`: the
+    LoRA adapter the request names (None: the base model), in the namespace of both parts."""
     if not public_blocks or not salt:
-        return chain_keys(tokens, block_size, namespace(salt))
-    public = chain_keys(tokens[: public_blocks * block_size], block_size)
+        return chain_keys(tokens, block_size, namespace(salt, lora))
+    public = chain_keys(tokens[: public_blocks * block_size], block_size, namespace(None, lora))
     if len(public) < public_blocks:  # callers cap public_blocks at the prompt's full blocks
         return public
     private = tokens[public_blocks * block_size :]
@@ -112,11 +124,13 @@ def salted_after(parent_key: int, salt: str | bytes | None) -> bytes:
     return parent_prefix(parent_key) + namespace(salt)
 
 
-def continue_after(keys: Sequence[int], salt: str | bytes | None, public_blocks: int = 0) -> bytes:
+def continue_after(
+    keys: Sequence[int], salt: str | bytes | None, public_blocks: int = 0, lora: str | None = None
+) -> bytes:
     """What stands before the block after `keys` (a chain keyed by `block_keys` with these
     arguments): the namespace, the parent, or the parent and the salt at the public edge."""
     if not keys:
-        return SHARED_NAMESPACE if public_blocks else namespace(salt)
+        return namespace(None if public_blocks else salt, lora)
     if public_blocks and salt and len(keys) == public_blocks:
         return salted_after(keys[-1], salt)
     return parent_prefix(keys[-1])

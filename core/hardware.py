@@ -10,3 +10,5 @@ from typing import Final
 DEFAULT_PREFILL_TOKENS_PER_S: Final = 15_000.0
 # a host-tier block's copy back to the GPU: ~128 KiB of KV per token over ~50 GB/s of PCIe 5
 DEFAULT_HOST_COPY_TOKENS_PER_S: Final = 400_000.0
+# host -> GPU copies of weights (a LoRA adapter's activation): PCIe 5 x16, one direction, pinned
+DEFAULT_HOST_TO_GPU_GBPS: Final = 50.0

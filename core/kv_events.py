@@ -91,12 +91,21 @@ def block_stored(
     *,
     medium: str | None = MEDIUM_GPU,
     salt: str | None = None,
+    lora_name: str | None = None,
+    lora_id: int | None = None,
 ) -> BlockStored:
-    """Our workers' BlockStored (no LoRA): `salt`, the namespace the first block starts, is that
-    block's one extra key, as vLLM publishes a cache_salt (docs/kv-events.md)."""
-    extra = [[salt], *[None] * (len(block_hashes) - 1)] if salt and block_hashes else None
+    """Our workers' BlockStored: `salt`, the namespace the first block starts, is that block's
+    extra key, as vLLM publishes a cache_salt; a LoRA adapter's blocks carry its name and id,
+    and its name first among every block's extra keys, as vLLM's (docs/kv-events.md)."""
+    extra: list[Any] | None = None
+    if lora_name is not None and block_hashes:
+        extra = [[lora_name] for _ in block_hashes]
+        if salt:
+            extra[0] = [lora_name, salt]
+    elif salt and block_hashes:
+        extra = [[salt], *[None] * (len(block_hashes) - 1)]
     return BlockStored(
-        block_hashes, parent_block_hash, token_ids, block_size, None, medium, None, extra
+        block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, extra
     )
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from bisect import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import count, islice
+from itertools import accumulate, count, islice
 from typing import Any, ClassVar, Literal, Protocol
 
 from core.text import filler
@@ -33,6 +34,7 @@ class RequestSpec:
     turn: int = 0
     ends_session: bool = True  # the session's last turn: its history can be forgotten
     group_id: str | None = None  # the shared prefix it was built on
+    base: str | None = None  # `model` names a LoRA adapter of this base model (docs/adapters.md)
 
     def __post_init__(self) -> None:
         assert (self.kind == "chat") == (self.messages is not None), self
@@ -207,6 +209,43 @@ class NoisyNeighbour:
             )
 
 
+@dataclass(slots=True)
+class LoraAdapters:
+    """`adapters` LoRA adapters of models[0] (served names `<adapter_prefix><k>`), adapter k
+    asked for with Zipf popularity 1/(k+1)^zipf_s; each has `prompts` system prompts of its own
+    (`prefix_tokens` each), every request one of them plus a short distinct question."""
+
+    adapters: int = 100
+    zipf_s: float = 1.0
+    prompts: int = 2
+    prefix_tokens: int = 1000
+    question_tokens: int = 48
+    max_tokens: int = 32
+    kind: str = "chat"
+    adapter_prefix: str = "lora-"
+
+    def requests(self, seed: int, models: Sequence[str]) -> Iterator[RequestSpec]:
+        rng = random.Random(f"lora/{seed}")
+        weights = [1.0 / (k + 1) ** self.zipf_s for k in range(self.adapters)]
+        cumulative = list(accumulate(weights))
+        base = models[0]
+        for i in count():
+            k = bisect(cumulative, rng.random() * cumulative[-1])
+            k = min(k, self.adapters - 1)
+            p = rng.randrange(self.prompts)
+            system = filler(self.prefix_tokens, f"lora/{seed}/system/{k}/{p}")
+            question = filler(self.question_tokens, f"lora/{seed}/question/{i}")
+            yield RequestSpec(
+                i,
+                self.kind,
+                f"{self.adapter_prefix}{k}",
+                self.max_tokens,
+                group_id=f"lora/{k}/{p}",
+                base=base,
+                **request_text(self.kind, question, system),
+            )
+
+
 WORKLOADS: dict[str, type] = {
     "system-prompts": SystemPrompts,
     "multi-turn": MultiTurn,
@@ -214,6 +253,7 @@ WORKLOADS: dict[str, type] = {
     "two-tenants": TwoTenants,
     "noisy-neighbour": NoisyNeighbour,
     "mixed": Mixed,
+    "lora": LoraAdapters,
 }
 
 
@@ -234,7 +274,7 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
         raise ValueError(f"parameter {name}: {e}") from None
 
 
-_AT_LEAST_ONE = frozenset({"groups", "sessions", "turns", "max_tokens"})
+_AT_LEAST_ONE = frozenset({"groups", "sessions", "turns", "max_tokens", "adapters", "prompts"})
 
 
 def parse_params(items: Sequence[str]) -> dict[str, str]:

@@ -15,16 +15,21 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 
+from router.adapters import Adapters
 from router.index import UnifiedIndex
 from router.policies import Candidate, Decision, Policy, RouteRequest, WorkerLoad
 
 
 def candidates(
-    index: UnifiedIndex, request: RouteRequest, loads: list[WorkerLoad], now: float
+    index: UnifiedIndex,
+    request: RouteRequest,
+    loads: list[WorkerLoad],
+    now: float,
+    adapters: Adapters | None = None,
 ) -> list[Candidate]:
     """What the policy sees of each worker in `loads` (the kv_group's, in the fleet's order):
     its match (used now, for the index's LRU) and the host tier's run after it, a copy of its
-    load, its cache's sizes."""
+    load, its cache's sizes; for an adapter's request, its adapter's price there."""
     group = request.kv_group
     keys = request.block_keys
     matched = index.match(keys, group, now)
@@ -39,6 +44,11 @@ def candidates(
         if host is not None:
             c.host_blocks = host.get(name, 0)
         seen.append(c)
+    if request.adapter and adapters is not None:
+        adapter = request.adapter
+        for c in seen:
+            price = adapters.price(c.worker, adapter, now)
+            c.adapter_s = price.load_s + price.evict_s
     return seen
 
 
@@ -77,10 +87,11 @@ class Routing:
     """The lifecycle's state over one index: routes requests, and owns the residency the
     gateway writes itself (pending and approximate: docs/index.md)."""
 
-    __slots__ = ("index", "invalidated_at")
+    __slots__ = ("index", "invalidated_at", "adapters")
 
-    def __init__(self, index: UnifiedIndex) -> None:
+    def __init__(self, index: UnifiedIndex, adapters: Adapters | None = None) -> None:
         self.index = index
+        self.adapters = adapters  # LoRA adapters' placement (None: no adapters served)
         # when the last admin invalidation began (the caller's clock): a response to a request
         # routed before it must not bring back approximate residency the invalidation dropped
         self.invalidated_at = -math.inf
@@ -100,7 +111,7 @@ class Routing:
         keys = request.block_keys
         if salt and len(keys) > public_blocks:
             self.index.tag_namespace(keys[public_blocks], salt)
-        seen = candidates(self.index, request, loads, now)
+        seen = candidates(self.index, request, loads, now, self.adapters)
         return Route(self, policy.choose(request, seen), now)
 
     def uncached(self, request: RouteRequest, now: float) -> int:

@@ -112,6 +112,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "them, or for S seconds, as `urc gateway --pending-ttl` does (0: off)",
     )
     add("--max-in-flight", type=int, default=1024, help="open loop cap")
+    add(
+        "--adapter-load-ms",
+        type=float,
+        default=d.adapter_load_s * 1e3,
+        help="LoRA adapters: the gateway's load call before a worker has one (docs/adapters.md)",
+    )
     add_flow_arguments(p)
     engine = p.add_argument_group(
         "emulated engine", "each worker's (a trace keys its prompts with its own block size)"
@@ -250,6 +256,7 @@ def fleet_from_args(args: argparse.Namespace, block_size: int) -> FleetConfig:
         pending_ttl_s=args.pending_ttl,
         concurrency=None if open_loop else (args.concurrency or 8),
         max_in_flight=args.max_in_flight,
+        adapter_load_s=args.adapter_load_ms / 1e3,
     )
 
 

@@ -136,7 +136,7 @@ class Flow:
         tenant = req.tenant or SHARED_TENANT
         uncached = self.routing.uncached(request, now)
         admission = self.admission
-        pool = request.kv_group
+        pool = req.kv_group  # its workers: an adapter's base's
         ticket = admission.ticket(
             tenant, tenant, pool, uncached, request.prompt_tokens, req.max_tokens
         )

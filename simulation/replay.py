@@ -13,13 +13,14 @@ from typing import Final, cast
 from backends.emulated.config import EngineConfig
 from backends.emulated.request import Request
 from core.heap import Heap
+from router.adapters import DEFAULT_LOAD_S, Adapters
 from router.index import DEFAULT_APPROX_TTL_S, UnifiedIndex
 from router.policies import Policy, WorkerLoad
 from router.route import LoadShare, Routing
 from simulation.client import INF, Client
 from simulation.flow import GO, REFUSED, Flow, FlowConfig
 from simulation.requests import SimRequest
-from simulation.sim_worker import Change, SimWorker
+from simulation.sim_worker import Change, SimWorker, adapter_counts, sim_adapters
 
 EXPIRE_EVERY_S: Final = 0.5  # residency expires as often as the gateway checks health (0.5 s)
 
@@ -43,6 +44,9 @@ class FleetConfig:
     index_max_blocks: int = 20_000_000
     concurrency: int | None = None  # closed loop with this many in flight; None: open loop
     max_in_flight: int = 1024  # the open loop's cap (the bench's --max-in-flight)
+    # LoRA adapters (docs/adapters.md): the gateway's load call before a worker has one (its
+    # slots, sizes and activation time are the engine's: max_loras, lora_default_mb, ...)
+    adapter_load_s: float = DEFAULT_LOAD_S
 
     def worker_names(self) -> list[str]:
         names = self.names or [f"w{i}" for i in range(self.workers)]
@@ -87,6 +91,7 @@ class RunResult:
     events_applied: int
     engine_steps: int
     refused: dict[int, str] = field(default_factory=dict)  # flow control's 429s: request -> why
+    adapters: dict[str, int] = field(default_factory=dict)  # LoRA: loads, evictions, unloads
 
 
 class Replay:
@@ -119,7 +124,9 @@ class Replay:
             approx_ttl_s=fleet.approx_ttl_s,
             pending_ttl_s=fleet.pending_ttl_s,
         )
-        self.routing = Routing(self.index)  # the gateway's request lifecycle (router/route.py)
+        adapters = {r.route.adapter for r in self.requests if r.route.adapter}
+        self.adapters = sim_adapters(adapters, fleet) if adapters else None  # LoRA: priced
+        self.routing = Routing(self.index, self.adapters)  # the gateway's request lifecycle
         # one kv_group per worker (its event stream carries no model): groups take turns
         self.workers = [
             SimWorker(name, groups[i % len(groups)], config, limit, self.index, fleet.kv_events)
@@ -194,7 +201,7 @@ class Replay:
 
     def _schedule(self, w: SimWorker) -> None:
         """Queue the worker's next step call (at most one valid heap entry per worker)."""
-        t = w.engine.next_step_time() if self.per_step else w.engine.next_time()
+        t = w.next_time(self.per_step)
         if t is None:
             w.wake_seq = -1
         elif t != w.wake or w.wake_seq < 0:
@@ -243,7 +250,7 @@ class Replay:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
         request = req.route
-        route = self.routing.route(request, self.loads[request.kv_group], self.policy, now)
+        route = self.routing.route(request, self.loads[req.kv_group], self.policy, now)
         decision = route.decision
         w = self.by_name[decision.worker]
         reasons = self._reasons
@@ -253,7 +260,7 @@ class Replay:
         self._worker[i] = self._worker_index[w.name]
         self._predicted[i] = route.matched(w.name)
         share = self._shares[i] = route.attempt(
-            w.name, w.kv_group, self.fleet.kv_events, w.load, now
+            w.name, request.kv_group, self.fleet.kv_events, w.load, now
         )
         if request.prompt_tokens + req.max_tokens > w.max_model_len:
             self._reject(req, share, now)
@@ -261,6 +268,13 @@ class Replay:
         engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
         if self.flow is not None:  # the gateway's rank, carried into the engine
             engine_req.priority = self.flow.priority(i)
+        if request.adapter:  # loaded there first: it reaches the engine when registered
+            engine_req.lora_name = request.adapter
+            load_s = self.fleet.adapter_load_s
+            if w.take_adapter(cast(Adapters, self.adapters), engine_req, now, load_s) > now:
+                self._engine_req[i] = engine_req
+                self._schedule(w)
+                return
         try:
             w.engine.submit(engine_req)
         except ValueError:
@@ -290,8 +304,12 @@ class Replay:
         per_step = self.per_step
         flow = self.flow
         while True:
+            if w.pending:
+                w.submit_ready(now)
             result = engine.step(now)
             self._steps += 1
+            if self.adapters is not None:  # its load report: the adapters in its slots
+                self.adapters.observe_active(w.name, engine.adapters.slots.active_names(), 0)
             for r in result.first_token:  # the gateway's first byte
                 cast(LoadShare, shares[r.rid]).first_token()
             if result.finished:
@@ -299,7 +317,10 @@ class Replay:
                     i = r.rid
                     cast(LoadShare, shares[i]).finish()
                     req = requests[i]
-                    routing.done(req.route, w.name, w.kv_group, exact, sent[i], now)
+                    route = req.route
+                    routing.done(route, w.name, route.kv_group, exact, sent[i], now)
+                    if route.adapter:
+                        cast(Adapters, self.adapters).finish(w.name, route.adapter)
                     if flow is not None:
                         flow.done(i, len(req.prompt), r.generated, now)
                     client.complete(req, True, now)
@@ -309,7 +330,7 @@ class Replay:
                 self._kv.append((now + self.fleet.event_delay_s, w, w.changes))
                 w.changes = []
             # this call consumed the worker's heap entry
-            t = engine.next_step_time() if per_step else engine.next_time()
+            t = w.next_time(per_step)
             if t is None:
                 w.wake_seq = -1
                 return
@@ -355,6 +376,7 @@ class Replay:
             latency[i] = r.finish_time - sent
             ok[i] = True
         stats = self.index.stats()
+        lora = {} if self.adapters is None else adapter_counts(self.workers, self.adapters)
         return RunResult(
             workers=[w.name for w in self.workers],
             sent_s=arrived,
@@ -374,4 +396,5 @@ class Replay:
             events_applied=self._events,
             engine_steps=self._steps,
             refused={} if self.flow is None else self.flow.refused,
+            adapters=lora,
         )

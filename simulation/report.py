@@ -99,6 +99,8 @@ def table_rows(
     columns = COLUMNS
     if any(s.get("host_hit_rate") for s in summaries.values()):  # a host tier served hits
         columns = (COLUMNS[0], *TIER_COLUMNS, *COLUMNS[1:])
+    if any(s.get("adapter_loads") for s in summaries.values()):  # LoRA adapters' loads
+        columns = (*columns, ("adapter loads", "adapter_loads", "int"))
     rows = named_rows("policy", columns, summaries)
     if speeds is not None:
         rows[0].append("sim req/s")

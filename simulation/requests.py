@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from router.adapters import base_group
 from router.policies import RouteRequest
 
 
@@ -45,7 +46,9 @@ class SimRequest:
 
     @property
     def kv_group(self) -> str:
-        return self.route.kv_group
+        """The kv_group of the workers that serve it: an adapter's base's."""
+        route = self.route
+        return base_group(route.kv_group) if route.adapter else route.kv_group
 
 
 def cache_salt(tenant: str | None, kv_group: str, one_group: bool) -> str | None:

@@ -98,6 +98,8 @@ def summarize(result: RunResult, requests: Sequence[SimRequest]) -> dict[str, An
     summary.update(_stats([result.latency_s[i] for i in done], "latency"))
     if result.refused:
         summary["refused"] = refusals(result.refused)
+    if result.adapters:  # LoRA adapters (docs/adapters.md): loads, evictions, unloads
+        summary.update({f"adapter_{k}": n for k, n in result.adapters.items()})
     if names := tenant_names(requests):
         summary["tenants"] = tenants(result, requests, names)
     return summary

@@ -11,6 +11,7 @@ from core.blocks import DEFAULT_BLOCK_SIZE, block_keys
 from core.tokenizer import ByteTokenizer
 from loadgen.sessions import SessionQueue
 from loadgen.workloads import iter_requests, with_poisson_arrivals
+from router.adapters import adapter_group
 from router.policies import RouteRequest
 from simulation.requests import SimRequest, cache_salt
 
@@ -35,7 +36,7 @@ def workload_requests(
         specs = with_poisson_arrivals(specs, rate, seed)
     specs = list(specs)
     tokenizer = ByteTokenizer()
-    one_group = len({s.model for s in specs}) <= 1
+    one_group = len({s.base or s.model for s in specs}) <= 1  # adapters: their base's
     sessions: dict[str, int] = {}
     queue = SessionQueue()
     out: list[SimRequest] = []
@@ -52,8 +53,11 @@ def workload_requests(
             assert sent.prompt is not None
             tokens = tokenizer.encode(sent.prompt)
         tenant = spec.tenant if isolate_tenants else None
-        salt = cache_salt(tenant, spec.model, one_group)
-        keys = block_keys(tokens, block_size, salt)
+        group, lora = spec.model, None
+        if spec.base is not None:  # a LoRA adapter: keyed in its namespace, its own kv_group
+            group, lora = adapter_group(spec.base, spec.model), spec.model
+        salt = cache_salt(tenant, spec.base or spec.model, one_group)
+        keys = block_keys(tokens, block_size, salt, lora=lora)
         session = -1
         if spec.session_id is not None:
             session = sessions.setdefault(spec.session_id, len(sessions))
@@ -64,8 +68,8 @@ def workload_requests(
                 prompt=tokens,
                 max_tokens=spec.max_tokens,
                 keys=keys,
-                tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt),
-                route=RouteRequest(keys, len(tokens), block_size, spec.model, spec.model),
+                tail_keys=tail_keys(tokens, keys, spec.max_tokens, block_size, salt, lora),
+                route=RouteRequest(keys, len(tokens), block_size, group, spec.model, lora or ""),
                 salt=salt,
                 chat=spec.kind == "chat",
                 session=session,

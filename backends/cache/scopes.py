@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
+from backends.cache.host import HostTier
 from backends.cache.nodes import Tree
 from backends.cache.radix import RadixCache
 from core.scopes import runs_in_scope
@@ -36,6 +37,16 @@ def invalidate(
         for key in [k for k, s in notes.items() if scope is None or scope(s)]:
             del notes[key]
     return Invalidated(freed, locked)
+
+
+def invalidate_tiers(
+    cache: RadixCache, host: HostTier | None, scope: SaltTest | None, kv_group: str | None = None
+) -> Invalidated:
+    """`invalidate` of the cache and of the host tier under it (None: none); `freed_blocks`
+    counts both tiers'."""
+    done = invalidate(cache, scope, kv_group)
+    hosted = 0 if host is None else host.invalidate(scope, kv_group)
+    return Invalidated(done.freed_blocks + hosted, done.locked_blocks)
 
 
 def _drop(cache: RadixCache, tree: Tree, scope: SaltTest | None) -> Invalidated:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backends.lora_slots import DEFAULT_MAX_LORAS
 from core.blocks import DEFAULT_BLOCK_SIZE
-from core.hardware import DEFAULT_HOST_COPY_TOKENS_PER_S, DEFAULT_PREFILL_TOKENS_PER_S
+from core.hardware import (
+    DEFAULT_HOST_COPY_TOKENS_PER_S,
+    DEFAULT_HOST_TO_GPU_GBPS,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+)
 from core.settings import setting
 
 
@@ -44,6 +49,12 @@ class EngineConfig:
     host_copy_tokens_per_s: float = setting(
         DEFAULT_HOST_COPY_TOKENS_PER_S, "host -> GPU copy rate of the host tier, tokens/s"
     )
+    max_loras: int = setting(DEFAULT_MAX_LORAS, "LoRA adapters active at once (vLLM's)")
+    lora_load_gbps: float = setting(
+        DEFAULT_HOST_TO_GPU_GBPS, "an adapter's activation copies its bytes at this rate, GB/s"
+    )
+    # a rank-16 adapter on an 8B model's 7 projections of 32 layers, in bf16
+    lora_default_mb: float = setting(84.0, "an adapter's size where its files are absent, MB")
     report_tokens: bool = True  # StepResult.emitted per request (a simulator turns it off)
     emit_events: bool = True  # StepResult.events (BlockStored / BlockRemoved)
     # BlockStored carries the blocks' token ids; off, token_ids is empty (a simulator that
@@ -63,6 +74,8 @@ class EngineConfig:
             raise ValueError("host_capacity_tokens must be 0 (no host tier) or >= block_size")
         if self.host_capacity_tokens < 0 or self.host_copy_tokens_per_s <= 0:
             raise ValueError("need host_capacity_tokens >= 0 and host_copy_tokens_per_s > 0")
+        if self.max_loras < 1 or self.lora_load_gbps <= 0 or self.lora_default_mb < 0:
+            raise ValueError("need max_loras >= 1, lora_load_gbps > 0 and lora_default_mb >= 0")
         if self.protect_step_s < 0 or self.protect_window_s < 0:
             raise ValueError("need protect_step_s >= 0 and protect_window_s >= 0")
 

@@ -11,7 +11,8 @@ from typing import Any, Final
 from backends.cache.check import check, check_locks
 from backends.cache.host import HostTier
 from backends.cache.radix import RadixCache
-from backends.cache.scopes import Invalidated, SaltTest, invalidate
+from backends.cache.scopes import Invalidated, SaltTest, invalidate_tiers
+from backends.emulated.adapters import EmulatedAdapters
 from backends.emulated.config import EngineConfig
 from backends.emulated.events import EventLog
 from backends.emulated.paging import admit, cache_output, cache_prompt, release
@@ -48,17 +49,16 @@ class EmulatedEngine:
             on_stored=log.stored if cfg.emit_events else None,
             on_removed=log.removed if cfg.emit_events else None,
         )
-        # the host tier under it (docs/tiers.md): unpaged, this engine keeps no KV
-        self.host: HostTier | None = None
+        self.host: HostTier | None = None  # under it (docs/tiers.md): unpaged, no KV here
         if tiered:
-            events = cfg.emit_events
             self.host = HostTier(
                 cfg.host_capacity_tokens,
                 cfg.block_size,
-                on_stored=partial(log.stored, medium=MEDIUM_CPU) if events else None,
-                on_removed=partial(log.removed, medium=MEDIUM_CPU) if events else None,
+                on_stored=partial(log.stored, medium=MEDIUM_CPU) if cfg.emit_events else None,
+                on_removed=partial(log.removed, medium=MEDIUM_CPU) if cfg.emit_events else None,
             )
             self.host.attach(self.cache)
+        self.adapters = EmulatedAdapters(cfg, self.cache, self.host, log)  # LoRA slots
         self._queue: deque[Request] = deque()  # arrival order
         # waiting or prefilling requests with a non-zero priority: while any, planning ranks
         self._ranked = 0
@@ -76,23 +76,17 @@ class EmulatedEngine:
         self._blocked = False  # the queue head did not fit at the last planning
         # the head that last did not fit: it, the room it needed, the blocks it matched
         self._stuck: tuple[Request, int, int] | None = None
-        self._queued_prefill = 0
-        self.finished_requests = 0
-        self.prompt_tokens = 0
-        self.cached_tokens = 0  # both tiers
-        self.host_hit_tokens = 0  # of those, promoted from the host tier
-        self.generated_tokens = 0
+        self._queued_prefill = self.finished_requests = self.generated_tokens = 0
+        self.prompt_tokens = self.cached_tokens = self.host_hit_tokens = 0  # cached: both tiers
 
     # -- KV events ---------------------------------------------------------------------------
 
-    def invalidate(self, scope: SaltTest | None) -> Invalidated:
-        """Scoped invalidation of both tiers (backends/cache/scopes.py); `freed_blocks` counts
-        the host tier's too. What the step in flight cached is announced first, so its
-        BlockStored comes before the BlockRemoved."""
+    def invalidate(self, scope: SaltTest | None, kv_group: str | None = None) -> Invalidated:
+        """Scoped invalidation of both tiers (backends/cache/scopes.py) of one tree (the base
+        model's "", an adapter's by its name; None: all). What the step in flight cached is
+        announced first, so its BlockStored comes before the BlockRemoved."""
         self.log.release()
-        done = invalidate(self.cache, scope)
-        host = 0 if self.host is None else self.host.invalidate(scope)
-        return Invalidated(done.freed_blocks + host, done.locked_blocks)
+        return invalidate_tiers(self.cache, self.host, scope, kv_group)
 
     def drain_events(self) -> list[KVEvent]:
         """Events not yet handed out by a step (an invalidation's, and any before it), in order."""
@@ -115,8 +109,11 @@ class EmulatedEngine:
         if req.public_blocks:  # only a salted prompt has a public part, of its full blocks
             full = prompt_len // cfg.block_size
             req.public_blocks = min(req.public_blocks, full) if req.cache_salt else 0
+        if req.lora_name is not None:  # ValueError when not loaded
+            req.lora = self.adapters.resolve(req.lora_name)
         if req.keys is None:
-            req.keys = block_keys(req.prompt, cfg.block_size, req.cache_salt, req.public_blocks)
+            salt, public, lora = req.cache_salt, req.public_blocks, req.lora_name
+            req.keys = block_keys(req.prompt, cfg.block_size, salt, public, lora)
         req.prompt_len = prompt_len
         req.state = _WAITING
         self._queue.append(req)
@@ -199,8 +196,7 @@ class EmulatedEngine:
             if self._seg_done < self._seg_k:
                 return result
             self._active = False
-            if self.log.held:
-                self.log.release()
+            self.log.release()
             self._end_segment(self._seg_start + self._seg_k * self._seg_d, result)
         self._plan(now, result)
         if self.log.events:
@@ -265,13 +261,17 @@ class EmulatedEngine:
             stuck is not None
             and stuck[0] is req
             and cache.free_tokens + cache.evictable_tokens < stuck[1]
-            and (stuck[2] >= cap or not cache.starts_run(keys[stuck[2]]))
+            and (stuck[2] >= cap or not cache.starts_run(keys[stuck[2]], req.lora_name or ""))
         ):
             return False  # still no room, and its cached prefix cannot have grown
+        if req.lora is not None and not self.adapters.can_start(req.lora):
+            return False  # its adapter waits for a slot
         need, blocks = admit(cache, req, bs, self.host, self._tokens_out)
         if req.node is None:
             self._stuck = (req, need, blocks)
             return False
+        if req.lora is not None:
+            self.adapters.start(req.lora)
         cached = req.cached_tokens
         req.state = _PREFILL
         req.admitted_time = now
@@ -368,7 +368,7 @@ class EmulatedEngine:
         for req, _ in chunks:
             if req.host_tokens and req.computed == req.cached_tokens:
                 copied += req.host_tokens
-        d = cfg.step_s(decoding, cfg.chunk_tokens - budget, copied)
+        d = cfg.step_s(decoding, cfg.chunk_tokens - budget, copied) + self.adapters.take_load_s()
         if chunks:
             k = 1
         else:
@@ -394,6 +394,7 @@ class EmulatedEngine:
         running = self._prefilling + list(self._decoding.values())
         assert sum(r.reserved for r in running) == self.cache.allocated_tokens, "reserved room"
         check_locks(self.cache, [r.node for r in running if r.node is not None])
+        self.adapters.check([r.lora for r in running])
         assert len(running) <= self.config.max_batch, "batch over max_batch"
         ranked = sum(1 for r in [*self._queue, *self._prefilling] if r.priority)
         assert ranked == self._ranked, "requests ranked by priority"

@@ -1,6 +1,7 @@
 """The emulated engine's KV events (docs/kv-events.md), as its cache and host tier report their
 changes: a GPU store of the step being planned is held to that step's end (the engine announces
-blocks once computed); the rest, host-tier demotions included, are announced at once, in order."""
+blocks once computed); the rest, host-tier demotions included, are announced at once, in order.
+A LoRA adapter's tree is named by the adapter: its stores carry its name and id, as vLLM's."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class EventLog:
     """The events not yet handed out, and those held for the step in flight. `tokens`: the
     events carry the blocks' token ids (a mirror re-keys them: the live worker's)."""
 
-    __slots__ = ("block_size", "tokens", "events", "held", "planning")
+    __slots__ = ("block_size", "tokens", "events", "held", "planning", "lora_ids")
 
     def __init__(self, block_size: int, tokens: bool) -> None:
         self.block_size = block_size
@@ -21,6 +22,7 @@ class EventLog:
         self.events: list[KVEvent] = []
         self.held: list[KVEvent] = []  # the BlockStored of the blocks the step in flight caches
         self.planning = False  # the cache's stores now are a step's: held
+        self.lora_ids: dict[str, int] = {}  # a loaded adapter's name (its tree) -> its id
 
     def stored(
         self,
@@ -37,7 +39,18 @@ class EventLog:
             assert not self.tokens, "events need the blocks' tokens"
             tokens = []
         hashes = cast(list[BlockHash], keys)
-        event = block_stored(hashes, parent, tokens, self.block_size, medium=medium, salt=salt)
+        lora = kv_group or None  # "": the base model's tree
+        lora_id = None if lora is None else self.lora_ids.get(kv_group)
+        event = block_stored(
+            hashes,
+            parent,
+            tokens,
+            self.block_size,
+            medium=medium,
+            salt=salt,
+            lora_name=lora,
+            lora_id=lora_id,
+        )
         (self.held if self.planning and medium == MEDIUM_GPU else self.events).append(event)
 
     def removed(self, kv_group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:

@@ -1,6 +1,7 @@
 """A request's room through its life in the emulated engine: admit (match + lock + promote from
-the host tier + reserve its footprint), cache its full blocks, release. The only code that
-moves room between a request and the radix cache:
+the host tier + reserve its footprint), cache its full blocks, release (with its hold on its
+LoRA adapter's slot). The only code that moves room between a request and the radix cache, in
+the tree of its kv_group (a LoRA adapter's own, by its name; "" the base model's):
 
     [0, node_blocks)   in the tree, on the path `node` locks: its cached prefix (GPU hits,
                        then blocks promoted from the host tier), then the full blocks of
@@ -26,7 +27,8 @@ def admit(
     keys = req.keys
     assert keys is not None and req.node is None
     limit = (req.prompt_len - 1) // bs
-    match = cache.match(keys, limit)
+    tree = req.lora_name or ""
+    match = cache.match(keys, limit, tree)
     need = req.prompt_len + req.max_tokens - 1 - match.blocks * bs  # promotion takes room too
     node = match.node
     cache.lock(node)
@@ -37,7 +39,7 @@ def admit(
     if host is not None and match.blocks < limit:
         tokens = req.prompt if with_tokens else None
         salt, public = req.cache_salt, req.public_blocks
-        node, promoted = host.promote(node, keys, match.blocks, limit, "", tokens, salt, public)
+        node, promoted = host.promote(node, keys, match.blocks, limit, tree, tokens, salt, public)
     cached = (match.blocks + promoted) * bs
     rest = need - promoted * bs
     reserved = cache.allocate(rest)
@@ -82,7 +84,7 @@ def cache_output(cache: RadixCache, req: Request, with_tokens: bool) -> None:
         if new_keys is None or with_tokens:
             tail = tail_tokens(req.prompt, keys, req.max_tokens, bs)
             if new_keys is None:
-                first = continue_after(keys, req.cache_salt, req.public_blocks)
+                first = continue_after(keys, req.cache_salt, req.public_blocks, req.lora_name)
                 new_keys = chain_keys(tail, bs, first)
         assert len(new_keys) == full - len(keys), "tail_keys of the wrong length"
         salt_at = req.public_blocks - len(keys)  # 0: the output starts the salted part
@@ -92,8 +94,11 @@ def cache_output(cache: RadixCache, req: Request, with_tokens: bool) -> None:
 
 
 def release(cache: RadixCache, req: Request) -> None:
-    """Give back its private room and its lock (finish or abort); what it cached stays."""
+    """Give back its private room, its lock and its hold on its adapter's slot (finish or
+    abort); what it cached stays."""
     assert req.node is not None
+    if req.lora is not None:
+        req.lora.running -= 1
     cache.free(req.reserved)
     req.reserved = 0
     cache.unlock(req.node)

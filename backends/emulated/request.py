@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from backends.cache.nodes import Run
+from backends.lora_slots import Adapter
 from core.blocks import chain_keys, namespace, parent_prefix
 from core.kv_events import KVEvent
 
@@ -41,13 +42,18 @@ def tail_tokens(prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs:
 
 
 def tail_keys(
-    prompt: Sequence[int], keys: Sequence[int], max_tokens: int, bs: int, salt: str | None
+    prompt: Sequence[int],
+    keys: Sequence[int],
+    max_tokens: int,
+    bs: int,
+    salt: str | None,
+    lora: str | None = None,
 ) -> list[int]:
     """The keys of `tail_tokens`, chained from the prompt's last key."""
     tail = tail_tokens(prompt, keys, max_tokens, bs)
     if not tail:
         return []
-    return chain_keys(tail, bs, parent_prefix(keys[-1]) if keys else namespace(salt))
+    return chain_keys(tail, bs, parent_prefix(keys[-1]) if keys else namespace(salt, lora))
 
 
 class State(enum.Enum):
@@ -74,6 +80,8 @@ class Request:
     public_blocks: int
     # vLLM's `priority`: lower is scheduled earlier, ties by arrival (docs/workers.md)
     priority: int
+    # the LoRA adapter it names (None: the base model); its blocks are keyed and cached apart
+    lora_name: str | None
     state: State
     cached_tokens: int  # prompt tokens found in the cache on admission (both tiers)
     host_tokens: int  # of those, promoted from the host tier: copied in before its first chunk
@@ -89,6 +97,7 @@ class Request:
     node_blocks: int
     reserved: int
     decode_from: int
+    lora: Adapter | None  # the adapter `lora_name` names, resolved on submit
 
     def __init__(
         self,
@@ -101,6 +110,7 @@ class Request:
         tail_keys: list[int] | None = None,
         public_blocks: int = 0,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         self.rid = rid
         self.prompt = prompt
@@ -111,6 +121,8 @@ class Request:
         self.tail_keys = tail_keys
         self.public_blocks = public_blocks
         self.priority = priority
+        self.lora_name = lora_name
+        self.lora = None
         self.state = State.WAITING
         self.cached_tokens = self.host_tokens = self.computed = self.generated = 0
         self.admitted_time = self.first_token_time = self.finish_time = None

@@ -19,6 +19,7 @@ from backends.emulated.embedding import embed
 from backends.emulated.engine import EmulatedEngine, StepResult
 from backends.emulated.request import Request, output_bytes
 from backends.http.generation import Generation, ServedModel, WorkerLoad
+from backends.http.lora_api import lora_metrics
 from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from core.settings import add_setting_flags, from_flags
@@ -62,12 +63,13 @@ class EmulatedSide:
     blocking = False
     model_info = {"model_type": "emulated", "architectures": ["EmulatedForCausalLM"]}
 
-    def __init__(self, config: EngineConfig, model: ServedModel) -> None:
+    def __init__(self, config: EngineConfig, model: ServedModel, enable_lora: bool = False) -> None:
         self.config = config
         self.model = model
-        self.models = {model.name: model}
+        self.models = {model.name: model}  # and the LoRA adapters loaded
         self.block_size = config.block_size
         self.engine = EmulatedEngine(config)
+        self.enable_lora = enable_lora
         self._clock = time.monotonic  # the clock asyncio's own loop keeps
         self._ids = itertools.count()
 
@@ -78,6 +80,7 @@ class EmulatedSide:
         )
         req.public_blocks = gen.public_tokens // self.config.block_size
         req.priority = gen.priority
+        req.lora_name = gen.model.lora_name
         return req
 
     def submit(self, req: Request) -> None:
@@ -114,14 +117,36 @@ class EmulatedSide:
         load, stats = self.engine.load(), self.engine.cache.stats()
         used, capacity = stats.capacity_tokens - stats.free_tokens, stats.capacity_tokens
         queued, decoding = load.queued_prefill_tokens, load.decoding
-        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding)
+        out = WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding)
+        if not self.enable_lora:
+            return out
+        slots = self.engine.adapters.slots
+        return out._replace(lora_active=tuple(slots.active), max_loras=slots.max_loras)
 
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
-        if asked.kv_group not in (None, self.model.kv_group):
-            return {"freed_blocks": 0, "locked_blocks": 0}, {}
-        done = self.engine.invalidate(asked.scope)
+        tree: str | None = None  # every tree
+        if asked.kv_group is not None:
+            model = next((m for m in self.models.values() if m.kv_group == asked.kv_group), None)
+            if model is None:
+                return {"freed_blocks": 0, "locked_blocks": 0}, {}
+            tree = model.lora_name or ""  # the engine's tree of an adapter is named by it
+        done = self.engine.invalidate(asked.scope, tree)
+        return done._asdict(), self._drained()
+
+    def load_adapter(self, name: str, path: str) -> ServedModel:
+        """Modelled weights: any path does (its PEFT file gives the adapter's size)."""
+        self.engine.adapters.load(name, path)
+        model = self.models[name] = self.model.adapter(name, path)
+        return model
+
+    def unload_adapter(self, name: str) -> Events:
+        self.engine.adapters.unload(name)
+        del self.models[name]
+        return self._drained()
+
+    def _drained(self) -> Events:
         events = self.engine.drain_events()
-        return done._asdict(), {self.model.kv_group: events} if events else {}
+        return {self.model.kv_group: events} if events else {}
 
     def embed(self, model: ServedModel, prompts: list[list[int]]) -> list[list[float]]:
         """No weights: vectors derived from the token ids (backends/emulated/embedding.py)."""
@@ -164,6 +189,8 @@ class EmulatedSide:
         table = _METRICS if host is None else _METRICS + _HOST_METRICS
         for (family, metric, doc), value in zip(table, values, strict=True):
             yield family(metric, doc, "model", [(self.model.name, value)])
+        if self.enable_lora:
+            yield from lora_metrics(engine.adapters.slots, self.model.name)
 
 
 def _catch_up(gen: Generation, n: int) -> None:
@@ -216,7 +243,7 @@ def build_engine(args: argparse.Namespace) -> EmulatedSide:
         default_max_tokens=args.default_max_tokens,
         vocab_size=tokenizer.vocab_size,
     )
-    return EmulatedSide(config, model)
+    return EmulatedSide(config, model, args.enable_lora)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

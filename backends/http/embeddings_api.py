@@ -64,6 +64,9 @@ class EmbeddingsApi:
     async def serve(self, request: web.Request) -> web.Response:
         body = await read_json(request)
         model = pick_model(self.models, body.get("model"))
+        if model.base is not None:
+            message = "embeddings of a LoRA adapter are not supported: ask its base model"
+            raise APIError(400, message, param="model")
         encoding = body.get("encoding_format") or "float"
         if encoding not in ("float", "base64"):
             message = "'encoding_format' must be 'float' or 'base64'"

@@ -5,6 +5,8 @@ every change, on the loop's thread; handlers only read."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -23,16 +25,44 @@ class ServedModel:
     max_model_len: int
     default_max_tokens: int  # when a chat request sets none
     vocab_size: int  # ids the model accepts (at least the tokenizer's)
+    base: ServedModel | None = None  # a LoRA adapter's base model (None: a model of its own)
+    lora_path: str | None = None  # where a LoRA adapter was loaded from
+
+    def adapter(self, name: str, path: str) -> ServedModel:
+        """A LoRA adapter of this model served as `name`: the base's tokenizer and limits, its
+        own kv_group `<base kv_group>+lora:<name>` (as the gateway's mirror files vLLM's)."""
+        ident = json.dumps([self.fingerprint, "lora", name, path])
+        return ServedModel(
+            name=name,
+            kv_group=f"{self.kv_group}+lora:{name}",
+            fingerprint=hashlib.blake2b(ident.encode(), digest_size=16).hexdigest(),
+            tokenizer=self.tokenizer,
+            tokenizer_spec=self.tokenizer_spec,
+            max_model_len=self.max_model_len,
+            default_max_tokens=self.default_max_tokens,
+            vocab_size=self.vocab_size,
+            base=self,
+            lora_path=path,
+        )
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter a request for this model runs (None: the base model)."""
+        return None if self.base is None else self.name
 
     def info(self) -> dict[str, Any]:
-        """This model's entry in /urc/info."""
-        return {
+        """This model's entry in /urc/info (an adapter's with its "base" and "lora_path")."""
+        doc: dict[str, Any] = {
             "name": self.name,
             "kv_group": self.kv_group,
             "fingerprint": self.fingerprint,
             "tokenizer": self.tokenizer_spec,
             "max_model_len": self.max_model_len,
         }
+        if self.base is not None:
+            doc["base"] = self.base.name
+            doc["lora_path"] = self.lora_path
+        return doc
 
     def check_ids(self, ids: Sequence[object], param: str) -> list[int]:
         if not ids:
@@ -155,6 +185,8 @@ class WorkerLoad(NamedTuple):
     capacity_tokens: int
     queued_prefill_tokens: int  # prompt tokens admitted or queued requests have yet to compute
     decoding: int  # running requests past their first token
+    lora_active: tuple[str, ...] = ()  # LoRA adapters resident in slots, most recent last
+    max_loras: int = 0  # adapter slots (0: adapters off)
 
 
 def decode(tokenizer: Tokenizer, ids: list[int]) -> str:

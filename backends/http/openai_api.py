@@ -320,13 +320,14 @@ class OpenAIApi:
         app.router.add_get("/v1/models", self.list_models)
 
     async def list_models(self, request: web.Request) -> web.Response:
-        cards = [
+        cards = [  # vLLM's: an adapter's root is its path, its parent the base model
             {
                 "id": m.name,
                 "object": "model",
                 "created": self.created,
                 "owned_by": "urc",
-                "root": m.name,
+                "root": m.name if m.base is None else m.lora_path,
+                "parent": None if m.base is None else m.base.name,
                 "max_model_len": m.max_model_len,
             }
             for m in self.models.values()

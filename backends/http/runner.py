@@ -54,6 +54,11 @@ class Engine(Protocol):
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]: ...
     # unit-norm embeddings of token-id prompts of `model`, one step's worth of work at most
     def embed(self, model: ServedModel, prompts: list[list[int]]) -> list[list[float]]: ...
+    # LoRA adapters (docs/workers.md, "LoRA adapters"), called between steps: register one of
+    # the default model (ValueError: the name is taken, the files are unreadable) and serve it
+    # under `models`; forget one (KeyError: no such adapter), with its cache's removals
+    def load_adapter(self, name: str, path: str) -> ServedModel: ...
+    def unload_adapter(self, name: str) -> Events: ...
     def info(self) -> dict[str, Any]: ...  # its own fields of /urc/info
     def settings(self) -> dict[str, Any]: ...  # its part of /get_server_info (SGLang's names)
     # its Prometheus metrics, read at scrape time (never the process-global registry)
@@ -149,6 +154,12 @@ class EngineRunner:
 
     def load(self) -> WorkerLoad:
         return self._snapshot if self._stepping.locked() else self.steps.load()
+
+    def in_flight(self, model: str) -> bool:
+        """Whether a generation for `model` is queued or running (or about to reach the
+        engine); between steps, in a `call`, nothing else can submit one meanwhile."""
+        gens = [*self._live.values(), *(gen for _, gen in self._pending)]
+        return any(gen.model.name == model for gen in gens)
 
     # -- stepping ------------------------------------------------------------------------------
 

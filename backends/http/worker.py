@@ -19,6 +19,7 @@ from prometheus_client import generate_latest
 
 from backends.http.embeddings_api import EmbeddingsApi
 from backends.http.load_publisher import LoadPublisher
+from backends.http.lora_api import LoraApi, add_lora_flags, load_lora_modules
 from backends.http.openai_api import (
     OpenAIApi,
     echo_request_id,
@@ -52,7 +53,9 @@ class Worker:
         self.engine = engine
         self.flags = flags
         self.incarnation = uuid.uuid4().hex
-        self.groups = list(dict.fromkeys(m.kv_group for m in engine.models.values()))
+        # a stream per model's kv_group; a LoRA adapter's blocks go on its base model's
+        models = engine.models.values()
+        self.groups = list(dict.fromkeys(m.kv_group for m in models if m.base is None))
         self.publishers: dict[str, KVEventPublisher] = {}
         self.load_publisher: LoadPublisher | None = None
         self.runner = EngineRunner(engine, self.publish)
@@ -85,6 +88,8 @@ class Worker:
         EmbeddingsApi(self.runner, engine.models).add_routes(app)
         SGLangApi(self).add_routes(app)
         TokenizeApi(engine.models).add_routes(app)
+        if cfg.enable_lora:
+            LoraApi(self.runner, self.publish).add_routes(app)
         app.router.add_get("/urc/info", self.info)
         app.router.add_get("/urc/load", self.load)
         app.router.add_post("/urc/invalidate", self.invalidate)
@@ -127,8 +132,10 @@ class Worker:
         doc: dict[str, Any] = {
             "engine": self.engine.name,
             "incarnation": self.incarnation,
+            # an adapter's entry names no stream: its blocks ride its base's, by lora_name
             "models": [
-                {**m.info(), "kv_events": streams[m.kv_group]} for m in self.engine.models.values()
+                m.info() if m.base else {**m.info(), "kv_events": streams[m.kv_group]}
+                for m in self.engine.models.values()
             ],
             "block_size": self.engine.block_size,
             **self.engine.info(),
@@ -137,6 +144,8 @@ class Worker:
         }
         if len(self.groups) == 1:
             doc["kv_events"] = streams[self.groups[0]]
+        if load.max_loras:
+            doc["lora"] = {"max_loras": load.max_loras, "active": list(load.lora_active)}
         if self.load_publisher is not None:
             endpoint = reachable_endpoint(self.load_publisher.endpoint, request)
             doc["load_events"] = {"endpoint": endpoint}
@@ -151,7 +160,7 @@ class Worker:
         """One dict, no engine call beyond `load()`."""
         load = self.runner.load()
         page = self.engine.block_size
-        return {
+        doc = {
             "waiting": load.waiting,
             "running": load.running,
             "queued_prefill_tokens": load.queued_prefill_tokens,
@@ -160,6 +169,10 @@ class Worker:
             "total_kv_pages": load.capacity_tokens // page,
             "time": time.time(),
         }
+        if load.max_loras:  # adapters on: their slots
+            doc["lora_active"] = list(load.lora_active)
+            doc["max_loras"] = load.max_loras
+        return doc
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = generate_latest(self.registry)
@@ -238,6 +251,7 @@ def worker_parser(
             ("--max-model-len", int, 0, max_model_len_help),
         ],
     )
+    add_lora_flags(parser)
     return parser
 
 
@@ -272,6 +286,7 @@ def run_worker(
                 "need --max-model-len >= 0, --default-max-tokens >= 1 and --max-body-mb > 0"
             )
         engine = build(args)
+        load_lora_modules(engine, args)
     except ValueError as exc:
         parser.error(str(exc))
     with contextlib.suppress(KeyboardInterrupt):

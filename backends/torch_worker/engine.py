@@ -1,5 +1,6 @@
-"""The torch engine: several models, one radix cache per page pool, continuous batching; a
-synchronous state machine whose driver owns the only thread that touches it (docs/workers.md)."""
+"""The torch engine: several models, one radix cache per page pool, continuous batching, LoRA
+adapters of the default model (adapters.py); a synchronous state machine whose driver owns the
+only thread that touches it (docs/workers.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import torch
 
 from backends.cache.check import check, check_locks
 from backends.cache.radix import RadixCache
-from backends.cache.scopes import Invalidated, invalidate
+from backends.cache.scopes import Invalidated, invalidate_tiers
+from backends.lora_slots import DEFAULT_MAX_LORAS, Adapter
+from backends.torch_worker.adapters import TorchAdapters
 from backends.torch_worker.attention import make_attention
 from backends.torch_worker.host_pool import make_host_tier
 from backends.torch_worker.loader import LoadedModel
@@ -34,6 +37,7 @@ class EngineConfig:
     kv_cache_mb: float = setting(256.0, "KV memory, all pools together")
     num_pages: int = setting(0, "pages per pool (overrides --kv-cache-mb)")
     host_capacity_tokens: int = setting(0, "host-memory KV tier, tokens (0: none)")
+    max_loras: int = setting(DEFAULT_MAX_LORAS, "LoRA adapters active at once (vLLM's)")
     attention: str = "auto"  # "torch", "flashinfer" or "auto"
     record_logits: bool = False  # keep every sampled row of logits on the request (tests)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -117,6 +121,8 @@ class TorchEngine:
         self.scheduler = Scheduler(cfg.scheduler, self.models)
         self._rotation = itertools.cycle(list(self.models.values()))
         self._ids = itertools.count()
+        default = self.models[next(iter(served.values())).kv_group]
+        self.adapters = TorchAdapters(default, cfg.max_loras)  # LoRA adapters of the default
 
     # -- KV events -----------------------------------------------------------------------------
 
@@ -131,11 +137,48 @@ class TorchEngine:
     ) -> None:
         assert tokens is not None, "the GPU cache keeps the blocks' tokens"
         size = self.config.page_size
-        stored = block_stored(keys, parent, tokens, size, medium=medium, salt=salt)
-        self._events[group].append(stored)
+        stream, adapter = self._stream(group)
+        name, lora_id = (None, None) if adapter is None else (adapter.name, adapter.lora_id)
+        stored = block_stored(
+            keys, parent, tokens, size, medium=medium, salt=salt, lora_name=name, lora_id=lora_id
+        )
+        self._events[stream].append(stored)
 
     def _on_removed(self, group: str, keys: list[int], medium: str = MEDIUM_GPU) -> None:
-        self._events[group].append(BlockRemoved(keys, medium))
+        self._events[self._stream(group)[0]].append(BlockRemoved(keys, medium))
+
+    def _stream(self, group: str) -> tuple[str, Adapter | None]:
+        """The kv_group whose stream carries `group`'s events (an adapter's: its base's)."""
+        adapter = self.adapters.by_group.get(group)
+        return (group, None) if adapter is None else (self.adapters.base.loaded.kv_group, adapter)
+
+    # -- LoRA adapters (adapters.py) ----------------------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> LoadedModel:
+        """Serve the adapter at `path` (PEFT's files) of the default model as `name`; ValueError
+        when the name is taken or the files are not such an adapter."""
+        if name in self.served and name not in self.adapters.states:
+            raise ValueError(f"the name {name!r} is a model's")
+        state = self.adapters.add(name, path)
+        self.models[state.loaded.kv_group] = state
+        self.served[name] = state.loaded
+        self.counters[name] = ModelCounters()
+        self._rotation = itertools.cycle(list(self.models.values()))
+        return state.loaded
+
+    def unload_adapter(self, name: str) -> dict[str, list[KVEvent]]:
+        """Forget the adapter and drop its cached blocks: KeyError when unknown, ValueError while
+        requests for it run (none may wait: the caller checks). The events not handed out yet."""
+        if name not in self.adapters.states:
+            raise KeyError(name)
+        self.adapters.slots.remove(name)
+        group = self.adapters.states[name].loaded.kv_group
+        _, events = self.invalidate(None, group)
+        state = self.adapters.forget(name)
+        assert not state.waiting, "requests wait for an unloaded adapter"
+        del self.models[group], self.served[name]
+        self._rotation = itertools.cycle(list(self.models.values()))
+        return events
 
     # -- the driver's API ----------------------------------------------------------------------
 
@@ -171,6 +214,8 @@ class TorchEngine:
         """Queue `req`; ValueError as `validate`."""
         loaded = self.validate(req)
         req.kv_group = loaded.kv_group
+        adapter = self.adapters.by_group.get(loaded.kv_group)
+        req.lora_name = None if adapter is None else adapter.name  # keyed in its namespace
         req.stop_ids = loaded.tokenizer.stop_token_ids
         req.status = Status.WAITING
         if self.config.record_logits:
@@ -206,6 +251,8 @@ class TorchEngine:
         result = StepResult([], [], [], {})
         for _ in range(len(self.models)):
             ms = next(self._rotation)
+            if not (ms.waiting or ms.running) or not self.adapters.ready(ms):
+                continue  # nothing to do, or an adapter waiting for a slot
             items = self.scheduler.schedule(ms, result.admitted)
             if items:
                 self._run(ms, items, result)
@@ -227,11 +274,9 @@ class TorchEngine:
         events no step handed out yet."""
         freed = locked = 0
         for pool in self.pools.values():
-            done = invalidate(pool.cache, scope, kv_group)
+            done = invalidate_tiers(pool.cache, pool.host, scope, kv_group)
             freed += done.freed_blocks
             locked += done.locked_blocks
-            if pool.host is not None:
-                freed += pool.host.invalidate(scope, kv_group)
         events = {g: e for g, e in self._events.items() if e}
         self._events = {g: [] for g in self._events}
         return Invalidated(freed, locked), events
@@ -298,6 +343,7 @@ class TorchEngine:
             for req in ms.waiting:
                 assert req.status is Status.WAITING and req.node is None and not req.pages
             assert len(ms.running) <= self.config.scheduler.max_running
+        self.adapters.check()
 
 
 def sample(req: Request, logits: torch.Tensor) -> int:

@@ -2,7 +2,8 @@
 with Hugging Face's parameter names. RoPE as HF's Llama applies it (rotate_half), with "default",
 "linear" and "llama3" scaling; others are refused: a wrong RoPE silently changes every K.
 `ModelRunner` turns one model's batch of (request, new tokens) into tensors (decodes first, as
-attention.py expects) and runs one forward pass. `LlamaConfig` is its shape, read from (and
+attention.py expects) and runs one forward pass, with its LoRA adapter's deltas when it has one
+(lora.py). `LlamaConfig` is its shape, read from (and
 written as) a Hugging Face config.json; `PRESETS` are shapes built with random weights."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from backends.torch_worker.attention import BatchLayout, PagedAttention, SequenceView
+from backends.torch_worker.lora import LayerLora, LoraWeights, lora_linear
 from backends.torch_worker.paging import PagePool
 from backends.torch_worker.request import Request
 from core.tokenizer import BYTE_VOCAB_SIZE
@@ -185,17 +187,20 @@ class Attention(nn.Module):
         v_cache: torch.Tensor,
         write_slots: torch.Tensor,
         attention: PagedAttention,
+        lora: LayerLora | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.q_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.kv_heads, self.head_dim)
+        q = lora_linear(self.q_proj, x, lora, "q_proj").view(n, self.q_heads, self.head_dim)
+        k = lora_linear(self.k_proj, x, lora, "k_proj").view(n, self.kv_heads, self.head_dim)
+        v = lora_linear(self.v_proj, x, lora, "v_proj").view(n, self.kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
         k_cache.view(-1, self.kv_heads, self.head_dim)[write_slots] = k
         v_cache.view(-1, self.kv_heads, self.head_dim)[write_slots] = v
         out = attention.attend(q, k_cache, v_cache)
-        return self.o_proj(out.reshape(n, self.q_heads * self.head_dim))
+        return lora_linear(
+            self.o_proj, out.reshape(n, self.q_heads * self.head_dim), lora, "o_proj"
+        )
 
 
 class MLP(nn.Module):
@@ -206,8 +211,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden, inner, bias=bias, device=device)
         self.down_proj = nn.Linear(inner, hidden, bias=bias, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, lora: LayerLora | None = None) -> torch.Tensor:
+        gate = F.silu(lora_linear(self.gate_proj, x, lora, "gate_proj"))
+        return lora_linear(
+            self.down_proj, gate * lora_linear(self.up_proj, x, lora, "up_proj"), lora, "down_proj"
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -257,15 +265,15 @@ class LlamaForCausalLM(nn.Module):
         kv: torch.Tensor,
         write_slots: torch.Tensor,
         attention: PagedAttention,
+        lora: LoraWeights | None = None,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.cos_sin(positions, h.dtype)
         for i, layer in enumerate(self.model.layers):
-            a = layer.self_attn(
-                layer.input_layernorm(h), cos, sin, kv[0, i], kv[1, i], write_slots, attention
-            )
-            h = h + a
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            delta = None if lora is None else lora.layers[i]
+            x = layer.input_layernorm(h)
+            h = h + layer.self_attn(x, cos, sin, kv[0, i], kv[1, i], write_slots, attention, delta)
+            h = h + layer.mlp(layer.post_attention_layernorm(h), delta)
         return self.model.norm(h)
 
     @torch.inference_mode()
@@ -292,12 +300,16 @@ class ForwardResult(NamedTuple):
 
 
 class ModelRunner:
+    """One model's forward passes; `lora`: its adapter's weights on the device while active
+    (a LoRA adapter's runner shares its base's model and attention)."""
+
     def __init__(
         self, model: LlamaForCausalLM, attention: PagedAttention, device: torch.device
     ) -> None:
         self.model = model
         self.attention = attention
         self.device = device
+        self.lora: LoraWeights | None = None
 
     def forward(self, pool: PagePool, items: list[WorkItem]) -> ForwardResult:
         bs = pool.layout.page_size
@@ -329,6 +341,7 @@ class ModelRunner:
             pool.kv,
             layout.write_slots.to(device),
             self.attention,
+            self.lora,
         )
         if not rows:
             return ForwardResult([], hidden.new_empty((0, self.model.config.vocab_size)))

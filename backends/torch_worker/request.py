@@ -52,6 +52,7 @@ class Request:
     # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
     public_blocks: int = 0
     priority: int = 0  # vLLM's `priority`: lower is scheduled earlier (docs/workers.md)
+    lora_name: str | None = None  # the LoRA adapter it runs: its keys are in its namespace
 
     @property
     def tokens(self) -> list[int]:
@@ -76,9 +77,10 @@ class Request:
         public = self.public_blocks
         if blocks > have and have < public:  # up to or across the public edge: key it whole
             span = self.tokens[: blocks * page_size]
-            self.keys = block_keys(span, page_size, self.cache_salt, min(public, blocks))
+            limit = min(public, blocks)
+            self.keys = block_keys(span, page_size, self.cache_salt, limit, self.lora_name)
         elif blocks > have:
-            first = continue_after(self.keys, self.cache_salt, public)
+            first = continue_after(self.keys, self.cache_salt, public, self.lora_name)
             span = self.tokens[have * page_size : blocks * page_size]
             self.keys.extend(chain_keys(span, page_size, first))
         return self.keys[:blocks]

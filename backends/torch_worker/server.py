@@ -13,6 +13,7 @@ import torch
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from backends.http.generation import Generation, ServedModel, WorkerLoad
+from backends.http.lora_api import lora_metrics
 from backends.http.runner import Events, InvalidateRequest, counter, gauge
 from backends.http.worker import add_flags, run_worker, worker_parser
 from backends.torch_worker.embedding import embed
@@ -61,9 +62,14 @@ class TorchSide:
     model_info = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
 
     def __init__(
-        self, served: dict[str, LoadedModel], config: EngineConfig, default_max_tokens: int
+        self,
+        served: dict[str, LoadedModel],
+        config: EngineConfig,
+        default_max_tokens: int,
+        enable_lora: bool = False,
     ) -> None:
         self.config = config
+        self.enable_lora = enable_lora
         self.engine = TorchEngine(served, config)
         self.models = {
             name: ServedModel(
@@ -123,7 +129,22 @@ class TorchSide:
         used = sum(p.cache.capacity_tokens - p.cache.free_tokens for p in pools)
         load = self.engine.load()
         queued, decoding = load.queued_prefill_tokens, load.decoding
-        return WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding)
+        out = WorkerLoad(load.running, load.waiting, used, capacity, queued, decoding)
+        if not self.enable_lora:
+            return out
+        slots = self.engine.adapters.slots
+        return out._replace(lora_active=tuple(slots.active), max_loras=slots.max_loras)
+
+    def load_adapter(self, name: str, path: str) -> ServedModel:
+        """Reads the adapter's files (small: on the loop's thread, between steps)."""
+        self.engine.load_adapter(name, path)
+        model = self.models[name] = next(iter(self.models.values())).adapter(name, path)
+        return model
+
+    def unload_adapter(self, name: str) -> Events:
+        events = self.engine.unload_adapter(name)
+        del self.models[name]
+        return events
 
     def invalidate(self, asked: InvalidateRequest) -> tuple[dict[str, int], Events]:
         done, events = self.engine.invalidate(asked.scope, asked.kv_group)
@@ -199,6 +220,8 @@ class TorchSide:
             unit = 1 if is_counter else hosts[0][1].block_size  # blocks, or tokens -> pages
             samples = [(i, getattr(host.stats(), attr) // unit) for i, host in hosts]
             yield (counter if is_counter else gauge)(metric, doc, "pool", samples)
+        if self.enable_lora:
+            yield from lora_metrics(engine.adapters.slots, next(iter(self.models)))
 
 
 def load_models(args: argparse.Namespace, page_size: int) -> dict[str, LoadedModel]:
@@ -283,7 +306,8 @@ def build_engine(args: argparse.Namespace) -> TorchSide:
     config = from_flags(EngineConfig, args, attention=args.attention, scheduler=scheduler)
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    return TorchSide(load_models(args, config.page_size), config, args.default_max_tokens)
+    served = load_models(args, config.page_size)
+    return TorchSide(served, config, args.default_max_tokens, args.enable_lora)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,6 +100,13 @@ class EndpointPicker:
                     flow.done(ticket)
                     raise
             salt, public_tokens = scope.salt, plan.public_tokens
+        if plan.model.adapter:  # loaded first where it is not, as the gateway does
+            try:
+                await self._load_adapter(plan)
+            except BaseException:
+                if flow is not None and ticket is not None:
+                    flow.done(ticket)
+                raise
         if ticket is None:
             return self._picked(plan, body, salt, public_tokens, subset)
         assert flow is not None
@@ -108,6 +115,22 @@ class EndpointPicker:
         except BaseException:
             flow.done(ticket)
             raise
+
+    async def _load_adapter(self, plan: Plan) -> None:
+        """Load `plan`'s LoRA adapter on the first worker in the policy's order that can take
+        it (docs/adapters.md); the endpoints are then those that have it. None can: 503."""
+        loader, workers = self.gateway.proxy.loader, self.fleet.workers
+        last = "no worker was up"
+        for name in plan.ranked():
+            worker = workers.get(name)
+            if worker is None or not worker.up:
+                continue
+            why = await loader.ready(worker, plan.model)
+            if why is None:
+                return
+            last = f"{worker.name}: {why}"
+        message = f"no worker could load adapter '{plan.model.adapter}' (last: {last})"
+        raise APIError(503, message, type="service_unavailable", code="adapter_load_failed")
 
     async def _admitted(self, flow: FlowControl, ticket: Ticket) -> None:
         """Flow control lets `ticket` go (it may wait in the queue); Refusal otherwise."""
@@ -140,6 +163,10 @@ class EndpointPicker:
         ranked = [w for name in plan.ranked() if (w := workers.get(name)) is not None and w.up]
         if subset is not None:
             ranked = [w for w in ranked if endpoint_of(w) in subset]
+        adapter = plan.model.adapter
+        if adapter:  # only where it is loaded (_load_adapter): another would refuse its name
+            held = self.fleet.adapters.workers
+            ranked = [w for w in ranked if w.name in held and adapter in held[w.name].loaded]
         if not ranked:
             message = f"no eligible endpoint for model '{plan.model.name}'"
             raise APIError(503, message, type="service_unavailable", code="no_endpoint")
@@ -149,8 +176,10 @@ class EndpointPicker:
             raise APIError(429, message, type="rate_limit_error", code="overloaded")
         chosen = ranked[0]
         group = chosen.kv_group_of(plan.model)
-        exact = chosen.exact(group)
+        exact = chosen.exact_for(plan.model, group)
         load = plan.route.attempt(chosen.name, group, exact, chosen.load, plan.arrived)
+        if adapter:  # its slot's last use, a request in flight on it until `ended`
+            self.fleet.adapters.use(chosen.name, adapter, plan.arrived)
         header = plan.header(chosen.name)
         payload = forwarded(body, salt, public_tokens)
         extra: Headers = []
@@ -170,6 +199,8 @@ class EndpointPicker:
     def ended(self, pick: Pick, output_tokens: int | None) -> None:
         """The request ended, however (flow control settles its tenant's budget)."""
         flow, ticket = self.gateway.flow, pick.ticket
+        if pick.plan.model.adapter:
+            self.fleet.adapters.finish(pick.worker.name, pick.plan.model.adapter)
         if flow is not None and ticket is not None:
             flow.used(ticket, output_tokens)
             flow.done(ticket)
@@ -181,7 +212,7 @@ class EndpointPicker:
         if worker is None or not plan.prefix_cache:  # embeddings: nothing cached
             return
         group = worker.kv_group_of(plan.model)
-        plan.route.done(worker.name, group, worker.exact(group), time.monotonic())
+        plan.route.done(worker.name, group, worker.exact_for(plan.model, group), time.monotonic())
         series = self.gateway.metrics.series[plan.model.name, worker.name]
         try:
             predicted, host = plan.matched(worker.name), plan.host_matched(worker.name)

@@ -75,7 +75,7 @@ class Gateway:
         told = {"prefill_tokens_per_s": config.prefill_tokens_per_s}  # one knob (docs/policies.md)
         self.policy = make_policy(config.policy, told, **config.policy_params)
         # the one request lifecycle (router/route.py): admin invalidations mark when they begin
-        self.routing = Routing(self.index)
+        self.routing = Routing(self.index, self.fleet.adapters)
         self.router = Router(self.fleet, self.routing, self.policy)
         if isinstance(self.policy, CacheAwarePolicy) and (
             "host_copy_tokens_per_s" not in config.policy_params
@@ -101,6 +101,7 @@ class Gateway:
             self.fleet.on_up.append(self.parity.on_up)
             self.metrics.registry.register(self.parity)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
+        self.metrics.registry.register(self.proxy.loader)  # LoRA adapters' loads and slots
         self.flow: FlowControl | None = None  # flow control (docs/flow-control.md); None: off
         if config.flow_control:
             share = config.flow_budget_share / (siblings.count if siblings is not None else 1)

@@ -184,12 +184,40 @@ def check(config: GatewayConfig) -> None:
         where = f"tenants[{i}].%s (tenant {tenant.name!r})"
         _one_of(where % "isolation", tenant.isolation, ISOLATION_LEVELS)
         _one_of(where % "fairness", tenant.fairness, FAIRNESS)
+    _check_adapters(config)
     for i, worker in enumerate(config.workers):
         if not worker.url.startswith(("http://", "https://")):
             raise ConfigError(
                 f"workers[{i}].url: must start with http:// or https://, got {worker.url!r}"
             )
         _one_of(f"workers[{i}].engine", worker.engine, ENGINES)
+
+
+def _check_adapters(config: GatewayConfig) -> None:
+    """LoRA adapters (docs/adapters.md): each over a declared base model that is no adapter,
+    its kv_group derived (never given), its name its own."""
+    models = {m.name: m for m in config.models}
+    for i, model in enumerate(config.models):
+        where = f"models[{i}] ({model.name!r})"
+        if model.base is None:
+            if model.lora_path is not None or model.size_mb is not None:
+                raise ConfigError(f"{where}: lora_path and size_mb need a base (a LoRA adapter)")
+            continue
+        base = models.get(model.base)
+        if base is None:
+            raise ConfigError(
+                f"{where}.base: {model.base!r} is not a model of [[models]]: declare the base "
+                "model too (name, tokenizer)"
+            )
+        if base.base is not None:
+            raise ConfigError(f"{where}.base: {model.base!r} is itself an adapter")
+        if model.kv_group is not None:
+            raise ConfigError(
+                f"{where}.kv_group: an adapter's kv_group is derived "
+                f"(<base's kv_group>+lora:{model.name}), not given"
+            )
+        if model.aliases:
+            raise ConfigError(f"{where}.aliases: an adapter is asked for by its own name")
 
 
 def _unknown_policy(name: str) -> str:

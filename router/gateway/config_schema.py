@@ -12,6 +12,7 @@ from core import settings
 from core.hardware import DEFAULT_PREFILL_TOKENS_PER_S
 from core.logs import FORMATS, LEVELS
 from core.settings import setting
+from router.adapters import DEFAULT_LOAD_MB_PER_S, DEFAULT_LOAD_S
 from router.index import DEFAULT_APPROX_TTL_S
 
 ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
@@ -56,6 +57,10 @@ class ModelConfig:
     tokenizer: str = "byte"
     block_size: PositiveInt | None = None  # None: the worker's
     aliases: list[str] = field(default_factory=list)
+    # a LoRA adapter (docs/adapters.md): its base model, where its weights load from, its size
+    base: str | None = None
+    lora_path: str | None = None
+    size_mb: Positive | None = None
 
 
 @dataclass(slots=True)
@@ -124,6 +129,14 @@ class GatewayConfig:
         False, "start degraded: plain least-load routing (flip with POST /admin/mode)"
     )
     shadow_policies: list[str] = setting([], "policies that watch, never act", None)
+    lora_load_mb_per_s: Positive = setting(
+        DEFAULT_LOAD_MB_PER_S, "LoRA adapters: the rate a worker reads an adapter's weights at"
+    )
+    lora_load_s: NonNegative = setting(
+        DEFAULT_LOAD_S,
+        "LoRA adapters: a load's fixed seconds (the call, opening its files)",
+        "--lora-load-s",
+    )
 
     # index
     approx_ttl_s: Positive = setting(

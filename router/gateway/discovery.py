@@ -17,7 +17,8 @@ from lightkube.types import on_error_raise
 
 from router.gateway.config import GatewayConfig, WorkerConfig
 from router.gateway.config_schema import ENGINES
-from router.gateway.fleet import Fleet, reachable
+from router.gateway.event_streams import reachable
+from router.gateway.fleet import Fleet
 
 log = logging.getLogger(__name__)
 PREFIX = "urc.dev/"  # the annotations a pod describes itself with

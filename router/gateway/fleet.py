@@ -4,7 +4,6 @@ KV-event streams, one per kv_group (docs/dispatch.md, "The fleet"; docs/kv-event
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -16,61 +15,14 @@ import aiohttp
 
 from core.blocks import DEFAULT_BLOCK_SIZE
 from core.tokenizer import Tokenizer, load_tokenizer
+from router.adapters import Adapters, adapter_group
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
+from router.gateway.event_streams import EventStream, discovered_streams, reachable
 from router.gateway.upstream import UpstreamPool
 from router.index import UnifiedIndex, host_group
-from router.kv_mirror import WorkerMirror
-from router.kv_subscriber import KVEventSubscriber
 from router.policies import WorkerLoad
 
 log = logging.getLogger(__name__)
-_WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", "127.0.0.1", "localhost"}
-
-
-def reachable(endpoint: str | None, worker_host: str) -> str | None:
-    """A worker reports its bind address (tcp://*:5557, tcp://127.0.0.1:5557); seen from the
-    gateway its events live on the host of its URL (a container name, another machine)."""
-    if not endpoint or not endpoint.startswith("tcp://"):
-        return endpoint
-    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
-    if sep and host in _WILDCARD_HOSTS:
-        return f"tcp://{worker_host}:{port}"
-    return endpoint
-
-
-@dataclass(slots=True, eq=False)
-class EventStream:
-    kv_group: str
-    endpoint: str
-    replay_endpoint: str | None = None
-    topic: str = ""
-    mirror: WorkerMirror | None = None
-    subscriber: KVEventSubscriber | None = None
-    task: asyncio.Task[None] | None = None
-
-    def start(self, index: UnifiedIndex, worker: str, block_size: int) -> None:
-        self.mirror = WorkerMirror(index, worker, self.kv_group, block_size=block_size)
-        self.subscriber = KVEventSubscriber(
-            self.mirror, self.endpoint, self.replay_endpoint, topic=self.topic, clock=time.monotonic
-        )
-        self.task = asyncio.get_running_loop().create_task(self.subscriber.run())
-
-    async def stop(self) -> None:
-        if self.subscriber is not None:
-            self.subscriber.stop()
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self.task
-        self.subscriber = self.task = self.mirror = None
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "kv_group": self.kv_group,
-            "endpoint": self.endpoint,
-            "replay_endpoint": self.replay_endpoint,
-            "mirror": self.mirror.stats()._asdict() if self.mirror is not None else None,
-        }
 
 
 def _host_copy_rate(info: dict[str, Any]) -> float:
@@ -81,38 +33,18 @@ def _host_copy_rate(info: dict[str, Any]) -> float:
     return float(rate) if isinstance(rate, int | float) and rate > 0 else 0.0
 
 
-def discovered_streams(
-    info: dict[str, Any], served: dict[str, str], host: str
-) -> list[EventStream]:
-    """The streams a worker's /urc/info describes: per model, or one for a single kv_group."""
-    streams: dict[str, EventStream] = {}
-    for entry in info.get("models", []):
-        events = entry.get("kv_events")
-        group = served.get(entry.get("name", ""))
-        if events and group and events.get("endpoint"):
-            streams.setdefault(group, _stream(group, events, host))
-    top = info.get("kv_events")
-    groups = set(served.values())
-    if not streams and top and top.get("endpoint") and len(groups) == 1:
-        group = groups.pop()
-        streams[group] = _stream(group, top, host)
-    return list(streams.values())
-
-
-def _stream(group: str, events: dict[str, Any], host: str) -> EventStream:
-    endpoint = reachable(events["endpoint"], host) or ""
-    replay = reachable(events.get("replay_endpoint"), host)
-    return EventStream(group, endpoint, replay, events.get("topic", ""))
-
-
 @dataclass(slots=True)
 class Model:
-    """A served model name and how to key its prompts."""
+    """A served model name and how to key its prompts; a LoRA adapter names its base
+    (docs/adapters.md)."""
 
     name: str
     kv_group: str
     tokenizer: Tokenizer
     block_size: int
+    adapter: str = ""  # its own name when it is a LoRA adapter ("": a base model)
+    base_group: str = ""  # an adapter's: its base's kv_group, whose workers may load it
+    lora_path: str | None = None  # where its weights load from (None: only where loaded)
 
 
 @dataclass(slots=True, eq=False)
@@ -156,6 +88,11 @@ class Worker:
                 return True
         return False
 
+    def exact_for(self, model: Model, kv_group: str) -> bool:
+        """`exact` for `model` served in `kv_group`: an adapter's blocks come on its base's
+        stream (docs/adapters.md)."""
+        return self.exact(model.base_group if model.adapter else kv_group)
+
     @property
     def mode(self) -> str:
         groups = set(self.models.values())
@@ -184,9 +121,16 @@ class Fleet:
         self._configured = {m.name: m for m in config.models}
         # --kv-groups: the only groups this gateway routes and follows the KV events of
         self.follow = frozenset(g for g in config.kv_groups.split(",") if g)
+        # LoRA adapters' slots and loads on each worker (docs/adapters.md)
+        self.adapters = Adapters(config.lora_load_mb_per_s, config.lora_load_s)
         for model in config.models:
-            group, block_size = model.kv_group or model.name, model.block_size or DEFAULT_BLOCK_SIZE
-            self._declare(model.name, model, group, block_size)
+            if model.base is None:
+                group, block_size = model.kv_group or model.name, model.block_size
+                self._declare(model.name, model, group, block_size or DEFAULT_BLOCK_SIZE)
+        for model in config.models:
+            if model.base is not None:  # over a declared base (config.py checks)
+                self._declare_adapter(model.name, self.models[model.base], model.lora_path)
+                self.adapters.declare(model.name, model.size_mb)
         self.session: aiohttp.ClientSession | None = None
         self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
         self.on_down: list[Callable[[Worker], None]] = []  # called when a worker is taken out
@@ -199,6 +143,13 @@ class Fleet:
         self.models[name] = model
         for alias in config.aliases if config else ():
             self.models[alias] = model
+        return model
+
+    def _declare_adapter(self, name: str, base: Model, lora_path: str | None) -> Model:
+        """Adapter `name` over `base`: its own kv_group, the base's tokenizer and blocks."""
+        group = adapter_group(base.kv_group, name)
+        model = Model(name, group, base.tokenizer, base.block_size, name, base.kv_group, lora_path)
+        self.models[name] = model
         return model
 
     def candidates(self, kv_group: str) -> list[Worker]:
@@ -333,6 +284,8 @@ class Fleet:
         worker.host_copy_tokens_per_s = _host_copy_rate(info)
         served: dict[str, str] = {}
         for entry in info.get("models", []):
+            if entry.get("base"):
+                continue  # a LoRA adapter loaded there: _found_adapters
             name = entry["name"]
             configured = self._configured.get(name)
             group = (configured.kv_group if configured else None) or entry.get("kv_group") or name
@@ -350,6 +303,9 @@ class Fleet:
             self._adopt_block_size(name, worker)
             served[name] = model.kv_group
         worker.models = served
+        if config.engine == "vllm":  # its adapters are in /v1/models, with their parent
+            info = {"models": await self._vllm_models(worker, timeout)}
+        self._found_adapters(worker, info.get("models", []), info.get("lora") or {})
         if config.kv_events:  # configured: one stream, meaningful only for a single kv_group
             groups = set(served.values())
             ends = (config.kv_events, config.kv_replay, config.kv_topic)
@@ -357,12 +313,55 @@ class Fleet:
         else:  # discovered afresh each time: a restart may move them
             worker.streams = discovered_streams(info, served, worker.pool.host)
 
+    async def _vllm_models(self, worker: Worker, timeout: aiohttp.ClientTimeout) -> list[dict]:
+        """vLLM's /v1/models as /urc/info's entries: an adapter has a parent and a root."""
+        assert self.session is not None
+        async with self.session.get(worker.url + "/v1/models", timeout=timeout) as resp:
+            body = await resp.json(content_type=None) if resp.status == 200 else {}
+        data = body.get("data") if isinstance(body, dict) else None
+        return [
+            {"name": m.get("id"), "base": m.get("parent"), "lora_path": m.get("root")}
+            for m in data or []
+            if isinstance(m, dict)
+        ]
+
+    def _found_adapters(self, worker: Worker, entries: list[dict], lora: dict) -> None:
+        """The LoRA adapters `worker` has loaded (entries with a base it serves), declared when
+        new, and its slots (`lora`: /urc/info's max_loras and active; docs/adapters.md)."""
+        loaded: list[str] = []
+        for entry in entries:
+            name, base = entry.get("name"), entry.get("base")
+            if not base or not isinstance(name, str) or base not in worker.models:
+                continue
+            model = self.models.get(name)
+            if model is None:
+                path = entry.get("lora_path")
+                model = self._declare_adapter(name, self.models[base], path)
+                self.adapters.declare(name, None)
+            if model.adapter:
+                loaded.append(name)
+        active = lora.get("active")
+        slots = lora.get("max_loras")
+        self.adapters.observe(worker.name, loaded, active, slots if isinstance(slots, int) else 0)
+
+    def adapter_loads(self, model: Model) -> list[WorkerLoad]:
+        """The loads of the workers that may serve adapter `model`: its base's, or (without a
+        lora_path to load it from) those that have it loaded."""
+        loads = self.loads(model.base_group)
+        if model.lora_path:
+            return loads
+        held = self.adapters.workers
+        return [w for w in loads if w.worker in held and model.adapter in held[w.worker].loaded]
+
     def _adopt_block_size(self, name: str, worker: Worker) -> None:
         """A model configured without a block size is keyed with its workers' (one per kv_group)."""
         configured = self._configured.get(name)
         model = self.models[name]
         if configured is not None and configured.block_size is None:
             model.block_size = worker.block_size
+            for other in self.models.values():  # its adapters are keyed as it is
+                if other.adapter and other.base_group == model.kv_group:
+                    other.block_size = model.block_size
         elif model.block_size != worker.block_size:
             message = "worker %s has block size %d, model %s is keyed with %d"
             log.warning(message, worker.name, worker.block_size, name, model.block_size)
@@ -387,5 +386,6 @@ class Fleet:
         for stream in worker.streams:
             await stream.stop()
         self.index.clear(worker.name)
+        self.adapters.forget(worker.name)
         worker.pool.close()
         log.warning("worker %s down (%s): its residency left the index", worker.name, why)

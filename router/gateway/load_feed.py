@@ -105,6 +105,7 @@ class LoadFeed(Collector):
                     log.debug("bad load from %s: %s", worker.name, exc)
                     continue
                 merge(worker.load, reported, sample, time.monotonic())
+                self._lora(worker, sample)
                 if self.on_merge is not None:
                     self.on_merge()
         finally:
@@ -132,8 +133,14 @@ class LoadFeed(Collector):
             forget(worker.load, reported)
             return
         merge(worker.load, reported, sample, time.monotonic())
+        self._lora(worker, sample)
         if self.on_merge is not None:
             self.on_merge()
+
+    def _lora(self, worker: Worker, sample: Sample) -> None:
+        """Its active LoRA adapters and slots, where it says them (docs/adapters.md)."""
+        if sample.lora is not None:
+            self.fleet.adapters.observe_active(worker.name, *sample.lora)
 
     async def _fetch(self, worker: Worker, reported: Reported) -> Sample | None:
         """The worker's sample; None when it has none to give (its source becomes "none")."""

@@ -26,6 +26,14 @@ class Sample(NamedTuple):
     free_kv_pages: int | None  # None: not reported
     total_kv_pages: int | None
     kv_usage: float  # share of the KV pool in use, 0..1
+    lora: LoraSlots | None = None  # its LoRA adapters, when it says (docs/adapters.md)
+
+
+class LoraSlots(NamedTuple):
+    """A worker's active LoRA adapters and its slots (0: unsaid)."""
+
+    active: list[str]
+    max_loras: int
 
 
 class _UrcLoad(msgspec.Struct):
@@ -37,6 +45,8 @@ class _UrcLoad(msgspec.Struct):
     running_decode: int
     free_kv_pages: int
     total_kv_pages: int
+    lora_active: list[str] | None = None  # a worker serving LoRA adapters: those active
+    max_loras: int = 0
 
 
 _decode_urc = msgspec.json.Decoder(_UrcLoad).decode
@@ -58,6 +68,7 @@ def parse_urc(body: bytes) -> Sample:
         doc.free_kv_pages,
         total,
         usage,
+        None if doc.lora_active is None else LoraSlots(doc.lora_active, doc.max_loras),
     )
 
 
@@ -71,6 +82,31 @@ _LINE = re.compile(
     rb"(?:\{[^\n]*\})?[ \t]+(\S+)",
     re.MULTILINE,
 )
+
+
+# vLLM's LoRA gauge (the source GIE's LoRA-affinity scorer reads): one series per change, its
+# value the time of it; the latest says which adapters run or wait and its slots
+_LORA = re.compile(rb"^vllm:lora_requests_info\{([^\n}]*)\}[ \t]+(\S+)", re.MULTILINE)
+_LABEL = re.compile(rb'(\w+)="([^"]*)"')
+
+
+def lora_slots(text: bytes) -> LoraSlots | None:
+    """vLLM's `vllm:lora_requests_info`: the adapters running or waiting, and `max_lora`."""
+    latest, labels = -math.inf, b""
+    for match in _LORA.finditer(text):
+        try:
+            at = float(match.group(2))
+        except ValueError:
+            continue
+        if at >= latest:
+            latest, labels = at, match.group(1)
+    if latest == -math.inf:
+        return None
+    said = {k.decode(): v.decode() for k, v in _LABEL.findall(labels)}
+    names = f"{said.get('running_lora_adapters', '')},{said.get('waiting_lora_adapters', '')}"
+    slots = said.get("max_lora", "0")
+    active = list(dict.fromkeys(n for n in names.split(",") if n))
+    return LoraSlots(active, int(slots) if slots.isdigit() else 0)
 
 
 def parse_prometheus(text: bytes) -> Sample | None:
@@ -97,7 +133,8 @@ def parse_prometheus(text: bytes) -> Sample | None:
             running += int(value)
     if not found:
         return None
-    return Sample(waiting, running, None, running, None, None, usage)
+    lora = lora_slots(text) if b"vllm:lora_requests_info" in text else None
+    return Sample(waiting, running, None, running, None, None, usage, lora)
 
 
 @dataclass(slots=True, eq=False)

@@ -13,6 +13,7 @@ from typing import NamedTuple
 from core.errors import APIError
 from core.logs import REQUEST_ID_HEADER
 from router.gateway.access import RequestNote
+from router.gateway.adapter_loader import AdapterLoader
 from router.gateway.deadlines import Deadlines
 from router.gateway.fleet import Fleet, Worker
 from router.gateway.metrics import GatewayMetrics
@@ -68,6 +69,7 @@ class Proxy:
         self.request_timeout_s = fleet.config.request_timeout_s
         self.ttfb_timeout_s = fleet.config.ttfb_timeout_s
         self.deadlines = Deadlines()
+        self.loader = AdapterLoader(fleet)  # LoRA adapters, loaded on demand
         self.on_load: Callable[[], None] | None = None  # flow control's pump: a load moved
         fleet.on_down.append(self.abandon)
 
@@ -100,10 +102,16 @@ class Proxy:
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
         workers = self.fleet.workers
+        adapter = plan.model.adapter  # a LoRA adapter's: loaded first where it is not
+        tried = False
         for name in plan.ranked():
             worker = workers.get(name)
             if worker is None or not worker.up:
                 continue
+            if adapter and (why := await self.loader.ready(worker, plan.model)) is not None:
+                last_error = f"{worker.name}: adapter '{adapter}' {why}"
+                continue
+            tried = True
             attempt = _Attempt(self, reply, plan, worker, t0, note)
             attempt.extra = extra
             body = prioritized if prioritized is not None and worker.takes_priority else payload
@@ -128,6 +136,9 @@ class Proxy:
                 note.answered(answered[0])
             reply.whole(*answered)
             return
+        if adapter and not tried:
+            message = f"no worker could load adapter '{adapter}' (last: {last_error})"
+            raise APIError(503, message, type="service_unavailable", code="adapter_load_failed")
         message = f"every worker failed for model '{plan.model.name}' (last: {last_error})"
         raise APIError(502, message, type="bad_gateway", code="worker_failed")
 
@@ -169,9 +180,12 @@ class _Attempt:
         self.plan = plan
         self.worker = worker
         self.kv_group = group = worker.kv_group_of(plan.model)
-        self.exact = worker.exact(group)
+        model = plan.model  # an adapter's blocks come on its base's stream (Worker.exact_for)
+        self.exact = worker.exact(model.base_group if model.adapter else group)
         # the lifecycle's attempt (router/route.py): this try's share of the worker's load
         self.load = plan.route.attempt(worker.name, group, self.exact, worker.load, t0)
+        if plan.model.adapter:  # its slot's last use, and a request in flight on it
+            proxy.fleet.adapters.use(worker.name, plan.model.adapter, t0)
         self.t0 = t0  # when the request's forwarding began
         self.note = note
         self.extra: Headers | None = None  # flow control's headers for the client
@@ -189,6 +203,8 @@ class _Attempt:
             if timer is not None:
                 timer.cancel()
             self.load.finish()
+            if self.plan.model.adapter:
+                proxy.fleet.adapters.finish(self.worker.name, self.plan.model.adapter)
             if proxy.on_load is not None:
                 proxy.on_load()
 

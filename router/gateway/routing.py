@@ -149,7 +149,9 @@ class Router:
         tokens = self.tokens(model, body, chat)
         public_tokens = self.public_tokens(model, body, tokens) if public and chat and salt else 0
         keys = block_keys(tokens, model.block_size, salt, public_tokens // model.block_size)
-        request = RouteRequest(keys, len(tokens), model.block_size, model.kv_group, model.name)
+        request = RouteRequest(
+            keys, len(tokens), model.block_size, model.kv_group, model.name, model.adapter
+        )
         return Keyed(model, request, salt, public_tokens, arrived, time.perf_counter() - t0)
 
     def route(self, keyed: Keyed, policy: Policy | None = None, now: float | None = None) -> Plan:
@@ -158,7 +160,8 @@ class Router:
         t0 = time.perf_counter()
         model = keyed.model
         policy = policy or self.policy
-        loads = self.fleet.loads(model.kv_group)
+        fleet = self.fleet
+        loads = fleet.adapter_loads(model) if model.adapter else fleet.loads(model.kv_group)
         public_blocks = keyed.public_tokens // model.block_size
         at = keyed.arrived if now is None else now
         route = self.routing.route(keyed.request, loads, policy, at, keyed.salt, public_blocks)
@@ -189,7 +192,13 @@ class Router:
         if model is None:
             message = f"The model '{name}' does not exist"
             raise APIError(404, message, param="model", code="model_not_found")
-        if not self.fleet.candidates(model.kv_group):
+        if model.adapter and not self.fleet.adapter_loads(model):
+            if not model.lora_path and self.fleet.candidates(model.base_group):
+                message = f"the adapter '{name}' is loaded on no worker and has no lora_path"
+                raise APIError(404, message, param="model", code="model_not_found")
+            message = f"no healthy worker serves the base model of adapter '{name}'"
+            raise APIError(503, message, type="service_unavailable", code="no_worker")
+        if not model.adapter and not self.fleet.candidates(model.kv_group):
             message = f"no healthy worker serves model '{name}'"
             raise APIError(503, message, type="service_unavailable", code="no_worker")
         return model

@@ -17,6 +17,7 @@ class RouteRequest:
     block_size: int
     kv_group: str
     model: str
+    adapter: str  # the LoRA adapter it names ("": a base model), docs/adapters.md
 
     def __init__(
         self,
@@ -25,12 +26,14 @@ class RouteRequest:
         block_size: int,
         kv_group: str,
         model: str = "",
+        adapter: str = "",
     ) -> None:
         self.block_keys = block_keys
         self.prompt_tokens = prompt_tokens
         self.block_size = block_size
         self.kv_group = kv_group
         self.model = model
+        self.adapter = adapter
 
     def matched_tokens(self, blocks: int) -> int:
         """The prompt tokens a worker holding its first `blocks` blocks can reuse: whole
@@ -79,6 +82,7 @@ class Candidate(WorkerLoad):
     cached_blocks: int  # all blocks this worker holds for the kv_group (its tree size)
     stored_blocks: int  # blocks it has stored so far (its cache's inflow, from KV events)
     host_blocks: int  # blocks right after matched_blocks it holds in its host tier (docs/tiers.md)
+    adapter_s: float  # an adapter request's load + eviction price here (router/adapters.py)
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class Candidate(WorkerLoad):
         cached_blocks: int = 0,
         stored_blocks: int = 0,
         host_blocks: int = 0,
+        adapter_s: float = 0.0,
     ) -> None:
         self.worker = worker
         self.matched_blocks = matched_blocks
@@ -99,6 +104,7 @@ class Candidate(WorkerLoad):
         self.cached_blocks = cached_blocks
         self.stored_blocks = stored_blocks
         self.host_blocks = host_blocks
+        self.adapter_s = adapter_s
 
 
 @dataclass(init=False, slots=True)

@@ -99,6 +99,7 @@ class CacheAwarePolicy:
         rendezvous_slack_s: float = 0.0,
         rendezvous_factor: float = 0.1,
         host_copy_tokens_per_s: float = DEFAULT_HOST_COPY_TOKENS_PER_S,
+        adapter_aware: bool = True,
     ) -> None:
         if min(prefill_tokens_per_s, chunk_tokens, host_copy_tokens_per_s) <= 0:
             raise ValueError(
@@ -116,6 +117,8 @@ class CacheAwarePolicy:
         self.rendezvous_slack_s = rendezvous_slack_s
         self.rendezvous_factor = rendezvous_factor
         self.host_copy_tokens_per_s = host_copy_tokens_per_s
+        # False: blind to LoRA adapters' loads and slots (the baseline of docs/adapters.md)
+        self.adapter_aware = adapter_aware
         self._s_per_token = 1.0 / prefill_tokens_per_s
         self._s_per_copy = 1.0 / host_copy_tokens_per_s  # a host-tier block's promotion
         self._name_bytes: dict[str, bytes] = {}
@@ -250,12 +253,17 @@ class CacheAwarePolicy:
                     steps = 1.0
                 cost += steps * c.running_decode * decode_token_s
             costs.append(cost)
+        if request.adapter and self.adapter_aware:  # its load and eviction, where not active
+            for i, c in enumerate(candidates):
+                costs[i] += c.adapter_s
         return costs
 
     def _place_new(self, request: RouteRequest, candidates: Sequence[Candidate], key: int) -> int:
         """The worker within the wait bound whose cache took the least new content lately
         (stored over the last turnover, plus routed and not yet prefilled); ties by rendezvous."""
         waits = [self.ttft(request, c) for c in candidates]  # the same new tokens for all
+        if request.adapter and self.adapter_aware:
+            waits = [w + c.adapter_s for w, c in zip(waits, candidates, strict=True)]
         fastest = min(waits)
         bound = fastest + max(self.rendezvous_slack_s, self.rendezvous_factor * fastest)
         history = self.history(request.kv_group)
