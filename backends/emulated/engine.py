@@ -24,7 +24,6 @@ from core.kv_events import MEDIUM_CPU, KVEvent
 
 _EPS: Final = 1e-9  # float slack when counting steps between two times
 
-
 # the members as Final names: compiled, a constant instead of a lookup in the hot paths
 _WAITING: Final = State.WAITING
 _PREFILL: Final = State.PREFILL
