@@ -90,7 +90,7 @@ class RolloutPlan:
         0.02, "error-rate points it may add", "--rollout-error-rate-margin"
     )
     ttft_p50_margin: float = setting(
-        0.25, "how much slower its TTFT p50 may be (0.25: 25 %)", "--rollout-ttft-p50-margin"
+        0.25, "how much slower its TTFT p50 may be (0.25: a quarter)", "--rollout-ttft-p50-margin"
     )
     ttft_p99_margin: float = setting(
         0.5, "how much slower its TTFT p99 may be", "--rollout-ttft-p99-margin"
