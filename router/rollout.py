@@ -239,6 +239,11 @@ class Rollout:
         return self._advance(now, "guardrails ok")
 
     def _advance(self, now: float, reason: str) -> Event:
+        """The next step; past the last (a plan that stops short of 100 %, e.g. a fixed 90/10
+        split), complete at the share it has."""
+        if self.step + 1 == len(self.steps):
+            self._new_step(now)
+            return self._ended(COMPLETE, now, reason)
         self.step += 1
         self.threshold = round(self.steps[self.step] * BUCKETS / 100)
         self._new_step(now)

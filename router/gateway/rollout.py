@@ -69,7 +69,7 @@ class Canary:
         self.told = {"prefill_tokens_per_s": prefill_tokens_per_s}
         self.rollout: Rollout | None = None
         self.candidate: Policy | None = None  # a policy rollout's
-        self.on = False  # a rollout is running or paused: requests take part
+        self.on = False  # the candidate has a share (running, paused, complete): requests take part
         self.outcomes = {(arm, outcome): 0.0 for arm in ARMS for outcome in ("served", "failed")}
         self.events: dict[str, float] = {}  # by kind, over every rollout of this process
         registry.register(_Exported(self))
@@ -81,13 +81,13 @@ class Canary:
             candidate = make_policy(plan.policy, self.told, **plan.policy_params)
         rollout = Rollout(plan, now)  # checks the plan
         self.rollout, self.candidate = rollout, candidate
-        self.on = True
+        self.on = rollout.share > 0
         return self._note(rollout.events[0])
 
     def _note(self, event: Event) -> Event:
         self.events[event.kind] = self.events.get(event.kind, 0.0) + 1
         rollout = self.rollout
-        self.on = rollout is not None and rollout.state not in ENDED
+        self.on = rollout is not None and rollout.share > 0
         if rollout is not None:
             level = logging.WARNING if event.kind in ("rolled_back", "aborted") else logging.INFO
             what = f"{rollout.plan.kind} {rollout.plan.candidate}"
@@ -186,7 +186,7 @@ class Canary:
             self.rollout.failed(Placement(plan.arm, plan.cluster))
 
     def evaluate(self, now: float) -> None:
-        if self.rollout is not None and self.on:
+        if self.rollout is not None and self.rollout.state not in ENDED:
             event = self.rollout.evaluate(now)
             if event is not None:
                 self._note(event)

@@ -190,3 +190,11 @@ def test_quantile_bounds_bracket_the_quantile_and_narrow_with_more_units() -> No
     assert low < 0.5 < high and high - low < 0.06
     low2, high2 = quantile_bounds(ordered, 0.5, z_of(0.95), units=50)
     assert high2 - low2 > high - low
+
+
+def test_a_plan_short_of_100_completes_at_its_last_share() -> None:
+    rollout = Rollout(plan(steps="10"), 0.0)
+    feed(rollout, 200, (0.8, 0.8), (0.1, 0.1))
+    event = rollout.evaluate(60.0)
+    assert event is not None and event.kind == "complete" and rollout.share == 10
+    assert rollout.evaluate(120.0) is None
