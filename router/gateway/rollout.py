@@ -128,8 +128,11 @@ class Canary:
             at = rollout.place(
                 conversation_key(tenant, session, user, fallback_key(routed, chat, None))
             )
-            if at.arm == CANDIDATE:  # the worker is asked for the candidate by its own name
-                routed["model"] = body["model"] = plan.model
+            # each arm's worker is asked for its model by its served name, not the alias
+            baseline = router.fleet.models.get(plan.alias)
+            name = plan.model if at.arm == CANDIDATE else baseline.name if baseline else None
+            if name is not None:
+                routed["model"] = body["model"] = name
             return router.keyed(routed, chat, salt, public), at
         keyed = router.keyed(routed, chat, salt, public)
         fallback = b"" if session or user else fallback_key(routed, chat, keyed.request.block_keys)
