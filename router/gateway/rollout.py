@@ -9,7 +9,7 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -45,7 +45,7 @@ _STATES = ("running", "paused", "complete", "rolled_back", "aborted")
 _json = msgspec.json.Encoder(order="sorted")
 
 
-def fallback_key(routed: Mapping[str, Any], chat: bool, keys: list[int] | None) -> bytes:
+def fallback_key(routed: Mapping[str, Any], chat: bool, keys: Sequence[int] | None) -> bytes:
     """A conversation without a session or user: a chat's messages up to its first user message
     (every later turn repeats them), else the prompt's first block key (or its first 256
     characters before it is keyed)."""

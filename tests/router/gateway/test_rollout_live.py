@@ -3,11 +3,14 @@ multi-turn conversations with their session header. Three replicas choose the ar
 function chooses for every session, every turn on one arm, named in `x-urc-route`; round robin
 against cache_aware rolls back at its first step and an equal candidate advances to 100 % (the
 plans of tests/simulation/test_rollout_replay.py, whose replay decides the same); a model alias
-at 90/10 keeps the fleet's hit rate within 2 points. Waits are bounded; nothing is timed."""
+at 90/10 keeps the fleet's hit rate within 2 points; the shared trace sent live rolls round robin
+back as its replay does. Waits are bounded; nothing is timed."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,15 +18,28 @@ from pathlib import Path
 import httpx
 import pytest
 
+from backends.emulated.config import EngineConfig
 from router.rollout import ARMS, Rollout, RolloutPlan, conversation_key
+from simulation.replay import FleetConfig
+from simulation.rollout import replay_rollout
+from simulation.traces import read_trace, trace_requests
 from tests.gateway import ADMIN, all_exact, route
 from tests.processes import wait_for
-from urc.processes import Child, start_gateway, start_worker
+from urc.processes import ROOT, Child, start_gateway, start_worker
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)
 SYSTEM = "You answer questions about the fleet. " * 8  # ~300 byte tokens, shared by all
 PLAN = ["--rollout-steps", "20,50,100", "--rollout-dwell", "2", "--rollout-min-requests", "60"]
 PLAN += ["--rollout-error-rate-margin", "0.05"]  # 60 requests without an error pass 5 points
+
+
+# the shared trace at 10x its speed on 4 workers with room for its prefixes and 10x the prefill
+# speed (so the speed-up does not saturate them): the same settings live and in the replay
+TRACE = ROOT / "traces" / "mooncake_synthetic_trace.jsonl"
+TRACE_SPEED = 0.1
+TRACE_ENGINE = {"prefill_tokens_per_s": 150_000.0, "capacity_tokens": 4_000_000}
+TRACE_PLAN = {"steps": "25,100", "dwell_s": 12.0, "min_requests": 100, "hit_rate_margin": 0.15}
+TRACE_PLAN |= {"ttft_p50_margin": 2.0, "ttft_p99_margin": 2.0}
 
 
 def rollout_state(url: str) -> dict:
@@ -188,3 +204,45 @@ def test_a_model_alias_at_90_10_keeps_the_hit_rate_within_2_points(tmp_path: Pat
         assert abs(rates["split"] - rates["plain"]) <= 0.02, rates
     finally:
         stop(v1, v2)
+
+
+def flags(settings: dict, prefix: str = "") -> list[str]:
+    """The flags of `settings` (`prefix` "rollout-": the gateway's --rollout-*)."""
+    out = []
+    for name, value in settings.items():
+        flag = name.removesuffix("_s") if name == "dwell_s" else name
+        out += [f"--{prefix}{flag.replace('_', '-')}", str(value)]
+    return out
+
+
+def test_the_replay_of_the_shared_trace_decides_as_the_live_run():
+    """Round robin against cache_aware under one plan: rolled back at its first step, live (the
+    trace sent by `urc bench` at its timestamps) and in the replay (virtual time)."""
+    trace = read_trace(TRACE)
+    engine = EngineConfig(block_size=trace.block_size, **TRACE_ENGINE)  # type: ignore[arg-type]
+    plan = RolloutPlan(policy="round_robin", **TRACE_PLAN)  # type: ignore[arg-type]
+    requests = trace_requests(trace, time_scale=TRACE_SPEED)
+    _, replayed = replay_rollout(requests, "cache_aware", plan, FleetConfig(4, engine=engine), {})
+    workers = [start_worker(*flags(TRACE_ENGINE)) for _ in range(4)]
+    gateway = start_gateway(
+        [w.url for w in workers],
+        "--admin-key",
+        "admin-secret",
+        *flags(TRACE_PLAN, "rollout-"),
+        "--rollout-policy",
+        "round_robin",
+    )
+    try:
+        assert wait_for(lambda: all_exact(gateway.url, 4), 20)
+        bench = [sys.executable, "-m", "urc.cli", "bench", "--target", gateway.url, "--trace"]
+        bench += [str(TRACE), "--time-scale", str(TRACE_SPEED), "--no-progress"]
+        done = subprocess.run(bench, capture_output=True, text=True, timeout=400, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        live = rollout_state(gateway.url)
+    finally:
+        stop([gateway], workers)
+    decided = [(e["kind"], e["step"], e["share"]) for e in replayed["events"]]
+    assert decided == [("started", 0, 25), ("rolled_back", 0, 0)]
+    assert [(e["kind"], e["step"], e["share"]) for e in live["events"]] == decided
+    assert live["events"][-1]["reason"].startswith("hit_rate worse")
+    assert replayed["events"][-1]["reason"].startswith("hit_rate worse")
