@@ -32,7 +32,7 @@ from router.rollout import (
     RolloutPlan,
     conversation_key,
 )
-from router.rollout_stats import OK, WORSE
+from router.rollout_stats import HIT, OK, WORSE
 
 if TYPE_CHECKING:
     from router.gateway.fleet import Worker
@@ -51,7 +51,10 @@ def fallback_key(routed: Mapping[str, Any], chat: bool, keys: Sequence[int] | No
     characters before it is keyed)."""
     if chat:
         messages = routed.get("messages") or []
-        first = next((i for i, m in enumerate(messages) if m.get("role") == "user"), 0)
+        user = (
+            i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"
+        )
+        first = next(user, 0)
         return _json.encode(messages[: first + 1])
     if keys:
         return struct.pack("<Q", keys[0] & 0xFFFF_FFFF_FFFF_FFFF)
@@ -285,8 +288,8 @@ class _Exported(Collector):
         yield guard
         doc = "Each arm's hit rate (cached / prompt tokens) in the current step"
         hits = GaugeMetricFamily("urc_rollout_hit_rate", doc, labels=["arm"])
-        for i, arm in enumerate(ARMS if rollout is not None else ()):
-            rate = rollout.arms[i].summary()["hit_rate"]  # type: ignore[union-attr]
-            if rate is not None:
-                hits.add_metric([arm], float(rate))
+        for arm, stats in zip(ARMS, rollout.arms if rollout is not None else (), strict=False):
+            rate = stats.tokens.value(HIT)
+            if not math.isnan(rate):
+                hits.add_metric([arm], rate)
         yield hits
