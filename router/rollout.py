@@ -4,16 +4,17 @@ share while the guardrails (router/rollout_stats.py) hold, or sets it to 0 when 
 Pure: the gateway (router/gateway/rollout.py) and `urc replay --rollout`
 (simulation/rollout.py) drive the same object, on the monotonic clock or the virtual one.
 
-The arm of a conversation is `bucket(key) < share`: a bucket in [0, 10000) from a keyed hash of
+The arm of a conversation is `bucket(key) < share`: a bucket in [0, 10000) from a salted hash of
 (tenant, session or user), so every replica and --processes sibling with the same salt agrees
 without talking, every turn of a conversation stays on one arm, and raising the share only moves
 conversations from the baseline to the candidate, never back."""
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+from xxhash import xxh3_64_intdigest
 
 from core.settings import setting
 from router.rollout_stats import OK, WORSE, ArmStats, Margins, Verdict, compare, finite, z_of
@@ -138,11 +139,15 @@ class RolloutPlan:
         return parse_steps(self.steps)
 
 
-def hashed(key: bytes, salt: bytes) -> int:
-    """The conversation's keyed hash, the same in every process: its bucket is this modulo
-    BUCKETS, its cluster this divided by BUCKETS."""
-    digest = hashlib.blake2b(key, key=salt, digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+def hashed(key: bytes, seed: int) -> int:
+    """The conversation's hash, seeded by the salt (`seed_of`), the same in every process: its
+    bucket is this modulo BUCKETS, its cluster this divided by 2**32. xxh3: the arm needs a
+    stable, well-spread hash on the request path, not a secret one."""
+    return xxh3_64_intdigest(key, seed)
+
+
+def seed_of(salt: str) -> int:
+    return xxh3_64_intdigest(salt.encode())
 
 
 class Placement(NamedTuple):
@@ -186,7 +191,7 @@ class Rollout:
         self.verdicts: list[Verdict] = []  # the last evaluation's
         self.holding = ""  # why a step past its dwell has not advanced
         self.events = [Event(now, "started", 0, self.share, "")]
-        self._salt = plan.salt.encode()[:64]
+        self._seed = seed_of(plan.salt)
 
     @property
     def share(self) -> float:
@@ -196,19 +201,20 @@ class Rollout:
     def place(self, key: bytes) -> Placement:
         """The arm of the conversation `key` (conversation_key), and its cluster for the
         statistics (other bits of the same hash)."""
-        point = hashed(key, self._salt)
+        point = hashed(key, self._seed)
         arm = CANDIDATE if point % BUCKETS < self.threshold else BASELINE
         return Placement(arm, point >> 32)
 
     def served(
-        self, at: Placement, prompt_tokens: int, predicted: int, cached: int, ttft: float
+        self, arm: int, cluster: int, prompt_tokens: int, predicted: int, cached: int, ttft: float
     ) -> None:
+        """An answer of the conversation `cluster` on `arm` (its Placement's)."""
         if self.state not in ENDED:
-            self.arms[at.arm].served(at.cluster, prompt_tokens, predicted, cached, ttft)
+            self.arms[arm].served(cluster, prompt_tokens, predicted, cached, ttft)
 
-    def failed(self, at: Placement) -> None:
+    def failed(self, arm: int) -> None:
         if self.state not in ENDED:
-            self.arms[at.arm].failed()
+            self.arms[arm].failed()
 
     def evaluate(self, now: float) -> Event | None:
         """Compare the arms. Within a dwell, only a guardrail `worse` at the early confidence

@@ -21,6 +21,7 @@ WORSE, OK, UNSURE = "worse", "ok", "unsure"
 
 
 CLUSTERS = 65_536  # conversations an arm tells apart in a step; past it, some share a cluster
+_CLUSTER_MASK = CLUSTERS - 1
 HIT, MISS, PROMPT = 0, 1, 2  # a cluster's sums: cached tokens, |predicted - cached|, prompt
 
 
@@ -28,34 +29,34 @@ HIT, MISS, PROMPT = 0, 1, 2  # a cluster's sums: cached tokens, |predicted - cac
 class Clustered:
     """Token sums per conversation (cluster): a token-weighted rate Σx / Σn whose variance is
     the cluster-robust one, since the turns of one conversation are not independent (its later
-    turns hit what its first one cached)."""
+    turns hit what its first one cached). Totals are summed when asked (once per evaluation),
+    not per request."""
 
     sums: dict[int, list[float]] = field(default_factory=dict)
-    total: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
 
     def add(self, cluster: int, hit: float, miss: float, prompt: float) -> None:
-        row = self.sums.get(cluster % CLUSTERS)
+        row = self.sums.get(cluster & _CLUSTER_MASK)
         if row is None:
-            row = self.sums[cluster % CLUSTERS] = [0.0, 0.0, 0.0]
+            self.sums[cluster & _CLUSTER_MASK] = [hit, miss, prompt]
+            return
         row[HIT] += hit
         row[MISS] += miss
         row[PROMPT] += prompt
-        total = self.total
-        total[HIT] += hit
-        total[MISS] += miss
-        total[PROMPT] += prompt
+
+    def total(self, which: int) -> float:
+        return math.fsum(row[which] for row in self.sums.values())
 
     def value(self, which: int) -> float:
-        n = self.total[PROMPT]
-        return self.total[which] / n if n else math.nan
+        n = self.total(PROMPT)
+        return self.total(which) / n if n else math.nan
 
     def variance(self, which: int) -> float:
         """Var(Σx/Σn) ~ G/(G-1) Σ_g (x_g - R n_g)² / (Σn)² over the G clusters (the ratio
         estimator's linearisation, clusters as the independent units)."""
-        g, n = len(self.sums), self.total[PROMPT]
+        g, n = len(self.sums), self.total(PROMPT)
         if g < 2 or not n:
             return math.inf
-        r = self.total[which] / n
+        r = self.total(which) / n
         spread = sum((row[which] - r * row[PROMPT]) ** 2 for row in self.sums.values())
         return spread * g / (g - 1) / (n * n)
 

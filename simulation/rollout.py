@@ -52,10 +52,10 @@ class ReplayRollout:
 
     def served(self, req: SimRequest, predicted: int, cached: int, ttft_s: float) -> None:
         at = cast(Placement, self.placed[req.index])
-        self.rollout.served(at, req.route.prompt_tokens, predicted, cached, ttft_s)
+        self.rollout.served(*at, req.route.prompt_tokens, predicted, cached, ttft_s)
 
     def failed(self, req: SimRequest) -> None:
-        self.rollout.failed(cast(Placement, self.placed[req.index]))
+        self.rollout.failed(cast(Placement, self.placed[req.index]).arm)
 
     def tick(self, now: float) -> None:
         """Evaluate at every period due by `now` (at its time: a quiet spell is evaluated too)."""

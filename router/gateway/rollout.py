@@ -73,7 +73,7 @@ class Canary:
         self.rollout: Rollout | None = None
         self.candidate: Policy | None = None  # a policy rollout's
         self.on = False  # the candidate has a share (running, paused, complete): requests take part
-        self.outcomes = {(arm, outcome): 0.0 for arm in ARMS for outcome in ("served", "failed")}
+        self.outcomes = [[0.0, 0.0], [0.0, 0.0]]  # by arm: served, failed
         self.events: dict[str, float] = {}  # by kind, over every rollout of this process
         registry.register(_Exported(self))
 
@@ -123,8 +123,10 @@ class Canary:
         if rollout is None or not self.on:
             return router.keyed(routed, chat, salt, public), None
         plan = rollout.plan
-        session = next((v for h in SESSION_HEADERS if (v := headers.get(h))), None)
-        user = routed.get("user") if isinstance(routed.get("user"), str) else None
+        session = headers.get(SESSION_HEADERS[0]) or headers.get(SESSION_HEADERS[1])
+        user = routed.get("user")
+        if not isinstance(user, str):
+            user = None
         if plan.model:
             if routed.get("model") != plan.alias:
                 return router.keyed(routed, chat, salt, public), None
@@ -167,12 +169,14 @@ class Canary:
         rollout = self.rollout
         if rollout is None or plan.arm < 0:
             return
-        self.outcomes[ARMS[plan.arm], "served"] += 1
-        if usage.cached_tokens is None or math.isnan(plan.ttft_s):
+        self.outcomes[plan.arm][0] += 1
+        cached = usage.cached_tokens
+        if cached is None or plan.ttft_s != plan.ttft_s:  # NaN: no first byte seen
             return
         predicted = plan.matched(worker.name)
-        at = Placement(plan.arm, plan.cluster)
-        rollout.served(at, plan.request.prompt_tokens, predicted, usage.cached_tokens, plan.ttft_s)
+        rollout.served(
+            plan.arm, plan.cluster, plan.request.prompt_tokens, predicted, cached, plan.ttft_s
+        )
 
     async def watch(self, plan: Plan, forwarding: Awaitable[None]) -> None:
         """Forward, and count a failure of the arm: a 5xx the gateway made (every worker failed)
@@ -188,8 +192,8 @@ class Canary:
 
     def _failed(self, plan: Plan) -> None:
         if self.rollout is not None and plan.arm >= 0:
-            self.outcomes[ARMS[plan.arm], "failed"] += 1
-            self.rollout.failed(Placement(plan.arm, plan.cluster))
+            self.outcomes[plan.arm][1] += 1
+            self.rollout.failed(plan.arm)
 
     def evaluate(self, now: float) -> None:
         if self.rollout is not None and self.rollout.state not in ENDED:
@@ -264,8 +268,9 @@ class _Exported(Collector):
         rollout = canary.rollout
         doc = "Requests of each rollout arm that ended served or failed"
         requests = CounterMetricFamily("urc_rollout_requests", doc, labels=["arm", "outcome"])
-        for (arm, outcome), count in canary.outcomes.items():
-            requests.add_metric([arm, outcome], count)
+        for arm, (served, failed) in zip(ARMS, canary.outcomes, strict=True):
+            requests.add_metric([arm, "served"], served)
+            requests.add_metric([arm, "failed"], failed)
         yield requests
         doc = "Rollout events by kind (started, advanced, complete, rolled_back, ...)"
         events = CounterMetricFamily("urc_rollout_events", doc, labels=["kind"])

@@ -11,7 +11,6 @@ import pytest
 from router.rollout import (
     BASELINE,
     CANDIDATE,
-    Placement,
     Rollout,
     RolloutPlan,
     conversation_key,
@@ -78,8 +77,7 @@ def feed(rollout: Rollout, n: int, hit: tuple[float, float], ttft: tuple[float, 
         for arm in (BASELINE, CANDIDATE):
             wobble = (i % 7 - 3) / 100
             cached = int(1000 * max(0.0, min(1.0, hit[arm] + wobble)))
-            at = Placement(arm, i * 2 + arm)
-            rollout.served(at, 1000, cached, cached, ttft[arm] * (1 + wobble))
+            rollout.served(arm, i * 2 + arm, 1000, cached, cached, ttft[arm] * (1 + wobble))
 
 
 def test_a_worse_candidate_rolls_back_at_once_with_the_reason() -> None:
