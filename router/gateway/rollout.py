@@ -215,6 +215,9 @@ class Canary:
     def plan_of(self, given: dict[str, Any]) -> RolloutPlan:
         """An admin start's plan: its settings over the configured ones (the salt, above all:
         replicas must share it); naming a policy or a model drops the configured candidate."""
+        unknown = sorted(set(given) - set(RolloutPlan.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown rollout settings {unknown} (docs/config.md)")
         base = msgspec.to_builtins(self.template)
         if "policy" in given or "model" in given:
             base.update(policy="", model="", alias="", policy_params={})

@@ -246,3 +246,35 @@ def test_the_replay_of_the_shared_trace_decides_as_the_live_run():
     assert [(e["kind"], e["step"], e["share"]) for e in live["events"]] == decided
     assert live["events"][-1]["reason"].startswith("hit_rate worse")
     assert replayed["events"][-1]["reason"].startswith("hit_rate worse")
+
+
+def test_the_admin_api_starts_pauses_promotes_and_aborts_with_4xx_for_what_it_cannot():
+    workers, gateways = fleet(1)
+    url = gateways[0].url
+    act = lambda body, **kw: httpx.post(f"{url}/admin/rollout", json=body, timeout=5, **kw)  # noqa: E731
+    try:
+        assert rollout_state(url) == {"state": "none"}
+        assert act({"action": "pause"}, headers=ADMIN).status_code == 409
+        assert act({"action": "start", "policy": "round_robin"}).status_code == 401
+        bad = act({"action": "start", "policy": "round_robin", "steps": "50,10"}, headers=ADMIN)
+        assert bad.status_code == 400 and "rise" in bad.json()["error"]["message"]
+        typo = act({"action": "start", "policy": "round_robin", "stepz": "5"}, headers=ADMIN)
+        assert typo.status_code == 400 and "stepz" in typo.json()["error"]["message"]
+        assert act({"action": "jump"}, headers=ADMIN).status_code == 400
+        started = act({"action": "start", "policy": "round_robin", "steps": "5,100"}, headers=ADMIN)
+        assert started.status_code == 200 and started.json()["share_percent"] == 5
+        assert act({"action": "pause"}, headers=ADMIN).json()["state"] == "paused"
+        assert act({"action": "resume"}, headers=ADMIN).json()["state"] == "running"
+        promoted = act({"action": "promote"}, headers=ADMIN).json()
+        assert promoted["state"] == "complete" and promoted["share_percent"] == 100
+        talk = Conversations([url])
+        talk.run(range(4), turns=1)
+        assert all(a == {"candidate"} for a in talk.arms.values())  # complete: all candidate
+        assert act({"action": "abort"}, headers=ADMIN).status_code == 409  # it has ended
+        act({"action": "start", "policy": "least_load", "steps": "50,100"}, headers=ADMIN)
+        aborted = act({"action": "abort"}, headers=ADMIN).json()
+        assert aborted["state"] == "aborted" and aborted["share_percent"] == 0
+        kinds = [e["kind"] for e in rollout_state(url)["events"]]
+        assert kinds == ["started", "aborted"]
+    finally:
+        stop(gateways, workers)
