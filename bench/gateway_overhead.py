@@ -47,8 +47,10 @@ VARIANTS = {
     "python": ({"URC_PURE_PYTHON": "1"}, SHIPPED[1]),
 }
 # --variants: urc with its logs and traces on (docs/operability.md), flow control on
-# (docs/flow-control.md: unsaturated, its admission path alone), or the code at --base
-OPERABILITY = ("access-log", "otel", "flow", "base")
+# (docs/flow-control.md: unsaturated, its admission path alone), a rollout running
+# (docs/rollouts.md: the policy against itself at 50 %, its arms and guardrails alone), or the
+# code at --base
+OPERABILITY = ("access-log", "otel", "flow", "rollout", "base")
 
 
 def launch_code(base: str | None = None, stderr_to: str | None = None) -> tuple[str, str]:
@@ -91,11 +93,16 @@ def operability_variant(
         return {}, launch_code(stderr_to=f"{scratch}/access.log"), ("--access-log",)
     if name == "flow":
         return {}, SHIPPED[1], ("--flow-control",)
+    if name == "rollout":  # never advances: the dwell outlasts the run
+        steps = ("--rollout-steps", "50,100", "--rollout-dwell", "1e9")
+        return {}, SHIPPED[1], ("--rollout-policy", args.policy, *steps)
     if name == "otel":
         sink = Child("otlp sink", [sys.executable, "bench/otlp_sink.py"], "sink: ")
         return {}, SHIPPED[1], ("--otel-endpoint", sink.wait_announced().url)
     if args.base is None:
         raise SystemExit("--variants base needs --base REF (e.g. the commit before a change)")
+    if Path(args.base).is_dir():  # a checkout built in place (its compiled modules run)
+        return {}, launch_code(base=str(Path(args.base).resolve())), ()
     return {}, launch_code(base=base_checkout(args.base, f"{scratch}/base")), ()
 
 
@@ -229,9 +236,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--variants",
         default="",
         help="also measure, comma-separated: source, aiohttp, python (speed parts off); "
-        "access-log, otel (to a local sink), flow (flow control on), base (the code at --base)",
+        "access-log, otel (to a local sink), flow (flow control on), rollout (a rollout "
+        "running), base (the code at --base)",
     )
-    add("--base", metavar="REF", help="the code of --variants base (with --envoy: of urc epp too)")
+    add(
+        "--base",
+        metavar="REF",
+        help="the git commit of --variants base, e.g. main, or a checkout's folder (built in "
+        "place: its compiled modules run); with --envoy: of urc epp too",
+    )
     add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
     add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
     add("--epp-duplex", action="store_true", help="with --envoy: also FULL_DUPLEX_STREAMED bodies")

@@ -19,6 +19,7 @@ from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.admission import FlowSettings
 from router.policies import POLICY_NAMES
+from router.rollout import RolloutPlan
 from simulation.compare import compare, policy_names, split_params
 from simulation.flow import FlowConfig, parse_tenant_flow
 from simulation.replay import FleetConfig
@@ -31,6 +32,7 @@ from simulation.report import (
     write_out,
 )
 from simulation.requests import SimRequest
+from simulation.rollout import add_rollout_arguments, plan_from_args, print_rollout, replay_rollout
 from simulation.shadow import LIVE, fleet_names, replay_shadow, shadow_rows
 from simulation.traces import Trace, read_trace, trace_requests
 from simulation.workloads import DEFAULT_MODELS, workload_requests
@@ -119,6 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="LoRA adapters: the gateway's load call before a worker has one (docs/adapters.md)",
     )
     add_flow_arguments(p)
+    add_rollout_arguments(p)
     engine = p.add_argument_group(
         "emulated engine", "each worker's (a trace keys its prompts with its own block size)"
     )
@@ -320,12 +323,15 @@ def run(args: argparse.Namespace) -> int:
         requests, trace, fleet, config = load(args)
         given = split_params(args.policy_param, names)
         flow = flow_from_args(args)
+        plan = plan_from_args(args)
     except (TraceFormatError, ValueError, OSError) as e:
         return _fail(str(e))
     if not requests:
         return _fail("no requests to replay")
     show = sys.stderr.isatty() if args.progress is None else args.progress
     progress = Progress(len(requests), sys.stderr) if show else None
+    if plan is not None:
+        return _rollout(args, requests, names, plan, fleet, given, progress)
     section = watched = None
     try:
         comparison = compare(
@@ -361,6 +367,31 @@ def run(args: argparse.Namespace) -> int:
         write_json(report, args.json)
     if args.out:
         write_out(Path(args.out), report, runs, comparison.bound, watched)
+    return 0
+
+
+def _rollout(
+    args: argparse.Namespace,
+    requests: list[SimRequest],
+    names: list[str],
+    plan: RolloutPlan,
+    fleet: FleetConfig,
+    given: dict[str, dict[str, str]],
+    progress: Progress | None,
+) -> int:
+    """--rollout-policy: the plan against the one --policy (docs/rollouts.md)."""
+    if len(names) != 1 or args.shadow or args.flow_control:
+        return _fail("--rollout-policy runs against one --policy, without --shadow or flow control")
+    try:
+        run, report = replay_rollout(
+            requests, names[0], plan, fleet, given[names[0]], args.seed, progress
+        )
+    except ValueError as e:
+        return _fail(str(e))
+    finally:
+        if progress is not None:
+            progress.end()
+    print_rollout(report, run, args.json)
     return 0
 
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.policies import POLICY_NAMES, Policy, make_policy, policy_params, told_params
 from simulation.flow import FlowConfig
 from simulation.replay import FleetConfig, Replay, RunResult
 from simulation.requests import SimRequest
 from simulation.summary import series, summarize
+
+if TYPE_CHECKING:
+    from simulation.rollout import ReplayRollout
 
 
 @dataclass(slots=True)
@@ -39,10 +42,11 @@ def run_policy(
     fleet: FleetConfig,
     progress: Callable[[str, int], None] | None = None,
     flow: FlowConfig | None = None,
+    rollout: ReplayRollout | None = None,
 ) -> Run:
-    """Replay `requests` under `policy` on a fresh `fleet` (and flow control's own state),
-    timed; `progress(name, sent)`."""
-    replay = Replay(requests, policy, fleet, flow=flow)
+    """Replay `requests` under `policy` on a fresh `fleet` (and flow control's own state;
+    `rollout`: a rollout's plan beside it), timed; `progress(name, sent)`."""
+    replay = Replay(requests, policy, fleet, flow=flow, rollout=rollout)
     report = None if progress is None else (lambda sent: progress(name, sent))
     if report is not None:
         report(0)

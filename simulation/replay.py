@@ -8,7 +8,7 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final, cast
+from typing import TYPE_CHECKING, Final, cast
 
 from backends.emulated.config import EngineConfig
 from backends.emulated.request import Request
@@ -21,6 +21,9 @@ from simulation.client import INF, Client
 from simulation.flow import GO, REFUSED, Flow, FlowConfig
 from simulation.requests import SimRequest
 from simulation.sim_worker import Change, SimWorker, adapter_counts, sim_adapters
+
+if TYPE_CHECKING:
+    from simulation.rollout import ReplayRollout
 
 EXPIRE_EVERY_S: Final = 0.5  # residency expires as often as the gateway checks health (0.5 s)
 
@@ -105,9 +108,11 @@ class Replay:
         *,
         per_step: bool = False,
         flow: FlowConfig | None = None,
+        rollout: ReplayRollout | None = None,
     ) -> None:
         self.requests = list(requests)
         self.policy = policy
+        self.rollout = rollout  # a rollout's plan: each conversation's arm picks the policy
         self.fleet = fleet
         # an event per forward pass, as in real time: the same outcome, slower (a bench baseline)
         self.per_step = per_step
@@ -250,7 +255,8 @@ class Replay:
         if self._kv and self._kv[0][0] <= now:
             self._deliver(now)
         request = req.route
-        route = self.routing.route(request, self.loads[req.kv_group], self.policy, now)
+        policy = self.policy if self.rollout is None else self.rollout.policy_for(req, now)
+        route = self.routing.route(request, self.loads[req.kv_group], policy, now)
         decision = route.decision
         w = self.by_name[decision.worker]
         reasons = self._reasons
@@ -286,6 +292,8 @@ class Replay:
     def _reject(self, req: SimRequest, share: LoadShare, now: float) -> None:
         """The worker answers 400 (too long): the gateway's load comes back, the turn fails."""
         share.finish()
+        if self.rollout is not None:
+            self.rollout.failed(req)
         if self.flow is not None:
             self.flow.done(req.index, 0, 0, now)
         self.client.complete(req, False, now)
@@ -303,6 +311,7 @@ class Replay:
         exact = self.fleet.kv_events
         per_step = self.per_step
         flow = self.flow
+        rollout = self.rollout
         while True:
             if w.pending:
                 w.submit_ready(now)
@@ -321,6 +330,9 @@ class Replay:
                     routing.done(route, w.name, route.kv_group, exact, sent[i], now)
                     if route.adapter:
                         cast(Adapters, self.adapters).finish(w.name, route.adapter)
+                    if rollout is not None:  # its guardrails: what the worker reported
+                        ttft = cast(float, r.first_token_time) - sent[i]
+                        rollout.served(req, self._predicted[i], r.cached_tokens, ttft)
                     if flow is not None:
                         flow.done(i, len(req.prompt), r.generated, now)
                     client.complete(req, True, now)

@@ -105,6 +105,10 @@ def _epp(args: argparse.Namespace) -> int:
     config = _fleet_config(args)
     if config is None:
         return 0
+    if config.rollout.configured:  # it never sees an answer to judge a candidate by
+        from router.gateway.config import ConfigError
+
+        raise ConfigError("urc epp runs no rollout (docs/rollouts.md): split traffic by HTTPRoute")
     try:
         run_epp(config, args.grpc_port, args.max_in_flight)
     except OSError as exc:  # at start: the port is taken, or the host is not ours

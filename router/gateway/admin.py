@@ -42,6 +42,8 @@ def admin_routes(gateway: Gateway) -> list[tuple[Callable[..., web.RouteDef], st
         (web.post, "/admin/mode", auth(admin.set_mode)),
         (web.post, "/admin/invalidate", auth(admin.invalidate)),
         (web.get, "/admin/tenants", auth(admin.list_tenants)),
+        # gradual rollout (docs/rollouts.md): its state and actions
+        *[(method, path, auth(handler)) for method, path, handler in gateway.canary.routes()],
         # sglang-router's and vllm-router's worker management (docs/migration.md)
         (web.post, "/add_worker", auth(admin.add_worker_url)),
         (web.post, "/remove_worker", auth(admin.remove_worker_url)),

@@ -40,6 +40,7 @@ from router.gateway.reply import (
     error_response,
     json_errors,
 )
+from router.gateway.rollout import Canary
 from router.gateway.routing import Plan, Router, RoutingModes
 from router.gateway.siblings import Siblings
 from router.gateway.stalls import Stalls
@@ -102,6 +103,10 @@ class Gateway:
             self.metrics.registry.register(self.parity)
         self.proxy = Proxy(self.fleet, self.metrics, config.prefill_tokens_per_s)
         self.metrics.registry.register(self.proxy.loader)  # LoRA adapters' loads and slots
+        # gradual rollout (docs/rollouts.md): off (`on` False) until configured or started
+        self.canary = Canary(config.rollout, config.prefill_tokens_per_s, self.metrics.registry)
+        if config.rollout.configured:
+            self.canary.start(config.rollout, time.monotonic())
         self.flow: FlowControl | None = None  # flow control (docs/flow-control.md); None: off
         if config.flow_control:
             share = config.flow_budget_share / (siblings.count if siblings is not None else 1)
@@ -150,6 +155,7 @@ class Gateway:
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self.fleet.health_loop()))
         self._tasks.append(loop.create_task(self._watch_index_health()))
+        self._tasks.append(loop.create_task(self.canary.run()))
         if self.config.parity_interval_s > 0:
             self._tasks.append(loop.create_task(self.parity.run()))
         if self.config.load_interval_s > 0:
@@ -242,15 +248,21 @@ class Gateway:
                 note.parsed(tenant.name, body)
             scope = tenant.scope(body, headers)
             flow = self.flow
-            if flow is None:
+            canary = self.canary
+            if flow is None and not canary.on:
                 plan = self.router.plan(routed, chat, scope.salt, self.modes.active(), scope.public)
                 await self._forward(reply, path, body, plan, scope.salt, tenant.name, note)
                 return
-            keyed = self.router.keyed(routed, chat, scope.salt, scope.public)
+            # a rollout's arm first: it may name the model (docs/rollouts.md)
+            keyed, at = canary.keyed(self.router, tenant.name, headers, body, routed, chat, scope)
+            if flow is None:
+                plan = canary.routed(self.router, self.modes, keyed, at, None)
+                await self._forward(reply, path, body, plan, scope.salt, tenant.name, note)
+                return
             ticket = flow.ticket(tenant, keyed, body, headers)
             try:
                 if flow.arrive(ticket, reply, note) or await flow.wait(ticket, reply, note):
-                    plan = self.router.route(keyed, self.modes.active(), time.monotonic())
+                    plan = canary.routed(self.router, self.modes, keyed, at, time.monotonic())
                     salt = scope.salt
                     await self._forward(reply, path, body, plan, salt, tenant.name, note, ticket)
             finally:
@@ -297,7 +309,8 @@ class Gateway:
         on_success = partial(self._served, tenant=tenant, ticket=ticket)
         stream = body.get("stream") is True
         forward = self.proxy.forward
-        return forward(reply, path, payload, plan, stream, on_success, note, prioritized, extra)
+        sent = forward(reply, path, payload, plan, stream, on_success, note, prioritized, extra)
+        return sent if plan.arm < 0 else self.canary.watch(plan, sent)
 
     async def _embed(self, reply: Reply, raw: bytes, tenant: str, note: RequestNote | None) -> None:
         """`/v1/embeddings`: to the least loaded worker serving the model, the body as sent
@@ -325,6 +338,8 @@ class Gateway:
         flow control's settlement of the tenant's tokens."""
         if ticket is not None and self.flow is not None:
             self.flow.used(ticket, usage.output_tokens)
+        if plan.arm >= 0:
+            self.canary.served(plan, worker, usage)
         if self.recorder is not None and plan.prefix_cache:
             self.recorder.record(plan, worker, tenant, usage)
 

@@ -166,6 +166,7 @@ def check(config: GatewayConfig) -> None:
         make_policy(config.policy, **config.policy_params)
     except ValueError as exc:
         raise ConfigError(f"[gateway.policy_params]: {exc}") from None
+    _check_rollout(config)
     _one_of("[gateway].log_level", config.log_level, LOG_LEVELS)
     _one_of("[gateway].log_format", config.log_format, LOG_FORMATS)
     _one_of("[gateway].discover", config.discover, ("", "k8s"))
@@ -218,6 +219,21 @@ def _check_adapters(config: GatewayConfig) -> None:
             )
         if model.aliases:
             raise ConfigError(f"{where}.aliases: an adapter is asked for by its own name")
+
+
+def _check_rollout(config: GatewayConfig) -> None:
+    """[gateway.rollout], where it names a candidate (docs/rollouts.md)."""
+    plan = config.rollout
+    if not plan.configured:
+        return
+    try:
+        plan.check()
+        if plan.policy and plan.policy not in POLICY_NAMES:
+            raise ValueError(_unknown_policy(plan.policy))
+        if plan.policy:
+            make_policy(plan.policy, **plan.policy_params)
+    except ValueError as exc:
+        raise ConfigError(f"[gateway.rollout]: {exc}") from None
 
 
 def _unknown_policy(name: str) -> str:

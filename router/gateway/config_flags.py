@@ -9,6 +9,8 @@ import logging
 from dataclasses import Field, fields
 from typing import Any, get_args, get_type_hints
 
+from core.settings import flag_of as flag_of_setting
+from core.settings import flagged
 from router.gateway.config import ConfigError, validate
 from router.gateway.config_schema import (
     DEFAULT_TENANT,
@@ -22,6 +24,7 @@ from router.gateway.config_schema import (
     flag_of,
 )
 from router.policies import POLICY_NAMES
+from router.rollout import RolloutPlan
 
 log = logging.getLogger(__name__)
 _CHOICES = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
@@ -60,6 +63,7 @@ def add_gateway_arguments(parser: argparse.ArgumentParser) -> None:
             _add_setting(group, setting)
     assert not runs, f"GROUPS names no setting {list(runs)}"
     _add_tables(groups)
+    _add_rollout(groups["rollout"])
     compat = groups["compat"]
     compat.add_argument(
         "--worker-urls",
@@ -158,6 +162,35 @@ def _add_tables(groups: dict[str, argparse._ArgumentGroup]) -> None:
     )
 
 
+def _add_rollout(group: argparse._ArgumentGroup) -> None:
+    """[gateway.rollout]'s flags (router/rollout.py declares them, `urc replay` has them too)."""
+    for f in flagged(RolloutPlan):
+        flag = flag_of_setting(RolloutPlan, f.name)
+        assert flag is not None
+        metavar = "S" if f.name.endswith("_s") else None
+        help = f"{f.metadata['help']} (default {f.default})" if f.default else f.metadata["help"]
+        group.add_argument(flag, type=type(f.default), metavar=metavar, help=help)
+    group.add_argument(
+        "--rollout-policy-param",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter of the candidate policy; repeatable",
+    )
+
+
+def _apply_rollout(config: GatewayConfig, args: argparse.Namespace) -> None:
+    plan = config.rollout
+    for f in flagged(RolloutPlan):
+        flag = flag_of_setting(RolloutPlan, f.name)
+        value = getattr(args, str(flag)[2:].replace("-", "_"), None)
+        if value is not None and value != "":
+            setattr(plan, f.name, value)
+    for item in getattr(args, "rollout_policy_param", []):
+        key, value = _pair(item, "=", "--rollout-policy-param", "KEY=VALUE")
+        plan.policy_params[key] = value
+
+
 def _kind(setting: str) -> type:
     """The argparse type of a setting: its annotation less limits and None."""
     hint = _HINTS[setting]
@@ -193,6 +226,7 @@ def apply_flags(config: GatewayConfig, args: argparse.Namespace) -> GatewayConfi
         key, value = _pair(item, "=", "--policy-param", "KEY=VALUE")
         config.policy_params[key] = value
     _apply_thresholds(config, args)
+    _apply_rollout(config, args)
     by_name = {t.name: t for t in config.tenants}
     for item in args.api_key:
         tenant, key = _tenant_key(item)

@@ -9,7 +9,9 @@ import re
 from dataclasses import fields
 from typing import Any
 
+from core.settings import flagged
 from router.gateway.config_schema import SECRETS, TABLES, GatewayConfig
+from router.rollout import RolloutPlan
 
 MASK = "***"
 _BARE = re.compile(r"[A-Za-z0-9_-]+")
@@ -17,11 +19,12 @@ _BARE = re.compile(r"[A-Za-z0-9_-]+")
 
 def config_toml(config: GatewayConfig, mask: bool = True) -> str:
     """`[gateway]` (every setting; None ones left out: TOML has no null, and None is their
-    default), `[gateway.policy_params]`, then the `[[workers]]`, `[[models]]`, `[[tenants]]`."""
+    default), `[gateway.policy_params]`, `[gateway.rollout]` (when set), then the `[[workers]]`,
+    `[[models]]`, `[[tenants]]`."""
     lines = ["[gateway]"]
     for f in fields(config):
         value = getattr(config, f.name)
-        if f.name in TABLES or f.name == "policy_params" or value is None:
+        if f.name in TABLES or f.name in ("policy_params", "rollout") or value is None:
             continue
         if mask and f.name in SECRETS and value:
             value = MASK
@@ -29,6 +32,13 @@ def config_toml(config: GatewayConfig, mask: bool = True) -> str:
     if config.policy_params:
         lines += ["", "[gateway.policy_params]"]
         lines += [f"{_key(k)} = {_value(v)}" for k, v in config.policy_params.items()]
+    if config.rollout != RolloutPlan():
+        lines += ["", "[gateway.rollout]"]
+        plan = config.rollout
+        lines += [f"{f.name} = {_value(getattr(plan, f.name))}" for f in flagged(RolloutPlan)]
+        if plan.policy_params:
+            lines += ["", "[gateway.rollout.policy_params]"]
+            lines += [f"{_key(k)} = {_value(v)}" for k, v in plan.policy_params.items()]
     for table in TABLES:
         for entry in getattr(config, table):
             lines += ["", f"[[{table}]]"]

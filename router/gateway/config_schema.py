@@ -14,6 +14,7 @@ from core.logs import FORMATS, LEVELS
 from core.settings import setting
 from router.adapters import DEFAULT_LOAD_MB_PER_S, DEFAULT_LOAD_S
 from router.index import DEFAULT_APPROX_TTL_S
+from router.rollout import RolloutPlan
 
 ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
 FAIRNESS = ("tenant", "user", "session")  # the flows a tenant's weight is shared between
@@ -46,6 +47,7 @@ GROUPS: dict[str, tuple[str, str | None]] = {
     "admin": ("admin API, metrics and recording", "admin_key"),
     "logs": ("logs and traces", "log_level"),
     "scale": ("scale-out (docs/scale-out.md)", "processes"),
+    "rollout": ("gradual rollout ([gateway.rollout], docs/rollouts.md)", None),
     "compat": ("sglang-router's and vllm-router's names (docs/migration.md)", None),
 }
 
@@ -278,6 +280,12 @@ class GatewayConfig:
         "",
         "route and follow the KV events of only these kv_groups, comma-separated (default: "
         "all): replica sets that each follow a shard of a fleet too large for one",
+    )
+
+    # rollout: the plan's settings are declared once, in router/rollout.py (urc replay's too)
+    rollout: RolloutPlan = field(
+        default_factory=RolloutPlan,
+        metadata={"flag": None, "help": "a gradual rollout's plan ([gateway.rollout])"},
     )
 
 

@@ -257,6 +257,7 @@ class _Attempt:
         series = self.proxy.metrics.series[self.plan.model.name, self.worker.name]
         now = time.monotonic()
         series.ttft.observe(now - self.t0)
+        self.plan.ttft_s = now - self.t0
         return now
 
     def _headers(self, upstream: UpstreamResponse) -> Headers:

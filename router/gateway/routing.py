@@ -4,6 +4,7 @@ routing modes: live or degraded (least load), shadows that only watch."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -16,6 +17,7 @@ from router.gateway.fleet import Fleet, Model
 from router.gateway.isolation import leading_system, public_tokens
 from router.gateway.parsing import bad_request
 from router.policies import Decision, Policy, RouteRequest, make_policy
+from router.rollout import ARMS
 from router.route import Route, Routing
 from router.shadow import ShadowPolicies
 
@@ -43,6 +45,9 @@ class Plan:
         "public_tokens",
         "prefix_cache",
         "arrived",
+        "arm",
+        "cluster",
+        "ttft_s",
     )
 
     def __init__(
@@ -62,6 +67,9 @@ class Plan:
         self.public_tokens = public_tokens  # shared isolation: leading tokens keyed shared
         self.prefix_cache = prefix_cache  # False: embeddings (no prefix to predict or record)
         self.arrived = arrived  # time.monotonic() when the request was keyed
+        self.arm = -1  # a rollout's arm (router/rollout.py), and the conversation's cluster
+        self.cluster = 0
+        self.ttft_s = math.nan  # to the first byte the client got (proxy.py)
 
     @property
     def decision(self) -> Decision:
@@ -81,12 +89,13 @@ class Plan:
     def header(self, worker: str) -> str:
         """The `x-urc-route` header's value for an answer from `worker`."""
         route = self.route
-        return (
+        header = (
             f"worker={worker}; matched_tokens={route.matched(worker)}; "
             f"host_tokens={route.host_matched(worker)}; "
             f"prompt_tokens={route.decision.request.prompt_tokens}; "
             f"reason={route.decision.reason}; policy={self.policy}"
         )
+        return header if self.arm < 0 else f"{header}; arm={ARMS[self.arm]}"
 
     def ranked(self) -> Iterator[str]:
         return self.route.ranked()

@@ -23,6 +23,7 @@ from router.gateway.config_schema import (
     WorkerConfig,
     flag_of,
 )
+from router.rollout import RolloutPlan
 from urc.cli import build_parser
 from urc.processes import ROOT
 
@@ -78,6 +79,8 @@ def test_print_config_loads_back_to_the_merged_config(tmp_path: Path) -> None:
     flags += ["--cache-threshold", "0.4", "--max-concurrent-requests", "8", "--access-log"]
     flags += ["--prometheus-port", "9200", "--salt-secret", "s3cret"]
     flags += ["--shadow-policy", "round_robin"]
+    flags += ["--rollout-policy", "cache_aware", "--rollout-steps", "5,100"]
+    flags += ["--rollout-policy-param", "externality=0.5", "--rollout-dwell", "60"]
     done = urc("gateway", *flags, "--print-config")
     assert done.returncode == 0, done.stderr
     assert not any(secret in done.stdout for secret in ("k-admin", "s3cret", "sk-1"))
@@ -90,6 +93,8 @@ def test_print_config_loads_back_to_the_merged_config(tmp_path: Path) -> None:
     assert load_config(printed) == masked
     assert merged.metrics_port == 9200 and merged.max_concurrent_requests == 8
     assert merged.policy_params == {"tree_size": "index", "cache_threshold": 0.4}
+    assert merged.rollout.steps == "5,100" and merged.rollout.dwell_s == 60
+    assert merged.rollout.policy_params == {"externality": "0.5"}
     assert [w.url for w in merged.workers][1:] == ["http://127.0.0.1:9001", "http://h:9002"]
     assert config_toml(merged, mask=False).count("s3cret") == 1
     assert urc("epp", *flags, "--print-config").stdout == done.stdout
@@ -142,6 +147,7 @@ def test_the_reference_table_lists_every_setting_with_its_flag() -> None:
         ("[[workers]]", WorkerConfig),
         ("[[models]]", ModelConfig),
         ("[[tenants]]", TenantConfig),
+        ("[gateway.rollout]", RolloutPlan),
     ):
         assert set(_table(text, heading)) == {f.name for f in fields(cls)}, heading
 
