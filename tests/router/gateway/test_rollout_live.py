@@ -37,6 +37,8 @@ PLAN += ["--rollout-error-rate-margin", "0.05"]  # 60 requests without an error 
 # speed (so the speed-up does not saturate them): the same settings live and in the replay
 TRACE = ROOT / "traces" / "mooncake_synthetic_trace.jsonl"
 TRACE_SPEED = 0.1
+# its first 73 s at TRACE_SPEED: the replay rolls back at 48 s, the rest only takes time
+TRACE_REQUESTS = 2800
 TRACE_ENGINE = {"prefill_tokens_per_s": 150_000.0, "capacity_tokens": 4_000_000}
 TRACE_PLAN = {"steps": "25,100", "dwell_s": 12.0, "min_requests": 100, "hit_rate_margin": 0.15}
 TRACE_PLAN |= {"ttft_p50_margin": 2.0, "ttft_p99_margin": 2.0}
@@ -221,7 +223,7 @@ def test_the_replay_of_the_shared_trace_decides_as_the_live_run():
     trace = read_trace(TRACE)
     engine = EngineConfig(block_size=trace.block_size, **TRACE_ENGINE)  # type: ignore[arg-type]
     plan = RolloutPlan(policy="round_robin", **TRACE_PLAN)  # type: ignore[arg-type]
-    requests = trace_requests(trace, time_scale=TRACE_SPEED)
+    requests = trace_requests(trace, time_scale=TRACE_SPEED)[:TRACE_REQUESTS]
     _, replayed = replay_rollout(requests, "cache_aware", plan, FleetConfig(4, engine=engine), {})
     workers = [start_worker(*flags(TRACE_ENGINE)) for _ in range(4)]
     gateway = start_gateway(
@@ -235,7 +237,8 @@ def test_the_replay_of_the_shared_trace_decides_as_the_live_run():
     try:
         assert wait_for(lambda: all_exact(gateway.url, 4), 20)
         bench = [sys.executable, "-m", "urc.cli", "bench", "--target", gateway.url, "--trace"]
-        bench += [str(TRACE), "--time-scale", str(TRACE_SPEED), "--no-progress"]
+        bench += [str(TRACE), "--time-scale", str(TRACE_SPEED), "--requests", str(TRACE_REQUESTS)]
+        bench += ["--no-progress"]
         done = subprocess.run(bench, capture_output=True, text=True, timeout=400, cwd=ROOT)
         assert done.returncode == 0, done.stderr[-2000:]
         live = rollout_state(gateway.url)
