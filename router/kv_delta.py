@@ -97,11 +97,12 @@ class FollowedStats(NamedTuple):
 @dataclass(slots=True)
 class FollowedStream:
     """A stream this process applies the leader's ops of: the groups they fed (cleared on a
-    snapshot or GONE) and counts. `live` is False until its first snapshot is applied."""
+    snapshot or GONE) and counts. `synced_at`: the seq of the deltas its last snapshot covers
+    (None: none yet); the ops of deltas up to it are in the snapshot."""
 
     worker: str
     stream: str
-    live: bool = False
+    synced_at: int | None = None
     groups: set[str] = field(default_factory=set)
     applied_ops: int = 0
     blocks_stored: int = 0
@@ -122,11 +123,13 @@ def apply_ops(
     ops: list[Op],
     streams: dict[tuple[str, str], FollowedStream],
     now: float,
+    seq: int,
 ) -> None:
-    """Apply the ops of the live streams among `streams`; the others' are dropped."""
+    """Apply the ops of delta `seq` of the streams followed that their snapshot does not cover;
+    the others' are dropped."""
     for op in ops:
         stream = streams.get((op.worker, op.stream))
-        if stream is None or not stream.live:
+        if stream is None or stream.synced_at is None or seq <= stream.synced_at:
             continue
         stream.applied_ops += 1
         kind = op.kind

@@ -32,7 +32,7 @@ def journaled(index: UnifiedIndex) -> tuple[WorkerMirror, list[Op]]:
 
 
 def follower() -> tuple[UnifiedIndex, dict[tuple[str, str], FollowedStream]]:
-    return UnifiedIndex(), {(W, G): FollowedStream(W, G, live=True)}
+    return UnifiedIndex(), {(W, G): FollowedStream(W, G, synced_at=-1)}
 
 
 def same(a: UnifiedIndex, b: UnifiedIndex, groups: list[str]) -> None:
@@ -58,7 +58,7 @@ def test_a_follower_applying_the_journal_holds_what_the_leader_holds(hashing: st
         if seq in (40, 41):  # a gap no replay closes: the leader resets, the follower too
             continue
         feed(mirror, seq, payload, decode=decode_for_ingest)
-        apply_ops(index, ship(ops), streams, float(seq))
+        apply_ops(index, ship(ops), streams, float(seq), seq)
         same(leader, index, [G])
         assert index.namespaces.keys() <= leader.namespaces.keys()
     truth = stream[-1][2]  # the clear at 70 left nothing stale behind
@@ -86,13 +86,13 @@ def test_lora_host_tier_salts_and_gone() -> None:
     groups = [G, f"{G}+lora:7", host_group(G)]
     for seq, ev in enumerate(events):
         mirror.apply(seq, EventBatch(float(seq), [ev]), now=float(seq))
-        apply_ops(index, ship(ops), streams, float(seq))
+        apply_ops(index, ship(ops), streams, float(seq), seq)
         same(leader, index, groups)
     salted = block_keys(toks[: 2 * BS], BS, "t")
     assert index.namespaces[salted[0]] == "t" and index.match(salted, G) == {W: 2}
     assert index.residency(W, f"{G}+lora:7") and index.residency(W, host_group(G))
     mirror.journal.gone()  # type: ignore[union-attr]  # the leader's stream stopped
-    apply_ops(index, ship(ops), streams, 9.0)
+    apply_ops(index, ship(ops), streams, 9.0, 9)
     assert all(not index.residency(W, g) for g in groups)
 
 
@@ -106,11 +106,11 @@ def test_a_snapshot_then_the_ops_after_it_give_the_same_index() -> None:
     routed = block_keys(list(range(40, 40 + 3 * BS)), BS)
     leader.insert(routed, W, G, 0.0, pending=True)  # the leader's own dispatch: not shipped
     index, streams = follower()
-    apply_ops(index, ship(snapshot(leader, W, G, mirror.groups)), streams, 30.0)
+    apply_ops(index, ship(snapshot(leader, W, G, mirror.groups)), streams, 30.0, 30)
     assert index.residency(W, G) == leader.residency(W, G) - set(routed)
     for seq, payload, truth in stream[30:]:
         feed(mirror, seq, payload)
-        apply_ops(index, ship(ops), streams, float(seq))
+        apply_ops(index, ship(ops), streams, float(seq), seq)
         assert index.residency(W, G) == truth
     index.check()
 
@@ -120,7 +120,12 @@ def test_ops_of_streams_not_followed_or_not_live_are_dropped() -> None:
     streams = {(W, G): FollowedStream(W, G)}  # registered, its snapshot not in yet
     keys = block_keys(list(range(2 * BS)), BS)
     ops = [Op(0, W, G, G, pack(keys)), Op(0, "other", G, G, pack(keys))]
-    apply_ops(index, ops, streams, 1.0)
+    apply_ops(index, ops, streams, 1.0, 5)
     assert len(index) == 0
+    streams[(W, G)].synced_at = 5  # its snapshot covers delta 5: applied from 6 on
+    apply_ops(index, ops, streams, 1.0, 5)
+    assert len(index) == 0
+    apply_ops(index, ops, streams, 1.0, 6)
+    assert index.residency(W, G) == set(keys) and not index.residency("other", G)
     assert unpack(pack([1, 2**64 - 1])) == [1, 2**64 - 1]
     assert unpack(pack([3, -1, 2**64])) == [3]
