@@ -14,7 +14,7 @@ import msgspec
 
 from router.index import UnifiedIndex
 
-STORED, REMOVED, CLEARED, TAGGED, GONE = range(5)
+STORED, REMOVED, CLEARED, TAGGED, GONE, COUNTED = range(6)
 _U64 = 1 << 64
 
 
@@ -22,7 +22,8 @@ class Op(msgspec.Struct, array_like=True, gc=False):
     """One index write of the stream `(worker, stream)` (the kv_group it follows) to the
     resident `group` (its base, an adapter's, a host tier's): STORED `keys` under `parent`
     (the first starting namespace `salt`, when set), REMOVED `keys`, CLEARED the group, TAGGED
-    `parent` as the start of namespace `salt`, GONE (the stream stopped: all it fed)."""
+    `parent` as the start of namespace `salt`, GONE (the stream stopped: all it fed), COUNTED
+    (the group's inflow, `parent` blocks stored so far: a snapshot's, as policies read it)."""
 
     kind: int
     worker: str
@@ -147,11 +148,14 @@ def apply_ops(
             index.tag_namespace(op.parent, op.salt)
         elif kind == GONE:
             stream.forget(index)
+        elif kind == COUNTED and op.parent is not None:
+            index.set_inflow(op.worker, op.group, op.parent)
 
 
 def snapshot(index: UnifiedIndex, worker: str, stream: str, groups: Iterable[str]) -> list[Op]:
     """Ops that give another index what `index` holds exactly for the stream's `groups`
-    (approximate marks left out), parents before children, with their namespace tags."""
+    (approximate marks left out), parents before children, with their namespace tags and the
+    groups' inflow."""
     ops: list[Op] = []
     namespaces = index.namespaces
     for group in groups:
@@ -161,4 +165,5 @@ def snapshot(index: UnifiedIndex, worker: str, stream: str, groups: Iterable[str
                 salt = namespaces.get(key)
                 if salt is not None:
                     ops.append(Op(TAGGED, worker, stream, parent=key, salt=salt))
+        ops.append(Op(COUNTED, worker, stream, group, parent=index.sizes(worker, group)[1]))
     return ops

@@ -108,10 +108,12 @@ def test_a_snapshot_then_the_ops_after_it_give_the_same_index() -> None:
     index, streams = follower()
     apply_ops(index, ship(snapshot(leader, W, G, mirror.groups)), streams, 30.0, 30)
     assert index.residency(W, G) == leader.residency(W, G) - set(routed)
+    assert index.sizes(W, G) == (len(leader.residency(W, G) - set(routed)), mirror.blocks_stored)
     for seq, payload, truth in stream[30:]:
         feed(mirror, seq, payload)
         apply_ops(index, ship(ops), streams, float(seq), seq)
         assert index.residency(W, G) == truth
+        assert index.sizes(W, G)[1] == mirror.blocks_stored  # the inflow policies read
     index.check()
 
 
