@@ -105,7 +105,8 @@ class HostIngest:
             self._pub.close(linger=0)
             self._pub = None  # a flush still timed finds it gone
         if self._lock_fd >= 0:
-            os.close(self._lock_fd)
+            os.close(self._lock_fd)  # the lock is free: a follower takes the lead
+            self._lock_fd = -1
 
     def _try_lock(self) -> None:
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -140,9 +141,18 @@ class HostIngest:
         return fresh and key in self._connected
 
     async def _run(self) -> None:
-        while not self.leading:
-            await self._follow()
-        await self._lead()
+        """Follow until this process takes the lead, then lead; never die on bad input: a
+        follower starts over from a snapshot."""
+        while True:
+            try:
+                if self.leading:
+                    await self._lead()
+                else:
+                    await self._follow()
+            except Exception:
+                log.exception("kv events: the host's ingest failed; starting over")
+                self._new_leader(None)
+                await asyncio.sleep(TRY_LOCK_S)
 
     # -- the leader ---------------------------------------------------------------------------
 
@@ -293,7 +303,7 @@ class HostIngest:
             return
         apply_ops(self.index, ops, self.followed, time.monotonic(), seq)
 
-    def _new_leader(self, leader: bytes) -> None:
+    def _new_leader(self, leader: bytes | None) -> None:
         """Another process leads: everything is synced afresh from it."""
         self.leader = leader
         self._asked = None

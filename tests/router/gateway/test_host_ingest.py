@@ -1,18 +1,27 @@
 """One KV-event ingest per host (docs/scale-out.md, "One ingest per host"): of `--processes 3`
 one process follows the workers' streams and the others apply its keyed deltas, so each holds
 the same index and routes alike; when the leader is killed another takes over and the restarted
-process follows it. Real processes on 127.0.0.1 (emulated workers, a real gateway)."""
+process follows it. Real processes on 127.0.0.1 (emulated workers, a real gateway), and the
+ingest's own sequencing over its real sockets in one process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from router.gateway.host_ingest import HostIngest
+from router.index import UnifiedIndex
+from router.kv_delta import StreamJournal
+from router.kv_mirror import WorkerMirror
 from tests.processes import wait_for
+from tests.router.test_kv_mirror import BS, G, RefEngine, W, feed, record
 from urc.processes import Child, start_gateway, start_worker
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
@@ -125,3 +134,66 @@ def test_ingest_per_process_keeps_the_old_way(workers: list[str]) -> None:
             assert all(s["ingest"] == "own" and s["mirror"] is not None for s in streams)
     finally:
         gateway.stop()
+
+
+class _Stream:
+    """A process's stream as the ingest sees it: the leader's with its mirror."""
+
+    def __init__(self, mirror: WorkerMirror | None = None) -> None:
+        self.mirror = mirror
+        self.led = False
+        self.connected = True
+
+    def lead(self) -> None:
+        self.led = True
+
+    def snapshot_groups(self) -> list[str] | None:
+        return sorted(self.mirror.groups) if self.mirror is not None else None
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return True
+        await asyncio.sleep(0.02)
+    return predicate()
+
+
+async def test_follower_resyncs_after_a_lost_delta_and_takes_over(tmp_path: Path) -> None:
+    """In one process, over the real sockets: a follower that starts late gets a snapshot, one
+    that misses a delta (a seq skipped) resyncs, and when the leader goes it takes the lead."""
+    leading, followed_index = UnifiedIndex(), UnifiedIndex()
+    leader = HostIngest(leading, str(tmp_path))
+    leader.start()
+    mirror = WorkerMirror(leading, W, G, BS)
+    mirror.journal = StreamJournal(W, G, leader.ops, leader.wrote)
+    leader.add((W, G), _Stream(mirror))
+    stream = record(RefEngine("int", seed=9), 90, seed=10, array_like=True)
+    for seq, payload, _ in stream[:30]:  # before the follower starts
+        feed(mirror, seq, payload)
+    follower = HostIngest(followed_index, str(tmp_path))
+    follower.start()
+    mine = _Stream()
+    followed = follower.add((W, G), mine)
+    assert leader.leading and not follower.leading and followed is not None
+
+    def alike() -> bool:
+        return followed_index.residency(W, G) == leading.residency(W, G)
+
+    try:
+        for seq, payload, _ in stream[30:60]:
+            feed(mirror, seq, payload)
+            await asyncio.sleep(0.005)
+        assert await until(alike) and followed.syncs == 1 and follower.gaps == 0
+        leader.seq += 1  # a delta the follower never gets (as when its queue is full)
+        for seq, payload, _ in stream[60:]:
+            feed(mirror, seq, payload)
+            await asyncio.sleep(0.005)
+        assert await until(lambda: alike() and followed.syncs == 2)
+        assert follower.gaps == 1 and followed_index.residency(W, G) == stream[-1][2]
+        await leader.close()  # the lock is free: the follower takes the lead
+        assert await until(lambda: follower.leading and mine.led)
+        assert not followed_index.residency(W, G)  # what it held from the old leader: cleared
+    finally:
+        await follower.close()
+        await leader.close()
