@@ -136,7 +136,10 @@ class HostIngest:
         self._want.discard(key)
 
     def connected(self, key: StreamKey) -> bool:
-        """A followed stream's worker connection, as the leader's last heartbeat said."""
+        """A followed stream's worker connection, as the leader's last heartbeat said (before
+        the first: taken as connected, not lost)."""
+        if not self._beat_at:
+            return True
         fresh = time.monotonic() - self._beat_at < LEADER_SILENT_S
         return fresh and key in self._connected
 
