@@ -1,13 +1,15 @@
 """KV-event ingest of one gateway while it serves requests: how large a fleet one replica follows.
 
-    python bench/kv_ingest.py [--rates 0,25000,50000,100000,200000] [--processes 1]
+    python bench/kv_ingest.py [--rates 0,25000,50000,100000,200000] [--processes 1,4]
 
 Two "flood" sources (this script, --flood) answer /urc/info like our workers and publish
 vLLM-format BlockStored/BlockRemoved batches (16-token blocks, chained, a steady state: as many
 removed as stored) at a set rate in a kv_group no request uses; two emulated workers serve a
 closed loop of requests through the same gateway (--concurrency 0: none). Per offered rate:
 blocks/s the gateway applied (its mirrors' counters), gaps, the requests' rate and p50 against
-rate 0, and the gateway's CPU (method: docs/scale-out.md, "Sizing")."""
+rate 0, and the gateway's CPU (all its processes'; method: docs/scale-out.md, "Sizing"). With
+several --processes values (run one after the other), the CPU per stored block each spends
+against the first's: one ingest per host keeps --processes N near 1x, N ingests would cost Nx."""
 
 import argparse
 import asyncio
@@ -98,10 +100,11 @@ async def applied_blocks(url: str) -> tuple[int, int]:
     blocks = gaps = 0
     for worker in workers:
         for stream in worker["kv_events"]:
-            if stream["kv_group"] == "flood" and stream["mirror"]:
-                mirror = stream["mirror"]
-                blocks += mirror["blocks_stored"]
-                gaps += mirror["gaps"]
+            # a process of --processes N follows the workers (mirror) or the host's leader
+            applied = stream["mirror"] or stream.get("followed")
+            if stream["kv_group"] == "flood" and applied:
+                blocks += applied["blocks_stored"]
+                gaps += applied.get("gaps", 0)
     return blocks, gaps
 
 
@@ -125,14 +128,15 @@ async def serve_load(url: str, seconds: float, concurrency: int) -> list[float]:
     return latencies
 
 
-def measure(args: argparse.Namespace, rate: float) -> dict:
+def measure(args: argparse.Namespace, rate: float, processes: int) -> dict:
     workers = [
         start_worker("--prefill-tokens-per-s", "1e9", "--decode-base-ms", "1") for _ in range(2)
     ]
     argv = [sys.executable, __file__, "--flood", str(rate / 2)]
     floods = [Child("flood", argv, "ready: ").wait_announced() for _ in range(2 if rate else 0)]
     urls = [c.url for c in workers + floods]
-    gateway = start_gateway(urls, "--admin-key", ADMIN, "--processes", str(args.processes))
+    flags = ["--admin-key", ADMIN, "--processes", str(processes), *args.gateway_arg]
+    gateway = start_gateway(urls, *flags)
     try:
         time.sleep(1.0)  # subscribed, first batches in
         before, gaps0 = asyncio.run(applied_blocks(gateway.url))
@@ -149,6 +153,7 @@ def measure(args: argparse.Namespace, rate: float) -> dict:
         for child in [gateway, *floods, *workers]:
             child.stop()
     return {
+        "processes": processes,
         "offered_blocks_per_s": rate,
         "applied_blocks_per_s": (after - before) / elapsed,
         "gaps": gaps1 - gaps0,
@@ -168,17 +173,30 @@ def main() -> int:
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="0,25000,50000,100000,200000", help="blocks/s")
-    parser.add_argument("--processes", type=int, default=1, help="the gateway's --processes")
+    parser.add_argument("--processes", default="1", help="the gateway's --processes, a list")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=16, help="0: no requests")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="a gateway flag")
     parser.add_argument("--json")
     args = parser.parse_args()
     rows = []
-    for rate in (float(r) for r in args.rates.split(",")):
-        log(f"offered {rate:.0f} blocks/s ...")
-        rows.append(measure(args, rate))
+    for processes in (int(p) for p in args.processes.split(",")):
+        for rate in (float(r) for r in args.rates.split(",")):
+            log(f"--processes {processes}: offered {rate:.0f} blocks/s ...")
+            rows.append(measure(args, rate, processes))
+    for processes in dict.fromkeys(r["processes"] for r in rows):
+        table([r for r in rows if r["processes"] == processes])
+    if len({r["processes"] for r in rows}) > 1:
+        per_block(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def table(rows: list[dict]) -> None:
     base = rows[0]
-    print(f"one gateway (--processes {args.processes}) ingesting KV events while serving")
+    print(f"one gateway (--processes {base['processes']}) ingesting KV events while serving")
     print(f"{'offered/s':>10} {'applied/s':>10} {'applied %':>9} {'gaps':>5} {'req/s':>7}", end="")
     print(f" {'x rate 0':>8} {'p50 ms':>7} {'x rate 0':>8} {'cores':>6} {'applied/core':>12}")
     for r in rows:
@@ -191,10 +209,32 @@ def main() -> int:
             f" {p50:7.1f} {ratio(p50, base['p50_ms']):>8s} {r['gateway_cores']:6.2f}"
             f" {r['applied_blocks_per_s'] / max(r['gateway_cores'], 1e-9):12.0f}"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0
+
+
+def per_block(rows: list[dict]) -> None:
+    """Gateway CPU per stored block applied, by --processes, against the first's at that rate;
+    with rate 0 measured, also what the events add over it (the idle processes' own CPU out)."""
+    first = rows[0]["processes"]
+    idle = {r["processes"]: r["gateway_cores"] for r in rows if not r["offered_blocks_per_s"]}
+    print("gateway CPU (all processes) per stored block applied, us: total | over rate 0")
+    for rate in dict.fromkeys(r["offered_blocks_per_s"] for r in rows):
+        if not rate:
+            continue
+        at = {r["processes"]: r for r in rows if r["offered_blocks_per_s"] == rate}
+        cells = []
+        for extra in (False, True):
+            if extra and len(idle) < len(at):
+                continue
+            us = {
+                p: (r["gateway_cores"] - (idle[p] if extra else 0.0))
+                / max(r["applied_blocks_per_s"], 1e-9)
+                * 1e6
+                for p, r in at.items()
+            }
+            cells.append(
+                "  ".join(f"p{p} {v:5.2f} ({ratio(v, us[first])}x)" for p, v in us.items())
+            )
+        print(f"{rate:8.0f}/s  " + "  |  ".join(cells))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ docs/kv-events.md."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Final, Union
 
@@ -120,6 +121,23 @@ def first_block_salt(ev: BlockStored | BlockStoredRaw) -> str | None:
         return None
     strings = [k for k in keys if isinstance(k, str) and k != ev.lora_name]
     return strings[0] if len(strings) == 1 else None
+
+
+def plain_prefix(ev: BlockStored | BlockStoredRaw, salt: str | None) -> int:
+    """How many leading blocks were hashed from their tokens alone (plus the LoRA name and
+    `salt`, which we key by kv_group and namespace): the rest carry multimodal or other keys."""
+    extra = ev.extra_keys
+    if not extra:
+        return len(ev.block_hashes)
+    ours: set[Hashable] = {h for h in (ev.lora_name, salt) if h is not None}
+    for i, keys in enumerate(extra[: len(ev.block_hashes)]):
+        if not keys:
+            continue
+        if not isinstance(keys, list | tuple) or any(
+            not isinstance(k, Hashable) or k not in ours for k in keys
+        ):
+            return i
+    return len(ev.block_hashes)
 
 
 @dataclass(slots=True)

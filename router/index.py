@@ -277,6 +277,39 @@ class UnifiedIndex(ResidencyTree):
             return set()
         return {key for run in self._runs.values() if run.mask >> bit & 1 for key in run.keys}
 
+    def exported(self, worker: str, kv_group: str) -> list[tuple[int | None, list[int]]]:
+        """What the resident holds exactly (approximate marks left out) as chains `(parent,
+        keys)`, each parent's chain before its children's: inserted in this order into another
+        index they give the resident there the same residency (router/kv_delta.py)."""
+        bit = self._find(worker, kv_group)
+        if bit is None:
+            return []
+        flag = 1 << bit
+        approx = self._approx
+        held: list[tuple[int, Run]] = []
+        for run in self._runs.values():
+            if run.mask & flag:
+                depth, up = 0, run.parent
+                while up is not None:
+                    depth, up = depth + 1, up.parent
+                held.append((depth, run))
+        held.sort(key=lambda pair: pair[0])
+        chains: list[tuple[int | None, list[int]]] = []
+        for _, run in held:
+            parent = run.parent.keys[-1] if run.parent is not None else None
+            chain: list[int] = []
+            for key in run.keys:
+                if approx and bit in approx.get(key, ()):  # held approximately only
+                    if chain:
+                        chains.append((parent, chain))
+                        chain = []
+                    parent = key
+                else:
+                    chain.append(key)
+            if chain:
+                chains.append((parent, chain))
+        return chains
+
     def runs_in(self, scope: Callable[[str], bool] | None) -> list[Run]:
         """The runs in a namespace whose salt passes `scope` (None: every run), for scoped
         invalidation (router/index_scopes.py); a run a namespace starts inside is split there."""

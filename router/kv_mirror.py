@@ -4,7 +4,7 @@ token ids, each batch placed by its seq (docs/kv-events.md, "The mirror"). Pure:
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection
 from typing import NamedTuple, cast
 
 from core.blocks import namespace, parent_prefix, salted_after
@@ -17,8 +17,10 @@ from core.kv_events import (
     BlockStoredRaw,
     EventBatch,
     first_block_salt,
+    plain_prefix,
 )
 from router.index import UnifiedIndex, host_group
+from router.kv_delta import StreamJournal
 
 LoraId = int | str | None
 
@@ -110,13 +112,15 @@ class WorkerMirror:
         # offload events repeat a hash once per chunk that holds it, and remove it as often
         self._host_repeats: dict[BlockHash, int] = {}
         self._recent: dict[int, int] = {}  # seq -> fingerprint of the applied batch
-        self._groups: set[str] = {self.base_group}  # every kv_group this stream has fed
+        self.groups: set[str] = {self.base_group}  # every kv_group this stream has fed
         self.last_seq: int | None = None
         self.last_event_ts: float | None = None
         self.applied_batches = self.blocks_stored = self.blocks_removed = 0
         self.gaps = self.restarts = self.duplicates = self.resets = 0
         self.skipped_orphans = self.skipped_unkeyable = 0
         self.unknown_events = self.decode_errors = 0
+        # --processes N: this process's index writes, for the others (router/kv_delta.py)
+        self.journal: StreamJournal | None = None
 
     def apply(self, seq: int, batch: EventBatch, now: float) -> Apply:
         """Apply batch `seq` if it is the next one; otherwise say what the caller must do."""
@@ -162,13 +166,13 @@ class WorkerMirror:
 
     def _forget_all(self) -> None:
         """Drop the residency of the kv_groups this stream fed, not the worker's other streams'."""
-        for group in self._groups:
+        for group in self.groups:
             self.index.clear(self.worker, group)
-        self._groups = {self.base_group}
-        self._keys.clear()
-        self._other.clear()
-        self._host.clear()
-        self._host_repeats.clear()
+            if self.journal is not None:
+                self.journal.cleared(group)
+        self.groups = {self.base_group}
+        for table in (self._keys, self._other, self._host, self._host_repeats):
+            table.clear()
 
     def _record(self, seq: int, fingerprint: int) -> None:
         recent = self._recent
@@ -234,7 +238,7 @@ class WorkerMirror:
             parent = known[0]
             # a salt on a child: the first private block after a public prefix (blocks.py)
             first = salted_after(parent, salt) if salt else parent_prefix(parent)
-        n = self._plain_prefix(ev, salt)
+        n = plain_prefix(ev, salt)
         if n < len(hashes):
             self.skipped_unkeyable += len(hashes) - n
             if n == 0:
@@ -247,10 +251,8 @@ class WorkerMirror:
             self._remember_host(hashes[:n], keys, group)
         else:
             self._remember(hashes[:n], keys, group)
-        self._groups.add(resident)
-        if salt:
-            self.index.tag_namespace(keys[0], salt)
-        self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
+        self.groups.add(resident)
+        self._insert(keys, resident, now, parent, salt)
 
     def stored(
         self,
@@ -274,26 +276,24 @@ class WorkerMirror:
             for key in keys:
                 table[key] = (key, group)
         if resident is not self.base_group:  # the base group is always among them
-            self._groups.add(resident)
-        if salt:  # where its namespace starts (a root, or after a public prefix)
-            self.index.tag_namespace(keys[0], salt)
-        self.blocks_stored += self.index.insert(keys, self.worker, resident, now, parent=parent)
+            self.groups.add(resident)
+        self._insert(keys, resident, now, parent, salt)
 
-    def _plain_prefix(self, ev: BlockStored | BlockStoredRaw, salt: str | None) -> int:
-        """How many leading blocks were hashed from their tokens alone (plus LoRA and salt,
-        which we key by kv_group and namespace): the rest carry multimodal or other keys."""
-        extra = ev.extra_keys
-        if not extra:
-            return len(ev.block_hashes)
-        ours: set[Hashable] = {h for h in (ev.lora_name, salt) if h is not None}
-        for i, keys in enumerate(extra[: len(ev.block_hashes)]):
-            if not keys:
-                continue
-            if not isinstance(keys, list | tuple) or any(
-                not isinstance(k, Hashable) or k not in ours for k in keys
-            ):
-                return i
-        return len(ev.block_hashes)
+    def _insert(
+        self, keys: list[int], group: str, now: float, parent: int | None, salt: str | None
+    ) -> None:
+        """Index a stored chain; `salt`: the namespace its first block starts (a root, or the
+        first private block after a public prefix)."""
+        if salt:
+            self.index.tag_namespace(keys[0], salt)
+        self.blocks_stored += self.index.insert(keys, self.worker, group, now, parent=parent)
+        if self.journal is not None:
+            self.journal.stored(group, keys, parent, salt)
+
+    def _remove(self, keys: list[int], group: str) -> int:
+        if self.journal is not None:
+            self.journal.removed(group, keys)
+        return self.index.remove(keys, self.worker, group)
 
     def _remember(self, hashes: list[BlockHash], keys: list[int], group: str) -> None:
         if group != self.base_group:
@@ -352,7 +352,7 @@ class WorkerMirror:
                 known = (h, base)
             by_group.setdefault(known[1], []).append(known[0])
         for group, keys in by_group.items():
-            self.blocks_removed += self.index.remove(keys, self.worker, host_group(group))
+            self.blocks_removed += self._remove(keys, host_group(group))
 
     def _forget_other_key(self, engine_hash: BlockHash, key: int) -> None:
         """An engine hash stored again under another key (should not happen): drop the old."""
@@ -360,7 +360,7 @@ class WorkerMirror:
         if old is None and (old_key := self._keys.get(engine_hash)) is not None:
             old = (old_key, self.base_group)
         if old is not None and old[0] != key:
-            self.index.remove((old[0],), self.worker, old[1])
+            self._remove([old[0]], old[1])
             self._other.pop(engine_hash, None)
             self._keys.pop(engine_hash, None)
 
@@ -373,7 +373,7 @@ class WorkerMirror:
         engines' changes in-process."""
         if self.own_keys and not self._other and not self._host:  # all keyed as ours, base group
             group = self._base_host if medium == MEDIUM_CPU else self.base_group
-            self.blocks_removed += self.index.remove(cast(list[int], hashes), self.worker, group)
+            self.blocks_removed += self._remove(cast(list[int], hashes), group)
             return
         if medium == MEDIUM_CPU:
             self._removed_host(hashes)
@@ -383,7 +383,7 @@ class WorkerMirror:
         for h in hashes:
             other = self._other.pop(h, None)
             if other is not None:
-                removed += self.index.remove((other[0],), self.worker, other[1])
+                removed += self._remove([other[0]], other[1])
                 continue
             key = self._keys.pop(h, None)
             if key is None:
@@ -392,7 +392,7 @@ class WorkerMirror:
                 key = h  # identity, or never seen (then the index holds nothing to remove)
             base_keys.append(key)
         if base_keys:
-            removed += self.index.remove(base_keys, self.worker, self.base_group)
+            removed += self._remove(base_keys, self.base_group)
         self.blocks_removed += removed
 
     def stats(self) -> MirrorStats:

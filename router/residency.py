@@ -89,6 +89,12 @@ class ResidencyTree(RunTree):
         bit = self._find(worker, kv_group)
         return (0, 0) if bit is None else (self._held[bit], self._stored[bit])
 
+    def set_inflow(self, worker: str, kv_group: str, stored: int) -> None:
+        """The resident's inflow (`sizes`) as another index counts it (router/kv_delta.py)."""
+        bit = self._find(worker, kv_group)
+        if bit is not None:
+            self._stored[bit] = stored
+
     def _release(self, run: Run, bit: int) -> None:
         """The resident no longer holds any block of `run`."""
         run.mask &= ~(1 << bit)
@@ -159,6 +165,10 @@ class ResidencyTree(RunTree):
             keys = keys[done:]
         flag = 1 << bit
         where, by_id = self._where, self._runs
+        whole = by_id.get(where.get(cast(list[object], keys)[0], 0))
+        if whole is not None and whole.mask & flag and whole.keys == keys:
+            self._release(whole, bit)  # a whole run, root first: one lookup, no positions
+            return done + len(keys)
         # each run's keys, in order of first appearance; holding the runs keeps their ids unique
         found: dict[object, list[int]] = {}
         for key in keys:

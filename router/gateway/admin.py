@@ -7,6 +7,7 @@ import asyncio
 import copy
 import hmac
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -149,6 +150,8 @@ class _Admin:
             "tokenizer_parity": gateway.parity.describe(),
             "policy": gateway.config.policy,
             "replica": gateway.replica,
+            "pid": os.getpid(),  # this process (of --processes N)
+            "kv_ingest": gateway.fleet.ingest.role() if gateway.fleet.ingest else "own",
         }
         return web.json_response(body)
 

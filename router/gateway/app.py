@@ -72,7 +72,7 @@ class Gateway:
         self.replica = f"{socket.gethostname()}{process}"  # in answers that say what changed
         max_blocks = config.index_max_blocks
         self.index = UnifiedIndex(max_blocks, config.approx_ttl_s, config.pending_ttl_s)
-        self.fleet = Fleet(config, self.index)
+        self.fleet = Fleet(config, self.index, siblings)
         told = {"prefill_tokens_per_s": config.prefill_tokens_per_s}  # one knob (docs/policies.md)
         self.policy = make_policy(config.policy, told, **config.policy_params)
         # the one request lifecycle (router/route.py): admin invalidations mark when they begin

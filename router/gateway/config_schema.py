@@ -276,6 +276,11 @@ class GatewayConfig:
         "gateway processes on this host, one port (SO_REUSEPORT), each a full replica; "
         "/metrics and the admin API cover them all (docs/scale-out.md)",
     )
+    ingest_per_process: bool = setting(
+        False,
+        "with --processes N, each process follows every worker's KV events itself (N times the "
+        "ingest) rather than one per host sharing its keyed deltas (docs/scale-out.md)",
+    )
     kv_groups: str = setting(
         "",
         "route and follow the KV events of only these kv_groups, comma-separated (default: "

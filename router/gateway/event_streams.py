@@ -10,7 +10,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from router.gateway.host_ingest import HostIngest
 from router.index import UnifiedIndex
+from router.kv_delta import FollowedStream, StreamJournal
 from router.kv_mirror import WorkerMirror
 from router.kv_subscriber import KVEventSubscriber
 
@@ -30,6 +32,10 @@ def reachable(endpoint: str | None, worker_host: str) -> str | None:
 
 @dataclass(slots=True, eq=False)
 class EventStream:
+    """One kv_group's KV events of a worker, followed by this process (its own mirror and
+    subscriber) or, as a follower of the host's one ingest (`ingest`, --processes N), applied
+    from the leader's deltas (docs/scale-out.md, "One ingest per host")."""
+
     kv_group: str
     endpoint: str
     replay_endpoint: str | None = None
@@ -37,29 +43,71 @@ class EventStream:
     mirror: WorkerMirror | None = None
     subscriber: KVEventSubscriber | None = None
     task: asyncio.Task[None] | None = None
+    followed: FollowedStream | None = None
+    active: bool = False  # started: the worker's residency here comes from these events
+    index: UnifiedIndex | None = None
+    worker: str = ""
+    block_size: int = 0
+    ingest: HostIngest | None = None
 
-    def start(self, index: UnifiedIndex, worker: str, block_size: int) -> None:
-        self.mirror = WorkerMirror(index, worker, self.kv_group, block_size=block_size)
+    def start(
+        self, index: UnifiedIndex, worker: str, block_size: int, ingest: HostIngest | None = None
+    ) -> None:
+        self.index, self.worker, self.block_size, self.ingest = index, worker, block_size, ingest
+        self.active = True
+        if ingest is not None:
+            self.followed = ingest.add((worker, self.kv_group), self)
+        if self.followed is None:
+            self.lead()
+
+    def lead(self) -> None:
+        """Follow the worker's events ourselves (as the host's leader, journaled for the
+        other processes)."""
+        assert self.index is not None
+        self.followed = None
+        self.mirror = WorkerMirror(self.index, self.worker, self.kv_group, self.block_size)
+        if self.ingest is not None:
+            ops, wrote = self.ingest.ops, self.ingest.wrote
+            self.mirror.journal = StreamJournal(self.worker, self.kv_group, ops, wrote)
         self.subscriber = KVEventSubscriber(
             self.mirror, self.endpoint, self.replay_endpoint, topic=self.topic, clock=time.monotonic
         )
         self.task = asyncio.get_running_loop().create_task(self.subscriber.run())
 
+    def snapshot_groups(self) -> list[str] | None:
+        """The kv_groups our mirror fed (None: we follow no mirror of it)."""
+        return sorted(self.mirror.groups) if self.mirror is not None else None
+
+    @property
+    def connected(self) -> bool:
+        """Whether the worker's stream is connected (as the leader says, for a follower)."""
+        if self.subscriber is not None:
+            return self.subscriber.connected
+        return self.ingest is not None and self.ingest.connected((self.worker, self.kv_group))
+
     async def stop(self) -> None:
+        self.active = False
+        if self.ingest is not None:
+            self.ingest.remove((self.worker, self.kv_group))
+        if self.mirror is not None and self.mirror.journal is not None:
+            self.mirror.journal.gone()  # the followers forget what it fed
         if self.subscriber is not None:
             self.subscriber.stop()
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
-        self.subscriber = self.task = self.mirror = None
+        self.subscriber = self.task = self.mirror = self.followed = None
 
     def describe(self) -> dict[str, Any]:
+        role = "own" if self.ingest is None else "leader" if self.followed is None else "follower"
         return {
             "kv_group": self.kv_group,
             "endpoint": self.endpoint,
             "replay_endpoint": self.replay_endpoint,
+            "ingest": role,
             "mirror": self.mirror.stats()._asdict() if self.mirror is not None else None,
+            "followed": self.followed.stats()._asdict() if self.followed is not None else None,
         }
 
 

@@ -18,6 +18,8 @@ from core.tokenizer import Tokenizer, load_tokenizer
 from router.adapters import Adapters, adapter_group
 from router.gateway.config import GatewayConfig, ModelConfig, WorkerConfig
 from router.gateway.event_streams import EventStream, discovered_streams, reachable
+from router.gateway.host_ingest import host_ingest
+from router.gateway.siblings import Siblings
 from router.gateway.upstream import UpstreamPool
 from router.index import UnifiedIndex, host_group
 from router.policies import WorkerLoad
@@ -83,8 +85,8 @@ class Worker:
 
     def exact(self, kv_group: str) -> bool:
         """Whether this worker's residency in `kv_group` comes from its KV events."""
-        for stream in self.streams:  # a loop, not any(): on every request
-            if stream.kv_group == kv_group and stream.subscriber is not None:
+        for stream in self.streams:  # noqa: SIM110 - a loop, not any(): on every request
+            if stream.kv_group == kv_group and stream.active:
                 return True
         return False
 
@@ -110,7 +112,9 @@ class Worker:
 class Fleet:
     """Workers by name and by kv_group; models by served name and alias."""
 
-    def __init__(self, config: GatewayConfig, index: UnifiedIndex) -> None:
+    def __init__(
+        self, config: GatewayConfig, index: UnifiedIndex, siblings: Siblings | None = None
+    ) -> None:
         self.config = config
         self.index = index
         self.workers: dict[str, Worker] = {}
@@ -134,6 +138,8 @@ class Fleet:
         self.session: aiohttp.ClientSession | None = None
         self.on_up: list[Callable[[Worker], None]] = []  # called when a worker comes (back) up
         self.on_down: list[Callable[[Worker], None]] = []  # called when a worker is taken out
+        # --processes N: the host's one KV-event ingest (None: this process follows its own)
+        self.ingest = host_ingest(index, config, siblings)
 
     def _declare(self, name: str, config: ModelConfig | None, group: str, block_size: int) -> Model:
         spec = config.tokenizer if config else "byte"
@@ -174,6 +180,8 @@ class Fleet:
         self._loads = {group: [w.load for w in workers] for group, workers in groups.items()}
 
     async def start(self) -> None:
+        if self.ingest is not None:  # leader or follower, before any stream starts
+            self.ingest.start()
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s)
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(timeout=timeout, connector=connector)
@@ -183,6 +191,8 @@ class Fleet:
         for worker in list(self.workers.values()):
             for stream in worker.streams:
                 await stream.stop()
+        if self.ingest is not None:
+            await self.ingest.close()
         if self.session is not None:
             await self.session.close()
 
@@ -213,9 +223,8 @@ class Fleet:
 
     def events_lost(self) -> bool:
         """The index is unhealthy: workers publish KV events, and no stream is connected."""
-        up = [s.subscriber for w in self.workers.values() if w.up for s in w.streams]
-        subscribers = [s for s in up if s is not None]
-        return bool(subscribers) and not any(s.connected for s in subscribers)
+        up = [s for w in self.workers.values() if w.up for s in w.streams if s.active]
+        return bool(up) and not any(s.connected for s in up)
 
     async def check(self, worker: Worker) -> None:
         """One health check; discovery when the worker comes (back) up."""
@@ -369,7 +378,7 @@ class Fleet:
     async def _mark_up(self, worker: Worker) -> None:
         worker.up = True  # (its failures were reset by the check that found it healthy)
         for stream in worker.streams:
-            stream.start(self.index, worker.name, worker.block_size)
+            stream.start(self.index, worker.name, worker.block_size, self.ingest)
         self._regroup()
         for hook in self.on_up:
             hook(worker)

@@ -178,5 +178,5 @@ class ParityProbe(Collector):
             return  # its streams start again when it comes up
         self.fleet.index.clear(worker.name, group)  # the approximate entries make way
         for stream in worker.streams:
-            if stream.kv_group == group and stream.subscriber is None:
-                stream.start(self.fleet.index, worker.name, worker.block_size)
+            if stream.kv_group == group and not stream.active:
+                stream.start(self.fleet.index, worker.name, worker.block_size, self.fleet.ingest)
