@@ -84,6 +84,10 @@ def _ext_proc(body_mode: str, response_headers: bool) -> dict:
         "metadata_options": {
             "receiving_namespaces": {"untyped": [protocol.LB_NAMESPACE, protocol.ANSWER_NAMESPACE]}
         },
+        # only the request headers the EPP reads: fewer to encode, send and parse
+        "forward_rules": {
+            "allowed_headers": {"patterns": [{"exact": h} for h in protocol.READ_HEADERS]}
+        },
         # the response's headers skipped: its status comes with its first body message
         "response_attributes": [] if response_headers else [protocol.STATUS_ATTRIBUTE],
         # the response's first body chunk goes out with its headers, not after their answer

@@ -12,6 +12,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from core.errors import APIError
+from router.admission import PRIORITY_HEADER
+from router.gateway.isolation import SESSION_HEADERS
 
 DESTINATION: Final = "x-gateway-destination-endpoint"
 SERVED: Final = "x-gateway-destination-endpoint-served"
@@ -20,6 +22,16 @@ LB_NAMESPACE: Final = "envoy.lb"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 ROUTE: Final = "x-urc-route"
 Headers = Sequence[tuple[str, str]]
+# the request headers the picker reads (the tenant's key, the isolation session, flow control's
+# priority, the subset hint): a proxy may send only these (Envoy's forward_rules)
+READ_HEADERS: Final = (
+    ":method",
+    ":path",
+    "authorization",
+    *SESSION_HEADERS,
+    PRIORITY_HEADER,
+    SUBSET,
+)
 # A proxy that skips the response's headers message sends its status as an attribute of the
 # first body message, and adds the EPP's headers for the answer from this dynamic metadata
 # namespace (docs/epp.md, "Envoy"): x-urc-route, and flow control's x-ratelimit-* (as
@@ -51,10 +63,10 @@ def attribute_status(attributes: Mapping[str, struct_pb2.Struct]) -> int:
 
 def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
     """Envoy's headers by lowercase name (it sends `raw_value` bytes, older ones `value`)."""
-    out: dict[str, str] = {}
-    for h in headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
+    return {
+        h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value
+        for h in headers.headers
+    }
 
 
 def _mutation(set_headers: Headers, remove: Iterable[str] = ()) -> ext.HeaderMutation:
