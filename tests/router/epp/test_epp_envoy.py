@@ -238,8 +238,9 @@ def test_models_listed_as_the_gateway_lists_them() -> None:
         assert wait_for(emptied, 30), "the list still names models no up worker serves"
 
 
-def test_failover_through_fallback_endpoints() -> None:
-    with stack(failover=True, response_headers=True) as s:  # both bodies through the EPP
+@pytest.mark.parametrize("response_headers", [False, True])  # True: both bodies through the EPP
+def test_failover_through_fallback_endpoints(response_headers: bool) -> None:
+    with stack(failover=True, response_headers=response_headers) as s:
         c = client(s.url)
         errors: list[BaseException] = []
         done = [0]
