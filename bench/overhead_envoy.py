@@ -10,7 +10,7 @@ from overhead_load import ratio
 
 
 def envoy_lines(result: load.Result, routers: list[str]) -> list[str]:
-    """Envoy + urc epp against Envoy round robin and against urc gateway: added p50, ratios;
+    """Envoy + urc epp against Envoy round robin and urc gateway: added p50 / p99, ratios;
     the picker's CPU per request against the gateway's (with --base: the base's too)."""
     out = ["", "Envoy + urc epp, added p50 / p99 (ms): against Envoy round robin and urc gateway"]
     epps = [n for n in routers if n.startswith("envoy-epp")]
