@@ -19,12 +19,15 @@ import sys
 import tempfile
 import tomllib
 from argparse import BooleanOptionalAction
+from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
 import overhead_load as load
 from harness import fast_worker, log
+from overhead_envoy import checkout_config, envoy_lines
+from overhead_load import ratio
 
 from core.ports import free_port
 from urc.envoy import Envoy
@@ -121,10 +124,6 @@ def sglang_command(spec: str | None) -> list[str] | None:
     return [spec, "launch"]
 
 
-def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if a > 0 and b > 0 else "n/a"  # NaN compares false: n/a too
-
-
 def _failed(failed: dict[str, int], gap: str) -> str:
     failed = {k: v for k, v in failed.items() if v}
     return f"{gap}failed {failed}" if failed else ""
@@ -181,29 +180,6 @@ def throughput_lines(row: load.ThroughputRow, names: list[str], sgl: bool) -> li
     return out
 
 
-def envoy_lines(result: load.Result, routers: list[str]) -> list[str]:
-    """Envoy + urc epp against Envoy round robin and against urc gateway: added p50, ratios;
-    the picker's CPU per request against the gateway's (with --base: the base's too)."""
-    out = ["", "Envoy + urc epp, added p50 (ms): against Envoy round robin and urc gateway"]
-    epps = [n for n in routers if n.startswith("envoy-epp")]
-    for row in result.latency:
-        rr, urc = row.added_p50_ms["envoy-rr"], row.added_p50_ms["urc"]
-        line = f"  {row.metric:<20} c={row.concurrency:<3} envoy-rr {rr:.2f}  urc {urc:.2f}"
-        for name in epps:
-            epp = row.added_p50_ms[name]
-            line += f"   {name} {epp:.2f} (-rr {epp - rr:+.2f}, /urc {ratio(epp, urc)})"
-        out.append(line)
-    for row in result.throughput:
-        cpu = row.cpu_us_per_request
-        line = f"  CPU per request, {row.metric}: urc gateway {cpu['urc']['urc']:.0f} us"
-        for name in epps:
-            picker = cpu[name][name.replace("envoy", "picker")]
-            line += f"   {name}: urc epp {picker:.0f} us ({ratio(picker, cpu['urc']['urc'])}x)"
-            line += f" + Envoy {cpu[name][name]:.0f} us"
-        out.append(line)
-    return out
-
-
 def report(result: load.Result, names: list[str], header: str) -> str:
     routers = names[1:]
     sgl = "sglang-router" in routers
@@ -247,7 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
     add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
-    add("--epp-duplex", action="store_true", help="with --envoy: also FULL_DUPLEX_STREAMED bodies")
+    add(
+        "--epp-classic",
+        action="store_true",
+        help="with --envoy: also urc epp in GIE's reference exchange (BUFFERED request body, "
+        "the response's headers answered by the EPP)",
+    )
     add("--api", choices=["completions", "chat"], default="completions")
     add("--requests", type=int, default=3000, help="requests per target per latency row")
     add("--duration", type=float, default=6.0, help="seconds per target for throughput")
@@ -296,33 +277,49 @@ def start_fleet(
         cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         sgl = Child("sglang-router", cmd, None, url=f"http://127.0.0.1:{port}")
         front("sglang-router", sgl, 60)
-    extra_pids: dict[str, list[int]] = {}
-    if args.envoy:  # the Inference Extension's wiring: Envoy asks urc epp (docs/epp.md)
-        ports = [int(url.rsplit(":", 1)[1]) for url in workers]
-        rr = Envoy(ports)
-        rr.wait_healthy(len(ports))
-        rr.child.url = rr.url
-        front("envoy-rr", rr.child, 30)
-        epps = [("envoy-epp", SHIPPED[1], "BUFFERED")]
-        if args.epp_duplex:  # both bodies FULL_DUPLEX_STREAMED: fewer waits on the picker
-            epps.append(("envoy-epp-duplex", SHIPPED[1], "FULL_DUPLEX_STREAMED"))
-        if args.base is not None:  # the picker of the code at --base beside it
-            base = launch_code(base_checkout(args.base, f"{scratch}/eb"))
-            epps.append(("envoy-epp-base", base, "BUFFERED"))
-        for name, launch, mode in epps:
-            argv = [sys.executable, *launch, "epp", "--grpc-port", "0"]
-            argv += [a for url in workers for a in ("--worker", url)]
-            epp = Child("urc epp", argv, "epp: ").wait_announced()
-            config = partial(
-                epp_envoy_config, epp_port=port_of(epp.url), workers=ports, body_mode=mode
-            )
-            picked = Envoy([], config_for=config)
-            picked.child.url = picked.url
-            front(name, picked.child, 30)
-            extra_pids[name.replace("envoy", "picker")] = [epp.pid]  # its Envoy: `name`
+    extra_pids = start_envoys(args, workers, scratch, front) if args.envoy else {}
     routers = {t.name: [t.pid] for t in targets if t.pid}
     routers.update(extra_pids)
     return targets, {"workers": [child.pid for child in fleet], **routers}
+
+
+def start_envoys(
+    args: argparse.Namespace,
+    workers: list[str],
+    scratch: str,
+    front: Callable[[str, Child, float], None],
+) -> dict[str, list[int]]:
+    """The Inference Extension's wiring (docs/epp.md): Envoy round robin, then Envoy asking
+    urc epp (and the base's epp, under the base's own Envoy config); the pickers' pids."""
+    ports = [port_of(url) for url in workers]
+    rr = Envoy(ports)
+    rr.wait_healthy(len(ports))
+    rr.child.url = rr.url
+    front("envoy-rr", rr.child, 30)
+    epps: list[tuple[str, tuple[str, ...], dict, str | None]] = [
+        ("envoy-epp", SHIPPED[1], {}, None)
+    ]
+    if args.epp_classic:  # GIE's reference shape: two exchanges each way
+        classic = {"body_mode": "BUFFERED", "response_headers": True}
+        epps.append(("envoy-epp-classic", SHIPPED[1], classic, None))
+    if args.base is not None:  # the picker of the code at --base, under its own config
+        base = base_checkout(args.base, f"{scratch}/eb")
+        epps.append(("envoy-epp-base", launch_code(base), {}, base))
+    pids = {}
+    for name, launch, shape, checkout in epps:
+        argv = [sys.executable, *launch, "epp", "--grpc-port", "0"]
+        argv += [a for url in workers for a in ("--worker", url)]
+        epp = Child("urc epp", argv, "epp: ").wait_announced()
+        kwargs = {"epp_port": port_of(epp.url), "workers": ports, **shape}
+        if checkout is None:
+            config = partial(epp_envoy_config, **kwargs)
+        else:  # the exchange the base's picker speaks is the one its config sets up
+            config = partial(checkout_config, checkout, kwargs)
+        picked = Envoy([], config_for=config)
+        picked.child.url = picked.url
+        front(name, picked.child, 30)
+        pids[name.replace("envoy", "picker")] = [epp.pid]  # its Envoy: `name`
+    return pids
 
 
 def port_of(url: str) -> int:

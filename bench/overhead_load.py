@@ -28,6 +28,10 @@ class Prompt:
     bodies: tuple[bytes, bytes]  # (non-streamed, streamed) request bodies
 
 
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if a > 0 and b > 0 else "n/a"  # NaN compares false: n/a too
+
+
 def build_prompts(args: argparse.Namespace) -> list[Prompt]:
     """A group's prefix + a unique suffix of 16..prefix tokens (one ASCII byte = one token)."""
     rng = random.Random(args.seed)

@@ -38,21 +38,24 @@ def static_endpoints(cluster: str, ports: Sequence[int]) -> dict:
     return {"cluster_name": cluster, "endpoints": [{"lb_endpoints": endpoints}]}
 
 
-def front_listener(port: int, route: dict, filters: Sequence[dict] = ()) -> dict:
+def front_listener(
+    port: int, route: dict, filters: Sequence[dict] = (), response_headers: Sequence[dict] = ()
+) -> dict:
     """A listener on `port` whose every request takes `route`, through `filters` and then
-    the router filter."""
+    the router filter; `response_headers`: its `response_headers_to_add`."""
     router = {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}}
     manager = {
         "@type": f"{_HCM}.HttpConnectionManager",
         "stat_prefix": "front",
         "route_config": {
+            "response_headers_to_add": list(response_headers),
             "virtual_hosts": [
                 {
                     "name": "all",
                     "domains": ["*"],
                     "routes": [{"match": {"prefix": "/"}, "route": route}],
                 }
-            ]
+            ],
         },
         "http_filters": [*filters, router],
     }

@@ -15,6 +15,7 @@ from router.epp.picker import EndpointPicker, Pick, Refusal
 from router.gateway.proxy import usage_of
 
 _DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+_SERVED = (protocol.LB_NAMESPACE, protocol.SERVED)
 Answers = list[ext.ProcessingResponse]
 
 
@@ -34,6 +35,7 @@ class Exchange:
         self.duplex_response = False
         self.body = bytearray()
         self.pick: Pick | None = None
+        self.responded = False  # the response began (its headers, or its first body chunk)
         self.status = 0
         self.endpoint: str | None = None  # the endpoint that answered
         self.cached: int | None = None
@@ -55,6 +57,9 @@ class Exchange:
         if phase == "response_headers":
             return self._response_headers(message.response_headers, metadata)
         if phase == "response_body":
+            if not self.responded:  # the proxy skipped the response's headers
+                status = protocol.attribute_status(message.attributes)
+                self._responded(status, protocol.lb_value(metadata, *_SERVED))
             return self._response_body(message.response_body)
         assert phase is not None, "an empty ProcessingRequest"
         if phase == "request_trailers" and self.pick is None and self.duplex_request:
@@ -94,21 +99,28 @@ class Exchange:
             return [protocol.error(exc)]
         except Refusal as refused:  # flow control's 429, with Retry-After and x-ratelimit-*
             return [protocol.immediate(429, refused.body, refused.headers)]
-        return protocol.routed(self.pick.endpoints, self.pick.body, self.duplex_request)
+        pick = self.pick
+        answer = [(protocol.ROUTE, pick.route), *pick.headers]  # for a proxy that adds them
+        return protocol.routed(pick.endpoints, pick.body, self.duplex_request, answer)
 
     def _response_headers(
         self, message: ext.HttpHeaders, metadata: Mapping[str, struct_pb2.Struct]
     ) -> Answers:
         headers = protocol.header_map(message.headers)
-        self.status = int(headers.get(":status", "0") or 0)
-        served = protocol.lb_value(metadata, protocol.LB_NAMESPACE, protocol.SERVED)
-        self.endpoint = served or headers.get(protocol.SERVED)
+        served = protocol.lb_value(metadata, *_SERVED) or headers.get(protocol.SERVED)
+        self._responded(int(headers.get(":status", "0") or 0), served)
         if self.pick is None:
             return [protocol.proceed("response_headers")]
+        return [protocol.answered(self.pick.route, self.pick.headers)]
+
+    def _responded(self, status: int, served: str | None) -> None:
+        """The response began: its status, the endpoint that served; the load moves on."""
+        self.status, self.endpoint, self.responded = status, served, True
+        if self.pick is None:
+            return
         self.pick.load.first_token()
         if self.endpoint is None:  # the proxy did not say: the primary, as it was asked
             self.endpoint = self.pick.endpoints[0]
-        return [protocol.answered(self.pick.route, self.pick.headers)]
 
     def _response_body(self, message: ext.HttpBody) -> Answers:
         usage = usage_of(message.body)

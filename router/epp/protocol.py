@@ -12,6 +12,8 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from core.errors import APIError
+from router.admission import PRIORITY_HEADER
+from router.gateway.isolation import SESSION_HEADERS
 
 DESTINATION: Final = "x-gateway-destination-endpoint"
 SERVED: Final = "x-gateway-destination-endpoint-served"
@@ -20,14 +22,51 @@ LB_NAMESPACE: Final = "envoy.lb"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 ROUTE: Final = "x-urc-route"
 Headers = Sequence[tuple[str, str]]
+# the request headers the picker reads (the tenant's key, the isolation session, flow control's
+# priority, the subset hint): a proxy may send only these (Envoy's forward_rules)
+READ_HEADERS: Final = (
+    ":method",
+    ":path",
+    "authorization",
+    *SESSION_HEADERS,
+    PRIORITY_HEADER,
+    SUBSET,
+)
+# A proxy that skips the response's headers message sends its status as an attribute of the
+# first body message, and adds the EPP's headers for the answer from this dynamic metadata
+# namespace (docs/epp.md, "Envoy"): x-urc-route, and flow control's x-ratelimit-* (as
+# FlowControl.headers names them)
+ATTRIBUTES: Final = "envoy.filters.http.ext_proc"  # the filter's name keys its attributes
+STATUS_ATTRIBUTE: Final = "response.code"
+ANSWER_NAMESPACE: Final = "urc.answer"
+ANSWER_HEADERS: Final = (
+    ROUTE,
+    *(
+        f"x-ratelimit-{part}-{unit}"
+        for unit in ("requests", "tokens")
+        for part in ("limit", "remaining", "reset")
+    ),
+)
+
+
+def attribute_status(attributes: Mapping[str, struct_pb2.Struct]) -> int:
+    """The response's status from the attributes (0: not sent)."""
+    if ATTRIBUTES not in attributes:
+        return 0
+    value = attributes[ATTRIBUTES].fields.get(STATUS_ATTRIBUTE)
+    if value is None:
+        return 0
+    if value.HasField("number_value"):
+        return int(value.number_value)
+    return int(value.string_value or 0)
 
 
 def header_map(headers: base_pb2.HeaderMap) -> dict[str, str]:
     """Envoy's headers by lowercase name (it sends `raw_value` bytes, older ones `value`)."""
-    out: dict[str, str] = {}
-    for h in headers.headers:
-        out[h.key.lower()] = h.raw_value.decode("latin-1") if h.raw_value else h.value
-    return out
+    return {
+        h.key.lower(): h.raw_value.decode("latin-1") if h.raw_value else h.value
+        for h in headers.headers
+    }
 
 
 def _mutation(set_headers: Headers, remove: Iterable[str] = ()) -> ext.HeaderMutation:
@@ -43,20 +82,29 @@ def _mutation(set_headers: Headers, remove: Iterable[str] = ()) -> ext.HeaderMut
     )
 
 
-def destination_metadata(endpoints: Sequence[str]) -> struct_pb2.Struct:
-    """`envoy.lb` -> {x-gateway-destination-endpoint: "primary,fallback,..."}."""
+def destination_metadata(
+    endpoints: Sequence[str], answer: Headers | None = None
+) -> struct_pb2.Struct:
+    """`envoy.lb` -> {x-gateway-destination-endpoint: "primary,fallback,..."}; with `answer`,
+    `urc.answer` -> the headers the proxy adds to the response (ANSWER_HEADERS)."""
     metadata = struct_pb2.Struct()
-    metadata.update({LB_NAMESPACE: {DESTINATION: ",".join(endpoints)}})
+    namespaces: dict[str, dict[str, str]] = {LB_NAMESPACE: {DESTINATION: ",".join(endpoints)}}
+    if answer is not None:
+        namespaces[ANSWER_NAMESPACE] = dict(answer)
+    metadata.update(namespaces)
     return metadata
 
 
-def routed(endpoints: Sequence[str], body: bytes, streamed: bool) -> list[ext.ProcessingResponse]:
+def routed(
+    endpoints: Sequence[str], body: bytes, streamed: bool, answer: Headers | None = None
+) -> list[ext.ProcessingResponse]:
     """The answers that send a buffered request to `endpoints[0]` (the rest: fallbacks) with
     its rewritten `body`. BUFFERED: one body response carrying it all. FULL_DUPLEX_STREAMED:
-    the headers response (Envoy held the headers until now), then the body as one chunk."""
+    the headers response (Envoy held the headers until now), then the body as one chunk.
+    `answer`: the response's headers, for a proxy that skips the response headers message."""
     headers = [(DESTINATION, endpoints[0]), ("content-length", str(len(body)))]
     common = ext.CommonResponse(header_mutation=_mutation(headers), clear_route_cache=True)
-    metadata = destination_metadata(endpoints)
+    metadata = destination_metadata(endpoints, answer)
     if not streamed:
         common.body_mutation.body = body
         return [

@@ -25,6 +25,7 @@ from urc.envoy import Envoy
 from urc.envoy_epp import epp_envoy_config
 from urc.processes import Child, start_gateway, start_worker
 
+KEY_A = {"Authorization": "Bearer key-a"}
 KEYS = ("--api-key", "a:key-a", "--api-key", "b:key-b", "--salt-secret", "s" * 32)
 WORKLOAD = {"groups": 6, "prefix_tokens": 800, "question_tokens": 24, "max_tokens": 4}
 REQUESTS = 48
@@ -51,10 +52,13 @@ def port_of(child: Child) -> int:
 def stack(
     *epp_args: str,
     failover: bool = False,
-    body_mode: str = "BUFFERED",
+    body_mode: str = "FULL_DUPLEX_STREAMED",
+    response_headers: bool = False,
     worker_args: Sequence[str] = (),
 ) -> Iterator[Stack]:
-    """Workers, `urc epp` and Envoy; `failover`: the override_host cluster (fallbacks)."""
+    """Workers, `urc epp` and Envoy; `failover`: the override_host cluster (fallbacks).
+    `body_mode`, `response_headers`: the exchange's shape (urc/envoy_epp.py); by default the
+    shipped one."""
     workers: list[Child] = []
     epp = envoy = None
     try:
@@ -64,7 +68,7 @@ def stack(
         epp_port = port_of(epp)
 
         def config(port: int, admin: int) -> dict:
-            return epp_envoy_config(port, admin, epp_port, ports, body_mode)
+            return epp_envoy_config(port, admin, epp_port, ports, body_mode, response_headers)
 
         envoy = Envoy([], config_for=config)
         ready = {"model": "emulated", "prompt": "warm up", "max_tokens": 1}
@@ -110,8 +114,16 @@ def reuse(url: str) -> float:
 
 
 def test_prefix_reuse_streaming_and_bad_input() -> None:
-    with stack() as s:
+    with stack("--metrics-port", "0") as s:
         through_epp = reuse(s.url)
+        # the response's headers skipped: its status and usage still reach the EPP (a 200's
+        # cached tokens counted), and every request's load left its worker
+        line = next(x for x in s.epp.lines if x.startswith("metrics: "))
+        text = httpx.get(line.removeprefix("metrics: "), timeout=10).text
+        actual = [x for x in text.splitlines() if x.startswith("urc_actual_cached_tokens_total")]
+        assert sum(float(x.rsplit(" ", 1)[1]) for x in actual) > 0, actual
+        in_flight = [x for x in text.splitlines() if x.startswith("urc_worker_in_flight{")]
+        assert in_flight and all(x.endswith(" 0.0") for x in in_flight), in_flight
         r = httpx.post(
             f"{s.url}/v1/completions",
             json={"model": "emulated", "prompt": "route me", "max_tokens": 2},
@@ -167,11 +179,16 @@ def test_prefix_reuse_streaming_and_bad_input() -> None:
 
 
 def test_tenants_are_isolated_and_keys_required() -> None:
-    with stack(*KEYS) as s:
+    """In GIE's reference shape of the exchange: the request body BUFFERED, the response's
+    headers answered by the EPP (x-urc-route added by it)."""
+    with stack(*KEYS, body_mode="BUFFERED", response_headers=True) as s:
         prompt = "a confidential document of tenant a " * 40
         a, b = client(s.url, "key-a"), client(s.url, "key-b")
         for _ in range(2):
             first = a.completions.create(model="emulated", prompt=prompt, max_tokens=2)
+        body = {"model": "emulated", "prompt": prompt, "max_tokens": 2}
+        r = httpx.post(f"{s.url}/v1/completions", json=body, headers=KEY_A, timeout=10)
+        assert r.status_code == 200 and "matched_tokens=" in r.headers["x-urc-route"]
         details = first.usage.prompt_tokens_details  # type: ignore[union-attr]
         assert details is not None and (details.cached_tokens or 0) > 0  # A reuses its own
         replay = b.completions.create(model="emulated", prompt=prompt, max_tokens=2)
@@ -221,8 +238,9 @@ def test_models_listed_as_the_gateway_lists_them() -> None:
         assert wait_for(emptied, 30), "the list still names models no up worker serves"
 
 
-def test_failover_through_fallback_endpoints() -> None:
-    with stack(failover=True, body_mode="FULL_DUPLEX_STREAMED") as s:
+@pytest.mark.parametrize("response_headers", [False, True])  # True: both bodies through the EPP
+def test_failover_through_fallback_endpoints(response_headers: bool) -> None:
+    with stack(failover=True, response_headers=response_headers) as s:
         c = client(s.url)
         errors: list[BaseException] = []
         done = [0]
