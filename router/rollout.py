@@ -11,17 +11,14 @@ conversations from the baseline to the candidate, never back."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from xxhash import xxh3_64_intdigest
 
-from core.settings import setting
-from router.rollout_stats import OK, WORSE, ArmStats, Margins, Verdict, compare, finite, z_of
+from router.rollout_plan import RolloutPlan
+from router.rollout_stats import OK, WORSE, ArmStats, Verdict, compare, finite, z_of
 
 BUCKETS = 10_000  # a share is set in hundredths of a percent
-DEFAULT_SALT = "urc-rollout"
-DEFAULT_STEPS = "1,5,25,50,100"
 BASELINE, CANDIDATE = 0, 1
 ARMS = ("baseline", "candidate")
 EARLY = 50  # within a dwell, a rollback needs a 50x smaller error level (0.95 -> 0.999)
@@ -34,109 +31,6 @@ RUNNING, PAUSED, COMPLETE, ROLLED_BACK, ABORTED = (
     "aborted",
 )
 ENDED = (COMPLETE, ROLLED_BACK, ABORTED)
-
-
-def parse_steps(text: str) -> list[float]:
-    """`1,5,25,50,100` -> candidate shares in percent, rising, in (0, 100]; ValueError."""
-    try:
-        steps = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"steps must be comma-separated percents, got {text!r}") from None
-    if not steps or any(not 0 < s <= 100 for s in steps):
-        raise ValueError(f"steps must be percents in (0, 100], got {text!r}")
-    if any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
-        raise ValueError(f"steps must rise, got {text!r}")
-    return steps
-
-
-@dataclass(slots=True)
-class RolloutPlan:
-    """What to roll out and how (the gateway's `[gateway.rollout]`, `urc replay --rollout-*`):
-    the candidate's shares, each held `dwell_s` at least and until every guardrail says `ok`
-    with `min_requests` per arm; a `worse` guardrail rolls back at once."""
-
-    policy: str = setting(
-        "", "canary this policy against the live one (docs/rollouts.md)", "--rollout-policy"
-    )
-    policy_params: dict[str, str | int | float | bool] = setting(
-        {}, "the candidate policy's parameters", None
-    )
-    model: str = setting(
-        "", "canary this served model behind --rollout-alias (a model rollout)", "--rollout-model"
-    )
-    alias: str = setting(
-        "", "the model name clients send whose requests the model rollout splits", "--rollout-alias"
-    )
-    steps: str = setting(
-        DEFAULT_STEPS, "the candidate's shares in percent, rising, to 100", "--rollout-steps"
-    )
-    dwell_s: float = setting(
-        300.0, "seconds each step lasts at least (virtual in urc replay)", "--rollout-dwell"
-    )
-    min_requests: int = setting(
-        300, "requests each arm ends in a step before it is judged", "--rollout-min-requests"
-    )
-    confidence: float = setting(
-        0.95, "the one-sided confidence of every guardrail's test", "--rollout-confidence"
-    )
-    hit_rate_margin: float = setting(
-        0.03, "hit-rate points the candidate may lose", "--rollout-hit-rate-margin"
-    )
-    prediction_error_margin: float = setting(
-        0.05,
-        "points of predicted-vs-actual error (per prompt token) it may add",
-        "--rollout-prediction-error-margin",
-    )
-    error_rate_margin: float = setting(
-        0.02, "error-rate points it may add", "--rollout-error-rate-margin"
-    )
-    ttft_p50_margin: float = setting(
-        0.25, "how much slower its TTFT p50 may be (0.25: a quarter)", "--rollout-ttft-p50-margin"
-    )
-    ttft_p99_margin: float = setting(
-        0.5, "how much slower its TTFT p99 may be", "--rollout-ttft-p99-margin"
-    )
-    salt: str = setting(
-        DEFAULT_SALT,
-        "keys the hash that picks each conversation's arm (replicas: the same)",
-        "--rollout-salt",
-    )
-
-    @property
-    def kind(self) -> str:
-        return "model" if self.model else "policy"
-
-    @property
-    def candidate(self) -> str:
-        return self.model or self.policy
-
-    @property
-    def configured(self) -> bool:
-        return bool(self.model or self.policy)
-
-    def margins(self) -> Margins:
-        return Margins(
-            self.hit_rate_margin,
-            self.prediction_error_margin,
-            self.error_rate_margin,
-            self.ttft_p50_margin,
-            self.ttft_p99_margin,
-        )
-
-    def check(self) -> list[float]:
-        """The steps; ValueError naming what is wrong."""
-        if self.policy and self.model:
-            raise ValueError("a rollout has one candidate: a policy or a model, not both")
-        if not self.configured:
-            raise ValueError("a rollout needs a candidate: a policy or a model")
-        if self.model and not self.alias:
-            raise ValueError("a model rollout needs the alias clients send (alias)")
-        if self.dwell_s < 0 or self.min_requests < 1 or not 0.5 <= self.confidence < 1:
-            raise ValueError("dwell_s >= 0, min_requests >= 1, confidence in [0.5, 1)")
-        margins = self.margins()
-        if any(getattr(margins, name) < 0 for name in Margins.__dataclass_fields__):
-            raise ValueError("margins are >= 0")
-        return parse_steps(self.steps)
 
 
 def hashed(key: bytes, seed: int) -> int:

@@ -19,7 +19,7 @@ from loadgen.mooncake import TraceFormatError
 from loadgen.workloads import WORKLOADS, parse_models, parse_params
 from router.admission import FlowSettings
 from router.policies import POLICY_NAMES
-from router.rollout import RolloutPlan
+from router.rollout_plan import RolloutPlan
 from simulation.compare import compare, policy_names, split_params
 from simulation.flow import FlowConfig, parse_tenant_flow
 from simulation.replay import FleetConfig

@@ -12,7 +12,8 @@ from typing import Any, cast
 
 from core.settings import add_setting_flags, from_flags
 from router.policies import Policy, make_policy
-from router.rollout import CANDIDATE, Placement, Rollout, RolloutPlan, conversation_key
+from router.rollout import CANDIDATE, Placement, Rollout, conversation_key
+from router.rollout_plan import RolloutPlan
 from simulation.compare import Run, build_params, run_policy
 from simulation.replay import FleetConfig
 from simulation.report import format_table, rounded, write_json
@@ -85,8 +86,8 @@ def timeline_rows(report: dict[str, Any]) -> list[list[str]]:
 
 
 def add_rollout_arguments(p: argparse.ArgumentParser) -> None:
-    """The plan's settings, as the gateway's [gateway.rollout] (router/rollout.py declares them
-    once)."""
+    """The plan's settings, as the gateway's [gateway.rollout] (router/rollout_plan.py declares
+    them once)."""
     group = p.add_argument_group(
         "rollout", "a policy rollout's plan against --policy, in virtual time (docs/rollouts.md)"
     )

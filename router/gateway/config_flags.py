@@ -24,7 +24,7 @@ from router.gateway.config_schema import (
     flag_of,
 )
 from router.policies import POLICY_NAMES
-from router.rollout import RolloutPlan
+from router.rollout_plan import RolloutPlan
 
 log = logging.getLogger(__name__)
 _CHOICES = {"log_level": LOG_LEVELS, "log_format": LOG_FORMATS}
@@ -163,7 +163,7 @@ def _add_tables(groups: dict[str, argparse._ArgumentGroup]) -> None:
 
 
 def _add_rollout(group: argparse._ArgumentGroup) -> None:
-    """[gateway.rollout]'s flags (router/rollout.py declares them, `urc replay` has them too)."""
+    """[gateway.rollout]'s flags (router/rollout_plan.py declares them; `urc replay` too)."""
     for f in flagged(RolloutPlan):
         flag = flag_of_setting(RolloutPlan, f.name)
         assert flag is not None

@@ -11,7 +11,7 @@ from typing import Any
 
 from core.settings import flagged
 from router.gateway.config_schema import SECRETS, TABLES, GatewayConfig
-from router.rollout import RolloutPlan
+from router.rollout_plan import RolloutPlan
 
 MASK = "***"
 _BARE = re.compile(r"[A-Za-z0-9_-]+")

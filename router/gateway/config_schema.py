@@ -14,7 +14,7 @@ from core.logs import FORMATS, LEVELS
 from core.settings import setting
 from router.adapters import DEFAULT_LOAD_MB_PER_S, DEFAULT_LOAD_S
 from router.index import DEFAULT_APPROX_TTL_S
-from router.rollout import RolloutPlan
+from router.rollout_plan import RolloutPlan
 
 ISOLATION_LEVELS = ("shared", "tenant", "user", "session")
 FAIRNESS = ("tenant", "user", "session")  # the flows a tenant's weight is shared between
@@ -287,7 +287,7 @@ class GatewayConfig:
         "all): replica sets that each follow a shard of a fleet too large for one",
     )
 
-    # rollout: the plan's settings are declared once, in router/rollout.py (urc replay's too)
+    # rollout: the plan's settings are declared once, in router/rollout_plan.py (urc replay's too)
     rollout: RolloutPlan = field(
         default_factory=RolloutPlan,
         metadata={"flag": None, "help": "a gradual rollout's plan ([gateway.rollout])"},

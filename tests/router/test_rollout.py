@@ -12,10 +12,9 @@ from router.rollout import (
     BASELINE,
     CANDIDATE,
     Rollout,
-    RolloutPlan,
     conversation_key,
-    parse_steps,
 )
+from router.rollout_plan import RolloutPlan, parse_steps
 from router.rollout_stats import (
     OK,
     UNSURE,

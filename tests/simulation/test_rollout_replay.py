@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from backends.emulated.config import EngineConfig
-from router.rollout import CANDIDATE, Rollout, RolloutPlan
+from router.rollout import CANDIDATE, Rollout
+from router.rollout_plan import RolloutPlan
 from simulation.cli import main
 from simulation.replay import FleetConfig
 from simulation.requests import SimRequest

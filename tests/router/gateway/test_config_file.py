@@ -23,7 +23,7 @@ from router.gateway.config_schema import (
     WorkerConfig,
     flag_of,
 )
-from router.rollout import RolloutPlan
+from router.rollout_plan import RolloutPlan
 from urc.cli import build_parser
 from urc.processes import ROOT
 

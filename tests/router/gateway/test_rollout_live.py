@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from backends.emulated.config import EngineConfig
-from router.rollout import ARMS, Rollout, RolloutPlan, conversation_key
+from router.rollout import ARMS, Rollout, conversation_key
+from router.rollout_plan import RolloutPlan
 from simulation.replay import FleetConfig
 from simulation.rollout import replay_rollout
 from simulation.traces import read_trace, trace_requests
