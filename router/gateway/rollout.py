@@ -1,6 +1,7 @@
 """The gateway's side of a rollout (docs/rollouts.md): each request's arm (router/rollout.py
 decides), the candidate's policy or model, what each arm's answers measured, the plan evaluated
-every second, its admin routes and its metrics. Off (`on` False) it costs a request one test."""
+every second, its admin routes (its metrics: rollout_metrics.py). Compiled with the request path;
+off (`on` False) it costs a request one test."""
 
 from __future__ import annotations
 
@@ -9,30 +10,21 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 
 from core.errors import APIError
 from router.gateway.isolation import SESSION_HEADERS, Scope
 from router.gateway.parsing import bad_request, parse_body
+from router.gateway.rollout_metrics import RolloutCollector
 from router.gateway.routing import Keyed, Plan, Router, RoutingModes
 from router.policies import Policy, make_policy
-from router.rollout import (
-    ARMS,
-    CANDIDATE,
-    ENDED,
-    Event,
-    Placement,
-    Rollout,
-    RolloutPlan,
-    conversation_key,
-)
-from router.rollout_stats import HIT, OK, WORSE
+from router.rollout import CANDIDATE, ENDED, Event, Placement, Rollout, conversation_key
+from router.rollout_plan import RolloutPlan
 
 if TYPE_CHECKING:
     from router.gateway.fleet import Worker
@@ -41,7 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 EVALUATE_EVERY_S = 1.0  # simulation/rollout.py evaluates as often, in virtual time
 ACTIONS = ("start", "pause", "resume", "promote", "abort")
-_STATES = ("running", "paused", "complete", "rolled_back", "aborted")
 _json = msgspec.json.Encoder(order="sorted")
 
 
@@ -51,10 +42,11 @@ def fallback_key(routed: Mapping[str, Any], chat: bool, keys: Sequence[int] | No
     characters before it is keyed)."""
     if chat:
         messages = routed.get("messages") or []
-        user = (
-            i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"
-        )
-        first = next(user, 0)
+        first = 0
+        for i, m in enumerate(messages):
+            if isinstance(m, dict) and m.get("role") == "user":
+                first = i
+                break
         return _json.encode(messages[: first + 1])
     if keys:
         return struct.pack("<Q", keys[0] & 0xFFFF_FFFF_FFFF_FFFF)
@@ -75,7 +67,7 @@ class Canary:
         self.on = False  # the candidate has a share (running, paused, complete): requests take part
         self.outcomes = [[0.0, 0.0], [0.0, 0.0]]  # by arm: served, failed
         self.events: dict[str, float] = {}  # by kind, over every rollout of this process
-        registry.register(_Exported(self))
+        registry.register(RolloutCollector(self))
 
     def start(self, plan: RolloutPlan, now: float) -> Event:
         """A new rollout (the one before it, if any, ends): ValueError on a bad plan."""
@@ -258,46 +250,3 @@ class Canary:
             return web.json_response(self.act(parse_body(await request.read())))
 
         return [(web.get, "/admin/rollout", show), (web.post, "/admin/rollout", act)]
-
-
-class _Exported(Collector):
-    """The rollout in /metrics (docs/metrics.md), read at each scrape."""
-
-    def __init__(self, canary: Canary) -> None:
-        self.canary = canary
-
-    def collect(self) -> Iterator[Any]:
-        canary = self.canary
-        rollout = canary.rollout
-        doc = "Requests of each rollout arm that ended served or failed"
-        requests = CounterMetricFamily("urc_rollout_requests", doc, labels=["arm", "outcome"])
-        for arm, (served, failed) in zip(ARMS, canary.outcomes, strict=True):
-            requests.add_metric([arm, "served"], served)
-            requests.add_metric([arm, "failed"], failed)
-        yield requests
-        doc = "Rollout events by kind (started, advanced, complete, rolled_back, ...)"
-        events = CounterMetricFamily("urc_rollout_events", doc, labels=["kind"])
-        for kind, count in canary.events.items():
-            events.add_metric([kind], count)
-        yield events
-        doc = "1 for the rollout's state (none before the first)"
-        state = GaugeMetricFamily("urc_rollout_state", doc, labels=["state"])
-        current = rollout.state if rollout is not None else "none"
-        for name in ("none", *_STATES):
-            state.add_metric([name], float(name == current))
-        yield state
-        doc = "The candidate's share of conversations, in percent"
-        share = rollout.share if rollout is not None else 0.0
-        yield GaugeMetricFamily("urc_rollout_share_percent", doc, value=share)
-        doc = "The rollout's guardrails at the last evaluation: 1 ok, 0 unsure, -1 worse"
-        guard = GaugeMetricFamily("urc_rollout_guardrail", doc, labels=["metric"])
-        for v in rollout.verdicts if rollout is not None else ():
-            guard.add_metric([v.metric], 1.0 if v.state == OK else -1.0 if v.state == WORSE else 0)
-        yield guard
-        doc = "Each arm's hit rate (cached / prompt tokens) in the current step"
-        hits = GaugeMetricFamily("urc_rollout_hit_rate", doc, labels=["arm"])
-        for arm, stats in zip(ARMS, rollout.arms if rollout is not None else (), strict=False):
-            rate = stats.tokens.value(HIT)
-            if not math.isnan(rate):
-                hits.add_metric([arm], rate)
-        yield hits
