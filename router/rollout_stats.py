@@ -25,6 +25,11 @@ _CLUSTER_MASK = CLUSTERS - 1
 HIT, MISS, PROMPT = 0, 1, 2  # a cluster's sums: cached tokens, |predicted - cached|, prompt
 
 
+class Estimate(NamedTuple):
+    value: float  # nan: nothing measured
+    variance: float  # inf: too few clusters to tell
+
+
 @dataclass(slots=True)
 class Clustered:
     """Token sums per conversation (cluster): a token-weighted rate Σx / Σn whose variance is
@@ -44,21 +49,27 @@ class Clustered:
         row[PROMPT] += prompt
 
     def total(self, which: int) -> float:
-        return math.fsum(row[which] for row in self.sums.values())
+        return math.fsum([row[which] for row in self.sums.values()])
 
     def value(self, which: int) -> float:
         n = self.total(PROMPT)
         return self.total(which) / n if n else math.nan
 
     def variance(self, which: int) -> float:
-        """Var(Σx/Σn) ~ G/(G-1) Σ_g (x_g - R n_g)² / (Σn)² over the G clusters (the ratio
-        estimator's linearisation, clusters as the independent units)."""
+        return self.estimate(which).variance
+
+    def estimate(self, which: int) -> Estimate:
+        """The rate Σx/Σn and its variance, Var(Σx/Σn) ~ G/(G-1) Σ_g (x_g - R n_g)² / (Σn)² over
+        the G clusters (the ratio estimator's linearisation, clusters as the independent units);
+        each total summed once."""
         g, n = len(self.sums), self.total(PROMPT)
-        if g < 2 or not n:
-            return math.inf
+        if not n:
+            return Estimate(math.nan, math.inf)
         r = self.total(which) / n
-        spread = sum((row[which] - r * row[PROMPT]) ** 2 for row in self.sums.values())
-        return spread * g / (g - 1) / (n * n)
+        if g < 2:
+            return Estimate(r, math.inf)
+        spread = sum([(row[which] - r * row[PROMPT]) ** 2 for row in self.sums.values()])
+        return Estimate(r, spread * g / (g - 1) / (n * n))
 
 
 @dataclass(slots=True)
@@ -162,9 +173,10 @@ def ratio_verdict(
 ) -> Verdict:
     """A normal interval for the difference of two ratio estimates (independent arms); a
     higher hit rate is better, a higher prediction error worse."""
-    b, c = base.value(which), cand.value(which)
+    on_base, on_cand = base.estimate(which), cand.estimate(which)
+    b, c = on_base.value, on_cand.value
     excess = b - c if which == HIT else c - b
-    half = z * math.sqrt(base.variance(which) + cand.variance(which))
+    half = z * math.sqrt(on_base.variance + on_cand.variance)
     if math.isnan(excess):
         return Verdict(metric, UNSURE, b, c, -math.inf, math.inf, margin)
     return _verdict(metric, b, c, excess - half, excess + half, margin)
@@ -204,11 +216,19 @@ def quantile_bounds(ordered: list[float], q: float, z: float, units: int) -> tup
     return ordered[low], ordered[high]
 
 
-def ttft_verdict(q: float, base: ArmStats, cand: ArmStats, z: float, margin: float) -> Verdict:
+def ttft_verdict(
+    q: float,
+    base: ArmStats,
+    cand: ArmStats,
+    z: float,
+    margin: float,
+    b: list[float],
+    c: list[float],
+) -> Verdict:
     """How much slower (relative) the candidate's q-quantile of TTFT is: the ratio of the
-    quantiles' order-statistic intervals, the pessimistic corners for each bound."""
+    quantiles' order-statistic intervals, the pessimistic corners for each bound (`b`, `c`:
+    each arm's TTFTs sorted)."""
     metric = f"ttft_p{round(q * 100)}"
-    b, c = sorted(base.ttft_s), sorted(cand.ttft_s)
     if not b or not c:
         return Verdict(metric, UNSURE, math.nan, math.nan, -math.inf, math.inf, margin)
     b_low, b_high = quantile_bounds(b, q, z, base.conversations)
@@ -221,12 +241,13 @@ def ttft_verdict(q: float, base: ArmStats, cand: ArmStats, z: float, margin: flo
 
 def compare(base: ArmStats, cand: ArmStats, margins: Margins, z: float) -> list[Verdict]:
     """Every guardrail, the candidate against the baseline on the same step's traffic."""
+    b, c = sorted(base.ttft_s), sorted(cand.ttft_s)  # once for both quantiles
     return [
         ratio_verdict("hit_rate", HIT, base.tokens, cand.tokens, z, margins.hit_rate),
         ratio_verdict(
             "prediction_error", MISS, base.tokens, cand.tokens, z, margins.prediction_error
         ),
         error_verdict(base, cand, z, margins.error_rate),
-        ttft_verdict(0.5, base, cand, z, margins.ttft_p50),
-        ttft_verdict(0.99, base, cand, z, margins.ttft_p99),
+        ttft_verdict(0.5, base, cand, z, margins.ttft_p50, b, c),
+        ttft_verdict(0.99, base, cand, z, margins.ttft_p99, b, c),
     ]
