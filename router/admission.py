@@ -199,7 +199,12 @@ class Admission:
         if saturated and ticket.band < 0:
             message = "the pool is saturated and this request is sheddable: retry later"
             raise Refused("shed", 1.0, message)
-        band = self.pools.setdefault(ticket.pool, {}).setdefault(ticket.band, Band())
+        bands = self.pools.get(ticket.pool)
+        if bands is None:
+            bands = self.pools[ticket.pool] = {}
+        band = bands.get(ticket.band)
+        if band is None:  # made once per (pool, band), not per request
+            band = bands[ticket.band] = Band()
         ticket.arrived = now
         if not saturated and not self.waiting(ticket.pool):
             band.charge(ticket)
@@ -266,7 +271,8 @@ class Admission:
         return -2 * ticket.band + (1 if ahead else 0)
 
     def waiting(self, pool: str) -> bool:
-        return any(band.heap for band in self.pools.get(pool, {}).values())
+        bands = self.pools.get(pool)
+        return bands is not None and any(band.heap for band in bands.values())
 
     def expire(self, now: float) -> list[Ticket]:
         """The queued tickets past the queue timeout, taken out of their queues."""

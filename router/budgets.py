@@ -25,12 +25,13 @@ class Budget:
     """One tenant's limits (0: none) and what its last minute used. `share`: this process's part
     of the tenant's budget (1/N of a budget split across N gateway processes)."""
 
-    __slots__ = ("rpm", "tpm", "max_concurrent", "grants", "tokens", "in_flight")
+    __slots__ = ("rpm", "tpm", "max_concurrent", "windowed", "grants", "tokens", "in_flight")
 
     def __init__(self, rpm: int, tpm: int, max_concurrent: int, share: float = 1.0) -> None:
         self.rpm = max(1, int(rpm * share)) if rpm else 0  # a budget split never reads "none"
         self.tpm = max(1, int(tpm * share)) if tpm else 0
         self.max_concurrent = max(1, int(max_concurrent * share)) if max_concurrent else 0
+        self.windowed = bool(self.rpm or self.tpm)  # else no window is kept: nothing reads it
         self.grants: deque[Grant] = deque()  # the last minute's, oldest first
         self.tokens = 0  # their tokens
         self.in_flight = 0
@@ -45,6 +46,8 @@ class Budget:
         when it fits now. A request larger than the whole token budget fits an empty window."""
         if self.max_concurrent and self.in_flight >= self.max_concurrent:
             return "concurrency", 1.0
+        if not self.windowed:
+            return None
         self._slide(now)
         grants = self.grants
         if self.rpm and len(grants) >= self.rpm:
@@ -61,15 +64,19 @@ class Budget:
     def grant(self, tokens: int, now: float) -> Grant:
         """Admit a request of `tokens` (reserved): it counts from now."""
         entry = Grant(now, tokens)
-        self.grants.append(entry)
-        self.tokens += tokens
         self.in_flight += 1
+        if self.windowed:
+            self.grants.append(entry)
+            self.tokens += tokens
         return entry
 
     def settle(self, grant: Grant, tokens: int, now: float) -> None:
         """The request ended having used `tokens` (its reservation is corrected, if still in
         the window); it is no longer in flight."""
         self.in_flight -= 1
+        if not self.windowed:
+            grant.tokens = tokens
+            return
         self._slide(now)
         if grant.at > now - WINDOW_S:  # still in the window: its tokens count as used
             self.tokens += tokens - grant.tokens
