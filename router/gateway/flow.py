@@ -62,6 +62,26 @@ def _reset(seconds: float) -> str:
     return f"{minutes}m{rest}s" if minutes else f"{rest}s"
 
 
+class FlowCounts:
+    """Requests by tenant and outcome, tokens by tenant and kind: plain numbers the request path
+    adds to here (compiled), FlowMetrics' families at scrape time (flow_metrics.py)."""
+
+    __slots__ = ("outcomes", "token_counts")
+
+    def __init__(self) -> None:
+        self.outcomes: dict[tuple[str, str], float] = {}
+        self.token_counts: dict[tuple[str, str], float] = {}
+
+    def outcome(self, ticket: Ticket, outcome: str) -> None:
+        key = (ticket.tenant.name, outcome)
+        self.outcomes[key] = self.outcomes.get(key, 0.0) + 1
+
+    def tokens(self, ticket: Ticket, prompt: int, output: int) -> None:
+        name, counts = ticket.tenant.name, self.token_counts
+        counts[name, "input"] = counts.get((name, "input"), 0.0) + prompt
+        counts[name, "output"] = counts.get((name, "output"), 0.0) + output
+
+
 class FlowControl:
     """One process's admission: `ticket` -> `admit` (may wait) -> route -> `done`."""
 
@@ -83,7 +103,8 @@ class FlowControl:
         self.settings = settings
         self.fleet = fleet
         self.routing = routing
-        self.metrics = FlowMetrics(self.admission, fleet, settings)
+        self.counts = FlowCounts()  # on the request path; `metrics` reads them at scrape
+        self.metrics = FlowMetrics(self.admission, fleet, settings, self.counts)
         self._timer: asyncio.Task[None] | None = None
         self._pump_soon = False
 
@@ -155,10 +176,10 @@ class FlowControl:
         try:
             go = self.admission.arrive(ticket, busy, time.monotonic())
         except Refused as exc:
-            self.metrics.outcome(ticket, "limited" if exc.reason in LIMITED else exc.reason)
+            self.counts.outcome(ticket, "limited" if exc.reason in LIMITED else exc.reason)
             raise
         if go:
-            self.metrics.outcome(ticket, "admitted_now")
+            self.counts.outcome(ticket, "admitted_now")
             return True
         self._start_timer()
         self.pump_soon()  # the pool may be free already, with others queued before it
@@ -242,7 +263,7 @@ class FlowControl:
             return
         if entry.used:
             self.admission.done(ticket, entry.prompt_tokens, entry.output_tokens, time.monotonic())
-            self.metrics.tokens(ticket, entry.prompt_tokens, entry.output_tokens)
+            self.counts.tokens(ticket, entry.prompt_tokens, entry.output_tokens)
         else:
             self.admission.done(ticket, ticket.tokens, 0, time.monotonic())
         self.pump_soon()

@@ -1,11 +1,13 @@
 """Flow control's metrics (docs/metrics.md, "Flow control"): queue depth and wait per tenant and
 priority, outcomes, tokens per tenant, and each pool's saturation (1.0: saturated; fit for an
-autoscaler such as KEDA). Plain numbers on the request path, families at scrape time."""
+autoscaler such as KEDA). Plain numbers on the request path (FlowCounts, router/gateway/flow.py),
+families at scrape time."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
@@ -13,6 +15,9 @@ from prometheus_client.registry import Collector
 from router.admission import Admission, FlowSettings, Ticket, saturation
 from router.gateway.fleet import Fleet
 from router.gateway.metrics import Hist
+
+if TYPE_CHECKING:
+    from router.gateway.flow import FlowCounts
 
 WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 OUTCOMES = (
@@ -26,26 +31,19 @@ OUTCOMES = (
 
 
 class FlowMetrics(Collector):
-    def __init__(self, admission: Admission, fleet: Fleet, settings: FlowSettings) -> None:
+    def __init__(
+        self, admission: Admission, fleet: Fleet, settings: FlowSettings, counts: FlowCounts
+    ) -> None:
         self.admission = admission
         self.fleet = fleet
         self.settings = settings
-        self.outcomes: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self.counts = counts  # the request path's outcomes and tokens
         self.waits: defaultdict[tuple[str, int], Hist] = defaultdict(lambda: Hist(WAIT_BUCKETS))
-        self.token_counts: defaultdict[tuple[str, str], float] = defaultdict(float)
-
-    def outcome(self, ticket: Ticket, outcome: str) -> None:
-        self.outcomes[ticket.tenant.name, outcome] += 1
 
     def waited(self, ticket: Ticket, seconds: float, outcome: str) -> None:
         """A queued request left the queue: let through, or timed out."""
         self.waits[ticket.tenant.name, ticket.band].observe(seconds)
-        self.outcome(ticket, outcome)
-
-    def tokens(self, ticket: Ticket, prompt: int, output: int) -> None:
-        name = ticket.tenant.name
-        self.token_counts[name, "input"] += prompt
-        self.token_counts[name, "output"] += output
+        self.counts.outcome(ticket, outcome)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
         doc = "Requests waiting in flow control's queues"
@@ -65,12 +63,12 @@ class FlowMetrics(Collector):
         yield wait
         doc = "Requests through flow control by outcome"
         requests = CounterMetricFamily("urc_flow_requests", doc, labels=["tenant", "outcome"])
-        for (tenant, outcome), n in list(self.outcomes.items()):
+        for (tenant, outcome), n in list(self.counts.outcomes.items()):
             requests.add_metric([tenant, outcome], n)
         yield requests
         doc = "Tokens of admitted requests as the workers reported them (input, output)"
         tokens = CounterMetricFamily("urc_flow_tokens", doc, labels=["tenant", "kind"])
-        for (tenant, kind), used in list(self.token_counts.items()):
+        for (tenant, kind), used in list(self.counts.token_counts.items()):
             tokens.add_metric([tenant, kind], used)
         yield tokens
         doc = "The pool's least queued prefill over flow_saturation_ms (1.0: saturated)"
