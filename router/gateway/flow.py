@@ -18,7 +18,7 @@ from router.budgets import WINDOW_S, Budget
 from router.gateway.access import RequestNote
 from router.gateway.config_schema import GatewayConfig
 from router.gateway.fleet import Fleet
-from router.gateway.flow_metrics import FlowMetrics
+from router.gateway.flow_metrics import OUTCOMES, FlowMetrics
 from router.gateway.isolation import SESSION_HEADERS, Tenant
 from router.gateway.parsing import forwarded
 from router.gateway.reply import JSON_HEADERS, Headers, Reply
@@ -63,23 +63,30 @@ def _reset(seconds: float) -> str:
 
 
 class FlowCounts:
-    """Requests by tenant and outcome, tokens by tenant and kind: plain numbers the request path
-    adds to here (compiled), FlowMetrics' families at scrape time (flow_metrics.py)."""
+    """Requests by tenant and outcome (a row per tenant, in OUTCOMES' order) and tokens by tenant
+    (input, output): plain numbers the request path adds to here (compiled), FlowMetrics'
+    families at scrape time (flow_metrics.py)."""
 
-    __slots__ = ("outcomes", "token_counts")
+    __slots__ = ("outcomes", "tokens_used")
 
     def __init__(self) -> None:
-        self.outcomes: dict[tuple[str, str], float] = {}
-        self.token_counts: dict[tuple[str, str], float] = {}
+        self.outcomes: dict[str, list[float]] = {}
+        self.tokens_used: dict[str, list[float]] = {}
 
     def outcome(self, ticket: Ticket, outcome: str) -> None:
-        key = (ticket.tenant.name, outcome)
-        self.outcomes[key] = self.outcomes.get(key, 0.0) + 1
+        name = ticket.tenant.name
+        row = self.outcomes.get(name)
+        if row is None:
+            row = self.outcomes[name] = [0.0] * len(OUTCOMES)
+        row[OUTCOMES.index(outcome)] += 1
 
     def tokens(self, ticket: Ticket, prompt: int, output: int) -> None:
-        name, counts = ticket.tenant.name, self.token_counts
-        counts[name, "input"] = counts.get((name, "input"), 0.0) + prompt
-        counts[name, "output"] = counts.get((name, "output"), 0.0) + output
+        name = ticket.tenant.name
+        row = self.tokens_used.get(name)
+        if row is None:
+            row = self.tokens_used[name] = [0.0, 0.0]
+        row[0] += prompt
+        row[1] += output
 
 
 class FlowControl:

@@ -63,13 +63,16 @@ class FlowMetrics(Collector):
         yield wait
         doc = "Requests through flow control by outcome"
         requests = CounterMetricFamily("urc_flow_requests", doc, labels=["tenant", "outcome"])
-        for (tenant, outcome), n in list(self.counts.outcomes.items()):
-            requests.add_metric([tenant, outcome], n)
+        for tenant, row in list(self.counts.outcomes.items()):
+            for outcome, n in zip(OUTCOMES, row, strict=True):
+                if n:  # an outcome never seen has no series
+                    requests.add_metric([tenant, outcome], n)
         yield requests
         doc = "Tokens of admitted requests as the workers reported them (input, output)"
         tokens = CounterMetricFamily("urc_flow_tokens", doc, labels=["tenant", "kind"])
-        for (tenant, kind), used in list(self.counts.token_counts.items()):
-            tokens.add_metric([tenant, kind], used)
+        for tenant, (prompt, output) in list(self.counts.tokens_used.items()):
+            tokens.add_metric([tenant, "input"], prompt)
+            tokens.add_metric([tenant, "output"], output)
         yield tokens
         doc = "The pool's least queued prefill over flow_saturation_ms (1.0: saturated)"
         gauge = GaugeMetricFamily("urc_pool_saturation", doc, labels=["kv_group"])
