@@ -1,4 +1,5 @@
-"""Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c and, by mypyc,
+"""Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c,
+core/_key_table.c and, by mypyc,
 the modules under `[tool.urc] compiled`. Without them the Python source runs, with equal results.
 """
 
@@ -52,6 +53,12 @@ setup(
             "core._blockkeys",
             sources=["core/_blockkeys.c"],
             include_dirs=["third_party/xxhash"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "core._key_table",
+            sources=["core/_key_table.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

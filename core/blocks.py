@@ -69,7 +69,7 @@ def chain_keys(
     return _python_chain_keys(tokens, block_size, first)
 
 
-def msgpack_len(raw: bytes | memoryview) -> int:
+def msgpack_len(raw: bytes | memoryview | msgspec.Raw) -> int:
     """The length of the msgpack array `raw` (a KV event's token ids as they came); -1 when it is
     not an array."""
     if _native_msgpack_len is not None:
@@ -79,7 +79,7 @@ def msgpack_len(raw: bytes | memoryview) -> int:
 
 
 def _python_chain_keys_msgpack(
-    raw: bytes | memoryview, block_size: int, first: bytes, limit: int = -1
+    raw: bytes | memoryview | msgspec.Raw, block_size: int, first: bytes, limit: int = -1
 ) -> list[int]:
     try:
         tokens = msgspec.msgpack.decode(raw, type=list[int])
@@ -89,7 +89,7 @@ def _python_chain_keys_msgpack(
 
 
 def chain_keys_msgpack(
-    raw: bytes | memoryview, block_size: int, first: bytes, limit: int = -1
+    raw: bytes | memoryview | msgspec.Raw, block_size: int, first: bytes, limit: int = -1
 ) -> list[int]:
     """`chain_keys` of the first `limit` (-1: all) full blocks of the msgpack array of token
     ids `raw`, read where it lies (no int per token). ValueError: not an array of int32s."""

@@ -7,7 +7,15 @@ import enum
 from collections.abc import Callable, Collection
 from typing import NamedTuple, cast
 
-from core.blocks import namespace, parent_prefix, salted_after
+from core.blocks import (
+    SHARED_NAMESPACE,
+    chain_keys_msgpack,
+    msgpack_len,
+    namespace,
+    parent_prefix,
+    salted_after,
+)
+from core.key_table import KeyMap, KeyTable
 from core.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
@@ -102,8 +110,9 @@ class WorkerMirror:
         self.media = frozenset(media)
         self.cache_groups = frozenset(cache_groups)
         self.dedup_window = dedup_window
-        # engine hash -> our key, for base-group blocks whose engine hash is not our key
-        self._keys: dict[BlockHash, int] = {}
+        # engine hash -> our key, for base-group blocks whose engine hash is not our key: a
+        # chain's new hashes go in in one call (core/key_table.py)
+        self._keys: KeyMap = KeyTable()
         # engine hash -> (our key, kv_group), for blocks of any other group (LoRA adapters)
         self._other: dict[BlockHash, tuple[int, str]] = {}
         # engine hash -> (our key, kv_group) of host-tier blocks not keyed as ours (all groups)
@@ -201,7 +210,7 @@ class WorkerMirror:
             return other
         key = self._keys.get(engine_hash)
         if key is not None:
-            return key, self.base_group
+            return cast(int, key), self.base_group
         if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, self.base_group):
             return engine_hash, self.base_group  # our own hashing: the engine hash is our key
         if (hosted := self._host.get(engine_hash)) is not None:
@@ -221,15 +230,17 @@ class WorkerMirror:
         bs = ev.block_size
         hashes = ev.block_hashes
         expected = bs if self.block_size is None else self.block_size  # None: trust the event
-        if bs <= 0 or bs != expected or ev.token_count() != len(hashes) * bs:
+        # the event's methods called here, not through it: a Python call each (kv_events.py)
+        tokens = msgpack_len(ev.token_ids) if type(ev) is BlockStoredRaw else len(ev.token_ids)
+        if bs <= 0 or bs != expected or tokens != len(hashes) * bs:
             self.skipped_unkeyable += len(hashes)
             return
         lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
-        group = self._group_of(lora)
-        salt = first_block_salt(ev)
+        group = self.base_group if lora is None else self._group_of(lora)
+        salt = first_block_salt(ev) if ev.extra_keys else None
         if ev.parent_block_hash is None:
             parent = None
-            first = namespace(salt)
+            first = namespace(salt) if salt else SHARED_NAMESPACE
         else:
             known = self._lookup(ev.parent_block_hash)
             if known is None or known[1] != group:
@@ -238,19 +249,23 @@ class WorkerMirror:
             parent = known[0]
             # a salt on a child: the first private block after a public prefix (blocks.py)
             first = salted_after(parent, salt) if salt else parent_prefix(parent)
-        n = plain_prefix(ev, salt)
+        n = plain_prefix(ev, salt) if ev.extra_keys else len(hashes)
         if n < len(hashes):
             self.skipped_unkeyable += len(hashes) - n
             if n == 0:
                 return
-        keys = ev.chain_keys(n, first)
+            hashes = hashes[:n]
+        if type(ev) is BlockStoredRaw:
+            keys = chain_keys_msgpack(ev.token_ids, bs, first, n)
+        else:
+            keys = ev.chain_keys(n, first)
         resident = group
         if ev.medium == MEDIUM_CPU:
             resident = host_group(group)
-            self._count_repeats(hashes[:n], keys, resident)
-            self._remember_host(hashes[:n], keys, group)
+            self._count_repeats(hashes, keys, resident)
+            self._remember_host(hashes, keys, group)
         else:
-            self._remember(hashes[:n], keys, group)
+            self._remember(hashes, keys, group)
         self.groups.add(resident)
         self._insert(keys, resident, now, parent, salt)
 
@@ -305,8 +320,7 @@ class WorkerMirror:
         if not self._other:
             if not mapped and hashes == keys:
                 return  # our own hashing: identity needs no entry
-            if mapped.keys().isdisjoint(hashes):  # new blocks (the common case): no conflicts
-                mapped.update(zip(hashes, keys, strict=True))
+            if mapped.add_new(hashes, keys):  # new blocks (the common case): no conflicts
                 return
         for h, key in zip(hashes, keys, strict=True):
             old = mapped.get(h)
@@ -358,7 +372,7 @@ class WorkerMirror:
         """An engine hash stored again under another key (should not happen): drop the old."""
         old = self._other.get(engine_hash)
         if old is None and (old_key := self._keys.get(engine_hash)) is not None:
-            old = (old_key, self.base_group)
+            old = (cast(int, old_key), self.base_group)
         if old is not None and old[0] != key:
             self._remove([old[0]], old[1])
             self._other.pop(engine_hash, None)
@@ -385,7 +399,7 @@ class WorkerMirror:
             if other is not None:
                 removed += self._remove([other[0]], other[1])
                 continue
-            key = self._keys.pop(h, None)
+            key = cast(int | None, self._keys.pop(h, None))
             if key is None:
                 if type(h) is not int:
                     continue  # never seen: nothing to remove
