@@ -7,14 +7,7 @@ import enum
 from collections.abc import Callable, Collection
 from typing import NamedTuple, cast
 
-from core.blocks import (
-    SHARED_NAMESPACE,
-    chain_keys_msgpack,
-    msgpack_len,
-    namespace,
-    parent_prefix,
-    salted_after,
-)
+from core.blocks import chain_keys_msgpack, msgpack_len, namespace, parent_prefix, salted_after
 from core.key_table import KeyMap, KeyTable
 from core.kv_events import (
     MEDIUM_CPU,
@@ -68,10 +61,10 @@ _APPLIED = Apply(Outcome.OK)  # made once: a NamedTuple costs a Python call per 
 def _fingerprint(batch: EventBatch) -> int:
     """Cheap identity of a batch: a replayed copy of a batch has it, a new incarnation's not."""
     first: object = None
-    if batch.events:
-        ev = batch.events[0]
+    if events := batch.events:
+        ev = events[0]
         first = tuple(ev.block_hashes[:1]) if not isinstance(ev, AllBlocksCleared) else "clear"
-    return hash((batch.ts, len(batch.events), first))
+    return hash((batch.ts, len(events), first))
 
 
 class WorkerMirror:
@@ -110,8 +103,8 @@ class WorkerMirror:
         self.media = frozenset(media)
         self.cache_groups = frozenset(cache_groups)
         self.dedup_window = dedup_window
-        # engine hash -> our key, for base-group blocks whose engine hash is not our key: a
-        # chain's new hashes go in in one call (core/key_table.py)
+        # engine hash -> our key, for base-group blocks whose engine hash is not our key (a C
+        # table, core/key_table.py: a chain's new hashes go in in one call)
         self._keys: KeyMap = KeyTable()
         # engine hash -> (our key, kv_group), for blocks of any other group (LoRA adapters)
         self._other: dict[BlockHash, tuple[int, str]] = {}
@@ -220,12 +213,13 @@ class WorkerMirror:
         return None
 
     def _stored(self, ev: BlockStored | BlockStoredRaw, now: float) -> None:
-        if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
+        medium = ev.medium  # each field read once: a generic attribute lookup each
+        if medium not in self.media or ev.group_idx not in self.cache_groups:
             return
         if self.own_keys:
             keys, parent = cast(list[int], ev.block_hashes), cast(int | None, ev.parent_block_hash)
             lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
-            self.stored(keys, parent, ev.medium, first_block_salt(ev), now, lora)
+            self.stored(keys, parent, medium, first_block_salt(ev), now, lora)
             return
         bs = ev.block_size
         hashes = ev.block_hashes
@@ -237,19 +231,21 @@ class WorkerMirror:
             return
         lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
         group = self.base_group if lora is None else self._group_of(lora)
-        salt = first_block_salt(ev) if ev.extra_keys else None
-        if ev.parent_block_hash is None:
+        extra = ev.extra_keys
+        salt = first_block_salt(ev) if extra else None
+        parent_hash = ev.parent_block_hash
+        if parent_hash is None:
             parent = None
-            first = namespace(salt) if salt else SHARED_NAMESPACE
+            first = namespace(salt)
         else:
-            known = self._lookup(ev.parent_block_hash)
+            known = self._lookup(parent_hash)
             if known is None or known[1] != group:
                 self.skipped_orphans += len(hashes)
                 return
             parent = known[0]
             # a salt on a child: the first private block after a public prefix (blocks.py)
             first = salted_after(parent, salt) if salt else parent_prefix(parent)
-        n = plain_prefix(ev, salt) if ev.extra_keys else len(hashes)
+        n = plain_prefix(ev, salt) if extra else len(hashes)
         if n < len(hashes):
             self.skipped_unkeyable += len(hashes) - n
             if n == 0:
@@ -260,7 +256,7 @@ class WorkerMirror:
         else:
             keys = ev.chain_keys(n, first)
         resident = group
-        if ev.medium == MEDIUM_CPU:
+        if medium == MEDIUM_CPU:
             resident = host_group(group)
             self._count_repeats(hashes, keys, resident)
             self._remember_host(hashes, keys, group)
