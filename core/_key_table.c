@@ -1,8 +1,8 @@
 /* A map of uint64 block keys to uint64 values, the C twin of core/key_table.py (docs/compiled.md).
  *
  * Open addressing with linear probing and backward-shift deletion (no tombstones): one 16-byte
- * slot per key, at most half full (a miss, the common case on ingest, probes ~2.5 slots). Key 0 marks an empty slot; the key 0 itself lives beside the
- * slots. Keys that are not ints in [0, 2**64) (a negative int, bytes) go to a plain dict, so the
+ * slot per key, at most half full (a miss, the common case on ingest, probes ~2.5 slots). Key 0
+ * marks an empty slot; the key 0 itself lives beside the slots. Keys that are not ints in [0, 2**64) (a negative int, bytes) go to a plain dict, so the
  * table answers as a dict would for any key. The batch calls (`claim`, `assign`, `discard`,
  * `add_new`) take a whole chain in one call: one probe per key and no Python in between.
  */
@@ -68,13 +68,11 @@ static inline int key_of(PyObject *o, uint64_t *out) {
     return 1;
 }
 
+/* 0: `o` is a value (a uint64 int), in *out; -1: an error, set. */
 static inline int value_of(PyObject *o, uint64_t *out) {
     int kind = key_of(o, out);
-    if (kind != 0) return kind < 0 ? -1 : 0;
-    unsigned long long v = PyLong_AsUnsignedLongLong(o);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
-    *out = v;
-    return 0;
+    if (kind == 0) PyLong_AsUnsignedLongLong(o); /* raises: OverflowError, or TypeError */
+    return kind == 1 ? 0 : -1;
 }
 
 /* A chain's keys miss the cache (they are hashes); the batch calls fetch the home slots of the
@@ -242,11 +240,8 @@ static PyObject *KeyTable_pop(KeyTable *t, PyObject *const *args, Py_ssize_t nar
 
 static PyObject *KeyTable_clear(KeyTable *t, PyObject *unused) {
     PyMem_Free(t->slots);
-    t->slots = NULL;
-    t->mask = 0;
-    t->used = 0;
-    t->has_zero = 0;
     Py_CLEAR(t->other);
+    t->slots = NULL, t->mask = 0, t->used = 0, t->has_zero = 0;
     Py_RETURN_NONE;
 }
 
@@ -303,66 +298,83 @@ static int put_object(KeyTable *t, PyObject *key, uint64_t value, PyObject *boxe
     return PyDict_SetItem(other, key, boxed) < 0 ? -1 : 1;
 }
 
+/* What a walk does to one key: 1 go on, 0 stop there, -1 an error. */
+typedef int (*KeyOp)(KeyTable *t, PyObject *key, void *arg);
+
+typedef struct {
+    uint64_t value;
+    PyObject *boxed;
+    int replace; /* 0: claim, which stops at a key held already */
+} PutArg;
+
+static int op_put(KeyTable *t, PyObject *key, void *arg) {
+    PutArg *a = arg;
+    int added = put_object(t, key, a->value, a->boxed, a->replace);
+    return added < 0 ? -1 : (a->replace || added);
+}
+
+static int op_erase(KeyTable *t, PyObject *key, void *arg) {
+    return KeyTable_ass_subscript(t, key, NULL) == 0 ? 1 : -1; /* KeyError where absent */
+}
+
+static int op_absent(KeyTable *t, PyObject *key, void *arg) {
+    int held = KeyTable_contains(t, key);
+    return held < 0 ? -1 : !held;
+}
+
+/* `op` on items[i:n] in order, with the home slots of the keys AHEAD fetched. Returns where
+ * it stopped (n: at the end), or -1: an error. Inlined, so each op is a direct call. */
+static inline Py_ssize_t walk(KeyTable *t, PyObject *const *items, Py_ssize_t i, Py_ssize_t n,
+                              KeyOp op, void *arg) {
+    for (Py_ssize_t j = i; j < i + AHEAD; j++) fetch_home(t, items, j, n);
+    for (; i < n; i++) {
+        fetch_home(t, items, i + AHEAD, n);
+        int go = op(t, items[i], arg);
+        if (go <= 0) return go < 0 ? -1 : i;
+    }
+    return i;
+}
+
+/* `op` over the sequence `keys` from `start`, with room for `room` keys reserved first. */
+static Py_ssize_t walk_seq(KeyTable *t, PyObject *keys, Py_ssize_t start, Py_ssize_t room,
+                           KeyOp op, void *arg) {
+    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
+    if (seq == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = start < 0 ? 0 : start;
+    if (room && n > i && reserve(t, n - i) < 0)
+        i = -1;
+    else
+        i = walk(t, PySequence_Fast_ITEMS(seq), i, n, op, arg);
+    Py_DECREF(seq);
+    return i;
+}
+
 static PyObject *KeyTable_claim(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
     Py_ssize_t start;
-    uint64_t value;
+    PutArg put_arg = {0, NULL, 0};
     if (nargs != 3 || ((start = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) ||
-        value_of(args[2], &value) < 0) {
+        value_of(args[2], &put_arg.value) < 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "claim(keys, start, value)");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), i = start < 0 ? 0 : start;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    if (n > i && reserve(t, n - i) < 0) i = -1;
-    for (Py_ssize_t j = i; i >= 0 && j < i + AHEAD; j++) fetch_home(t, items, j, n);
-    for (; i >= 0 && i < n; i++) {
-        fetch_home(t, items, i + AHEAD, n);
-        int added = put_object(t, items[i], value, args[2], 0);
-        if (added <= 0) {
-            if (added < 0) i = -1;
-            break;
-        }
-    }
-    Py_DECREF(seq);
-    return i < 0 ? NULL : PyLong_FromSsize_t(i);
+    put_arg.boxed = args[2];
+    Py_ssize_t stop = walk_seq(t, args[0], start, 1, op_put, &put_arg);
+    return stop < 0 ? NULL : PyLong_FromSsize_t(stop);
 }
 
 static PyObject *KeyTable_assign(KeyTable *t, PyObject *const *args, Py_ssize_t nargs) {
-    uint64_t value;
-    if (nargs != 2 || value_of(args[1], &value) < 0) {
+    PutArg put_arg = {0, NULL, 1};
+    if (nargs != 2 || value_of(args[1], &put_arg.value) < 0) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "assign(keys, value)");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    int ok = reserve(t, n) == 0;
-    for (Py_ssize_t i = 0; i < AHEAD; i++) fetch_home(t, items, i, n);
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-        fetch_home(t, items, i + AHEAD, n);
-        ok = put_object(t, items[i], value, args[1], 1) >= 0;
-    }
-    Py_DECREF(seq);
-    if (!ok) return NULL;
+    put_arg.boxed = args[1];
+    if (walk_seq(t, args[0], 0, 1, op_put, &put_arg) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *KeyTable_discard(KeyTable *t, PyObject *keys) {
-    PyObject *seq = PySequence_Fast(keys, "keys must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    int ok = 1;
-    for (Py_ssize_t i = 0; i < AHEAD; i++) fetch_home(t, items, i, n);
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-        fetch_home(t, items, i + AHEAD, n);
-        ok = KeyTable_ass_subscript(t, items[i], NULL) == 0;
-    }
-    Py_DECREF(seq);
-    if (!ok) return NULL;
+    if (walk_seq(t, keys, 0, 0, op_erase, NULL) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -372,28 +384,20 @@ static PyObject *KeyTable_add_new(KeyTable *t, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     PyObject *ks = PySequence_Fast(args[0], "keys must be a sequence");
-    if (ks == NULL) return NULL;
-    PyObject *vs = PySequence_Fast(args[1], "values must be a sequence");
-    if (vs == NULL) {
-        Py_DECREF(ks);
-        return NULL;
-    }
+    PyObject *vs = ks == NULL ? NULL : PySequence_Fast(args[1], "values must be a sequence");
+    PyObject *result = NULL;
+    if (vs == NULL) goto done;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(ks);
     PyObject **keys = PySequence_Fast_ITEMS(ks), **values = PySequence_Fast_ITEMS(vs);
-    PyObject *result = NULL;
     if (PySequence_Fast_GET_SIZE(vs) != n) {
         PyErr_SetString(PyExc_ValueError, "keys and values differ in length");
         goto done;
     }
     if (reserve(t, n) < 0) goto done; /* first: room, so that the slots fetched stay put */
-    for (Py_ssize_t i = 0; i < AHEAD; i++) fetch_home(t, keys, i, n);
-    for (Py_ssize_t i = 0; i < n; i++) { /* then: is any held? then nothing changes */
-        fetch_home(t, keys, i + AHEAD, n);
-        int held = KeyTable_contains(t, keys[i]);
-        if (held != 0) {
-            result = held < 0 ? NULL : Py_NewRef(Py_False);
-            goto done;
-        }
+    Py_ssize_t absent = walk(t, keys, 0, n, op_absent, NULL); /* then: is any held? */
+    if (absent < n) { /* then nothing changes */
+        result = absent < 0 ? NULL : Py_NewRef(Py_False);
+        goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t v;
@@ -401,20 +405,12 @@ static PyObject *KeyTable_add_new(KeyTable *t, PyObject *const *args, Py_ssize_t
     }
     result = Py_NewRef(Py_True);
 done:
-    Py_DECREF(ks);
-    Py_DECREF(vs);
+    Py_XDECREF(ks);
+    Py_XDECREF(vs);
     return result;
 }
 
 /* -- the type --------------------------------------------------------------------------- */
-
-static PyObject *KeyTable_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
-        PyErr_SetString(PyExc_TypeError, "KeyTable() takes no arguments");
-        return NULL;
-    }
-    return type->tp_alloc(type, 0); /* zeroed: empty */
-}
 
 static void KeyTable_dealloc(KeyTable *t) {
     PyMem_Free(t->slots);
@@ -423,21 +419,16 @@ static void KeyTable_dealloc(KeyTable *t) {
 }
 
 static PyMethodDef KeyTable_methods[] = {
-    {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL,
-     "get(key, default=None): the key's value, or default."},
-    {"pop", (PyCFunction)(void (*)(void))KeyTable_pop, METH_FASTCALL,
-     "pop(key[, default]): remove the key, returning its value."},
-    {"clear", (PyCFunction)KeyTable_clear, METH_NOARGS, "clear(): remove every key."},
+    /* the contracts: core/key_table.py's KeyMap */
+    {"get", (PyCFunction)(void (*)(void))KeyTable_get, METH_FASTCALL, "get(key, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))KeyTable_pop, METH_FASTCALL, "pop(key[, default])"},
+    {"clear", (PyCFunction)KeyTable_clear, METH_NOARGS, "clear()"},
     {"claim", (PyCFunction)(void (*)(void))KeyTable_claim, METH_FASTCALL,
-     "claim(keys, start, value) -> int: map keys[start:] to value up to the first key held "
-     "already; returns where it stopped."},
-    {"assign", (PyCFunction)(void (*)(void))KeyTable_assign, METH_FASTCALL,
-     "assign(keys, value): map every key to value."},
-    {"discard", (PyCFunction)KeyTable_discard, METH_O,
-     "discard(keys): remove every key; KeyError at the first not held."},
+     "claim(keys, start, value) -> int"},
+    {"assign", (PyCFunction)(void (*)(void))KeyTable_assign, METH_FASTCALL, "assign(keys, value)"},
+    {"discard", (PyCFunction)KeyTable_discard, METH_O, "discard(keys)"},
     {"add_new", (PyCFunction)(void (*)(void))KeyTable_add_new, METH_FASTCALL,
-     "add_new(keys, values) -> bool: map keys[i] to values[i] if none is held (True); "
-     "else change nothing (False)."},
+     "add_new(keys, values) -> bool"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -452,7 +443,7 @@ static PyTypeObject KeyTableType = {
     .tp_basicsize = sizeof(KeyTable),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A map of uint64 block keys to uint64 values (core/key_table.py).",
-    .tp_new = KeyTable_new,
+    .tp_new = PyType_GenericNew, /* zeroed: empty */
     .tp_dealloc = (destructor)KeyTable_dealloc,
     .tp_methods = KeyTable_methods,
     .tp_as_mapping = &KeyTable_mapping,
