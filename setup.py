@@ -1,5 +1,5 @@
 """Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c,
-core/_key_table.c and, by mypyc,
+core/_key_table.c, core/_kv_decode.c and, by mypyc,
 the modules under `[tool.urc] compiled`. Without them the Python source runs, with equal results.
 """
 
@@ -52,7 +52,15 @@ setup(
         Extension(
             "core._blockkeys",
             sources=["core/_blockkeys.c"],
+            depends=["core/_msgpack.h"],
             include_dirs=["third_party/xxhash"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "core._kv_decode",
+            sources=["core/_kv_decode.c"],
+            depends=["core/_msgpack.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -7,7 +7,7 @@ import enum
 from collections.abc import Callable, Collection
 from typing import NamedTuple, cast
 
-from core.blocks import chain_keys_msgpack, msgpack_len, namespace, parent_prefix, salted_after
+from core.blocks import chain_keys_packed, namespace, parent_prefix, salted_after
 from core.key_table import KeyMap, KeyTable
 from core.kv_events import (
     MEDIUM_CPU,
@@ -15,6 +15,7 @@ from core.kv_events import (
     BlockHash,
     BlockRemoved,
     BlockStored,
+    BlockStoredPacked,
     BlockStoredRaw,
     EventBatch,
     first_block_salt,
@@ -185,8 +186,9 @@ class WorkerMirror:
 
     def _apply(self, seq: int, batch: EventBatch, now: float) -> None:
         for ev in batch.events:
-            if type(ev) is BlockStoredRaw or type(ev) is BlockStored:  # tokens raw, or a list
-                self._stored(ev, now)
+            kind = type(ev)  # token ids packed (core/_kv_decode.c), raw, or a list
+            if kind is BlockStoredPacked or kind is BlockStoredRaw or kind is BlockStored:
+                self._stored(ev, now)  # type: ignore[arg-type]
             elif type(ev) is BlockRemoved:
                 self._removed(ev)
             elif type(ev) is AllBlocksCleared:
@@ -212,7 +214,7 @@ class WorkerMirror:
             return engine_hash, self.base_group  # ours, in the host tier
         return None
 
-    def _stored(self, ev: BlockStored | BlockStoredRaw, now: float) -> None:
+    def _stored(self, ev: BlockStored | BlockStoredRaw | BlockStoredPacked, now: float) -> None:
         medium = ev.medium  # each field read once: a generic attribute lookup each
         if medium not in self.media or ev.group_idx not in self.cache_groups:
             return
@@ -224,8 +226,8 @@ class WorkerMirror:
         bs = ev.block_size
         hashes = ev.block_hashes
         expected = bs if self.block_size is None else self.block_size  # None: trust the event
-        # the event's methods called here, not through it: a Python call each (kv_events.py)
-        tokens = msgpack_len(ev.token_ids) if type(ev) is BlockStoredRaw else len(ev.token_ids)
+        packed = type(ev) is BlockStoredPacked  # keyed here: its methods are Python calls
+        tokens = len(ev.token_ids) >> 2 if packed else ev.token_count()
         if bs <= 0 or bs != expected or tokens != len(hashes) * bs:
             self.skipped_unkeyable += len(hashes)
             return
@@ -251,8 +253,8 @@ class WorkerMirror:
             if n == 0:
                 return
             hashes = hashes[:n]
-        if type(ev) is BlockStoredRaw:
-            keys = chain_keys_msgpack(ev.token_ids, bs, first, n)
+        if packed:
+            keys = chain_keys_packed(cast(bytes, ev.token_ids), bs, first, n)
         else:
             keys = ev.chain_keys(n, first)
         resident = group
