@@ -1,4 +1,5 @@
-"""Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c and, by mypyc,
+"""Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c,
+core/_key_table.c, core/_kv_decode.c and, by mypyc,
 the modules under `[tool.urc] compiled`. Without them the Python source runs, with equal results.
 """
 
@@ -51,7 +52,21 @@ setup(
         Extension(
             "core._blockkeys",
             sources=["core/_blockkeys.c"],
+            depends=["core/_msgpack.h"],
             include_dirs=["third_party/xxhash"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "core._kv_decode",
+            sources=["core/_kv_decode.c"],
+            depends=["core/_msgpack.h"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "core._key_table",
+            sources=["core/_key_table.c"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -121,73 +121,7 @@ fail:
     return NULL;
 }
 
-/* -- msgpack: its int and array formats (big-endian), as vLLM's encoder writes token ids -- */
-
-static uint64_t be(const unsigned char *p, int n) {
-    uint64_t v = 0;
-    for (int i = 0; i < n; i++) v = v << 8 | p[i];
-    return v;
-}
-
-/* The element count of the array at *p, moving *p past its header; -1: not an array. */
-static Py_ssize_t array_header(const unsigned char **p, const unsigned char *end) {
-    if (*p >= end) return -1;
-    unsigned char c = *(*p)++;
-    if (c >= 0x90 && c <= 0x9f) return c & 0x0f;
-    int n = c == 0xdc ? 2 : c == 0xdd ? 4 : 0;
-    if (n == 0 || end - *p < n) return -1;
-    Py_ssize_t count = (Py_ssize_t)be(*p, n);
-    *p += n;
-    return count;
-}
-
-/* One int at *p as an int32 token id, moving *p past it; -1: not an int, or out of range.
- * The caller has checked that 9 bytes (the longest int) are left, or uses read_token. */
-static inline int read_token_fast(const unsigned char **p, int32_t *out) {
-    const unsigned char *q = *p;
-    unsigned char c = q[0];
-    int64_t v;
-    if (c <= 0x7f) {  /* positive fixint */
-        *out = c;
-        *p = q + 1;
-        return 0;
-    }
-    switch (c) {
-    case 0xcd: v = (int64_t)q[1] << 8 | q[2]; *p = q + 3; break;
-    case 0xce: v = (int64_t)be(q + 1, 4); *p = q + 5; break;
-    case 0xcc: v = q[1]; *p = q + 2; break;
-    case 0xcf: {
-        uint64_t u = be(q + 1, 8);
-        if (u > INT32_MAX) return -1;
-        v = (int64_t)u;
-        *p = q + 9;
-        break;
-    }
-    case 0xd0: v = (int8_t)q[1]; *p = q + 2; break;
-    case 0xd1: v = (int16_t)(uint16_t)be(q + 1, 2); *p = q + 3; break;
-    case 0xd2: v = (int32_t)(uint32_t)be(q + 1, 4); *p = q + 5; break;
-    case 0xd3: v = (int64_t)be(q + 1, 8); *p = q + 9; break;
-    default:
-        if (c < 0xe0) return -1;
-        v = (int8_t)c;  /* negative fixint */
-        *p = q + 1;
-    }
-    if (v < INT32_MIN || v > INT32_MAX) return -1;
-    *out = (int32_t)v;
-    return 0;
-}
-
-static int read_token(const unsigned char **p, const unsigned char *end, int32_t *out) {
-    unsigned char tmp[9] = {0};
-    const unsigned char *q = *p;
-    if (end - q >= 9) return read_token_fast(p, out);
-    if (q >= end) return -1;
-    memcpy(tmp, q, (size_t)(end - q));  /* near the end: a zero-padded copy, then a length check */
-    const unsigned char *t = tmp;
-    if (read_token_fast(&t, out) < 0 || t - tmp > end - q) return -1;
-    *p = q + (t - tmp);
-    return 0;
-}
+#include "_msgpack.h"
 
 static PyObject *msgpack_len(PyObject *self, PyObject *arg) {
     Py_buffer raw;
@@ -258,12 +192,62 @@ done:
     return out;
 }
 
+/* chain_keys over token ids packed as little-endian int32s (core/_kv_decode.c's): the hashing
+ * alone, the tokens read already. */
+static PyObject *chain_keys_packed(PyObject *self, PyObject *args) {
+    Py_buffer packed, first;
+    Py_ssize_t block_size, limit;
+    if (!PyArg_ParseTuple(args, "y*ny*n", &packed, &block_size, &first, &limit)) return NULL;
+    PyObject *out = NULL;
+    unsigned char *buf = NULL;
+    if (block_size <= 0 || packed.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "not packed int32s, or block_size <= 0");
+        goto done;
+    }
+    Py_ssize_t n_blocks = packed.len / 4 / block_size;
+    if (limit >= 0 && limit < n_blocks) n_blocks = limit;
+    Py_ssize_t head = first.len > 8 ? first.len : 8, bytes = 4 * block_size;
+    buf = PyMem_Malloc((size_t)(head + bytes));
+    out = PyList_New(n_blocks);
+    if (buf == NULL || out == NULL) {
+        Py_CLEAR(out);
+        goto done;
+    }
+    const unsigned char *src = packed.buf;
+    uint64_t prev = 0;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        Py_ssize_t off = 8;
+        if (b == 0) {
+            memcpy(buf, first.buf, (size_t)first.len);
+            off = first.len;
+        } else {
+            put_le64(buf, prev);
+        }
+        memcpy(buf + off, src + b * bytes, (size_t)bytes);
+        prev = XXH3_64bits(buf, (size_t)(off + bytes));
+        PyObject *key = PyLong_FromUnsignedLongLong(prev);
+        if (key == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, b, key);
+    }
+done:
+    PyMem_Free(buf);
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&first);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"chain_keys", chain_keys, METH_VARARGS,
      "chain_keys(tokens, block_size, first) -> list[int]: chained xxh3_64 keys of full blocks."},
     {"chain_keys_msgpack", chain_keys_msgpack, METH_VARARGS,
      "chain_keys_msgpack(raw, block_size, first, limit) -> list[int]: the keys of the first "
      "`limit` (-1: all) full blocks of a msgpack array of token ids."},
+    {"chain_keys_packed", chain_keys_packed, METH_VARARGS,
+     "chain_keys_packed(packed, block_size, first, limit) -> list[int]: chain_keys of int32s "
+     "packed little-endian."},
     {"msgpack_len", msgpack_len, METH_O, "msgpack_len(raw) -> int: a msgpack array's length; -1: not an array."},
     {NULL, NULL, 0, NULL},
 };

@@ -15,9 +15,11 @@ import xxhash
 try:  # the C twin (core/_blockkeys.c): same keys, ~20x faster
     from core._blockkeys import chain_keys as _native_chain_keys
     from core._blockkeys import chain_keys_msgpack as _native_chain_keys_msgpack
+    from core._blockkeys import chain_keys_packed as _native_chain_keys_packed
     from core._blockkeys import msgpack_len as _native_msgpack_len
 except ImportError:  # pragma: no cover - only without a compiler
     _native_chain_keys = _native_chain_keys_msgpack = _native_msgpack_len = None
+    _native_chain_keys_packed = None
 
 SHARED_NAMESPACE = b"\x00\x00\x00\x00"
 # before an adapter's name: never a salt's length, so no salt namespace starts like an adapter's
@@ -69,7 +71,7 @@ def chain_keys(
     return _python_chain_keys(tokens, block_size, first)
 
 
-def msgpack_len(raw: bytes | memoryview) -> int:
+def msgpack_len(raw: bytes | memoryview | msgspec.Raw) -> int:
     """The length of the msgpack array `raw` (a KV event's token ids as they came); -1 when it is
     not an array."""
     if _native_msgpack_len is not None:
@@ -79,7 +81,7 @@ def msgpack_len(raw: bytes | memoryview) -> int:
 
 
 def _python_chain_keys_msgpack(
-    raw: bytes | memoryview, block_size: int, first: bytes, limit: int = -1
+    raw: bytes | memoryview | msgspec.Raw, block_size: int, first: bytes, limit: int = -1
 ) -> list[int]:
     try:
         tokens = msgspec.msgpack.decode(raw, type=list[int])
@@ -89,7 +91,7 @@ def _python_chain_keys_msgpack(
 
 
 def chain_keys_msgpack(
-    raw: bytes | memoryview, block_size: int, first: bytes, limit: int = -1
+    raw: bytes | memoryview | msgspec.Raw, block_size: int, first: bytes, limit: int = -1
 ) -> list[int]:
     """`chain_keys` of the first `limit` (-1: all) full blocks of the msgpack array of token
     ids `raw`, read where it lies (no int per token). ValueError: not an array of int32s."""
@@ -98,6 +100,17 @@ def chain_keys_msgpack(
     if _native_chain_keys_msgpack is not None:
         return _native_chain_keys_msgpack(raw, block_size, first, limit)  # type: ignore[no-any-return]
     return _python_chain_keys_msgpack(raw, block_size, first, limit)
+
+
+def chain_keys_packed(packed: bytes, block_size: int, first: bytes, limit: int = -1) -> list[int]:
+    """`chain_keys` of the first `limit` (-1: all) full blocks of token ids packed as
+    little-endian int32s (core/_kv_decode.c's BlockStoredPacked)."""
+    if block_size <= 0 or len(packed) % 4:
+        raise ValueError("not packed int32s, or block_size <= 0")
+    if _native_chain_keys_packed is not None:
+        return _native_chain_keys_packed(packed, block_size, first, limit)  # type: ignore[no-any-return]
+    tokens = list(struct.unpack(f"<{len(packed) // 4}i", packed))
+    return chain_keys(tokens[: limit * block_size] if limit >= 0 else tokens, block_size, first)
 
 
 def block_keys(

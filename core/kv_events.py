@@ -11,7 +11,13 @@ from typing import Any, Final, Union
 
 import msgspec
 
-from core.blocks import chain_keys, chain_keys_msgpack, msgpack_len
+from core.blocks import chain_keys, chain_keys_msgpack, chain_keys_packed, msgpack_len
+
+try:  # the C twin of decode_for_ingest's fast path (core/_kv_decode.c)
+    from core._kv_decode import decode_batch as _native_decode
+    from core._kv_decode import set_types as _native_types
+except ImportError:  # pragma: no cover - only without a compiler
+    _native_decode = _native_types = None
 
 BlockHash = int | bytes
 MEDIUM_GPU: Final = "GPU"  # Final: compiled modules inline it
@@ -80,8 +86,29 @@ class BlockStoredRaw(msgspec.Struct, tag="BlockStored", gc=False):
         return chain_keys_msgpack(self.token_ids, self.block_size, first, blocks)
 
 
+class BlockStoredPacked(msgspec.Struct, gc=False):
+    """A BlockStored as core/_kv_decode.c decodes it for ingest: its token ids read once, into
+    little-endian int32s (4 bytes each), which keying only hashes. Never encoded."""
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: bytes
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+
+    def token_count(self) -> int:
+        return len(self.token_ids) // 4
+
+    def chain_keys(self, blocks: int, first: bytes) -> list[int]:
+        return chain_keys_packed(self.token_ids, self.block_size, first, blocks)
+
+
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
-IngestEvent = BlockStoredRaw | BlockRemoved | AllBlocksCleared
+IngestEvent = BlockStoredRaw | BlockStoredPacked | BlockRemoved | AllBlocksCleared
 
 
 def block_stored(
@@ -110,7 +137,7 @@ def block_stored(
     )
 
 
-def first_block_salt(ev: BlockStored | BlockStoredRaw) -> str | None:
+def first_block_salt(ev: BlockStored | BlockStoredRaw | BlockStoredPacked) -> str | None:
     """The salt the event's first block was hashed with: the one bare string among its extra
     keys that is not the LoRA name (vLLM's multimodal keys are pairs, its embedding keys
     bytes); None without one."""
@@ -123,7 +150,7 @@ def first_block_salt(ev: BlockStored | BlockStoredRaw) -> str | None:
     return strings[0] if len(strings) == 1 else None
 
 
-def plain_prefix(ev: BlockStored | BlockStoredRaw, salt: str | None) -> int:
+def plain_prefix(ev: BlockStored | BlockStoredRaw | BlockStoredPacked, salt: str | None) -> int:
     """How many leading blocks were hashed from their tokens alone (plus the LoRA name and
     `salt`, which we key by kv_group and namespace): the rest carry multimodal or other keys."""
     extra = ev.extra_keys
@@ -195,7 +222,7 @@ class _VllmBatch(msgspec.Struct, array_like=True, gc=False):  # vLLM today, in o
 
 class _IngestBatch(msgspec.Struct, array_like=True, gc=False):  # _VllmBatch, tokens raw
     ts: float
-    events: list[IngestEvent]
+    events: list[BlockStoredRaw | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
 
 
@@ -206,6 +233,8 @@ class _MapBatch(msgspec.Struct, gc=False):
 
 
 _KNOWN = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+if _native_types is not None:
+    _native_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared)
 _vllm_batch = msgspec.msgpack.Decoder(_VllmBatch)
 _pos_batch = msgspec.msgpack.Decoder(_PosBatch)
 _map_batch = msgspec.msgpack.Decoder(_MapBatch)
@@ -270,10 +299,15 @@ def decode_batch(payload: bytes | memoryview) -> EventBatch:
 
 def decode_for_ingest(payload: bytes | memoryview) -> EventBatch:
     """`decode_batch` for the mirror: a batch as vLLM sends it today (positional, its events
-    tagged maps) decodes in one call, each BlockStored a BlockStoredRaw; any other payload as
+    tagged maps) decodes in one call, each BlockStored a BlockStoredPacked (core/_kv_decode.c;
+    a BlockStoredRaw where its token ids are not all int32s, or without it); any other payload as
     `decode_batch` decodes it. Token ids that are not int32s surface when keyed, as they do
     from a BlockStored's list, not here."""
     if payload and payload[0] in _ARRAY_FIRST:
+        if _native_decode is not None:  # None from it: not exactly vLLM's shape, msgspec's turn
+            native = _native_decode(payload)
+            if native is not None:
+                return EventBatch(native[0], native[1], native[2])
         try:  # not contextlib.suppress: a context manager costs about a decode of a block
             fast = _ingest_batch.decode(payload)
             return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)

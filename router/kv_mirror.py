@@ -7,13 +7,15 @@ import enum
 from collections.abc import Callable, Collection
 from typing import NamedTuple, cast
 
-from core.blocks import namespace, parent_prefix, salted_after
+from core.blocks import chain_keys_packed, namespace, parent_prefix, salted_after
+from core.key_table import KeyMap, KeyTable
 from core.kv_events import (
     MEDIUM_CPU,
     AllBlocksCleared,
     BlockHash,
     BlockRemoved,
     BlockStored,
+    BlockStoredPacked,
     BlockStoredRaw,
     EventBatch,
     first_block_salt,
@@ -60,10 +62,10 @@ _APPLIED = Apply(Outcome.OK)  # made once: a NamedTuple costs a Python call per 
 def _fingerprint(batch: EventBatch) -> int:
     """Cheap identity of a batch: a replayed copy of a batch has it, a new incarnation's not."""
     first: object = None
-    if batch.events:
-        ev = batch.events[0]
+    if events := batch.events:
+        ev = events[0]
         first = tuple(ev.block_hashes[:1]) if not isinstance(ev, AllBlocksCleared) else "clear"
-    return hash((batch.ts, len(batch.events), first))
+    return hash((batch.ts, len(events), first))
 
 
 class WorkerMirror:
@@ -102,8 +104,9 @@ class WorkerMirror:
         self.media = frozenset(media)
         self.cache_groups = frozenset(cache_groups)
         self.dedup_window = dedup_window
-        # engine hash -> our key, for base-group blocks whose engine hash is not our key
-        self._keys: dict[BlockHash, int] = {}
+        # engine hash -> our key, for base-group blocks whose engine hash is not our key (a C
+        # table, core/key_table.py: a chain's new hashes go in in one call)
+        self._keys: KeyMap = KeyTable()
         # engine hash -> (our key, kv_group), for blocks of any other group (LoRA adapters)
         self._other: dict[BlockHash, tuple[int, str]] = {}
         # engine hash -> (our key, kv_group) of host-tier blocks not keyed as ours (all groups)
@@ -183,8 +186,9 @@ class WorkerMirror:
 
     def _apply(self, seq: int, batch: EventBatch, now: float) -> None:
         for ev in batch.events:
-            if type(ev) is BlockStoredRaw or type(ev) is BlockStored:  # tokens raw, or a list
-                self._stored(ev, now)
+            kind = type(ev)  # token ids packed (core/_kv_decode.c), raw, or a list
+            if kind is BlockStoredPacked or kind is BlockStoredRaw or kind is BlockStored:
+                self._stored(ev, now)  # type: ignore[arg-type]
             elif type(ev) is BlockRemoved:
                 self._removed(ev)
             elif type(ev) is AllBlocksCleared:
@@ -201,7 +205,7 @@ class WorkerMirror:
             return other
         key = self._keys.get(engine_hash)
         if key is not None:
-            return key, self.base_group
+            return cast(int, key), self.base_group
         if type(engine_hash) is int and self.index.holds(engine_hash, self.worker, self.base_group):
             return engine_hash, self.base_group  # our own hashing: the engine hash is our key
         if (hosted := self._host.get(engine_hash)) is not None:
@@ -210,47 +214,56 @@ class WorkerMirror:
             return engine_hash, self.base_group  # ours, in the host tier
         return None
 
-    def _stored(self, ev: BlockStored | BlockStoredRaw, now: float) -> None:
-        if ev.medium not in self.media or ev.group_idx not in self.cache_groups:
+    def _stored(self, ev: BlockStored | BlockStoredRaw | BlockStoredPacked, now: float) -> None:
+        medium = ev.medium  # each field read once: a generic attribute lookup each
+        if medium not in self.media or ev.group_idx not in self.cache_groups:
             return
         if self.own_keys:
             keys, parent = cast(list[int], ev.block_hashes), cast(int | None, ev.parent_block_hash)
             lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
-            self.stored(keys, parent, ev.medium, first_block_salt(ev), now, lora)
+            self.stored(keys, parent, medium, first_block_salt(ev), now, lora)
             return
         bs = ev.block_size
         hashes = ev.block_hashes
         expected = bs if self.block_size is None else self.block_size  # None: trust the event
-        if bs <= 0 or bs != expected or ev.token_count() != len(hashes) * bs:
+        packed = type(ev) is BlockStoredPacked  # keyed here: its methods are Python calls
+        tokens = len(ev.token_ids) >> 2 if packed else ev.token_count()
+        if bs <= 0 or bs != expected or tokens != len(hashes) * bs:
             self.skipped_unkeyable += len(hashes)
             return
         lora = ev.lora_name if ev.lora_name is not None else ev.lora_id
-        group = self._group_of(lora)
-        salt = first_block_salt(ev)
-        if ev.parent_block_hash is None:
+        group = self.base_group if lora is None else self._group_of(lora)
+        extra = ev.extra_keys
+        salt = first_block_salt(ev) if extra else None
+        parent_hash = ev.parent_block_hash
+        if parent_hash is None:
             parent = None
             first = namespace(salt)
         else:
-            known = self._lookup(ev.parent_block_hash)
+            known = self._lookup(parent_hash)
             if known is None or known[1] != group:
                 self.skipped_orphans += len(hashes)
                 return
             parent = known[0]
             # a salt on a child: the first private block after a public prefix (blocks.py)
             first = salted_after(parent, salt) if salt else parent_prefix(parent)
-        n = plain_prefix(ev, salt)
+        n = plain_prefix(ev, salt) if extra else len(hashes)
         if n < len(hashes):
             self.skipped_unkeyable += len(hashes) - n
             if n == 0:
                 return
-        keys = ev.chain_keys(n, first)
-        resident = group
-        if ev.medium == MEDIUM_CPU:
-            resident = host_group(group)
-            self._count_repeats(hashes[:n], keys, resident)
-            self._remember_host(hashes[:n], keys, group)
+            hashes = hashes[:n]
+        if packed:
+            keys = chain_keys_packed(cast(bytes, ev.token_ids), bs, first, n)
         else:
-            self._remember(hashes[:n], keys, group)
+            keys = ev.chain_keys(n, first)
+        resident = group
+        if medium == MEDIUM_CPU:
+            resident = host_group(group)
+            self._count_repeats(hashes, keys, resident)
+            self._remember_host(hashes, keys, group)
+        else:
+            self._remember(hashes, keys, group)
         self.groups.add(resident)
         self._insert(keys, resident, now, parent, salt)
 
@@ -305,8 +318,7 @@ class WorkerMirror:
         if not self._other:
             if not mapped and hashes == keys:
                 return  # our own hashing: identity needs no entry
-            if mapped.keys().isdisjoint(hashes):  # new blocks (the common case): no conflicts
-                mapped.update(zip(hashes, keys, strict=True))
+            if mapped.add_new(hashes, keys):  # new blocks (the common case): no conflicts
                 return
         for h, key in zip(hashes, keys, strict=True):
             old = mapped.get(h)
@@ -358,7 +370,7 @@ class WorkerMirror:
         """An engine hash stored again under another key (should not happen): drop the old."""
         old = self._other.get(engine_hash)
         if old is None and (old_key := self._keys.get(engine_hash)) is not None:
-            old = (old_key, self.base_group)
+            old = (cast(int, old_key), self.base_group)
         if old is not None and old[0] != key:
             self._remove([old[0]], old[1])
             self._other.pop(engine_hash, None)
@@ -385,7 +397,7 @@ class WorkerMirror:
             if other is not None:
                 removed += self._remove([other[0]], other[1])
                 continue
-            key = self._keys.pop(h, None)
+            key = cast(int | None, self._keys.pop(h, None))
             if key is None:
                 if type(h) is not int:
                     continue  # never seen: nothing to remove

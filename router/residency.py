@@ -148,8 +148,7 @@ class ResidencyTree(RunTree):
             else:
                 gone = run_keys[last + 1 - m :]
                 del run_keys[last + 1 - m :]
-                for key in cast(list[object], gone):
-                    del where[key]
+                where.discard(cast(list[object], gone))
                 self._held[bit] -= m
                 if self._approx:
                     self._drop_approx(gone, bit)
@@ -298,8 +297,7 @@ class ResidencyTree(RunTree):
                 self._delete(run)
             else:
                 del run.keys[-take:]
-                for key in gone:
-                    del where[key]
+                where.discard(cast(list[object], gone))
             deleted = before - len(where)
             self._evicted += deleted
             count -= deleted

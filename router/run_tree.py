@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import cast
 
+from core.key_table import KeyMap, KeyTable
+
 
 class Run:
     __slots__ = ("keys", "parent", "mask", "children", "ts", "prev", "next")
@@ -23,9 +25,9 @@ class RunTree:
     """Runs by key, parent links, child counts and the LRU leaf list."""
 
     def __init__(self) -> None:
-        # every key -> id() of its run: ints only, which the garbage collector never walks;
-        # typed `object`, so that keys and ids stay boxed (docs/compiled.md)
-        self._where: dict[object, object] = {}
+        # every key -> id() of its run, in a C table of uint64s (core/key_table.py): one probe
+        # per key and a chain's keys in one call; nothing the garbage collector walks
+        self._where: KeyMap = KeyTable()
         self._runs: dict[object, Run] = {}  # id(run) -> run
         self._lru = Run([], None, 0, 0.0)  # sentinel: .next is the oldest leaf, .prev the newest
         self._lru.prev = self._lru.next = self._lru
@@ -54,10 +56,8 @@ class RunTree:
 
     def _register(self, run: Run) -> Run:
         """List `run` and map its keys to it."""
-        where = self._where
         rid: object = id(run)
-        for key in cast(list[object], run.keys):
-            where[key] = rid
+        self._where.assign(cast(list[object], run.keys), rid)
         self._runs[rid] = run
         return run
 
@@ -69,20 +69,10 @@ class RunTree:
         return run
 
     def _claim(self, keys: list[int], i: int, run: Run) -> int:
-        """Map keys[i:] to `run` up to the first key mapped already (one dict operation per
-        key); returns where it stopped. The caller appends keys[i:stop] to `run.keys`."""
-        where = self._where
-        rid: object = id(run)
-        boxed = cast(list[object], keys)
-        n = len(keys)
-        size = len(where)
-        while i < n:
-            where.setdefault(boxed[i], rid)
-            if len(where) == size:
-                break
-            size += 1
-            i += 1
-        return i
+        """Map keys[i:] to `run` up to the first key mapped already (one probe per
+        key, in one call); returns where it stopped. The caller appends keys[i:stop] to
+        `run.keys`."""
+        return self._where.claim(cast(list[object], keys), i, id(run))
 
     @staticmethod
     def _descends(run: Run | None, ancestor: Run) -> bool:
@@ -127,9 +117,7 @@ class RunTree:
         while True:
             self._unlink(run)
             del self._runs[id(run)]
-            where = self._where
-            for key in cast(list[object], run.keys):
-                del where[key]
+            self._where.discard(cast(list[object], run.keys))
             parent = run.parent
             if parent is None:
                 return

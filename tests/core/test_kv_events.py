@@ -12,6 +12,7 @@ from core.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    BlockStoredPacked,
     BlockStoredRaw,
     EventBatch,
     KVEventDecodeError,
@@ -241,7 +242,7 @@ def test_ingest_decoding_keeps_token_ids_raw_and_keys_them_alike(
         if not isinstance(ev, BlockStored) or array_like:
             assert got == ev
             continue
-        assert isinstance(got, BlockStoredRaw)
+        assert isinstance(got, BlockStoredRaw | BlockStoredPacked)  # Packed: core/_kv_decode.c
         assert msgspec.structs.astuple(got)[3:] == msgspec.structs.astuple(ev)[3:]
         assert (got.block_hashes, got.parent_block_hash) == (ev.block_hashes, ev.parent_block_hash)
         assert got.token_count() == ev.token_count() == len(ev.token_ids)
