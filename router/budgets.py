@@ -75,8 +75,7 @@ class Budget:
         the window); it is no longer in flight."""
         self.in_flight -= 1
         if not self.windowed:
-            grant.tokens = tokens
-            return
+            return  # the grant is in no window: nothing to correct
         self._slide(now)
         if grant.at > now - WINDOW_S:  # still in the window: its tokens count as used
             self.tokens += tokens - grant.tokens
