@@ -16,8 +16,10 @@ from typing import Final
 
 from router.budgets import Budget, Grant
 from router.policies import WorkerLoad
+from router.rank_guard import RankGuard
 
 PRIORITY_HEADER: Final = "x-urc-priority"
+PROTECT_HEADER: Final = "x-urc-protect"  # to the worker: a better rank active in its pool
 DECODE_TOKEN_S: Final = 2e-4  # a decode token's GPU time in a batch (cache_aware's default)
 FIRST_OUTPUT_GUESS: Final = 128  # expected output tokens before a tenant's mean is known
 
@@ -32,6 +34,7 @@ class FlowSettings:
     queue_timeout_s: float = 30.0
     prefill_tokens_per_s: float = 15_000.0  # the fleet's (one setting: docs/policies.md)
     share: float = 1.0  # this process's part of every budget (1/N of N processes)
+    protect_window_s: float = 10.0  # a flow's rank sent to a worker is protected this long
 
 
 @dataclass(slots=True)
@@ -142,6 +145,7 @@ class Admission:
         self.settings = settings
         self.tenants = {t.name: t for t in tenants}
         self.pools: dict[str, dict[int, Band]] = {}
+        self.guards: dict[tuple[str, str], RankGuard] = {}  # (pool, worker) -> recent ranks
         self.queued = 0
         self._seq = 0
 
@@ -269,6 +273,18 @@ class Admission:
         band = self.pools[ticket.pool][ticket.band]
         ahead = band.finish.get(ticket.flow, 0.0) - band.vtime > self.settings.saturation_ms / 1e3
         return -2 * ticket.band + (1 if ahead else 0)
+
+    def protect(self, ticket: Ticket, priority: int, worker: str, now: float) -> int | None:
+        """`ticket` goes to `worker` `now` at engine `priority`: the better rank another flow
+        was sent to it at within `protect_window_s`, which the worker must protect (None:
+        none; router/rank_guard.py)."""
+        window = self.settings.protect_window_s
+        if not window:
+            return None
+        guard = self.guards.get((ticket.pool, worker))
+        if guard is None:
+            guard = self.guards[(ticket.pool, worker)] = RankGuard()
+        return guard.note(ticket.flow, priority, now, window)
 
     def waiting(self, pool: str) -> bool:
         bands = self.pools.get(pool)

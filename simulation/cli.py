@@ -160,6 +160,13 @@ def add_flow_arguments(p: argparse.ArgumentParser) -> None:
     )
     add("--flow-queue-max", type=int, default=d.queue_max, help="requests queued at most")
     add(
+        "--flow-protect-window",
+        type=float,
+        default=d.protect_window_s,
+        metavar="S",
+        help="seconds a rank sent to a pool stays protected on all its workers (0: off)",
+    )
+    add(
         "--tenant-flow",
         action="append",
         default=[],
@@ -175,11 +182,14 @@ def flow_from_args(args: argparse.Namespace) -> FlowConfig | None:
         return None
     if args.flow_saturation_ms <= 0 or args.flow_queue_timeout <= 0 or args.flow_queue_max < 0:
         raise ValueError("--flow-saturation-ms and --flow-queue-timeout must be > 0")
+    if args.flow_protect_window < 0:
+        raise ValueError("--flow-protect-window must be >= 0")
     settings = FlowSettings(
         enabled=True,
         saturation_ms=args.flow_saturation_ms,
         queue_max=args.flow_queue_max,
         queue_timeout_s=args.flow_queue_timeout,
+        protect_window_s=args.flow_protect_window,
     )
     return FlowConfig(settings, [parse_tenant_flow(text) for text in args.tenant_flow])
 

@@ -50,6 +50,7 @@ class FlowConfig:
             queue_max=self.settings.queue_max,
             queue_timeout_s=self.settings.queue_timeout_s,
             prefill_tokens_per_s=prefill_tokens_per_s,
+            protect_window_s=self.settings.protect_window_s,
         )
         fresh = []
         for t in self.tenants:
@@ -176,9 +177,12 @@ class Flow:
             self.refused[cast(SimRequest, ticket.item).index] = QUEUE_TIMEOUT
         return [cast(SimRequest, t.item) for t in late]
 
-    def priority(self, i: int) -> int:
-        """The engine priority of request `i` as it is routed (vLLM's sense: lower first)."""
-        return self.admission.engine_priority(cast(Ticket, self.tickets[i]))
+    def rank(self, i: int, worker: str, now: float) -> tuple[int, int | None]:
+        """The engine priority of request `i` as it is sent to `worker` `now` (vLLM's sense:
+        lower first), and the better rank that worker must protect (None: none)."""
+        ticket = cast(Ticket, self.tickets[i])
+        priority = self.admission.engine_priority(ticket)
+        return priority, self.admission.protect(ticket, priority, worker, now)
 
     def done(self, i: int, input_tokens: int, output_tokens: int, now: float) -> None:
         """Request `i` ended (zeros: it never ran): its budget settled."""

@@ -273,7 +273,7 @@ class Replay:
             return
         engine_req = Request(i, req.prompt, req.max_tokens, req.salt, now, req.keys, req.tail_keys)
         if self.flow is not None:  # the gateway's rank, carried into the engine
-            engine_req.priority = self.flow.priority(i)
+            engine_req.priority, engine_req.protect = self.flow.rank(i, w.name, now)
         if request.adapter:  # loaded there first: it reaches the engine when registered
             engine_req.lora_name = request.adapter
             load_s = self.fleet.adapter_load_s

@@ -16,7 +16,7 @@ from backends.emulated.adapters import EmulatedAdapters
 from backends.emulated.config import EngineConfig
 from backends.emulated.events import EventLog
 from backends.emulated.paging import admit, cache_output, cache_prompt, release
-from backends.emulated.request import EngineLoad, Request, State, StepResult, by_priority
+from backends.emulated.request import EngineLoad, Request, State, StepResult, by_priority, ranks
 from backends.emulated.step_budget import StepBudget
 from core.blocks import block_keys
 from core.heap import Heap
@@ -117,7 +117,7 @@ class EmulatedEngine:
         req.state = _WAITING
         self._queue.append(req)
         self._queued_prefill += req.prompt_len
-        if req.priority:
+        if ranks(req):
             self._ranked += 1
         running = len(self._prefilling) + len(self._decoding)
         stuck = self._stuck  # ranked before the request that last did not fit: it goes first
@@ -128,7 +128,7 @@ class EmulatedEngine:
     def abort(self, req: Request, now: float) -> bool:
         """Drop a request (its client went away). Its room and locks are released now; blocks
         it already cached stay cached. False when it had already finished."""
-        if req.priority and (req.state is _WAITING or req.state is _PREFILL):
+        if ranks(req) and (req.state is _WAITING or req.state is _PREFILL):
             self._ranked -= 1
         if req.state is _WAITING:
             self._queue.remove(req)
@@ -214,7 +214,7 @@ class EmulatedEngine:
                 if req.computed < req.prompt_len:
                     continue
                 req.state = _DECODE
-                if req.priority:
+                if ranks(req):
                     self._ranked -= 1
                 req.first_token_time = t
                 req.generated = 1
@@ -395,6 +395,6 @@ class EmulatedEngine:
         check_locks(self.cache, [r.node for r in running if r.node is not None])
         self.adapters.check([r.lora for r in running])
         assert len(running) <= self.config.max_batch, "batch over max_batch"
-        ranked = sum(1 for r in [*self._queue, *self._prefilling] if r.priority)
+        ranked = sum(1 for r in [*self._queue, *self._prefilling] if ranks(r))
         assert ranked == self._ranked, "requests ranked by priority"
         assert self._active or not self.log.held, "events held past their step"

@@ -80,6 +80,10 @@ class Request:
     public_blocks: int
     # vLLM's `priority`: lower is scheduled earlier, ties by arrival (docs/workers.md)
     priority: int
+    # the gateway's hint that work ranked at this priority is active elsewhere in the request's
+    # pool: while the request is here, the step budget protects that rank as if a request of
+    # it were present (`StepBudget`, docs/workers.md); None: no hint
+    protect: int | None
     # the LoRA adapter it names (None: the base model); its blocks are keyed and cached apart
     lora_name: str | None
     state: State
@@ -121,6 +125,7 @@ class Request:
         self.tail_keys = tail_keys
         self.public_blocks = public_blocks
         self.priority = priority
+        self.protect = None
         self.lora_name = lora_name
         self.lora = None
         self.state = State.WAITING
@@ -133,6 +138,17 @@ class Request:
 def by_priority(req: Request) -> int:
     """The sort key of ranked scheduling: vLLM's sense, lower first."""
     return req.priority
+
+
+def ranks(req: Request) -> bool:
+    """Whether `req` needs ranked scheduling: a priority, or the gateway's protect hint."""
+    return req.priority != 0 or req.protect is not None
+
+
+def floor(req: Request) -> int:
+    """The best rank `req` stands for: its priority, or the better one its hint protects."""
+    hint = req.protect
+    return req.priority if hint is None or hint > req.priority else hint
 
 
 class StepResult:

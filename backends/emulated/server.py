@@ -80,6 +80,7 @@ class EmulatedSide:
         )
         req.public_blocks = gen.public_tokens // self.config.block_size
         req.priority = gen.priority
+        req.protect = gen.protect
         req.lora_name = gen.model.lora_name
         return req
 

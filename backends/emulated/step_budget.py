@@ -1,15 +1,18 @@
 """The step budget of ranked scheduling (docs/workers.md): while a better-ranked request is in
 the engine (waiting, prefilling or decoding), or was within the protect window, the requests
 ranked after it prefill at most `tokens` a step (`protect_step_s` of prefill), so the steps that
-carry the better one stay short; better-ranked prefill is not capped. With every request at one
-priority nothing is capped: full chunks, the throughput unchanged."""
+carry the better one stay short; better-ranked prefill is not capped. A request with the
+gateway's protect hint (`Request.protect`: that rank is active elsewhere in its pool) counts as
+one of the hinted rank, so a worker keeps its steps short before the better one reaches it.
+With every request at one priority and no hint nothing is capped: full chunks, the throughput
+unchanged."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
 
-from backends.emulated.request import Request
+from backends.emulated.request import Request, floor
 
 
 class StepBudget:
@@ -30,16 +33,19 @@ class StepBudget:
 
     def plan(self, ranked: Sequence[Request], decoding: Iterable[Request], now: float) -> None:
         """A step is planned `now` over `ranked` (the waiting and prefilling requests, best
-        first) and the `decoding` ones. The best priority present becomes the level when it
-        ranks ahead of it or the window ran out; while one at the level is present among
-        non-zero priorities, the window is renewed."""
+        first) and the `decoding` ones. The best rank present (a priority, or a hint's:
+        `floor`) becomes the level when it ranks ahead of it or the window ran out; while one at
+        the level is present among non-zero priorities, the window is renewed."""
         self.left = -1
         if not self.tokens:
             return
-        best = ranked[0].priority if ranked else None
+        best: int | None = None
+        for req in ranked:
+            if best is None or floor(req) < best:
+                best = floor(req)
         for req in decoding:
-            if best is None or req.priority < best:
-                best = req.priority
+            if best is None or floor(req) < best:
+                best = floor(req)
         if best is None:
             return  # nothing here: the window runs out
         worst = ranked[-1].priority if ranked else best

@@ -136,6 +136,7 @@ class Generation:
     handle: Any = None  # the engine's own record of it
     public_tokens: int = 0  # `urc_public_tokens`: keyed in the shared namespace, then the salt
     priority: int = 0  # vLLM's `priority`: lower is scheduled earlier (docs/workers.md)
+    protect: int | None = None  # `x-urc-protect`: a better rank active in the pool (workers.md)
 
     @property
     def finished(self) -> bool:

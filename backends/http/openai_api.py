@@ -30,6 +30,9 @@ from core.strict_json import BodyError, decode_object
 log = logging.getLogger(__name__)
 
 CACHED_TOKENS_HEADER = "x-urc-cached-tokens"
+# the gateway's protect hint: a rank (vLLM's priority) active elsewhere in the request's pool,
+# which the engine's step budget protects while the request is here (docs/workers.md)
+PROTECT_HEADER = "x-urc-protect"
 _DONE = b"data: [DONE]\n\n"
 _TOO_LONG = "context_length_exceeded"  # the code of a prompt the engine can never run
 _encode = msgspec.json.encode
@@ -97,6 +100,8 @@ def log_generation(request: web.Request, gen: Generation) -> None:
         "request_id": request_id(request),
         "traceparent": request.headers.get("traceparent"),
         "model": gen.model.name,
+        "priority": gen.priority,
+        "protect": gen.protect,
         "prompt_tokens": len(gen.prompt),
         "cached_tokens": gen.cached_tokens,
         "output_tokens": len(gen.output),
@@ -157,6 +162,17 @@ def priority_param(body: dict[str, Any]) -> int:
     return value
 
 
+def protect_header(value: str) -> int:
+    """`x-urc-protect`'s rank: an integer in int64's range, as `priority`."""
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = 2**63
+    if not -(2**63) <= rank < 2**63:
+        raise APIError(400, f"'{PROTECT_HEADER}' must be a 64-bit integer", param=PROTECT_HEADER)
+    return rank
+
+
 def salt_param(body: dict[str, Any]) -> str | None:
     """vLLM's `cache_salt`: a non-empty string, or absent."""
     salt = body.get("cache_salt")
@@ -185,6 +201,9 @@ async def respond(
     output length n (final: the finished end, sent once) then `done` (`[DONE]`), the
     cached-token header leaving on admission. A submit's ValueError is a 400, an abort a 503 (a
     stream just ends)."""
+    hint = request.headers.get(PROTECT_HEADER)
+    if hint is not None:
+        gen.protect = protect_header(hint)
     try:
         backend.submit(gen)
     except ValueError as exc:

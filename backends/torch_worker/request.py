@@ -52,6 +52,7 @@ class Request:
     # shared isolation: leading prompt blocks keyed in the shared namespace (core/blocks.py)
     public_blocks: int = 0
     priority: int = 0  # vLLM's `priority`: lower is scheduled earlier (docs/workers.md)
+    protect: int | None = None  # the gateway's hint: this rank is active elsewhere in the pool
     lora_name: str | None = None  # the LoRA adapter it runs: its keys are in its namespace
 
     @property

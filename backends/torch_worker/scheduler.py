@@ -80,11 +80,14 @@ class Scheduler:
         band, the running requests (admission order), then admissions from its waiting ones
         (`_admission_order`). A request that cannot be admitted stops all admissions. The
         bands after the best one share at most `protect_tokens` of prefill (the step budget:
-        the best band's steps stay short)."""
+        the best band's steps stay short); a request's protect hint counts as a band present,
+        so a better rank active elsewhere in the pool is protected before it arrives here."""
         bs = ms.pool.cache.block_size
         items: list[WorkItem] = []
         budget = self.config.chunk_size
-        bands = sorted({r.priority for r in ms.running} | {r.priority for r in ms.waiting})
+        present = [*ms.running, *ms.waiting]
+        hinted = {r.protect for r in present if r.protect is not None and r.protect < r.priority}
+        bands = sorted({r.priority for r in present} | hinted)
         protect = self.config.protect_tokens
         left = protect if protect and len(bands) > 1 else budget  # of the worse bands
         admitting = True

@@ -93,6 +93,7 @@ class TorchSide:
             page = self.config.page_size
             req.public_blocks = min(gen.public_tokens // page, len(gen.prompt) // page)
         req.priority = gen.priority
+        req.protect = gen.protect
         self.engine.validate(req)
         return req
 

@@ -101,7 +101,9 @@ class Exchange:
             return [protocol.immediate(429, refused.body, refused.headers)]
         pick = self.pick
         answer = [(protocol.ROUTE, pick.route), *pick.headers]  # for a proxy that adds them
-        return protocol.routed(pick.endpoints, pick.body, self.duplex_request, answer)
+        return protocol.routed(
+            pick.endpoints, pick.body, self.duplex_request, answer, pick.upstream
+        )
 
     def _response_headers(
         self, message: ext.HttpHeaders, metadata: Mapping[str, struct_pb2.Struct]

@@ -9,7 +9,7 @@ from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from core.errors import APIError
-from router.admission import Refused, Ticket
+from router.admission import PROTECT_HEADER, Refused, Ticket
 from router.gateway.app import Gateway
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Worker
@@ -38,6 +38,7 @@ class Pick(NamedTuple):
     route: str  # x-urc-route, as the gateway writes it
     ticket: Ticket | None = None  # flow control's (None: off)
     headers: Headers = []  # for the client's answer: flow control's x-ratelimit-*
+    upstream: Headers = []  # for the worker: flow control's protect hint
 
 
 class Refusal(Exception):
@@ -183,12 +184,15 @@ class EndpointPicker:
         header = plan.header(chosen.name)
         payload = forwarded(body, salt, public_tokens)
         extra: Headers = []
+        upstream: Headers = []
         if flow is not None and ticket is not None:
-            prioritized, extra = flow.forwarded(ticket, body, salt, plan)
+            prioritized, extra, hint = flow.forwarded(ticket, body, salt, plan)
             if prioritized is not None and chosen.takes_priority:
                 payload = prioritized
+            if hint is not None:
+                upstream = [(PROTECT_HEADER, str(hint))]
         endpoints = [endpoint_of(w) for w in ranked]
-        return Pick(endpoints, payload, plan, chosen, load, header, ticket, extra)
+        return Pick(endpoints, payload, plan, chosen, load, header, ticket, extra, upstream)
 
     def worker_at(self, endpoint: str) -> Worker | None:
         for worker in self.fleet.workers.values():

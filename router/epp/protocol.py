@@ -96,13 +96,18 @@ def destination_metadata(
 
 
 def routed(
-    endpoints: Sequence[str], body: bytes, streamed: bool, answer: Headers | None = None
+    endpoints: Sequence[str],
+    body: bytes,
+    streamed: bool,
+    answer: Headers | None = None,
+    upstream: Headers = (),
 ) -> list[ext.ProcessingResponse]:
     """The answers that send a buffered request to `endpoints[0]` (the rest: fallbacks) with
-    its rewritten `body`. BUFFERED: one body response carrying it all. FULL_DUPLEX_STREAMED:
-    the headers response (Envoy held the headers until now), then the body as one chunk.
-    `answer`: the response's headers, for a proxy that skips the response headers message."""
-    headers = [(DESTINATION, endpoints[0]), ("content-length", str(len(body)))]
+    its rewritten `body` and `upstream` headers added. BUFFERED: one body response carrying it
+    all. FULL_DUPLEX_STREAMED: the headers response (Envoy held the headers until now), then
+    the body as one chunk. `answer`: the response's headers, for a proxy that skips the
+    response headers message."""
+    headers = [(DESTINATION, endpoints[0]), ("content-length", str(len(body))), *upstream]
     common = ext.CommonResponse(header_mutation=_mutation(headers), clear_route_cache=True)
     metadata = destination_metadata(endpoints, answer)
     if not streamed:

@@ -23,7 +23,7 @@ from router.gateway.admin import admin_routes, bearer_matches
 from router.gateway.config import ConfigError, GatewayConfig, load_config
 from router.gateway.connection import HOT_PATHS
 from router.gateway.fleet import Fleet, Worker
-from router.gateway.flow import FlowControl, Ticket
+from router.gateway.flow import FlowControl, Ticket, protect_line
 from router.gateway.isolation import Tenants
 from router.gateway.load_feed import LoadFeed
 from router.gateway.metrics import GatewayMetrics
@@ -303,13 +303,17 @@ class Gateway:
         self.metrics.decision.observe(plan.decision_s)
         self.metrics.reasons[plan.decision.reason] += 1
         payload = forwarded(body, salt, plan.public_tokens)
-        prioritized = extra = None
-        if ticket is not None and self.flow is not None:
-            prioritized, extra = self.flow.forwarded(ticket, body, salt, plan)
         on_success = partial(self._served, tenant=tenant, ticket=ticket)
         stream = body.get("stream") is True
         forward = self.proxy.forward
-        sent = forward(reply, path, payload, plan, stream, on_success, note, prioritized, extra)
+        if ticket is not None and self.flow is not None:
+            prioritized, extra, hint = self.flow.forwarded(ticket, body, salt, plan)
+            lines = protect_line(hint)
+            sent = forward(
+                reply, path, payload, plan, stream, on_success, note, prioritized, extra, lines
+            )
+        else:
+            sent = forward(reply, path, payload, plan, stream, on_success, note)
         return sent if plan.arm < 0 else self.canary.watch(plan, sent)
 
     async def _embed(self, reply: Reply, raw: bytes, tenant: str, note: RequestNote | None) -> None:

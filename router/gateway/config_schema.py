@@ -213,6 +213,11 @@ class GatewayConfig:
     flow_queue_timeout_s: Positive = setting(
         30.0, "seconds a request waits in the queue at most, then 429 queue_timeout"
     )
+    flow_protect_window_s: NonNegative = setting(
+        10.0,
+        "seconds a rank sent to a pool stays protected on all its workers: a request ranked "
+        "after it carries x-urc-protect, so their steps stay short for it (0: off)",
+    )
     flow_budget_share: Annotated[float, Meta(gt=0, le=1)] = setting(
         1.0,
         "the part of every tenant budget this replica enforces (e.g. 1/3 for 3 replicas); "

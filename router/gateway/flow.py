@@ -12,7 +12,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from core.errors import APIError
-from router.admission import PRIORITY_HEADER, Admission, FlowSettings, Refused, TenantFlow, Ticket
+from router.admission import (
+    PRIORITY_HEADER,
+    PROTECT_HEADER,
+    Admission,
+    FlowSettings,
+    Refused,
+    TenantFlow,
+    Ticket,
+)
 from router.admission import saturated as pool_saturated
 from router.budgets import WINDOW_S, Budget
 from router.gateway.access import RequestNote
@@ -27,6 +35,14 @@ from router.policies import RouteRequest
 from router.route import Routing
 
 _EMBEDDINGS = "/embeddings"  # an embeddings pool's suffix: budgets only, never queued
+_PROTECT_LINE = PROTECT_HEADER.encode()
+
+
+def protect_line(hint: int | None) -> bytes:
+    """The protect hint's header line for a worker (b"": none)."""
+    return b"" if hint is None else b"%s: %d\r\n" % (_PROTECT_LINE, hint)
+
+
 PUMP_PERIOD_S = 0.05  # while anything waits: the pump and the timeout sweep
 LIMITED = frozenset({"requests_per_minute", "tokens_per_minute", "concurrency"})
 
@@ -100,6 +116,7 @@ class FlowControl:
             config.flow_queue_timeout_s,
             config.prefill_tokens_per_s,
             share,
+            config.flow_protect_window_s,
         )
         tenants = []
         for t in config.tenants:
@@ -277,15 +294,16 @@ class FlowControl:
 
     def forwarded(
         self, ticket: Ticket, body: dict[str, Any], salt: str | None, plan: Plan
-    ) -> tuple[bytes | None, Headers]:
+    ) -> tuple[bytes | None, Headers, int | None]:
         """What goes with an admitted, routed request (`plan`): the worker's body with the
         engine `priority` for workers that take it (None: the plain body does, the priority
-        being 0 and the client having sent none), and the budgets' headers for the client's
-        answer. A request admitted at once is priced here, by its routing's uncached tokens:
-        no second match of its prompt."""
+        being 0 and the client having sent none), the budgets' headers for the client's
+        answer, and the protect hint for the worker (`x-urc-protect`; None: none). A request
+        admitted at once is priced here, by its routing's uncached tokens: no second match of
+        its prompt."""
         headers = self.headers(ticket.tenant.budget)
         if ticket.pool.endswith(_EMBEDDINGS):
-            return None, headers
+            return None, headers, None
         entry: Entry = ticket.item  # type: ignore[assignment]
         if entry.request is not None:
             worker = plan.decision.worker
@@ -293,9 +311,10 @@ class FlowControl:
             entry.request = None
         public_tokens = plan.public_tokens
         priority = self.admission.engine_priority(ticket)
+        hint = self.admission.protect(ticket, priority, plan.decision.worker, time.monotonic())
         if not priority and "priority" not in body:
-            return None, headers
-        return forwarded({**body, "priority": priority}, salt, public_tokens), headers
+            return None, headers, hint
+        return forwarded({**body, "priority": priority}, salt, public_tokens), headers, hint
 
     def headers(self, budget: Budget) -> Headers:
         """OpenAI's `x-ratelimit-*` headers for a tenant with budgets (none without)."""

@@ -92,13 +92,15 @@ class Proxy:
         note: RequestNote | None = None,
         prioritized: bytes | None = None,
         extra: Headers | None = None,
+        lines: bytes = b"",
     ) -> None:
         """Send the request on; the answer (or the last worker's error) goes to `reply`. A
         worker's 5xx counts against no worker's health and gets one other worker tried.
         `note`: the access log's and tracing's (None: both off). Flow control's `prioritized`
-        body goes to workers that take a priority, its `extra` headers to the client."""
+        body goes to workers that take a priority, its `extra` headers to the client, its header
+        `lines` (the protect hint) to every worker."""
         t0 = time.monotonic()
-        request_id = request_id_line(reply.request_id)
+        request_id = request_id_line(reply.request_id) + lines
         last_error = "no worker was up"
         answered: tuple[int, Headers, bytes] | None = None  # the first 5xx a worker answered
         workers = self.fleet.workers

@@ -486,3 +486,19 @@ def test_aborting_ranked_requests_keeps_the_ranking_count() -> None:
     engine.check()  # the count of ranked requests matches the queue and the prefills
     drive(engine, [])
     assert c.state is State.FINISHED
+
+
+def test_a_protect_hint_caps_its_request_before_the_better_rank_arrives() -> None:
+    # the gateway's hint (x-urc-protect): a better rank is active in the pool, not here yet
+    cfg = config(chunk_tokens=1024, protect_step_s=0.005, protect_window_s=0.1)
+    for hint in (None, 0):
+        engine = EmulatedEngine(cfg)
+        backlog = [Request(i, prompt(3000, 140 + i), 4, arrival=0.0, priority=1) for i in range(2)]
+        for req in backlog:
+            req.protect = hint
+        steps = backlog_prefill(engine, backlog, backlog)
+        if hint is None:  # alone at one rank: full chunks
+            assert max(n for _, n in steps) == 1024
+        else:  # as if a request at priority 0 were here: 50 tokens a step, all the way
+            assert {n for _, n in steps if n} == {50} and sum(n for _, n in steps) == 6000
+        assert all(r.state is State.FINISHED for r in backlog)

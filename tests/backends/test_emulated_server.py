@@ -143,6 +143,15 @@ def test_vllms_priority_field_is_accepted(client: openai.OpenAI, priority: int) 
     assert answer.output_text == expected_text(2)
 
 
+def test_the_protect_hint_header_is_checked(worker: Child) -> None:
+    body = {"model": MODEL, "prompt": unique(20), "max_tokens": 2}
+    with http(worker) as h:
+        ok = h.post("/v1/completions", json=body, headers={"x-urc-protect": "-2"})
+        assert ok.status_code == 200
+        bad = h.post("/v1/completions", json=body, headers={"x-urc-protect": "soon"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-urc-protect"
+
+
 async def test_the_worker_schedules_by_priority() -> None:
     # one request at a time: while `long` decodes, `low` then `high` queue; the better priority
     # runs first, so it is the one whose shared prefix the other then finds cached

@@ -235,6 +235,22 @@ def test_the_step_budget_caps_worse_ranked_prefill_while_a_better_one_runs(
     assert backlog.output == finish(TorchEngine({"m": tiny}), "m", backlog.prompt, 2).output
 
 
+def test_a_protect_hint_caps_prefill_before_the_better_rank_arrives(tiny: LoadedModel) -> None:
+    # the gateway's x-urc-protect: a better rank (0) is active in the pool, not on this worker
+    scheduler = SchedulerConfig(chunk_size=512, protect_tokens=8, prefix_cache=False)
+    engine = TorchEngine({"m": tiny}, EngineConfig(num_pages=200, scheduler=scheduler))
+    backlog = engine.new_request("m", [5 * j % 256 for j in range(40)], SamplingParams(2))
+    backlog.priority, backlog.protect = 1, 0
+    engine.submit(backlog)
+    steps: list[int] = []
+    while engine.has_work():
+        before = backlog.computed
+        engine.step()
+        engine.check()
+        steps.append(backlog.computed - before)
+    assert steps[:5] == [8] * 5 and backlog.output  # 8 tokens a step, as if one were here
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cache_on_and_off_agree_on_cuda() -> None:
     gpu = load_model("tiny", device=torch.device("cuda"), dtype="float32")

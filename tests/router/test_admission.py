@@ -197,3 +197,24 @@ def test_a_request_admitted_at_once_is_priced_after_its_routing() -> None:
     later.price(late, 3_000)
     assert late.cost == pytest.approx(early.cost)
     assert later.pools[POOL][0].finish == pytest.approx(now.pools[POOL][0].finish)
+
+
+def test_the_protect_hint_names_another_flows_better_rank_on_that_worker() -> None:
+    a = admission(TenantFlow("quiet"), TenantFlow("flood"), protect_window_s=10.0)
+    quiet = a.ticket("quiet", "quiet", POOL, 48, 1_048, 32)
+    flood = a.ticket("flood", "flood", POOL, 5_000, 5_000, 32)
+    assert a.protect(flood, 0, "w0", 0.0) is None  # the flood alone, not yet ahead
+    assert a.protect(flood, 1, "w0", 1.0) is None  # its own earlier rank protects nothing
+    assert a.protect(quiet, 0, "w0", 2.0) is None  # the best rank sent there: no hint
+    assert a.protect(flood, 1, "w0", 3.0) == 0  # another flow's better rank, 1 s ago
+    assert a.protect(flood, 1, "w1", 3.0) is None  # on a worker the quiet flow never used
+    assert a.protect(flood, 1, "w0", 11.9) == 0  # within the window
+    assert a.protect(flood, 1, "w0", 12.1) is None  # past it
+    assert a.protect(flood, 0, "w0", 13.0) is None and a.protect(flood, 1, "w0", 14.0) is None
+    # two flows alternating at a rank: either one's request protects it against the flood
+    a.protect(quiet, 0, "w0", 20.0)
+    a.protect(flood, 0, "w0", 20.5)
+    assert a.protect(flood, 1, "w0", 21.0) == 0
+    off = admission(TenantFlow("quiet"), TenantFlow("flood"), protect_window_s=0.0)
+    off.protect(off.ticket("quiet", "quiet", POOL, 48, 1_048, 32), 0, "w0", 0.0)
+    assert off.protect(off.ticket("flood", "flood", POOL, 5_000, 5_000, 32), 1, "w0", 1.0) is None

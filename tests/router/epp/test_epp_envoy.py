@@ -320,13 +320,16 @@ def test_subset_hint_and_shedding() -> None:
 def test_flow_control_budgets_answer_429_with_retry_after_through_envoy(tmp_path) -> None:
     """The endpoint picker applies the gateway's admission (docs/flow-control.md): a tenant past
     its requests_per_minute gets 429 with Retry-After and x-ratelimit-* through Envoy; another
-    tenant is unaffected."""
+    tenant is unaffected; a request ranked after another tenant's on its worker carries the
+    protect hint there."""
     config = tmp_path / "urc.toml"
     config.write_text(
         "[gateway]\nflow_control = true\n"
         '[[tenants]]\nname = "a"\napi_keys = ["key-a0"]\nrequests_per_minute = 6\n'
+        '[[tenants]]\nname = "c"\napi_keys = ["key-c"]\n'
     )
-    with stack("--config", str(config), *KEYS) as s:  # the warm-up spent some of a's budget
+    debug = ("--log-level", "debug")
+    with stack("--config", str(config), *KEYS, worker_args=debug) as s:  # the warm-up spent a's
         body = {"model": "emulated", "prompt": "within budget?", "max_tokens": 2}
         answers = [
             httpx.post(f"{s.url}/v1/completions", json=body, headers=key, timeout=10)
@@ -344,3 +347,14 @@ def test_flow_control_budgets_answer_429_with_retry_after_through_envoy(tmp_path
             f"{s.url}/v1/completions", json=body, headers={"Authorization": "Bearer key-b"}
         )
         assert other.status_code == 200 and "x-ratelimit-limit-requests" not in other.headers
+        # b's critical request, then c's at the default band on the same worker: the worker is
+        # told to keep protecting b's rank (x-urc-protect; its debug log shows what it got)
+        worker = s.workers[0]
+        pin = {"x-gateway-destination-endpoint-subset": urlsplit(worker.url).netloc}
+        for tenant, band in (("b", "1"), ("c", "0")):
+            headers = {"Authorization": f"Bearer key-{tenant}", "x-urc-priority": band, **pin}
+            r = httpx.post(f"{s.url}/v1/completions", json=body, headers=headers, timeout=10)
+            assert r.status_code == 200, r.text
+        logged = [line for line in worker.lines if "/v1/completions" in line]
+        assert "priority=-2" in logged[-2] and "protect=-" in logged[-2], logged[-2:]
+        assert "priority=0" in logged[-1] and "protect=-2" in logged[-1], logged[-2:]

@@ -81,7 +81,7 @@ def gateway_over(worker: Child, path: Path, *extra: str) -> Child:
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[Child]:
-    child = start_worker("--prefill-tokens-per-s", PREFILL)
+    child = start_worker("--prefill-tokens-per-s", PREFILL, "--log-level", "debug")
     yield child
     child.stop()
 
@@ -116,7 +116,7 @@ def test_over_requests_per_minute_429_with_retry_after_and_ratelimit_headers(fle
     assert metric(url, "urc_flow_requests_total", tenant="limited", outcome="limited") == 1
 
 
-def test_a_flood_queues_ends_200_or_429_and_a_quiet_tenant_goes_first(fleet) -> None:
+def test_a_flood_queues_ends_200_or_429_and_a_quiet_tenant_goes_first(fleet, worker) -> None:
     url, gateway = fleet
     with ThreadPoolExecutor(16) as pool:
         futures = flood(url, 12, pool)
@@ -133,6 +133,10 @@ def test_a_flood_queues_ends_200_or_429_and_a_quiet_tenant_goes_first(fleet) -> 
     assert statuses.count(200) >= 3
     waited = metric(url, "urc_flow_requests_total", tenant="flood", outcome="admitted_after_wait")
     assert waited >= 2
+    # the flood's requests sent after a quiet one, ranked after it (ahead of their share), told
+    # the worker to keep protecting the quiet tenant's rank (x-urc-protect)
+    logged = [line for line in worker.lines if "/v1/chat/completions" in line]
+    assert any("priority=1" in line and "protect=0" in line for line in logged), logged[-5:]
 
 
 def test_sheddable_requests_are_shed_while_saturated(fleet) -> None:
