@@ -5,9 +5,10 @@ each tenant's clients streaming the noisy-neighbour workload's requests.
     python bench/noisy_neighbour.py [--parts 1,2,3,4] [--phase-s 15] [--flood-clients 48]
 
 1. Noisy neighbour: tenant quiet (2 clients) alone, then while tenant flood (48 clients,
-   5k-token uncached prompts) floods; flow control off, on, and on with the workers'
-   --protect-step-ms 5 (half the default step budget), --protect-window-ms 250 (a quarter of
-   its window) and --protect-step-ms 0 (no step budget: full chunks beside the quiet tenant).
+   5k-token uncached prompts) floods; flow control off, on, on without the gateway's protect
+   hint (--flow-protect-window 0), and on with the workers' --protect-step-ms 10 (twice the
+   default step budget) and --protect-step-ms 0 (no step budget: full chunks beside the quiet
+   tenant).
 2. Priority: a critical tenant (priority 1) alone, then under a sheddable flood (priority -1).
 3. Budget: a tenant sending twice its tokens_per_minute for a minute, a quiet one beside it.
 4. The replay: part 1's flow-control run through `urc replay`'s engine (simulation.compare),
@@ -192,15 +193,18 @@ def wait_serving(gateway: Child, tenant: str, timeout_s: float = 30.0) -> None:
 
 
 @contextmanager
-def cluster(tenants: Tenants, flow: bool, worker_args: Sequence[str] = ()) -> Iterator[str]:
+def cluster(
+    tenants: Tenants, flow: bool, worker_args: Sequence[str] = (), gateway_args: Sequence[str] = ()
+) -> Iterator[str]:
     """WORKERS emulated workers (their defaults, then `worker_args`) and `urc gateway` with
-    `tenants` over them, fresh; yields the gateway's URL."""
+    `tenants` over them (then `gateway_args`), fresh; yields the gateway's URL."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "urc.toml"
         path.write_text(config_text(tenants, flow))
         children = [start_worker(*worker_args) for _ in range(WORKERS)]
         try:
-            gateway = start_gateway([w.url for w in children], "--config", str(path))
+            urls = [w.url for w in children]
+            gateway = start_gateway(urls, "--config", str(path), *gateway_args)
             children.append(gateway)
             wait_serving(gateway, next(iter(tenants)))
             yield gateway.url
@@ -280,12 +284,13 @@ def alone_then_flood(
     flood: Clients,
     flow: bool = True,
     worker_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
 ) -> Run:
     """On a fresh cluster: `quiet` alone for --phase-s; then `flood` for RAMP_S, and with
     `quiet` for --phase-s more."""
     specs = Specs(args.seed)
     late = dataclasses.replace(quiet, after_s=RAMP_S)
-    with cluster(tenants, flow, worker_args) as url:
+    with cluster(tenants, flow, worker_args, gateway_args) as url:
         warm = asyncio.run(run_phase(url, specs, [quiet], WARM_S))
         alone = asyncio.run(run_phase(url, specs, [quiet], args.phase_s))
         both = asyncio.run(run_phase(url, specs, [late, flood], RAMP_S + args.phase_s))
@@ -322,12 +327,12 @@ def columns_table(columns: dict[str, dict[str, object]]) -> None:
 
 
 NOISY: Tenants = {QUIET: {}, FLOOD: {}}
-SETTINGS = {  # part 1's columns: flow control, the workers' flags past their defaults
-    "off": (False, ()),
-    "on": (True, ()),
-    "on, step 5 ms": (True, ("--protect-step-ms", "5")),
-    "on, window 250 ms": (True, ("--protect-window-ms", "250")),
-    "on, no step budget": (True, ("--protect-step-ms", "0")),
+SETTINGS = {  # part 1's columns: flow control, the workers' and the gateway's flags
+    "off": (False, (), ()),
+    "on": (True, (), ()),
+    "on, no protect hint": (True, (), ("--flow-protect-window", "0")),
+    "on, step 10 ms": (True, ("--protect-step-ms", "10"), ()),
+    "on, no step budget": (True, ("--protect-step-ms", "0"), ()),
 }
 PRIORITY: Tenants = {"critical": {"priority": 1}, "sheddable": {"priority": -1}}
 BUDGET_S = 60.0  # part 3: one minute of the sliding window
@@ -341,9 +346,9 @@ def part_noisy(args: argparse.Namespace) -> Run:
     """Part 1; returns flow control's run (part 4 replays it)."""
     quiet, flood = quiet_and_flood(args, QUIET, FLOOD)
     runs = {}
-    for name, (flow, worker_args) in SETTINGS.items():
+    for name, (flow, worker_args, gateway_args) in SETTINGS.items():
         log(f"part 1: flow control {name} ...")
-        runs[name] = alone_then_flood(args, NOISY, quiet, flood, flow, worker_args)
+        runs[name] = alone_then_flood(args, NOISY, quiet, flood, flow, worker_args, gateway_args)
     print(
         f"1. noisy neighbour: B = {args.quiet_clients} quiet clients, alone {args.phase_s:g} s, "
         f"then while A = {args.flood_clients} flood clients (5k-token prompts) run"

@@ -164,7 +164,7 @@ def add_flow_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=d.protect_window_s,
         metavar="S",
-        help="seconds a rank sent to a pool stays protected on all its workers (0: off)",
+        help="seconds a flow's rank sent to a worker stays protected there (x-urc-protect; 0: off)",
     )
     add(
         "--tenant-flow",

@@ -33,7 +33,7 @@ class EngineConfig:
     max_batch: int = setting(256, "running requests")
     chunk_tokens: int = setting(8192, "prefill tokens per step")
     protect_step_s: float = setting(
-        0.01,
+        0.005,
         "while a better-ranked request is in the engine, worse-ranked ones prefill at most "
         "this much a step, ms of prefill (0: no cap)",
         "--protect-step-ms",

@@ -215,8 +215,8 @@ class GatewayConfig:
     )
     flow_protect_window_s: NonNegative = setting(
         10.0,
-        "seconds a rank sent to a pool stays protected on all its workers: a request ranked "
-        "after it carries x-urc-protect, so their steps stay short for it (0: off)",
+        "seconds a flow's rank sent to a worker stays protected there: a request of another "
+        "flow ranked after it carries x-urc-protect, so the worker's steps stay short (0: off)",
     )
     flow_budget_share: Annotated[float, Meta(gt=0, le=1)] = setting(
         1.0,

@@ -44,9 +44,10 @@ def test_the_quiet_tenant_is_served_ahead_of_the_flood(flood):
     assert quiet_on["ttft_p99_s"] < 1.5
     assert quiet_on["ttft_p99_s"] < quiet_off["ttft_p99_s"] / 20
     assert quiet_on["completed"] == quiet_on["requests"] and quiet_on["refused"] == 0
-    # the flood keeps the capacity: it waits in the gateway, and what waits 30 s is refused
+    # the flood keeps most of the capacity: it waits in the gateway, what waits 30 s is refused,
+    # and on the worker the quiet tenant uses its steps stay short (the step budget's price)
     flood_on = on["tenants"]["flood"]
-    assert flood_on["completed"] > 0.7 * flood_on["requests"]
+    assert flood_on["completed"] > 0.6 * flood_on["requests"]
     assert on["refused"] == {"queue_timeout": flood_on["refused"]}
     assert flood_on["ttft_p99_s"] <= 30.0 + 2.0
 
