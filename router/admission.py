@@ -10,11 +10,12 @@ the endpoint picker and the replay own the clock and the waiting."""
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
-from router.budgets import Budget, Grant
+from router.budgets import WINDOW_S, Budget, Grant
 from router.policies import WorkerLoad
 from router.rank_guard import RankGuard
 
@@ -47,6 +48,7 @@ class TenantFlow:
     fairness: str = "tenant"  # tenant | user | session: the flows that share its weight
     budget: Budget = field(default_factory=lambda: Budget(0, 0, 0))
     mean_output: float = FIRST_OUTPUT_GUESS  # of its requests so far (a moving average)
+    limited_at: float = -math.inf  # when a budget last refused one of its requests
 
 
 class Ticket:
@@ -197,6 +199,7 @@ class Admission:
         budget = ticket.tenant.budget
         refusal = budget.refusal(ticket.tokens, now)
         if refusal is not None:
+            ticket.tenant.limited_at = now
             reason, retry_s = refusal
             message = f"tenant '{ticket.tenant.name}' is over its {reason.replace('_', ' ')}"
             raise Refused(reason, retry_s, message)
@@ -269,10 +272,12 @@ class Admission:
     def engine_priority(self, ticket: Ticket) -> int:
         """The `priority` the worker gets (vLLM's sense: lower first): its band, and within it
         one step later while its flow is ahead of its fair share by more than the saturation
-        threshold, so the engine too serves the quiet flow's request first."""
+        threshold, or its tenant had a request refused by a budget within the minute before it
+        arrived, so the engine too serves the others' requests first."""
         band = self.pools[ticket.pool][ticket.band]
         ahead = band.finish.get(ticket.flow, 0.0) - band.vtime > self.settings.saturation_ms / 1e3
-        return -2 * ticket.band + (1 if ahead else 0)
+        pressing = ticket.tenant.limited_at > ticket.arrived - WINDOW_S
+        return -2 * ticket.band + (1 if ahead or pressing else 0)
 
     def protect(self, ticket: Ticket, priority: int, worker: str, now: float) -> int | None:
         """`ticket` goes to `worker` `now` at engine `priority`: the better rank another flow

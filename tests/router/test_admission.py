@@ -185,6 +185,22 @@ def test_engine_priority_puts_a_flow_ahead_of_its_share_one_step_later() -> None
     assert flood_ticket is not None and adm.engine_priority(flood_ticket) == 1
 
 
+def test_a_tenant_pressing_on_its_budget_ranks_after_the_others_for_a_minute() -> None:
+    limited = TenantFlow("limited", budget=Budget(2, 0, 0))
+    adm = admission(limited, TenantFlow("quiet"))
+    first = adm.ticket("limited", "limited", POOL, 1_000, 1_000, 0)
+    assert adm.arrive(first, False, 0.0) and adm.engine_priority(first) == 0
+    assert adm.arrive(adm.ticket("limited", "limited", POOL, 1_000, 1_000, 0), False, 1.0)
+    with pytest.raises(Refused):  # its third in the minute
+        adm.arrive(adm.ticket("limited", "limited", POOL, 1_000, 1_000, 0), False, 2.0)
+    later = adm.ticket("limited", "limited", POOL, 1_000, 1_000, 0)
+    assert adm.arrive(later, False, 61.0) and adm.engine_priority(later) == 1  # refused 59 s ago
+    quiet = adm.ticket("quiet", "quiet", POOL, 100, 100, 0)
+    assert adm.arrive(quiet, False, 61.0) and adm.engine_priority(quiet) == 0
+    last = adm.ticket("limited", "limited", POOL, 1_000, 1_000, 0)
+    assert adm.arrive(last, False, 122.5) and adm.engine_priority(last) == 0  # a minute on
+
+
 def test_a_request_admitted_at_once_is_priced_after_its_routing() -> None:
     """Unqueued, its price is known only once routed (no second match of its prompt): the
     flow's finish moves then, as if it had been charged on arrival."""
