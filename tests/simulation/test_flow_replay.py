@@ -52,6 +52,26 @@ def test_the_quiet_tenant_is_served_ahead_of_the_flood(flood):
     assert flood_on["ttft_p99_s"] <= 30.0 + 2.0
 
 
+def test_the_protect_hint_leaves_only_the_floods_start_in_the_quiet_tail(flood):
+    """Without the hint, a quiet request after a gap longer than its worker's 1 s window meets
+    a full 8,192-token chunk (0.55 s); with it, only the flood's first second does (its requests
+    at priority 0 before it is ahead of its share)."""
+
+    def slow(window_s: float) -> list[float]:
+        flow = FlowConfig(FlowSettings(enabled=True, protect_window_s=window_s))
+        fleet = FleetConfig(workers=2)
+        result = compare(flood, ["cache_aware"], fleet, flow=flow).runs["cache_aware"].result
+        return [
+            result.sent_s[i]
+            for i, r in enumerate(flood)
+            if r.tenant == "quiet" and result.ttft_s[i] > 0.25
+        ]
+
+    without, with_hint = slow(0.0), slow(10.0)
+    assert len(without) > len(with_hint) and max(without) > 5.0
+    assert with_hint and max(with_hint) < 2.0
+
+
 def test_no_request_is_lost(flood):
     """Every request completes or is refused, by reason: queue timeouts and a full queue."""
     settings = FlowSettings(enabled=True, queue_max=50, queue_timeout_s=4.0)
