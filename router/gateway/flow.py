@@ -79,15 +79,17 @@ def _reset(seconds: float) -> str:
 
 
 class FlowCounts:
-    """Requests by tenant and outcome (a row per tenant, in OUTCOMES' order) and tokens by tenant
-    (input, output): plain numbers the request path adds to here (compiled), FlowMetrics'
-    families at scrape time (flow_metrics.py)."""
+    """Requests by tenant and outcome (a row per tenant, in OUTCOMES' order), tokens by tenant
+    (input, output) and requests sent with the protect hint by tenant: plain numbers the
+    request path adds to here (compiled), FlowMetrics' families at scrape time
+    (flow_metrics.py)."""
 
-    __slots__ = ("outcomes", "tokens_used")
+    __slots__ = ("outcomes", "tokens_used", "hinted")
 
     def __init__(self) -> None:
         self.outcomes: dict[str, list[float]] = {}
         self.tokens_used: dict[str, list[float]] = {}
+        self.hinted: dict[str, float] = {}
 
     def outcome(self, ticket: Ticket, outcome: str) -> None:
         name = ticket.tenant.name
@@ -103,6 +105,10 @@ class FlowCounts:
             row = self.tokens_used[name] = [0.0, 0.0]
         row[0] += prompt
         row[1] += output
+
+    def hint(self, ticket: Ticket) -> None:
+        name = ticket.tenant.name
+        self.hinted[name] = self.hinted.get(name, 0.0) + 1
 
 
 class FlowControl:
@@ -312,6 +318,8 @@ class FlowControl:
         public_tokens = plan.public_tokens
         priority = self.admission.engine_priority(ticket)
         hint = self.admission.protect(ticket, priority, plan.decision.worker, time.monotonic())
+        if hint is not None:
+            self.counts.hint(ticket)
         if not priority and "priority" not in body:
             return None, headers, hint
         return forwarded({**body, "priority": priority}, salt, public_tokens), headers, hint

@@ -1,7 +1,7 @@
 """Flow control's metrics (docs/metrics.md, "Flow control"): queue depth and wait per tenant and
-priority, outcomes, tokens per tenant, and each pool's saturation (1.0: saturated; fit for an
-autoscaler such as KEDA). Plain numbers on the request path (FlowCounts, router/gateway/flow.py),
-families at scrape time."""
+priority, outcomes, tokens and protect hints per tenant, and each pool's saturation (1.0:
+saturated; fit for an autoscaler such as KEDA). Plain numbers on the request path (FlowCounts,
+router/gateway/flow.py), families at scrape time."""
 
 from __future__ import annotations
 
@@ -74,6 +74,11 @@ class FlowMetrics(Collector):
             tokens.add_metric([tenant, "input"], prompt)
             tokens.add_metric([tenant, "output"], output)
         yield tokens
+        doc = "Requests sent with the protect hint: another tenant's better rank on their worker"
+        hinted = CounterMetricFamily("urc_flow_protect_hints", doc, labels=["tenant"])
+        for tenant, n in list(self.counts.hinted.items()):
+            hinted.add_metric([tenant], n)
+        yield hinted
         doc = "The pool's least queued prefill over flow_saturation_ms (1.0: saturated)"
         gauge = GaugeMetricFamily("urc_pool_saturation", doc, labels=["kv_group"])
         s = self.settings

@@ -137,6 +137,7 @@ def test_a_flood_queues_ends_200_or_429_and_a_quiet_tenant_goes_first(fleet, wor
     # the worker to keep protecting the quiet tenant's rank (x-urc-protect)
     logged = [line for line in worker.lines if "/v1/chat/completions" in line]
     assert any("priority=1" in line and "protect=0" in line for line in logged), logged[-5:]
+    assert metric(url, "urc_flow_protect_hints_total", tenant="flood") >= 1
 
 
 def test_sheddable_requests_are_shed_while_saturated(fleet) -> None:
