@@ -52,7 +52,7 @@ setup(
         Extension(
             "core._blockkeys",
             sources=["core/_blockkeys.c"],
-            depends=["core/_msgpack.h"],
+            depends=["core/_msgpack.h", "core/_chain.h"],
             include_dirs=["third_party/xxhash"],
             extra_compile_args=["-O3"],
             optional=True,
@@ -67,6 +67,7 @@ setup(
         Extension(
             "core._key_table",
             sources=["core/_key_table.c"],
+            depends=["core/_key_table.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
