@@ -1,5 +1,5 @@
 """Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c,
-core/_key_table.c, core/_kv_decode.c and, by mypyc,
+core/_key_table.c, core/_kv_decode.c, core/_kv_ingest.c and, by mypyc,
 the modules under `[tool.urc] compiled`. Without them the Python source runs, with equal results.
 """
 
@@ -61,6 +61,14 @@ setup(
             "core._kv_decode",
             sources=["core/_kv_decode.c"],
             depends=["core/_msgpack.h"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "core._kv_ingest",
+            sources=["core/_kv_ingest.c"],
+            depends=["core/_chain.h", "core/_key_table.h"],
+            include_dirs=["third_party/xxhash"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Collection
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 from core.blocks import chain_keys_packed, namespace, parent_prefix, salted_after
 from core.key_table import KeyMap, KeyTable
 from core.kv_events import (
+    KEYED_REMOVED,
+    KEYED_STORED,
     MEDIUM_CPU,
     AllBlocksCleared,
     BlockHash,
@@ -19,6 +21,7 @@ from core.kv_events import (
     BlockStoredRaw,
     EventBatch,
     first_block_salt,
+    keyed_ops,
     plain_prefix,
 )
 from router.index import UnifiedIndex, host_group
@@ -74,7 +77,9 @@ class WorkerMirror:
     `block_size` (None: trust the event's) must be the one the gateway keys prompts with.
     Blocks of `medium` "CPU" (a host tier) are resident under `host_group(kv_group)`.
     `own_keys`: the engine hashes blocks as we key them (our engines, in-process: the replay),
-    so its events need no token ids and its hashes are our keys."""
+    so its events need no token ids and its hashes are our keys. `keyed`: the common case
+    (a chain of the base group on the GPU, its parent known, or a removal) in C where built
+    (core/_kv_ingest.c); False: all in Python (tests compare the two)."""
 
     def __init__(
         self,
@@ -87,6 +92,7 @@ class WorkerMirror:
         cache_groups: Collection[int | None] = frozenset({None, 0}),
         dedup_window: int = 2048,
         own_keys: bool = False,
+        keyed: bool = True,
     ) -> None:
         self.index = index
         self.own_keys = own_keys
@@ -124,6 +130,15 @@ class WorkerMirror:
         self.unknown_events = self.decode_errors = 0
         # --processes N: this process's index writes, for the others (router/kv_delta.py)
         self.journal: StreamJournal | None = None
+        # what core/_kv_ingest.c takes for granted besides what it checks per batch
+        self._keyed = (
+            keyed
+            and keyed_ops is not None
+            and not own_keys
+            and {"GPU", None} <= self.media
+            and {None, 0} <= self.cache_groups
+        )
+        self._ops: list[Any] = []  # [KEYED_*, keys, parent] * n, refilled by each call
 
     def apply(self, seq: int, batch: EventBatch, now: float) -> Apply:
         """Apply batch `seq` if it is the next one; otherwise say what the caller must do."""
@@ -185,7 +200,15 @@ class WorkerMirror:
         recent.pop(seq - self.dedup_window, None)
 
     def _apply(self, seq: int, batch: EventBatch, now: float) -> None:
-        for ev in batch.events:
+        events = batch.events
+        i, n = 0, len(events)
+        while i < n:
+            if self._keyed and not self._other and not self._host:  # all in the C table
+                i = self._apply_keyed(events, i, now)
+                if i == n:
+                    break
+            ev = events[i]
+            i += 1
             kind = type(ev)  # token ids packed (core/_kv_decode.c), raw, or a list
             if kind is BlockStoredPacked or kind is BlockStoredRaw or kind is BlockStored:
                 self._stored(ev, now)  # type: ignore[arg-type]
@@ -198,6 +221,32 @@ class WorkerMirror:
         self.last_seq = seq
         self.last_event_ts = batch.ts
         self._record(seq, _fingerprint(batch))
+
+    def _apply_keyed(self, events: list[Any], start: int, now: float) -> int:
+        """Apply events[start:] up to the first that is not the common case, keyed and mapped
+        in C (core/_kv_ingest.c); returns where it stopped. What `_stored` and `removed` do
+        for them, in the same order."""
+        assert keyed_ops is not None
+        ops = self._ops
+        stop = keyed_ops(
+            events, start, self._keys, -1 if self.block_size is None else self.block_size, ops
+        )
+        base, index, worker = self.base_group, self.index, self.worker
+        for j in range(0, len(ops), 3):
+            kind, keys, parent = ops[j], ops[j + 1], ops[j + 2]
+            if kind == KEYED_REMOVED:
+                self.blocks_removed += self._remove(keys, base)
+            elif (
+                kind == KEYED_STORED
+                # KEYED_LOOKUP: the parent was in no table then (C saw to it; a later event
+                # may have mapped it since): `_lookup`'s rest, ours in either tier?
+                or index.holds(parent, worker, base)
+                or index.holds(parent, worker, self._base_host)
+            ):
+                self._insert(keys, base, now, parent, None)
+            else:
+                self.skipped_orphans += len(keys)
+        return stop
 
     def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
         """Our key and kv_group of a block this worker holds in either tier (None: unknown)."""
