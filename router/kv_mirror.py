@@ -3,9 +3,8 @@ token ids, each batch placed by its seq (docs/kv-events.md, "The mirror"). Pure:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Collection
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 from core.blocks import chain_keys_packed, namespace, parent_prefix, salted_after
 from core.key_table import KeyMap, KeyTable
@@ -26,49 +25,9 @@ from core.kv_events import (
 )
 from router.index import UnifiedIndex, host_group
 from router.kv_delta import StreamJournal
+from router.kv_outcomes import APPLIED, UNDECODABLE, Apply, MirrorStats, Outcome, fingerprint
 
 LoraId = int | str | None
-
-
-class Outcome(enum.Enum):
-    OK = "ok"
-    GAP = "gap"
-    RESTART = "restart"
-    DUPLICATE = "duplicate"
-
-
-class Apply(NamedTuple):
-    outcome: Outcome
-    resume_from: int | None = None  # GAP/RESTART: the first seq to replay; None: nothing missing
-
-
-class MirrorStats(NamedTuple):
-    applied_batches: int
-    blocks_stored: int  # newly resident blocks
-    blocks_removed: int
-    gaps: int
-    restarts: int
-    duplicates: int
-    resets: int
-    skipped_orphans: int  # stores whose parent we never saw: they cannot be keyed
-    skipped_unkeyable: int  # blocks hashed with more than tokens (mm, salt), or a bad shape
-    unknown_events: int
-    decode_errors: int
-    last_seq: int | None
-    last_event_ts: float | None  # the engine's clock: lag = now - last_event_ts
-
-
-_UNDECODABLE = -1  # the fingerprint of a batch that did not decode (hash() never returns -1)
-_APPLIED = Apply(Outcome.OK)  # made once: a NamedTuple costs a Python call per batch
-
-
-def _fingerprint(batch: EventBatch) -> int:
-    """Cheap identity of a batch: a replayed copy of a batch has it, a new incarnation's not."""
-    first: object = None
-    if events := batch.events:
-        ev = events[0]
-        first = tuple(ev.block_hashes[:1]) if not isinstance(ev, AllBlocksCleared) else "clear"
-    return hash((batch.ts, len(events), first))
 
 
 class WorkerMirror:
@@ -144,7 +103,7 @@ class WorkerMirror:
         """Apply batch `seq` if it is the next one; otherwise say what the caller must do."""
         last = self.last_seq
         if last is not None and seq <= last:
-            if self._recent.get(seq) == _fingerprint(batch):
+            if self._recent.get(seq) == fingerprint(batch):
                 self.duplicates += 1
                 return Apply(Outcome.DUPLICATE)
             self.new_incarnation()
@@ -156,17 +115,17 @@ class WorkerMirror:
             self.gaps += 1
             return Apply(Outcome.GAP, last + 1)
         self._apply(seq, batch, now)
-        return _APPLIED
+        return APPLIED
 
     def undecodable(self, seq: int) -> None:
         """Batch `seq` could not be decoded: its effect is unknown, so start over after it."""
         self.decode_errors += 1
         last = self.last_seq
-        if last is not None and seq <= last and self._recent.get(seq) == _UNDECODABLE:
+        if last is not None and seq <= last and self._recent.get(seq) == UNDECODABLE:
             return  # a replayed copy of the one we already gave up on
         self.reset()
         self.last_seq = seq
-        self._record(seq, _UNDECODABLE)
+        self._record(seq, UNDECODABLE)
 
     def new_incarnation(self) -> None:
         """The worker restarted (its stream lacks our last seq): clear it, expect seq 0 next."""
@@ -220,7 +179,7 @@ class WorkerMirror:
         self.applied_batches += 1
         self.last_seq = seq
         self.last_event_ts = batch.ts
-        self._record(seq, _fingerprint(batch))
+        self._record(seq, fingerprint(batch))
 
     def _apply_keyed(self, events: list[Any], start: int, now: float) -> int:
         """Apply events[start:] up to the first that is not the common case, keyed and mapped
