@@ -92,11 +92,15 @@ static PyObject *read_int(Reader *r) {
 
 static PyObject *opt_int(Reader *r) { return is_nil(r) ? Py_NewRef(Py_None) : read_int(r); }
 
+static PyObject *gpu; /* "GPU", the medium of nearly every event: made once */
+
 static PyObject *opt_str(Reader *r) {
     const char *s;
     Py_ssize_t n;
     if (is_nil(r)) return Py_NewRef(Py_None);
-    return span(r, 0, &s, &n) < 0 ? NULL : PyUnicode_DecodeUTF8(s, n, NULL);
+    if (span(r, 0, &s, &n) < 0) return NULL;
+    if (n == 3 && memcmp(s, "GPU", 3) == 0) return Py_NewRef(gpu);
+    return PyUnicode_DecodeUTF8(s, n, NULL);
 }
 
 /* An engine hash: an int, or bytes (a bin). */
@@ -145,14 +149,16 @@ static PyObject *packed_ints(Reader *r) {
 enum { HASHES, HASH, TOKENS, INT, OPT_INT, OPT_STR, NIL };
 typedef struct {
     const char *name;
+    size_t len;
     int kind, required;
 } Field;
-static const Field STORED[] = {{"block_hashes", HASHES, 1}, {"parent_block_hash", HASH, 1},
-    {"token_ids", TOKENS, 1}, {"block_size", INT, 1}, {"lora_id", OPT_INT, 0},
-    {"medium", OPT_STR, 0}, {"lora_name", OPT_STR, 0}, {"extra_keys", NIL, 0},
-    {"group_idx", OPT_INT, 0}};
-static const Field REMOVED[] = {
-    {"block_hashes", HASHES, 1}, {"medium", OPT_STR, 0}, {"group_idx", OPT_INT, 0}};
+#define FIELD(name, kind, required) {name, sizeof(name) - 1, kind, required}
+static const Field STORED[] = {FIELD("block_hashes", HASHES, 1),
+    FIELD("parent_block_hash", HASH, 1), FIELD("token_ids", TOKENS, 1),
+    FIELD("block_size", INT, 1), FIELD("lora_id", OPT_INT, 0), FIELD("medium", OPT_STR, 0),
+    FIELD("lora_name", OPT_STR, 0), FIELD("extra_keys", NIL, 0), FIELD("group_idx", OPT_INT, 0)};
+static const Field REMOVED[] = {FIELD("block_hashes", HASHES, 1), FIELD("medium", OPT_STR, 0),
+    FIELD("group_idx", OPT_INT, 0)};
 
 static PyObject *read_value(Reader *r, int kind) {
     switch (kind) {
@@ -185,13 +191,14 @@ static PyObject *read_event(Reader *r) {
     else return NULL;
     PyObject *values[MAX_FIELDS] = {NULL};
     PyObject *event = NULL;
+    int next = 0; /* the field expected next: vLLM writes them in the class's order */
     for (Py_ssize_t i = 1; i < n; i++) {
         if (span(r, 0, &s, &len) < 0) goto done;
-        int f = 0;
-        while (f < count && !(strlen(fields[f].name) == (size_t)len &&
-                              memcmp(fields[f].name, s, (size_t)len) == 0))
-            f++;
-        if (f == count || values[f] != NULL) goto done; /* unknown, or twice */
+        int f = next, tried = 0;
+        for (; tried < count; tried++, f = (f + 1) % count)
+            if (fields[f].len == (size_t)len && memcmp(fields[f].name, s, (size_t)len) == 0) break;
+        if (tried == count || values[f] != NULL) goto done; /* unknown, or twice */
+        next = (f + 1) % count;
         if ((values[f] = read_value(r, fields[f].kind)) == NULL) goto done;
     }
     for (int f = 0; f < count; f++) {
@@ -265,4 +272,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kv_decode", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__kv_decode(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kv_decode(void) {
+    if (gpu == NULL && (gpu = PyUnicode_InternFromString("GPU")) == NULL) return NULL;
+    return PyModule_Create(&module);
+}
