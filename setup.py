@@ -60,14 +60,14 @@ setup(
         Extension(
             "core._kv_decode",
             sources=["core/_kv_decode.c"],
-            depends=["core/_msgpack.h"],
+            depends=["core/_msgpack.h", "core/_slots.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "core._kv_ingest",
             sources=["core/_kv_ingest.c"],
-            depends=["core/_chain.h", "core/_key_table.h"],
+            depends=["core/_chain.h", "core/_key_table.h", "core/_slots.h"],
             include_dirs=["third_party/xxhash"],
             extra_compile_args=["-O3"],
             optional=True,

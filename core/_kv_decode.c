@@ -13,8 +13,12 @@
 #include <string.h>
 
 #include "_msgpack.h"
+#include "_slots.h"
 
 static PyObject *Stored, *Removed, *Cleared; /* the classes, from set_types() */
+static PyTypeObject *Batch;                 /* EventBatch, made as its __init__ would */
+static const char *const BATCH_FIELDS[4] = {"ts", "events", "dp_rank", "unknown_events"};
+static Py_ssize_t batch_at[4];
 
 typedef struct {
     const unsigned char *p, *end;
@@ -230,10 +234,16 @@ static PyObject *decode(Reader *r) {
         else PyList_SET_ITEM(events, i, ev);
     }
     PyObject *rank = events == NULL ? NULL : n == 3 ? opt_int(r) : Py_NewRef(Py_None);
-    PyObject *out = rank == NULL || r->p != r->end ? NULL : Py_BuildValue("(dOO)", ts.d, events, rank);
-    Py_XDECREF(events);
-    Py_XDECREF(rank);
-    return out;
+    PyObject *out = rank == NULL || r->p != r->end ? NULL : Batch->tp_alloc(Batch, 0);
+    PyObject *values[4] = {out == NULL ? NULL : PyFloat_FromDouble(ts.d), events, rank,
+                           PyLong_FromLong(0)};
+    if (out != NULL && values[0] != NULL && values[3] != NULL) {
+        for (int i = 0; i < 4; i++) slot_init(out, batch_at[i], values[i]); /* stolen */
+        return out;
+    }
+    Py_XDECREF(out);
+    for (int i = 0; i < 4; i++) Py_XDECREF(values[i]);
+    return NULL;
 }
 
 static PyObject *decode_batch(PyObject *self, PyObject *arg) {
@@ -255,7 +265,11 @@ static PyObject *decode_batch(PyObject *self, PyObject *arg) {
 
 static PyObject *set_types(PyObject *self, PyObject *args) {
     PyObject *s, *rm, *c;
-    if (!PyArg_ParseTuple(args, "OOO", &s, &rm, &c)) return NULL;
+    PyTypeObject *batch;
+    if (!PyArg_ParseTuple(args, "OOOO!", &s, &rm, &c, &PyType_Type, &batch) ||
+        slot_offsets(batch, BATCH_FIELDS, 4, batch_at) < 0)
+        return NULL;
+    Py_XSETREF(Batch, (PyTypeObject *)Py_NewRef(batch));
     Py_XSETREF(Stored, Py_NewRef(s));
     Py_XSETREF(Removed, Py_NewRef(rm));
     Py_XSETREF(Cleared, Py_NewRef(c));
@@ -264,9 +278,10 @@ static PyObject *set_types(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_batch", decode_batch, METH_O,
-     "decode_batch(payload) -> (ts, events, dp_rank) | None: None where msgspec must decode it."},
+     "decode_batch(payload) -> EventBatch | None: None where msgspec must decode it."},
     {"set_types", set_types, METH_VARARGS,
-     "set_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared): the classes made."},
+     "set_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared, EventBatch): the classes "
+     "made (EventBatch as its __init__ would: its four slots set)."},
     {NULL, NULL, 0, NULL},
 };
 

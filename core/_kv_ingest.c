@@ -27,10 +27,10 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
-#include <structmember.h>
 
 #include "_chain.h"
 #include "_key_table.h"
+#include "_slots.h"
 
 enum { STORED, LOOKUP, REMOVED };
 
@@ -41,11 +41,6 @@ enum { HASHES, PARENT, TOKENS, BLOCK_SIZE, LORA_ID, MEDIUM, LORA_NAME, EXTRA, GR
 static const char *const STORED_FIELDS[N_STORED] = {"block_hashes", "parent_block_hash",
     "token_ids", "block_size", "lora_id", "medium", "lora_name", "extra_keys", "group_idx"};
 static Py_ssize_t stored_at[N_STORED], removed_at[3]; /* BlockRemoved: hashes, medium, group */
-
-/* A field of a record, borrowed; NULL where unset. */
-static inline PyObject *field(PyObject *record, Py_ssize_t offset) {
-    return *(PyObject **)((char *)record + offset);
-}
 
 /* The medium and cache group the fast path takes: GPU or unset, group 0 or unset. */
 static int plain_place(PyObject *medium, PyObject *group) {
@@ -102,7 +97,7 @@ static Py_ssize_t table_len(const KeyTable *t) {
 static int stored(KeyTable *t, PyObject *ev, Py_ssize_t block_size, PyObject *ops) {
     PyObject *f[N_STORED];
     for (int i = 0; i < N_STORED; i++)
-        if ((f[i] = field(ev, stored_at[i])) == NULL) return 0;
+        if ((f[i] = slot_get(ev, stored_at[i])) == NULL) return 0;
     if (!plain_place(f[MEDIUM], f[GROUP]) || f[LORA_ID] != Py_None || f[LORA_NAME] != Py_None ||
         f[EXTRA] != Py_None || !PyList_CheckExact(f[HASHES]) || !PyBytes_CheckExact(f[TOKENS]) ||
         !PyLong_CheckExact(f[BLOCK_SIZE]))
@@ -174,9 +169,9 @@ out:
 /* One BlockRemoved, as stored(): its hashes popped from the table; a hash not there is its own
  * key (ours, or never seen: then the index holds nothing to remove). No op for no hashes. */
 static int removed(KeyTable *t, PyObject *ev, PyObject *ops) {
-    PyObject *list = field(ev, removed_at[0]);
+    PyObject *list = slot_get(ev, removed_at[0]);
     if (list == NULL || !PyList_CheckExact(list) ||
-        !plain_place(field(ev, removed_at[1]), field(ev, removed_at[2])))
+        !plain_place(slot_get(ev, removed_at[1]), slot_get(ev, removed_at[2])))
         return 0;
     Py_ssize_t n = PyList_GET_SIZE(list);
     uint64_t local[LOCAL_BLOCKS], *keys = local;
@@ -229,20 +224,6 @@ static PyObject *keyed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return PyLong_FromSsize_t(i);
 }
 
-/* The slot's offset of each name in `names` on `cls` (a member descriptor each). */
-static int offsets(PyTypeObject *cls, const char *const *names, int n, Py_ssize_t *out) {
-    for (int i = 0; i < n; i++) {
-        PyObject *descr = PyDict_GetItemString(cls->tp_dict, names[i]);
-        if (descr == NULL || !Py_IS_TYPE(descr, &PyMemberDescr_Type) ||
-            ((PyMemberDescrObject *)descr)->d_member->type != T_OBJECT_EX) {
-            PyErr_Format(PyExc_TypeError, "%s.%s is not a slot", cls->tp_name, names[i]);
-            return -1;
-        }
-        out[i] = ((PyMemberDescrObject *)descr)->d_member->offset;
-    }
-    return 0;
-}
-
 static PyObject *set_types(PyObject *self, PyObject *args) {
     static const char *const REMOVED_FIELDS[3] = {"block_hashes", "medium", "group_idx"};
     PyTypeObject *packed, *removed_cls, *table;
@@ -254,8 +235,8 @@ static PyObject *set_types(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "the table must be core._key_table.KeyTable");
         return NULL;
     }
-    if (offsets(packed, STORED_FIELDS, N_STORED, stored_at) < 0 ||
-        offsets(removed_cls, REMOVED_FIELDS, 3, removed_at) < 0)
+    if (slot_offsets(packed, STORED_FIELDS, N_STORED, stored_at) < 0 ||
+        slot_offsets(removed_cls, REMOVED_FIELDS, 3, removed_at) < 0)
         return NULL;
     Py_XSETREF(Packed, (PyTypeObject *)Py_NewRef(packed));
     Py_XSETREF(Removed, (PyTypeObject *)Py_NewRef(removed_cls));

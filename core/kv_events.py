@@ -240,7 +240,7 @@ class _MapBatch(msgspec.Struct, gc=False):
 
 _KNOWN = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 if _native_types is not None:
-    _native_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared)
+    _native_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared, EventBatch)
 if _keyed_types is not None and has_native():  # it writes the C table itself
     _keyed_types(BlockStoredPacked, BlockRemoved, KeyTable)
 
@@ -320,11 +320,11 @@ def decode_for_ingest(payload: bytes | memoryview) -> EventBatch:
     a BlockStoredRaw where its token ids are not all int32s, or without it); any other payload as
     `decode_batch` decodes it. Token ids that are not int32s surface when keyed, as they do
     from a BlockStored's list, not here."""
+    if _native_decode is not None:  # None from it: not exactly vLLM's shape, msgspec's turn
+        native: EventBatch | None = _native_decode(payload)
+        if native is not None:
+            return native
     if payload and payload[0] in _ARRAY_FIRST:
-        if _native_decode is not None:  # None from it: not exactly vLLM's shape, msgspec's turn
-            native = _native_decode(payload)
-            if native is not None:
-                return EventBatch(native[0], native[1], native[2])
         try:  # not contextlib.suppress: a context manager costs about a decode of a block
             fast = _ingest_batch.decode(payload)
             return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)
