@@ -132,8 +132,10 @@ static int stored(KeyTable *t, PyObject *ev, Py_ssize_t block_size, PyObject *op
             PyErr_Clear();
             goto out;
         }
-        if (!find(t, parent, &parent)) kind = LOOKUP; /* ours? the parent hash is its key */
-        put_le64(head, parent);                       /* parent_prefix(parent key) */
+        uint64_t mapped;
+        if (find(t, parent, &mapped)) parent = mapped; /* the parent's key */
+        else kind = LOOKUP;                            /* ours? the parent hash is its key */
+        put_le64(head, parent);                        /* parent_prefix(parent key) */
         first = head, first_len = 8;
     }
     Chain chain;

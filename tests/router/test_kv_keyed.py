@@ -169,3 +169,26 @@ def test_keyed_ops_stop_where_the_python_path_must_decide() -> None:
     assert stop == 2
     assert ops == [0, [child_key], keys[1], 2, [child_key, 99], None]
     assert mirror._keys.get(13) is None and mirror._keys.get(12) == keys[1]
+
+
+@pytest.mark.skipif(keyed_ops is None, reason="core/_kv_ingest.c is not built")
+def test_keyed_ops_leave_a_parent_of_our_hashing_to_the_index() -> None:
+    """Hashes that are our keys need no table entry: a chain whose parent is in no table is
+    keyed after that parent's hash, its own key, and the mirror asks the index for it."""
+    mirror = WorkerMirror(UnifiedIndex(), W, "g", block_size=BS)
+    tokens = list(range(3 * BS))
+    keys = chain_keys(tokens, BS, namespace(None))
+    root = BlockStored(keys[:2], None, tokens[: 2 * BS], BS, None, "GPU")
+    child = BlockStored(keys[2:], keys[1], tokens[2 * BS :], BS, None, "GPU")
+    orphan = BlockStored([5], 4, tokens[:BS], BS, None, "GPU")  # keyed after 4: not ours
+    batch = decode_for_ingest(
+        encode_batch(EventBatch(0.0, [root, child, orphan]), array_like=False)
+    )
+    assert keyed_ops is not None
+    ops: list[object] = []
+    assert keyed_ops(batch.events, 0, mirror._keys, BS, ops) == 2
+    assert ops == [0, keys[:2], None, 1, keys[2:], keys[1]]
+    assert len(mirror._keys) == 0
+    mirror.apply(0, batch, 0.0)
+    assert mirror.index.residency(W, "g") == set(keys)
+    assert mirror.skipped_orphans == 1
