@@ -103,10 +103,11 @@ static int stored(KeyTable *t, PyObject *ev, Py_ssize_t block_size, PyObject *op
         !PyLong_CheckExact(f[BLOCK_SIZE]))
         return 0;
     Py_ssize_t n = PyList_GET_SIZE(f[HASHES]), bs = PyLong_AsSsize_t(f[BLOCK_SIZE]);
+    Py_ssize_t tokens = PyBytes_GET_SIZE(f[TOKENS]) >> 2;
     if (bs == -1 && PyErr_Occurred()) PyErr_Clear();
-    if (n == 0 || bs <= 0 || (block_size >= 0 && bs != block_size) ||
-        (PyBytes_GET_SIZE(f[TOKENS]) >> 2) != n * bs)
-        return 0; /* the mirror counts it unkeyable */
+    if (n == 0 || bs <= 0 || (block_size >= 0 && bs != block_size) || tokens % n != 0 ||
+        tokens / n != bs) /* tokens == n * bs, without overflow */
+        return 0;         /* the mirror counts it unkeyable */
 
     uint64_t local[2 * LOCAL_BLOCKS], *hashes = local;
     if (n > LOCAL_BLOCKS && (hashes = PyMem_Malloc(2 * (size_t)n * sizeof(uint64_t))) == NULL) {
@@ -143,9 +144,9 @@ static int stored(KeyTable *t, PyObject *ev, Py_ssize_t block_size, PyObject *op
         done = -1;
         goto out;
     }
-    const unsigned char *tokens = (const unsigned char *)PyBytes_AS_STRING(f[TOKENS]);
+    const unsigned char *packed = (const unsigned char *)PyBytes_AS_STRING(f[TOKENS]);
     for (Py_ssize_t b = 0; b < n; b++) {
-        memcpy(chain_tokens(&chain, b), tokens + 4 * bs * b, (size_t)(4 * bs));
+        memcpy(chain_tokens(&chain, b), packed + 4 * bs * b, (size_t)(4 * bs));
         keys[b] = chain_next(&chain, b);
     }
     chain_close(&chain);
