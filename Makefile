@@ -16,7 +16,7 @@ venv: $(STAMP)
 COMPILED := $(shell $(PYTHON) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['tool']['urc']['compiled'])")
 
 # make run's: urc (compiled at install, docs/compiled.md) and the plot extra; no torch, no tests
-$(RUN_STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c core/_msgpack.h core/_key_table.c core/_kv_decode.c $(COMPILED)
+$(RUN_STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c core/_msgpack.h core/_key_table.c core/_key_table.h core/_chain.h core/_slots.h core/_kv_decode.c core/_kv_ingest.c $(COMPILED)
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -e '.[plot]'
 	touch $(RUN_STAMP)
@@ -25,7 +25,7 @@ $(RUN_STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c core/_msgpack.h
 # is and pip picks no other version. Which build comes is pip's index's: from the public index on
 # Linux, the CUDA build (multi-GB); PyTorch's own CPU wheel index (pip's --index-url, README:
 # Install) serves the CPU build, which is all the tests need.
-$(STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c core/_msgpack.h core/_key_table.c core/_kv_decode.c $(COMPILED)
+$(STAMP): pyproject.toml setup.py Makefile core/_blockkeys.c core/_msgpack.h core/_key_table.c core/_key_table.h core/_chain.h core/_slots.h core/_kv_decode.c core/_kv_ingest.c $(COMPILED)
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -e '.[test,torch,plot]'

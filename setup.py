@@ -1,5 +1,5 @@
 """Build hook for the optional native parts (docs/compiled.md): core/_blockkeys.c,
-core/_key_table.c, core/_kv_decode.c and, by mypyc,
+core/_key_table.c, core/_kv_decode.c, core/_kv_ingest.c and, by mypyc,
 the modules under `[tool.urc] compiled`. Without them the Python source runs, with equal results.
 """
 
@@ -52,7 +52,7 @@ setup(
         Extension(
             "core._blockkeys",
             sources=["core/_blockkeys.c"],
-            depends=["core/_msgpack.h"],
+            depends=["core/_msgpack.h", "core/_chain.h"],
             include_dirs=["third_party/xxhash"],
             extra_compile_args=["-O3"],
             optional=True,
@@ -60,13 +60,22 @@ setup(
         Extension(
             "core._kv_decode",
             sources=["core/_kv_decode.c"],
-            depends=["core/_msgpack.h"],
+            depends=["core/_msgpack.h", "core/_slots.h"],
+            extra_compile_args=["-O3"],
+            optional=True,
+        ),
+        Extension(
+            "core._kv_ingest",
+            sources=["core/_kv_ingest.c"],
+            depends=["core/_chain.h", "core/_key_table.h", "core/_slots.h"],
+            include_dirs=["third_party/xxhash"],
             extra_compile_args=["-O3"],
             optional=True,
         ),
         Extension(
             "core._key_table",
             sources=["core/_key_table.c"],
+            depends=["core/_key_table.h"],
             extra_compile_args=["-O3"],
             optional=True,
         ),

@@ -38,7 +38,7 @@ PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 # sglang-router has fewer policies: the nearest one to ours, else cache_aware
 SGLANG_POLICY = {"round_robin": "round_robin", "power_of_two": "power_of_two"}
 # --variants: urc without one of its speed parts (docs/benchmarks.md)
-GATEWAY_SOURCE = "router.gateway,router.kv_mirror,core.strict_json"
+GATEWAY_SOURCE = "router.gateway,router.kv_mirror,router.kv_outcomes,core.strict_json"
 AIOHTTP_FRONT = (  # the routes are registered before the hot paths are emptied
     "import sys, router.gateway.app, router.gateway.connection as c; c.HOT_PATHS = {}; "
     "from urc.cli import main; sys.exit(main())"

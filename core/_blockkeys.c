@@ -1,8 +1,6 @@
 /* Chained block keys (docs/block-keys.md) in one pass: the C twin of core/blocks.py.
  *
- * key_0 = xxh3_64(first ‖ tokens_0), key_i = xxh3_64(le64(key_{i-1}) ‖ tokens_i),
- * tokens as little-endian int32. `first` is the length-prefixed namespace, or the
- * 8-byte key of the parent block when a chain continues an existing one.
+ * The chaining itself (what a key hashes) is core/_chain.h's, shared with core/_kv_ingest.c.
  *
  * `tokens` is a sequence of ints, or `bytes` whose every byte is a token id (the byte
  * tokenizer's ids of text without special tokens): the same keys, no int objects read.
@@ -14,19 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
-#include "xxhash.h"
-
-static void put_le32(unsigned char *p, uint32_t v) {
-    p[0] = (unsigned char)v;
-    p[1] = (unsigned char)(v >> 8);
-    p[2] = (unsigned char)(v >> 16);
-    p[3] = (unsigned char)(v >> 24);
-}
-
-static void put_le64(unsigned char *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (unsigned char)(v >> (8 * i));
-}
+#include "_chain.h"
+#include "_msgpack.h"
 
 /* A token id from an int object: compact ints (|v| < 2**30, every vocabulary) read in
  * place on CPython 3.11 (PyLong_AsLong is a call with checks per token); the rest by the API. */
@@ -77,51 +64,38 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     }
     Py_ssize_t n_blocks = n_tokens / block_size;
     PyObject **items = octets == NULL ? PySequence_Fast_ITEMS(seq) : NULL;
-    Py_ssize_t head = first.len > 8 ? first.len : 8;
-    unsigned char *buf = PyMem_Malloc((size_t)(head + 4 * block_size));
+    Chain chain = {0};
     PyObject *out = PyList_New(n_blocks);
-    if (buf == NULL || out == NULL) goto fail;
-
-    uint64_t prev = 0;
+    if (out == NULL || chain_open(&chain, first.buf, first.len, block_size) < 0) goto fail;
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
-        Py_ssize_t off;
-        if (b == 0) {
-            memcpy(buf, first.buf, (size_t)first.len);
-            off = first.len;
-        } else {
-            put_le64(buf, prev);
-            off = 8;
-        }
+        unsigned char *dst = chain_tokens(&chain, b);
         if (octets != NULL) {
             const unsigned char *src = octets + b * block_size;
-            for (Py_ssize_t t = 0; t < block_size; t++) put_le32(buf + off + 4 * t, src[t]);
+            for (Py_ssize_t t = 0; t < block_size; t++) put_le32(dst + 4 * t, src[t]);
         } else {
             PyObject **src = items + b * block_size;
             for (Py_ssize_t t = 0; t < block_size; t++) {
                 int32_t v = 0;
                 if (token_of(src[t], &v) < 0) goto fail;
-                put_le32(buf + off + 4 * t, (uint32_t)v);
+                put_le32(dst + 4 * t, (uint32_t)v);
             }
         }
-        prev = XXH3_64bits(buf, (size_t)(off + 4 * block_size));
-        PyObject *key = PyLong_FromUnsignedLongLong(prev);
+        PyObject *key = PyLong_FromUnsignedLongLong(chain_next(&chain, b));
         if (key == NULL) goto fail;
         PyList_SET_ITEM(out, b, key);
     }
-    PyMem_Free(buf);
+    chain_close(&chain);
     Py_DECREF(seq);
     PyBuffer_Release(&first);
     return out;
 
 fail:
-    PyMem_Free(buf);
+    chain_close(&chain);
     Py_XDECREF(out);
     Py_DECREF(seq);
     PyBuffer_Release(&first);
     return NULL;
 }
-
-#include "_msgpack.h"
 
 static PyObject *msgpack_len(PyObject *self, PyObject *arg) {
     Py_buffer raw;
@@ -132,112 +106,73 @@ static PyObject *msgpack_len(PyObject *self, PyObject *arg) {
     return PyLong_FromSsize_t(count);
 }
 
-static PyObject *chain_keys_msgpack(PyObject *self, PyObject *args) {
-    Py_buffer raw, first;
-    Py_ssize_t block_size, limit;
-    if (!PyArg_ParseTuple(args, "y*ny*n", &raw, &block_size, &first, &limit)) return NULL;
-    PyObject *out = NULL;
-    unsigned char *buf = NULL;
-    const unsigned char *p = raw.buf, *end = p + raw.len;
-    Py_ssize_t n_tokens = array_header(&p, end);
-    if (block_size <= 0 || n_tokens < 0) {
-        PyErr_SetString(PyExc_ValueError, "not a msgpack array, or block_size <= 0");
-        goto done;
-    }
-    Py_ssize_t n_blocks = n_tokens / block_size;
-    if (limit >= 0 && limit < n_blocks) n_blocks = limit;
-    Py_ssize_t head = first.len > 8 ? first.len : 8;
-    buf = PyMem_Malloc((size_t)(head + 4 * block_size));
-    out = PyList_New(n_blocks);
-    if (buf == NULL || out == NULL) goto fail;
-    uint64_t prev = 0;
-    for (Py_ssize_t b = 0; b < n_blocks; b++) {
-        Py_ssize_t off = 8;
-        if (b == 0) {
-            memcpy(buf, first.buf, (size_t)first.len);
-            off = first.len;
-        } else {
-            put_le64(buf, prev);
-        }
+/* The tokens of `blocks` blocks from the wire into the chain, each block's key into `out`:
+ * from a msgpack array of ints at *p (`packed` 0), or from int32s packed little-endian (1).
+ * 0, or -1 with ValueError set (a token id that is not an int32). */
+static int wire_blocks(Chain *chain, const unsigned char *p, const unsigned char *end, int packed,
+                       Py_ssize_t block_size, Py_ssize_t blocks, PyObject *out) {
+    Py_ssize_t bytes = 4 * block_size;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        unsigned char *dst = chain_tokens(chain, b);
         int bad = 0;
-        if (end - p >= 9 * block_size) {  /* room for the longest ints: no bounds checks */
+        if (packed) {
+            memcpy(dst, p + b * bytes, (size_t)bytes);
+        } else if (end - p >= 9 * block_size) { /* room for the longest ints: no bounds checks */
             for (Py_ssize_t t = 0; t < block_size; t++) {
                 int32_t v = 0;
                 bad |= read_token_fast(&p, &v);
-                put_le32(buf + off + 4 * t, (uint32_t)v);
+                put_le32(dst + 4 * t, (uint32_t)v);
             }
         } else {
             for (Py_ssize_t t = 0; t < block_size && !bad; t++) {
                 int32_t v = 0;
                 bad |= read_token(&p, end, &v);
-                put_le32(buf + off + 4 * t, (uint32_t)v);
+                put_le32(dst + 4 * t, (uint32_t)v);
             }
         }
         if (bad) {
             PyErr_SetString(PyExc_ValueError, "a token id is not an int32");
-            goto fail;
+            return -1;
         }
-        prev = XXH3_64bits(buf, (size_t)(off + 4 * block_size));
-        PyObject *key = PyLong_FromUnsignedLongLong(prev);
-        if (key == NULL) goto fail;
+        PyObject *key = PyLong_FromUnsignedLongLong(chain_next(chain, b));
+        if (key == NULL) return -1;
         PyList_SET_ITEM(out, b, key);
     }
-    goto done;
-fail:
-    Py_CLEAR(out);
+    return 0;
+}
+
+/* chain_keys_msgpack (`packed` 0) and chain_keys_packed (1): (tokens, block_size, first, limit). */
+static PyObject *wire_keys(PyObject *args, int packed) {
+    Py_buffer raw, first;
+    Py_ssize_t block_size, limit;
+    if (!PyArg_ParseTuple(args, "y*ny*n", &raw, &block_size, &first, &limit)) return NULL;
+    PyObject *out = NULL;
+    Chain chain = {0};
+    const unsigned char *p = raw.buf, *end = p + raw.len;
+    Py_ssize_t n_tokens = packed ? (raw.len % 4 ? -1 : raw.len / 4) : array_header(&p, end);
+    if (block_size <= 0 || n_tokens < 0) {
+        PyErr_SetString(PyExc_ValueError, packed ? "not packed int32s, or block_size <= 0"
+                                                 : "not a msgpack array, or block_size <= 0");
+        goto done;
+    }
+    Py_ssize_t n_blocks = n_tokens / block_size;
+    if (limit >= 0 && limit < n_blocks) n_blocks = limit;
+    out = PyList_New(n_blocks);
+    if (out == NULL || chain_open(&chain, first.buf, first.len, block_size) < 0 ||
+        wire_blocks(&chain, p, end, packed, block_size, n_blocks, out) < 0)
+        Py_CLEAR(out);
 done:
-    PyMem_Free(buf);
+    chain_close(&chain);
     PyBuffer_Release(&raw);
     PyBuffer_Release(&first);
     return out;
 }
 
+static PyObject *chain_keys_msgpack(PyObject *self, PyObject *args) { return wire_keys(args, 0); }
+
 /* chain_keys over token ids packed as little-endian int32s (core/_kv_decode.c's): the hashing
  * alone, the tokens read already. */
-static PyObject *chain_keys_packed(PyObject *self, PyObject *args) {
-    Py_buffer packed, first;
-    Py_ssize_t block_size, limit;
-    if (!PyArg_ParseTuple(args, "y*ny*n", &packed, &block_size, &first, &limit)) return NULL;
-    PyObject *out = NULL;
-    unsigned char *buf = NULL;
-    if (block_size <= 0 || packed.len % 4) {
-        PyErr_SetString(PyExc_ValueError, "not packed int32s, or block_size <= 0");
-        goto done;
-    }
-    Py_ssize_t n_blocks = packed.len / 4 / block_size;
-    if (limit >= 0 && limit < n_blocks) n_blocks = limit;
-    Py_ssize_t head = first.len > 8 ? first.len : 8, bytes = 4 * block_size;
-    buf = PyMem_Malloc((size_t)(head + bytes));
-    out = PyList_New(n_blocks);
-    if (buf == NULL || out == NULL) {
-        Py_CLEAR(out);
-        goto done;
-    }
-    const unsigned char *src = packed.buf;
-    uint64_t prev = 0;
-    for (Py_ssize_t b = 0; b < n_blocks; b++) {
-        Py_ssize_t off = 8;
-        if (b == 0) {
-            memcpy(buf, first.buf, (size_t)first.len);
-            off = first.len;
-        } else {
-            put_le64(buf, prev);
-        }
-        memcpy(buf + off, src + b * bytes, (size_t)bytes);
-        prev = XXH3_64bits(buf, (size_t)(off + bytes));
-        PyObject *key = PyLong_FromUnsignedLongLong(prev);
-        if (key == NULL) {
-            Py_CLEAR(out);
-            goto done;
-        }
-        PyList_SET_ITEM(out, b, key);
-    }
-done:
-    PyMem_Free(buf);
-    PyBuffer_Release(&packed);
-    PyBuffer_Release(&first);
-    return out;
-}
+static PyObject *chain_keys_packed(PyObject *self, PyObject *args) { return wire_keys(args, 1); }
 
 static PyMethodDef methods[] = {
     {"chain_keys", chain_keys, METH_VARARGS,

@@ -13,8 +13,12 @@
 #include <string.h>
 
 #include "_msgpack.h"
+#include "_slots.h"
 
 static PyObject *Stored, *Removed, *Cleared; /* the classes, from set_types() */
+static PyTypeObject *Batch;                 /* EventBatch, made as its __init__ would */
+static const char *const BATCH_FIELDS[4] = {"ts", "events", "dp_rank", "unknown_events"};
+static Py_ssize_t batch_at[4];
 
 typedef struct {
     const unsigned char *p, *end;
@@ -92,11 +96,15 @@ static PyObject *read_int(Reader *r) {
 
 static PyObject *opt_int(Reader *r) { return is_nil(r) ? Py_NewRef(Py_None) : read_int(r); }
 
+static PyObject *gpu; /* "GPU", the medium of nearly every event: made once */
+
 static PyObject *opt_str(Reader *r) {
     const char *s;
     Py_ssize_t n;
     if (is_nil(r)) return Py_NewRef(Py_None);
-    return span(r, 0, &s, &n) < 0 ? NULL : PyUnicode_DecodeUTF8(s, n, NULL);
+    if (span(r, 0, &s, &n) < 0) return NULL;
+    if (n == 3 && memcmp(s, "GPU", 3) == 0) return Py_NewRef(gpu);
+    return PyUnicode_DecodeUTF8(s, n, NULL);
 }
 
 /* An engine hash: an int, or bytes (a bin). */
@@ -145,14 +153,16 @@ static PyObject *packed_ints(Reader *r) {
 enum { HASHES, HASH, TOKENS, INT, OPT_INT, OPT_STR, NIL };
 typedef struct {
     const char *name;
+    size_t len;
     int kind, required;
 } Field;
-static const Field STORED[] = {{"block_hashes", HASHES, 1}, {"parent_block_hash", HASH, 1},
-    {"token_ids", TOKENS, 1}, {"block_size", INT, 1}, {"lora_id", OPT_INT, 0},
-    {"medium", OPT_STR, 0}, {"lora_name", OPT_STR, 0}, {"extra_keys", NIL, 0},
-    {"group_idx", OPT_INT, 0}};
-static const Field REMOVED[] = {
-    {"block_hashes", HASHES, 1}, {"medium", OPT_STR, 0}, {"group_idx", OPT_INT, 0}};
+#define FIELD(name, kind, required) {name, sizeof(name) - 1, kind, required}
+static const Field STORED[] = {FIELD("block_hashes", HASHES, 1),
+    FIELD("parent_block_hash", HASH, 1), FIELD("token_ids", TOKENS, 1),
+    FIELD("block_size", INT, 1), FIELD("lora_id", OPT_INT, 0), FIELD("medium", OPT_STR, 0),
+    FIELD("lora_name", OPT_STR, 0), FIELD("extra_keys", NIL, 0), FIELD("group_idx", OPT_INT, 0)};
+static const Field REMOVED[] = {FIELD("block_hashes", HASHES, 1), FIELD("medium", OPT_STR, 0),
+    FIELD("group_idx", OPT_INT, 0)};
 
 static PyObject *read_value(Reader *r, int kind) {
     switch (kind) {
@@ -185,13 +195,14 @@ static PyObject *read_event(Reader *r) {
     else return NULL;
     PyObject *values[MAX_FIELDS] = {NULL};
     PyObject *event = NULL;
+    int next = 0; /* the field expected next: vLLM writes them in the class's order */
     for (Py_ssize_t i = 1; i < n; i++) {
         if (span(r, 0, &s, &len) < 0) goto done;
-        int f = 0;
-        while (f < count && !(strlen(fields[f].name) == (size_t)len &&
-                              memcmp(fields[f].name, s, (size_t)len) == 0))
-            f++;
-        if (f == count || values[f] != NULL) goto done; /* unknown, or twice */
+        int f = next, tried = 0;
+        for (; tried < count; tried++, f = (f + 1) % count)
+            if (fields[f].len == (size_t)len && memcmp(fields[f].name, s, (size_t)len) == 0) break;
+        if (tried == count || values[f] != NULL) goto done; /* unknown, or twice */
+        next = (f + 1) % count;
         if ((values[f] = read_value(r, fields[f].kind)) == NULL) goto done;
     }
     for (int f = 0; f < count; f++) {
@@ -223,10 +234,16 @@ static PyObject *decode(Reader *r) {
         else PyList_SET_ITEM(events, i, ev);
     }
     PyObject *rank = events == NULL ? NULL : n == 3 ? opt_int(r) : Py_NewRef(Py_None);
-    PyObject *out = rank == NULL || r->p != r->end ? NULL : Py_BuildValue("(dOO)", ts.d, events, rank);
-    Py_XDECREF(events);
-    Py_XDECREF(rank);
-    return out;
+    PyObject *out = rank == NULL || r->p != r->end ? NULL : Batch->tp_alloc(Batch, 0);
+    PyObject *values[4] = {out == NULL ? NULL : PyFloat_FromDouble(ts.d), events, rank,
+                           PyLong_FromLong(0)};
+    if (out != NULL && values[0] != NULL && values[3] != NULL) {
+        for (int i = 0; i < 4; i++) slot_init(out, batch_at[i], values[i]); /* stolen */
+        return out;
+    }
+    Py_XDECREF(out);
+    for (int i = 0; i < 4; i++) Py_XDECREF(values[i]);
+    return NULL;
 }
 
 static PyObject *decode_batch(PyObject *self, PyObject *arg) {
@@ -248,7 +265,11 @@ static PyObject *decode_batch(PyObject *self, PyObject *arg) {
 
 static PyObject *set_types(PyObject *self, PyObject *args) {
     PyObject *s, *rm, *c;
-    if (!PyArg_ParseTuple(args, "OOO", &s, &rm, &c)) return NULL;
+    PyTypeObject *batch;
+    if (!PyArg_ParseTuple(args, "OOOO!", &s, &rm, &c, &PyType_Type, &batch) ||
+        slot_offsets(batch, BATCH_FIELDS, 4, batch_at) < 0)
+        return NULL;
+    Py_XSETREF(Batch, (PyTypeObject *)Py_NewRef(batch));
     Py_XSETREF(Stored, Py_NewRef(s));
     Py_XSETREF(Removed, Py_NewRef(rm));
     Py_XSETREF(Cleared, Py_NewRef(c));
@@ -257,12 +278,16 @@ static PyObject *set_types(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_batch", decode_batch, METH_O,
-     "decode_batch(payload) -> (ts, events, dp_rank) | None: None where msgspec must decode it."},
+     "decode_batch(payload) -> EventBatch | None: None where msgspec must decode it."},
     {"set_types", set_types, METH_VARARGS,
-     "set_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared): the classes made."},
+     "set_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared, EventBatch): the classes "
+     "made (EventBatch as its __init__ would: its four slots set)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kv_decode", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__kv_decode(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kv_decode(void) {
+    if (gpu == NULL && (gpu = PyUnicode_InternFromString("GPU")) == NULL) return NULL;
+    return PyModule_Create(&module);
+}

@@ -5,19 +5,25 @@ docs/kv-events.md."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Final, Union
 
 import msgspec
 
 from core.blocks import chain_keys, chain_keys_msgpack, chain_keys_packed, msgpack_len
+from core.key_table import KeyTable, has_native
 
 try:  # the C twin of decode_for_ingest's fast path (core/_kv_decode.c)
     from core._kv_decode import decode_batch as _native_decode
     from core._kv_decode import set_types as _native_types
 except ImportError:  # pragma: no cover - only without a compiler
     _native_decode = _native_types = None
+try:  # the KV mirror's common case, a batch's events in one call (core/_kv_ingest.c)
+    from core._kv_ingest import keyed as _native_keyed
+    from core._kv_ingest import set_types as _keyed_types
+except ImportError:  # pragma: no cover - only without a compiler
+    _native_keyed = _keyed_types = None
 
 BlockHash = int | bytes
 MEDIUM_GPU: Final = "GPU"  # Final: compiled modules inline it
@@ -234,7 +240,18 @@ class _MapBatch(msgspec.Struct, gc=False):
 
 _KNOWN = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 if _native_types is not None:
-    _native_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared)
+    _native_types(BlockStoredPacked, BlockRemoved, AllBlocksCleared, EventBatch)
+if _keyed_types is not None and has_native():  # it writes the C table itself
+    _keyed_types(BlockStoredPacked, BlockRemoved, KeyTable)
+
+# (events, start, table, block_size, ops) -> where it stopped, ops [KEYED_*, keys, parent, ...]:
+# router/kv_mirror.py's common case
+keyed_ops: Callable[[list[Any], int, object, int, list[Any]], int] | None = (
+    _native_keyed if _keyed_types is not None and has_native() else None
+)
+KEYED_STORED: Final = 0  # keys, parent key | None: index them
+KEYED_LOOKUP: Final = 1  # keys, parent hash: index them if the parent (its own key) is held
+KEYED_REMOVED: Final = 2  # keys, None: remove them
 _vllm_batch = msgspec.msgpack.Decoder(_VllmBatch)
 _pos_batch = msgspec.msgpack.Decoder(_PosBatch)
 _map_batch = msgspec.msgpack.Decoder(_MapBatch)
@@ -303,11 +320,11 @@ def decode_for_ingest(payload: bytes | memoryview) -> EventBatch:
     a BlockStoredRaw where its token ids are not all int32s, or without it); any other payload as
     `decode_batch` decodes it. Token ids that are not int32s surface when keyed, as they do
     from a BlockStored's list, not here."""
+    if _native_decode is not None:  # None from it: not exactly vLLM's shape, msgspec's turn
+        native: EventBatch | None = _native_decode(payload)
+        if native is not None:
+            return native
     if payload and payload[0] in _ARRAY_FIRST:
-        if _native_decode is not None:  # None from it: not exactly vLLM's shape, msgspec's turn
-            native = _native_decode(payload)
-            if native is not None:
-                return EventBatch(native[0], native[1], native[2])
         try:  # not contextlib.suppress: a context manager costs about a decode of a block
             fast = _ingest_batch.decode(payload)
             return EventBatch(fast.ts, fast.events, fast.data_parallel_rank)

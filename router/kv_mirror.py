@@ -3,13 +3,14 @@ token ids, each batch placed by its seq (docs/kv-events.md, "The mirror"). Pure:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Collection
-from typing import NamedTuple, cast
+from typing import Any, cast
 
 from core.blocks import chain_keys_packed, namespace, parent_prefix, salted_after
 from core.key_table import KeyMap, KeyTable
 from core.kv_events import (
+    KEYED_REMOVED,
+    KEYED_STORED,
     MEDIUM_CPU,
     AllBlocksCleared,
     BlockHash,
@@ -19,53 +20,14 @@ from core.kv_events import (
     BlockStoredRaw,
     EventBatch,
     first_block_salt,
+    keyed_ops,
     plain_prefix,
 )
 from router.index import UnifiedIndex, host_group
 from router.kv_delta import StreamJournal
+from router.kv_outcomes import APPLIED, UNDECODABLE, Apply, MirrorStats, Outcome, fingerprint
 
 LoraId = int | str | None
-
-
-class Outcome(enum.Enum):
-    OK = "ok"
-    GAP = "gap"
-    RESTART = "restart"
-    DUPLICATE = "duplicate"
-
-
-class Apply(NamedTuple):
-    outcome: Outcome
-    resume_from: int | None = None  # GAP/RESTART: the first seq to replay; None: nothing missing
-
-
-class MirrorStats(NamedTuple):
-    applied_batches: int
-    blocks_stored: int  # newly resident blocks
-    blocks_removed: int
-    gaps: int
-    restarts: int
-    duplicates: int
-    resets: int
-    skipped_orphans: int  # stores whose parent we never saw: they cannot be keyed
-    skipped_unkeyable: int  # blocks hashed with more than tokens (mm, salt), or a bad shape
-    unknown_events: int
-    decode_errors: int
-    last_seq: int | None
-    last_event_ts: float | None  # the engine's clock: lag = now - last_event_ts
-
-
-_UNDECODABLE = -1  # the fingerprint of a batch that did not decode (hash() never returns -1)
-_APPLIED = Apply(Outcome.OK)  # made once: a NamedTuple costs a Python call per batch
-
-
-def _fingerprint(batch: EventBatch) -> int:
-    """Cheap identity of a batch: a replayed copy of a batch has it, a new incarnation's not."""
-    first: object = None
-    if events := batch.events:
-        ev = events[0]
-        first = tuple(ev.block_hashes[:1]) if not isinstance(ev, AllBlocksCleared) else "clear"
-    return hash((batch.ts, len(events), first))
 
 
 class WorkerMirror:
@@ -74,7 +36,9 @@ class WorkerMirror:
     `block_size` (None: trust the event's) must be the one the gateway keys prompts with.
     Blocks of `medium` "CPU" (a host tier) are resident under `host_group(kv_group)`.
     `own_keys`: the engine hashes blocks as we key them (our engines, in-process: the replay),
-    so its events need no token ids and its hashes are our keys."""
+    so its events need no token ids and its hashes are our keys. `keyed`: the common case
+    (a chain of the base group on the GPU, its parent known, or a removal) in C where built
+    (core/_kv_ingest.c); False: all in Python (tests compare the two)."""
 
     def __init__(
         self,
@@ -87,6 +51,7 @@ class WorkerMirror:
         cache_groups: Collection[int | None] = frozenset({None, 0}),
         dedup_window: int = 2048,
         own_keys: bool = False,
+        keyed: bool = True,
     ) -> None:
         self.index = index
         self.own_keys = own_keys
@@ -124,12 +89,21 @@ class WorkerMirror:
         self.unknown_events = self.decode_errors = 0
         # --processes N: this process's index writes, for the others (router/kv_delta.py)
         self.journal: StreamJournal | None = None
+        # what core/_kv_ingest.c takes for granted besides what it checks per batch
+        self._keyed = (
+            keyed
+            and keyed_ops is not None
+            and not own_keys
+            and {"GPU", None} <= self.media
+            and {None, 0} <= self.cache_groups
+        )
+        self._ops: list[Any] = []  # [KEYED_*, keys, parent] * n, refilled by each call
 
     def apply(self, seq: int, batch: EventBatch, now: float) -> Apply:
         """Apply batch `seq` if it is the next one; otherwise say what the caller must do."""
         last = self.last_seq
         if last is not None and seq <= last:
-            if self._recent.get(seq) == _fingerprint(batch):
+            if self._recent.get(seq) == fingerprint(batch):
                 self.duplicates += 1
                 return Apply(Outcome.DUPLICATE)
             self.new_incarnation()
@@ -141,17 +115,17 @@ class WorkerMirror:
             self.gaps += 1
             return Apply(Outcome.GAP, last + 1)
         self._apply(seq, batch, now)
-        return _APPLIED
+        return APPLIED
 
     def undecodable(self, seq: int) -> None:
         """Batch `seq` could not be decoded: its effect is unknown, so start over after it."""
         self.decode_errors += 1
         last = self.last_seq
-        if last is not None and seq <= last and self._recent.get(seq) == _UNDECODABLE:
+        if last is not None and seq <= last and self._recent.get(seq) == UNDECODABLE:
             return  # a replayed copy of the one we already gave up on
         self.reset()
         self.last_seq = seq
-        self._record(seq, _UNDECODABLE)
+        self._record(seq, UNDECODABLE)
 
     def new_incarnation(self) -> None:
         """The worker restarted (its stream lacks our last seq): clear it, expect seq 0 next."""
@@ -185,7 +159,15 @@ class WorkerMirror:
         recent.pop(seq - self.dedup_window, None)
 
     def _apply(self, seq: int, batch: EventBatch, now: float) -> None:
-        for ev in batch.events:
+        events = batch.events
+        i, n = 0, len(events)
+        while i < n:
+            if self._keyed and not self._other and not self._host:  # all in the C table
+                i = self._apply_keyed(events, i, now)
+                if i == n:
+                    break
+            ev = events[i]
+            i += 1
             kind = type(ev)  # token ids packed (core/_kv_decode.c), raw, or a list
             if kind is BlockStoredPacked or kind is BlockStoredRaw or kind is BlockStored:
                 self._stored(ev, now)  # type: ignore[arg-type]
@@ -197,7 +179,33 @@ class WorkerMirror:
         self.applied_batches += 1
         self.last_seq = seq
         self.last_event_ts = batch.ts
-        self._record(seq, _fingerprint(batch))
+        self._record(seq, fingerprint(batch))
+
+    def _apply_keyed(self, events: list[Any], start: int, now: float) -> int:
+        """Apply events[start:] up to the first that is not the common case, keyed and mapped
+        in C (core/_kv_ingest.c); returns where it stopped. What `_stored` and `removed` do
+        for them, in the same order."""
+        assert keyed_ops is not None
+        ops = self._ops
+        stop = keyed_ops(
+            events, start, self._keys, -1 if self.block_size is None else self.block_size, ops
+        )
+        base, index, worker = self.base_group, self.index, self.worker
+        for j in range(0, len(ops), 3):
+            kind, keys, parent = ops[j], ops[j + 1], ops[j + 2]
+            if kind == KEYED_REMOVED:
+                self.blocks_removed += self._remove(keys, base)
+            elif (
+                kind == KEYED_STORED
+                # KEYED_LOOKUP: the parent was in no table then (C saw to it; a later event
+                # may have mapped it since): `_lookup`'s rest, ours in either tier?
+                or index.holds(parent, worker, base)
+                or index.holds(parent, worker, self._base_host)
+            ):
+                self._insert(keys, base, now, parent, None)
+            else:
+                self.skipped_orphans += len(keys)
+        return stop
 
     def _lookup(self, engine_hash: BlockHash) -> tuple[int, str] | None:
         """Our key and kv_group of a block this worker holds in either tier (None: unknown)."""

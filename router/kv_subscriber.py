@@ -15,7 +15,8 @@ import zmq.backend
 from zmq.utils.monitor import parse_monitor_message
 
 from core.kv_events import KVEventDecodeError, decode_for_ingest
-from router.kv_mirror import Apply, Outcome, WorkerMirror
+from router.kv_mirror import WorkerMirror
+from router.kv_outcomes import Apply, Outcome
 
 log = logging.getLogger(__name__)
 

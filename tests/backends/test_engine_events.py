@@ -16,7 +16,8 @@ from backends.torch_worker.scheduler import SchedulerConfig
 from core.blocks import block_keys
 from core.kv_events import EventBatch, decode_batch, encode_batch
 from router.index import UnifiedIndex
-from router.kv_mirror import Outcome, WorkerMirror
+from router.kv_mirror import WorkerMirror
+from router.kv_outcomes import Outcome
 
 torch.set_num_threads(2)
 CPU = torch.device("cpu")

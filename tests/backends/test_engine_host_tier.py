@@ -21,7 +21,8 @@ from backends.torch_worker.scheduler import PoolState, SchedulerConfig
 from core.blocks import salt_scope
 from core.kv_events import EventBatch, KVEvent, decode_batch, encode_batch
 from router.index import UnifiedIndex, host_group
-from router.kv_mirror import Outcome, WorkerMirror
+from router.kv_mirror import WorkerMirror
+from router.kv_outcomes import Outcome
 from tests.backends.test_engine_correctness import Job, assert_same
 
 torch.set_num_threads(2)

@@ -25,7 +25,8 @@ from core.kv_events import (
 )
 from core.kv_publisher import KVEventPublisher
 from router.index import UnifiedIndex
-from router.kv_mirror import Outcome, WorkerMirror
+from router.kv_mirror import WorkerMirror
+from router.kv_outcomes import Outcome
 from router.kv_subscriber import KVEventSubscriber
 
 BS = 4
