@@ -48,6 +48,7 @@ class Counted:
     dumps: int = 0
     idle_per_s: list[float] = field(default_factory=list)  # with no request, before each block
     per_request: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})
+    with_idle: dict[bool, list[float]] = field(default_factory=lambda: {False: [], True: []})
 
     def control(self, option: str) -> None:
         command = ["callgrind_control", option, str(self.target.pid)]
@@ -123,10 +124,11 @@ async def measure(args: argparse.Namespace, gateways: list[Counted]) -> None:
                     samples = await load.lanes(session, target, block, args.concurrency, stream)
                     await asyncio.sleep(SETTLE_S)
                     idle = g.idle_per_s[-1] * (time.perf_counter() - began)
-                    instructions = g.dumped() - idle
+                    counted = g.dumped()
                     if bad := sum(not s.ok for s in samples):
                         raise RuntimeError(f"{target.name}: {bad} of {len(samples)} failed")
-                    g.per_request[stream].append(instructions / len(samples))
+                    g.per_request[stream].append((counted - idle) / len(samples))
+                    g.with_idle[stream].append(counted / len(samples))
             log(f"  round {r + 1} of {args.rounds} done")
 
 
@@ -147,7 +149,9 @@ def report(args: argparse.Namespace, gateways: list[Counted]) -> str:
             if g is not base:
                 rounds = [a / b for a, b in zip(counts, base.per_request[stream], strict=True)]
                 line += f"  x urc {ratio(sum(counts), sum(base.per_request[stream]))}"
-                line += f"  (rounds {min(rounds):.3f}-{max(rounds):.3f})"
+                line += f"  (rounds {min(rounds):.3f}-{max(rounds):.3f}"
+                idle_in = ratio(sum(g.with_idle[stream]), sum(base.with_idle[stream]))
+                line += f"; idle left in: {idle_in})"
             out.append(line)
     return "\n".join(out)
 
