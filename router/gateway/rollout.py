@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 EVALUATE_EVERY_S = 1.0  # simulation/rollout.py evaluates as often, in virtual time
 ACTIONS = ("start", "pause", "resume", "promote", "abort")
 _json = msgspec.json.Encoder(order="sorted")
+_U64 = struct.Struct("<Q")  # a block key's bytes, its format parsed once
 
 
 def fallback_key(routed: Mapping[str, Any], chat: bool, keys: Sequence[int] | None) -> bytes:
@@ -49,7 +50,7 @@ def fallback_key(routed: Mapping[str, Any], chat: bool, keys: Sequence[int] | No
                 break
         return _json.encode(messages[: first + 1])
     if keys:
-        return struct.pack("<Q", keys[0] & 0xFFFF_FFFF_FFFF_FFFF)
+        return _U64.pack(keys[0] & 0xFFFF_FFFF_FFFF_FFFF)
     prompt = routed.get("prompt")
     return _json.encode(prompt[:256] if isinstance(prompt, str | list) else prompt)
 
@@ -153,7 +154,8 @@ class Canary:
                 policy = self.candidate
         plan = router.route(keyed, policy, now)
         if at is not None:
-            plan.arm, plan.cluster = at
+            plan.arm = at.arm
+            plan.cluster = at.cluster
         return plan
 
     def served(self, plan: Plan, worker: Worker, usage: Usage) -> None:
