@@ -54,6 +54,7 @@ VARIANTS = {
 # (docs/rollouts.md: the policy against itself at 50 %, its arms and guardrails alone), or the
 # code at --base
 OPERABILITY = ("access-log", "otel", "flow", "rollout", "base")
+Spec = tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]  # a urc's (env, launch, flags)
 
 
 def launch_code(base: str | None = None, stderr_to: str | None = None) -> tuple[str, str]:
@@ -88,9 +89,7 @@ def base_checkout(ref: str, directory: str) -> str:
     return directory
 
 
-def operability_variant(
-    name: str, args: argparse.Namespace, scratch: str
-) -> tuple[dict[str, str], tuple[str, ...], tuple[str, ...]]:
+def operability_variant(name: str, args: argparse.Namespace, scratch: str) -> Spec:
     """(env, launch, flags) of urc-NAME; the OTLP sink of `otel` starts here."""
     if name == "access-log":
         return {}, launch_code(stderr_to=f"{scratch}/access.log"), ("--access-log",)
@@ -199,15 +198,38 @@ def report(result: load.Result, names: list[str], header: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    parser = load_parser(__doc__)
+    add = parser.add_argument
+    add("--sglang-router", metavar="BIN", help="sglang-router script (default: sglang_router here)")
+    add("--sglang-policy", default=None, help="default: nearest to --policy")
+    add("--no-sglang", action="store_true", help="measure urc only")
+    add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
+    add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
+    add(
+        "--epp-classic",
+        action="store_true",
+        help="with --envoy: also urc epp in GIE's reference exchange (BUFFERED request body, "
+        "the response's headers answered by the EPP)",
+    )
+    add("--requests", type=int, default=3000, help="requests per target per latency row")
+    add("--duration", type=float, default=6.0, help="seconds per target for throughput")
+    add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
+    add("--concurrency", type=int, nargs="+", default=[1, 32])
+    add("--throughput-concurrency", type=int, default=64)
+    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed rps too")
+    add("--json", metavar="OUT", help="write the table as JSON")
+    return parser
+
+
+def load_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser of the workers, urc's variants and the prompts (gateway_instructions.py's too),
+    described by `doc`'s first line."""
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=doc.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     add = parser.add_argument
     add("--workers", type=int, default=2, help="emulated workers (K)")
     add("--policy", default="cache_aware", help="urc's routing policy")
-    add("--sglang-router", metavar="BIN", help="sglang-router script (default: sglang_router here)")
-    add("--sglang-policy", default=None, help="default: nearest to --policy")
-    add("--no-sglang", action="store_true", help="measure urc only")
     add(
         "--variants",
         default="",
@@ -221,28 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the git commit of --variants base, e.g. main, or a checkout's folder (built in "
         "place: its compiled modules run); with --envoy: of urc epp too",
     )
-    add("--processes", type=int, default=1, help="also measure urc with --processes N (urc-pN)")
-    add("--envoy", action="store_true", help="also Envoy round robin, and Envoy + urc epp")
-    add(
-        "--epp-classic",
-        action="store_true",
-        help="with --envoy: also urc epp in GIE's reference exchange (BUFFERED request body, "
-        "the response's headers answered by the EPP)",
-    )
     add("--api", choices=["completions", "chat"], default="completions")
-    add("--requests", type=int, default=3000, help="requests per target per latency row")
-    add("--duration", type=float, default=6.0, help="seconds per target for throughput")
-    add("--rounds", type=int, default=3, help="throughput rounds (rotating order)")
-    add("--concurrency", type=int, nargs="+", default=[1, 32])
-    add("--throughput-concurrency", type=int, default=64)
-    add("--stream-throughput", action=BooleanOptionalAction, default=True, help="streamed rps too")
     add("--groups", type=int, default=8, help="shared-prefix groups")
     add("--prefix-tokens", type=int, default=1024, help="shared prefix per group")
     add("--prompts", type=int, default=512, help="distinct prompts")
     add("--max-tokens", type=int, default=8, help="output tokens per request")
     add("--decode-step-ms", type=float, default=0.01, help="the workers' modelled decode step")
     add("--seed", type=int, default=0)
-    add("--json", metavar="OUT", help="write the table as JSON")
     return parser
 
 
@@ -261,10 +268,7 @@ def start_fleet(
         child.wait_serving(path, probe, timeout_s)
         targets.append(load.Target(name, [child.url], path, child.pid))
 
-    urcs = [("urc", (*SHIPPED, ()), 1)]
-    for v in variants(args):
-        spec = operability_variant(v, args, scratch) if v in OPERABILITY else (*VARIANTS[v], ())
-        urcs.append((f"urc-{v}", spec, 1))
+    urcs = [(name, spec, 1) for name, spec in urc_specs(args, scratch)]
     if args.processes > 1:
         urcs.append((f"urc-p{args.processes}", (*SHIPPED, ()), args.processes))
     for name, (env, launch, flags), processes in urcs:
@@ -327,7 +331,20 @@ def port_of(url: str) -> int:
 
 
 def variants(args: argparse.Namespace) -> list[str]:
-    return [name for name in args.variants.split(",") if name]
+    known = [*VARIANTS, *OPERABILITY]
+    names = [name for name in args.variants.split(",") if name]
+    if unknown := set(names) - set(known):
+        raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(known)})")
+    return names
+
+
+def urc_specs(args: argparse.Namespace, scratch: str) -> list[tuple[str, Spec]]:
+    """urc as shipped, then each of --variants, by name."""
+    specs: list[tuple[str, Spec]] = [("urc", (*SHIPPED, ()))]
+    for v in variants(args):
+        spec = operability_variant(v, args, scratch) if v in OPERABILITY else (*VARIANTS[v], ())
+        specs.append((f"urc-{v}", spec))
+    return specs
 
 
 def describe(args: argparse.Namespace, prompts: list[load.Prompt], sglang: bool) -> str:
@@ -348,9 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.requests < 1 or args.duration <= 0 or args.rounds < 1:
         raise SystemExit("need --workers >= 1, --requests >= 1, --duration > 0, --rounds >= 1")
-    known = [*VARIANTS, *OPERABILITY]
-    if unknown := set(variants(args)) - set(known):
-        raise SystemExit(f"--variants: unknown {sorted(unknown)} (known: {', '.join(known)})")
+    variants(args)  # an unknown name stops here, before any process starts
     sglang = None if args.no_sglang else sglang_command(args.sglang_router)
     args.sglang_policy = args.sglang_policy or SGLANG_POLICY.get(args.policy, "cache_aware")
     prompts = load.build_prompts(args)

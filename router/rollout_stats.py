@@ -14,15 +14,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from statistics import NormalDist
-from typing import NamedTuple
+from typing import Final, NamedTuple
 
-TTFT_SAMPLES = 4096  # the latest TTFTs an arm keeps for its quantiles (a ring)
+TTFT_SAMPLES: Final = 4096  # the latest TTFTs an arm keeps for its quantiles (a ring)
 WORSE, OK, UNSURE = "worse", "ok", "unsure"
 
 
-CLUSTERS = 65_536  # conversations an arm tells apart in a step; past it, some share a cluster
-_CLUSTER_MASK = CLUSTERS - 1
-HIT, MISS, PROMPT = 0, 1, 2  # a cluster's sums: cached tokens, |predicted - cached|, prompt
+CLUSTERS: Final = 65_536  # conversations an arm tells apart in a step; past it, some share one
+_CLUSTER_MASK: Final = CLUSTERS - 1
+# a cluster's sums: cached tokens, |predicted - cached|, prompt (Final: constants when compiled)
+HIT: Final = 0
+MISS: Final = 1
+PROMPT: Final = 2
 
 
 class Estimate(NamedTuple):
@@ -40,9 +43,10 @@ class Clustered:
     sums: dict[int, list[float]] = field(default_factory=dict)
 
     def add(self, cluster: int, hit: float, miss: float, prompt: float) -> None:
-        row = self.sums.get(cluster & _CLUSTER_MASK)
+        at = cluster & _CLUSTER_MASK
+        row = self.sums.get(at)
         if row is None:
-            self.sums[cluster & _CLUSTER_MASK] = [hit, miss, prompt]
+            self.sums[at] = [hit, miss, prompt]
             return
         row[HIT] += hit
         row[MISS] += miss

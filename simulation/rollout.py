@@ -53,7 +53,7 @@ class ReplayRollout:
 
     def served(self, req: SimRequest, predicted: int, cached: int, ttft_s: float) -> None:
         at = cast(Placement, self.placed[req.index])
-        self.rollout.served(*at, req.route.prompt_tokens, predicted, cached, ttft_s)
+        self.rollout.served(at.arm, at.cluster, req.route.prompt_tokens, predicted, cached, ttft_s)
 
     def failed(self, req: SimRequest) -> None:
         self.rollout.failed(cast(Placement, self.placed[req.index]).arm)

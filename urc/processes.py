@@ -123,9 +123,13 @@ def start_gateway(
     port: int = 0,
     env: dict[str, str] | None = None,
     launch: Sequence[str] = ("-m", "urc.cli"),
+    wrapper: Sequence[str] = (),
+    timeout_s: float = 60.0,
 ) -> Child:
-    """`launch`: how the Python child runs `urc` (a bench's variant runs a `-c` of its own)."""
-    argv = [sys.executable, *launch, "gateway", "--port", str(port)]
+    """`launch`: how the Python child runs `urc` (a bench's variant runs a `-c` of its own);
+    `wrapper`: what runs the Python (a bench's valgrind), which may take `timeout_s` to start."""
+    argv = [*wrapper, sys.executable, *launch, "gateway", "--port", str(port)]
     for url in workers:
         argv += ["--worker", url]
-    return Child("urc gateway", [*argv, *extra], "gateway: ", env=env).wait_announced()
+    child = Child("urc gateway", [*argv, *extra], "gateway: ", env=env)
+    return child.wait_announced(timeout_s)

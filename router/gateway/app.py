@@ -238,6 +238,7 @@ class Gateway:
             reply.whole(429, _BUSY_HEADERS, _BUSY_BODY)
             return
         self.in_flight += 1
+        plan: Plan | None = None  # once routed: a rollout's arm counts its failures
         try:
             tenant = self.tenants.authenticate(headers.get("authorization"))
             if path == "/v1/embeddings":
@@ -258,6 +259,7 @@ class Gateway:
             if flow is None:
                 plan = canary.routed(self.router, self.modes, keyed, at, None)
                 await self._forward(reply, path, body, plan, scope.salt, tenant.name, note)
+                canary.answered(plan)
                 return
             ticket = flow.ticket(tenant, keyed, body, headers)
             try:
@@ -265,9 +267,12 @@ class Gateway:
                     plan = canary.routed(self.router, self.modes, keyed, at, time.monotonic())
                     salt = scope.salt
                     await self._forward(reply, path, body, plan, salt, tenant.name, note, ticket)
+                    canary.answered(plan)
             finally:
                 flow.done(ticket)
         except APIError as exc:
+            if plan is not None and exc.status >= 500:
+                self.canary.failed(plan)
             if note is not None:
                 note.failed(exc.status, exc.message)
             if reply.started:
@@ -309,12 +314,10 @@ class Gateway:
         if ticket is not None and self.flow is not None:
             prioritized, extra, hint = self.flow.forwarded(ticket, body, salt, plan)
             lines = protect_line(hint)
-            sent = forward(
+            return forward(
                 reply, path, payload, plan, stream, on_success, note, prioritized, extra, lines
             )
-        else:
-            sent = forward(reply, path, payload, plan, stream, on_success, note)
-        return sent if plan.arm < 0 else self.canary.watch(plan, sent)
+        return forward(reply, path, payload, plan, stream, on_success, note)
 
     async def _embed(self, reply: Reply, raw: bytes, tenant: str, note: RequestNote | None) -> None:
         """`/v1/embeddings`: to the least loaded worker serving the model, the body as sent

@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from core.errors import APIError
 from router.admission import (
@@ -34,17 +34,17 @@ from router.gateway.routing import Keyed, Plan
 from router.policies import RouteRequest
 from router.route import Routing
 
-_EMBEDDINGS = "/embeddings"  # an embeddings pool's suffix: budgets only, never queued
-_PROTECT_LINE = PROTECT_HEADER.encode()
+# Final: compiled, these are constants on the request path, not lookups in the module's globals
+_EMBEDDINGS: Final = "/embeddings"  # an embeddings pool's suffix: budgets only, never queued
+_PROTECT_LINE: Final = PROTECT_HEADER.encode()
+PUMP_PERIOD_S = 0.05  # while anything waits: the pump and the timeout sweep
+LIMITED: Final = frozenset({"requests_per_minute", "tokens_per_minute", "concurrency"})
+_OUTCOME_AT: Final = {outcome: i for i, outcome in enumerate(OUTCOMES)}  # its row's column
 
 
 def protect_line(hint: int | None) -> bytes:
     """The protect hint's header line for a worker (b"": none)."""
     return b"" if hint is None else b"%s: %d\r\n" % (_PROTECT_LINE, hint)
-
-
-PUMP_PERIOD_S = 0.05  # while anything waits: the pump and the timeout sweep
-LIMITED = frozenset({"requests_per_minute", "tokens_per_minute", "concurrency"})
 
 
 class Entry:
@@ -61,7 +61,7 @@ class Entry:
         self.request = request
 
 
-def max_tokens_of(body: Mapping[str, Any]) -> int | None:
+def max_tokens_of(body: dict[str, Any]) -> int | None:
     """The output the client capped (chat, completions or the Responses API), None: uncapped."""
     for key in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
         value = body.get(key)
@@ -96,7 +96,7 @@ class FlowCounts:
         row = self.outcomes.get(name)
         if row is None:
             row = self.outcomes[name] = [0.0] * len(OUTCOMES)
-        row[OUTCOMES.index(outcome)] += 1
+        row[_OUTCOME_AT[outcome]] += 1
 
     def tokens(self, ticket: Ticket, prompt: int, output: int) -> None:
         name = ticket.tenant.name
@@ -143,7 +143,7 @@ class FlowControl:
         return pool_saturated(self.fleet.loads(kv_group), s.prefill_tokens_per_s, s.saturation_ms)
 
     def ticket(
-        self, tenant: Tenant, keyed: Keyed, body: Mapping[str, Any], headers: Mapping[str, str]
+        self, tenant: Tenant, keyed: Keyed, body: dict[str, Any], headers: Mapping[str, str]
     ) -> Ticket:
         """`keyed`'s ticket: its flow by the tenant's fairness, its band (the x-urc-priority
         header when it is an integer, else the tenant's), charged its uncached prefill."""

@@ -7,7 +7,6 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import NamedTuple
 
 from core.errors import APIError
@@ -156,8 +155,9 @@ class Proxy:
         """A non-streamed answer shows no first byte: its prefill leaves the ledger's queue
         when the gateway's estimate says it is done (docs/dispatch.md, 3)."""
         delay = worker.load.queued_prefill_tokens * self.s_per_token
-        then = load.first_token if self.on_load is None else partial(self._first_token, load)
-        return self.deadlines.loop().call_later(delay, then)
+        if self.on_load is None:
+            return self.deadlines.loop().call_later(delay, load.first_token)
+        return self.deadlines.loop().call_later(delay, self._first_token, load)
 
     def _first_token(self, load: LoadShare) -> None:
         load.first_token()
@@ -267,7 +267,7 @@ class _Attempt:
         plan, name = self.plan, self.worker.name
         headers = [(k, v) for k, v in upstream.headers if k.lower() not in _DROPPED_HEADERS]
         headers.append(("x-urc-route", plan.header(name)))
-        return headers if self.extra is None else headers + self.extra
+        return headers + self.extra if self.extra else headers  # flow control's, if any
 
     async def _whole(self, upstream: UpstreamResponse) -> tuple[int, Usage | None]:
         """A non-streamed answer, checked before anything reaches the client."""

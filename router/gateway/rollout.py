@@ -10,7 +10,7 @@ import logging
 import math
 import struct
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 EVALUATE_EVERY_S = 1.0  # simulation/rollout.py evaluates as often, in virtual time
 ACTIONS = ("start", "pause", "resume", "promote", "abort")
 _json = msgspec.json.Encoder(order="sorted")
+_U64 = struct.Struct("<Q")  # a block key's bytes, its format parsed once
 
 
 def fallback_key(routed: Mapping[str, Any], chat: bool, keys: Sequence[int] | None) -> bytes:
@@ -49,7 +50,7 @@ def fallback_key(routed: Mapping[str, Any], chat: bool, keys: Sequence[int] | No
                 break
         return _json.encode(messages[: first + 1])
     if keys:
-        return struct.pack("<Q", keys[0] & 0xFFFF_FFFF_FFFF_FFFF)
+        return _U64.pack(keys[0] & 0xFFFF_FFFF_FFFF_FFFF)
     prompt = routed.get("prompt")
     return _json.encode(prompt[:256] if isinstance(prompt, str | list) else prompt)
 
@@ -153,7 +154,8 @@ class Canary:
                 policy = self.candidate
         plan = router.route(keyed, policy, now)
         if at is not None:
-            plan.arm, plan.cluster = at
+            plan.arm = at.arm
+            plan.cluster = at.cluster
         return plan
 
     def served(self, plan: Plan, worker: Worker, usage: Usage) -> None:
@@ -170,19 +172,15 @@ class Canary:
             plan.arm, plan.cluster, plan.request.prompt_tokens, predicted, cached, plan.ttft_s
         )
 
-    async def watch(self, plan: Plan, forwarding: Awaitable[None]) -> None:
-        """Forward, and count a failure of the arm: a 5xx the gateway made (every worker failed)
-        or passed on (nothing reached the client: no first byte)."""
-        try:
-            await forwarding
-        except APIError as exc:
-            if exc.status >= 500:
-                self._failed(plan)
-            raise
-        if math.isnan(plan.ttft_s):
-            self._failed(plan)
+    def answered(self, plan: Plan) -> None:
+        """Forwarded without an exception: the arm failed when nothing reached the client (no
+        first byte: a 5xx passed on). The caller counts the one it made (`failed`), called
+        from its handler rather than around the forwarding: no coroutine more a request."""
+        if plan.arm >= 0 and math.isnan(plan.ttft_s):
+            self.failed(plan)
 
-    def _failed(self, plan: Plan) -> None:
+    def failed(self, plan: Plan) -> None:
+        """A 5xx of the gateway's (every worker failed) for `plan`: its arm's, if any."""
         if self.rollout is not None and plan.arm >= 0:
             self.outcomes[plan.arm][1] += 1
             self.rollout.failed(plan.arm)

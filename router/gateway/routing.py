@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import msgspec
 
@@ -20,6 +20,8 @@ from router.policies import Decision, Policy, RouteRequest, make_policy
 from router.rollout import ARMS
 from router.route import Route, Routing
 from router.shadow import ShadowPolicies
+
+_ARM_SUFFIXES: Final = tuple(f"; arm={name}" for name in ARMS)  # x-urc-route's, made once
 
 
 class Keyed(NamedTuple):
@@ -89,13 +91,13 @@ class Plan:
     def header(self, worker: str) -> str:
         """The `x-urc-route` header's value for an answer from `worker`."""
         route = self.route
-        header = (
+        arm = "" if self.arm < 0 else _ARM_SUFFIXES[self.arm]  # a rollout's
+        return (
             f"worker={worker}; matched_tokens={route.matched(worker)}; "
             f"host_tokens={route.host_matched(worker)}; "
             f"prompt_tokens={route.decision.request.prompt_tokens}; "
-            f"reason={route.decision.reason}; policy={self.policy}"
+            f"reason={route.decision.reason}; policy={self.policy}{arm}"
         )
-        return header if self.arm < 0 else f"{header}; arm={ARMS[self.arm]}"
 
     def ranked(self) -> Iterator[str]:
         return self.route.ranked()
