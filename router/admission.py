@@ -147,7 +147,7 @@ class Admission:
         self.settings = settings
         self.tenants = {t.name: t for t in tenants}
         self.pools: dict[str, dict[int, Band]] = {}
-        self.guards: dict[tuple[str, str], RankGuard] = {}  # (pool, worker) -> recent ranks
+        self.guards: dict[str, dict[str, RankGuard]] = {}  # pool -> worker -> recent ranks
         self.queued = 0
         self._seq = 0
 
@@ -286,9 +286,12 @@ class Admission:
         window = self.settings.protect_window_s
         if not window:
             return None
-        guard = self.guards.get((ticket.pool, worker))
+        workers = self.guards.get(ticket.pool)
+        if workers is None:
+            workers = self.guards[ticket.pool] = {}
+        guard = workers.get(worker)
         if guard is None:
-            guard = self.guards[(ticket.pool, worker)] = RankGuard()
+            guard = workers[worker] = RankGuard()
         return guard.note(ticket.flow, priority, now, window)
 
     def waiting(self, pool: str) -> bool:

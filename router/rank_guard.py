@@ -34,18 +34,20 @@ class RankGuard:
     def note(self, flow: str, priority: int, now: float, window_s: float) -> int | None:
         """A request of `flow` is sent `now` at `priority`: the best better rank another flow
         was sent at within `window_s` (None: none), which its worker must protect."""
-        since = now - window_s
+        ranks = self.ranks
+        here = ranks.get(priority)
         hint: int | None = None
-        for rank, seen in self.ranks.items():
-            recent = (seen.flow != flow and seen.at > since) or seen.other > since
-            if recent and rank < priority and (hint is None or rank < hint):
-                hint = rank
-        seen_here = self.ranks.get(priority)
-        if seen_here is None:
-            self.ranks[priority] = _Rank(flow, now)
+        if here is None or len(ranks) > 1:  # else its rank is the only one: none better
+            since = now - window_s
+            for rank, seen in ranks.items():
+                recent = (seen.flow != flow and seen.at > since) or seen.other > since
+                if recent and rank < priority and (hint is None or rank < hint):
+                    hint = rank
+        if here is None:
+            ranks[priority] = _Rank(flow, now)
         else:
-            if seen_here.flow != flow:
-                seen_here.other = seen_here.at
-                seen_here.flow = flow
-            seen_here.at = now
+            if here.flow != flow:
+                here.other = here.at
+                here.flow = flow
+            here.at = now
         return hint
