@@ -40,12 +40,11 @@ class StepBudget:
         if not self.tokens:
             return
         best: int | None = None
-        for req in ranked:
-            if best is None or floor(req) < best:
-                best = floor(req)
-        for req in decoding:
-            if best is None or floor(req) < best:
-                best = floor(req)
+        for present in (ranked, decoding):
+            for req in present:
+                rank = floor(req)
+                if best is None or rank < best:
+                    best = rank
         if best is None:
             return  # nothing here: the window runs out
         worst = ranked[-1].priority if ranked else best
