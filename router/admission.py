@@ -20,7 +20,7 @@ from router.policies import WorkerLoad
 from router.rank_guard import RankGuard
 
 PRIORITY_HEADER: Final = "x-urc-priority"
-PROTECT_HEADER: Final = "x-urc-protect"  # to the worker: a better rank active in its pool
+PROTECT_HEADER: Final = "x-urc-protect"  # to a worker: another flow's better rank sent there
 DECODE_TOKEN_S: Final = 2e-4  # a decode token's GPU time in a batch (cache_aware's default)
 FIRST_OUTPUT_GUESS: Final = 128  # expected output tokens before a tenant's mean is known
 
